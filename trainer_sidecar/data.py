@@ -1,0 +1,283 @@
+"""The data guard: deterministic, resumable batches with bad samples dropped before they reach the model.
+
+``GuardedLoader`` owns the order of the data so that a resumed job continues at exactly the batch it
+stopped at: each epoch's order is a permutation drawn from ``seed + epoch`` (identical on every rank
+and every restart), rank ``r`` of ``w`` takes every ``w``-th sample, and resuming skips consumed
+batches by index without loading them. Samples that are empty or hold non-finite numbers are dropped
+inside the collate function (so it works with loader worker processes) and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTER_NAME = "dead-letter.jsonl"
+
+
+class SizedDataset(Protocol):
+    """A map-style dataset: ``len`` and integer indexing."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@dataclass
+class DataPosition:
+    """Where the data stream is: the epoch and the next batch index within it (same on every rank)."""
+
+    epoch: int = 0
+    batch: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Plain form for checkpoints and status."""
+        return {"epoch": self.epoch, "batch": self.batch}
+
+
+@dataclass
+class DataCounters:
+    """Samples seen and dropped by this rank, cumulative over the job."""
+
+    seen: int = 0
+    dropped: int = 0
+
+    @property
+    def drop_rate(self) -> float:
+        """Dropped over seen; 0 before any sample."""
+        return self.dropped / self.seen if self.seen else 0.0
+
+
+@dataclass(frozen=True)
+class GuardedBatch:
+    """A collated batch of good samples and what the guard did to make it."""
+
+    data: Any
+    epoch: int
+    index: int
+    sample_ids: tuple[int, ...]
+    seen: int
+    dropped: int
+
+
+def sample_is_bad(sample: Any) -> bool:
+    """True when a sample is empty (None, an empty tensor/sequence/mapping) or holds a non-finite number."""
+    if sample is None:
+        return True
+    if isinstance(sample, torch.Tensor):
+        if sample.numel() == 0:
+            return True
+        return bool(sample.is_floating_point() and not torch.isfinite(sample).all())
+    if isinstance(sample, float):
+        return not math.isfinite(sample)
+    if isinstance(sample, dict):
+        return len(sample) == 0 or any(sample_is_bad(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return len(sample) == 0 or any(sample_is_bad(v) for v in sample)
+    return False
+
+
+def poison(sample: Any) -> Any:
+    """A copy of ``sample`` with every floating tensor (or the whole sample, if it is one) set to NaN.
+
+    Integer-only samples (token ids) have nothing to poison; they become empty instead, which the
+    guard drops just the same.
+    """
+    if isinstance(sample, torch.Tensor):
+        return torch.full_like(sample, math.nan) if sample.is_floating_point() else sample[:0]
+    if isinstance(sample, dict):
+        return {key: poison(value) for key, value in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(poison(value) for value in sample)
+    return None
+
+
+class _FilteringCollate:
+    """Drops bad samples, then collates the rest with the user's function (runs in loader workers)."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[Any, tuple[int, ...], int, int]:
+        good = [(index, sample) for index, sample in items if not sample_is_bad(sample)]
+        dropped = len(items) - len(good)
+        data = self.collate([sample for _, sample in good]) if good else None
+        return data, tuple(index for index, _ in good), len(items), dropped
+
+
+class _IndexedDataset(Dataset[tuple[int, Any]]):
+    """Yields ``(index, sample)`` so dropped samples and dead letters can name the sample."""
+
+    def __init__(self, dataset: SizedDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        sample = self.dataset[index]
+        return index, sample
+
+
+class _BatchSampler(Sampler[list[int]]):
+    def __init__(self, batches: Sequence[list[int]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+
+@dataclass
+class DeadLetters:
+    """Batches never to replay (non-finite loss, or a rolled-back window), kept beside the checkpoints.
+
+    Keyed by (epoch, batch index), which is the same on every rank: skipping a batch on all ranks keeps
+    them in lockstep. Rank 0 writes the file; every rank reads it at start.
+    """
+
+    path: Path | None
+    skip: set[tuple[int, int]] = field(default_factory=set)
+
+    def load(self) -> None:
+        """Read the file; unreadable lines are logged and ignored (never fatal)."""
+        if self.path is None or not self.path.exists():
+            return
+        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+            try:
+                entry = json.loads(line)
+                self.skip.add((int(entry["epoch"]), int(entry["batch"])))
+            except (ValueError, KeyError, TypeError):
+                log.warning("%s line %d is not a dead-letter entry; ignored", self.path, number)
+
+    def add(self, epoch: int, batch: int, *, write: bool, **details: Any) -> None:
+        """Remember a batch to skip on replay; appends one JSON line when ``write`` (rank 0)."""
+        self.skip.add((epoch, batch))
+        if write and self.path is not None:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"epoch": epoch, "batch": batch, **details}) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+
+
+class GuardedLoader:
+    """Resumable, rank-sharded, sample-filtering batches over a map-style dataset.
+
+    Iterating yields ``GuardedBatch`` objects from the current position to the end of the epoch, then
+    advances the epoch; ``position`` always names the next batch, so a checkpoint taken between two
+    steps resumes at exactly the next batch.
+    """
+
+    def __init__(
+        self,
+        dataset: SizedDataset,
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        dead_letters: DeadLetters | None = None,
+        inject_bad_sample: Callable[[], bool] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.collate = _FilteringCollate(collate_fn or default_collate)
+        self.num_workers = num_workers
+        self.rank = rank
+        self.world_size = world_size
+        self.position = DataPosition()
+        self.counters = DataCounters()
+        self.dead_letters = dead_letters or DeadLetters(None)
+        #: Fault-injection hook, asked once per batch: True adds a NaN-poisoned copy of the batch's first
+        #: sample, which must then be caught and counted by the same check as any bad sample.
+        self.inject_bad_sample = inject_bad_sample
+        self._last_good: GuardedBatch | None = None
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"dataset of {len(dataset)} samples gives no full batch of {batch_size} per rank "
+                f"with {world_size} ranks"
+            )
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full batches each rank gets per epoch (a partial last batch is dropped to keep ranks in step)."""
+        return len(self.dataset) // self.world_size // self.batch_size
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """This rank's sample indices for ``epoch``: deterministic in (seed, epoch, rank, world size)."""
+        n = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        return order[self.rank :: self.world_size]
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        order = self.epoch_order(epoch)
+        return [order[b * self.batch_size : (b + 1) * self.batch_size] for b in range(self.batches_per_epoch)]
+
+    def __iter__(self) -> Iterator[GuardedBatch]:
+        epoch, start = self.position.epoch, self.position.batch
+        batches = self._epoch_batches(epoch)
+        wanted = [b for b in range(start, len(batches)) if (epoch, b) not in self.dead_letters.skip]
+        loader = DataLoader(
+            _IndexedDataset(self.dataset),
+            batch_sampler=_BatchSampler([batches[b] for b in wanted]),
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
+        for b, (data, ids, seen, dropped) in zip(wanted, loader, strict=True):
+            if self.inject_bad_sample is not None and self.inject_bad_sample():
+                poisoned = poison(self.dataset[batches[b][0]])
+                seen += 1
+                dropped += int(sample_is_bad(poisoned))
+            self.counters.seen += seen
+            self.counters.dropped += dropped
+            self.position = DataPosition(epoch, b + 1)
+            if data is None:
+                if self.world_size == 1:
+                    log.warning("every sample of batch %d in epoch %d was bad; batch skipped", b, epoch)
+                    continue
+                if self._last_good is None:
+                    raise RuntimeError(
+                        f"every sample of batch {b} in epoch {epoch} was bad and none came before"
+                    )
+                # Ranks must stay in lockstep: repeat the last good batch rather than skip a step alone.
+                log.warning(
+                    "every sample of batch %d in epoch %d was bad; repeating the previous batch", b, epoch
+                )
+                data, ids = self._last_good.data, self._last_good.sample_ids
+            batch = GuardedBatch(data, epoch, b, ids, seen, dropped)
+            self._last_good = batch
+            yield batch
+        self.position = DataPosition(epoch + 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        """Position and counters, for checkpoints."""
+        return {**self.position.as_dict(), "seen": self.counters.seen, "dropped": self.counters.dropped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a saved position with the saved counters."""
+        self.position = DataPosition(int(state["epoch"]), int(state["batch"]))
+        self.counters = DataCounters(int(state.get("seen", 0)), int(state.get("dropped", 0)))

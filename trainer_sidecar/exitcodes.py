@@ -1,0 +1,35 @@
+"""Exit codes a guarded worker ends with, and what an orchestrator should make of them.
+
+Kubeflow's ExitCode restart policy treats codes 1-127 as permanent and 128-255 as retryable; the
+codes below follow that split. 128+N is what a shell reports for death by signal N (up to 192 for
+real-time signals), so the guardian's own retryable code sits above that range.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Documented exit codes of a worker that runs the guardian."""
+
+    SUCCEEDED = 0
+    #: Bad settings, an unusable checkpoint directory, a checkpoint of another model: retrying cannot help.
+    CONFIG_ERROR = 2
+    #: Too many rollbacks within the window: restart the gang with remediation (retryable).
+    DIVERGED = 200
+
+
+def describe_exit(code: int) -> str:
+    """A short human reason for a worker's exit code (negative: killed by that signal number)."""
+    if code == ExitCode.SUCCEEDED:
+        return "succeeded"
+    if code == ExitCode.CONFIG_ERROR:
+        return "configuration error (permanent)"
+    if code == ExitCode.DIVERGED:
+        return "diverged: too many rollbacks"
+    if code < 0:
+        return f"killed by signal {-code}"
+    if 128 < code <= 192:
+        return f"killed by signal {code - 128}"
+    return f"exited with code {code}"

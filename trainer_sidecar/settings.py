@@ -1,0 +1,112 @@
+"""The guardian's settings: one pydantic model per section, shared with the GuardedTrainingJob spec.
+
+Field names are snake_case in Python and camelCase on the wire (the CRD and the ``TRAINGUARD_SETTINGS``
+environment variable), so the same model validates a Kubernetes spec and a local configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+SETTINGS_ENV = "TRAINGUARD_SETTINGS"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class GuardThresholds(_Section):
+    """When a step counts as bad, and how many bad steps and rollbacks are tolerated."""
+
+    max_consecutive_bad_steps: int = Field(3, ge=1, description="Bad steps in a row before a rollback.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this total L2 norm.")
+    loss_spike_factor: float = Field(
+        2.0, gt=1, description="A loss above this multiple of the recent mean is a spike."
+    )
+    loss_spike_window: int = Field(100, ge=1, description="How many recent finite losses form the mean.")
+    grad_norm_spike_factor: float = Field(
+        5.0, gt=1, description="A gradient norm above this multiple of the recent mean is a spike."
+    )
+    spike_min_history: int = Field(
+        10, ge=1, description="Spike detection starts once this many finite steps are in the window."
+    )
+    max_rollbacks: int = Field(5, ge=1, description="Rollbacks tolerated within rollbackWindowSteps.")
+    rollback_window_steps: int = Field(
+        2000, ge=1, description="The window, in steps, over which rollbacks are counted."
+    )
+
+    @model_validator(mode="after")
+    def _min_history_fits_window(self) -> GuardThresholds:
+        if self.spike_min_history > self.loss_spike_window:
+            raise ValueError("spikeMinHistory must not exceed lossSpikeWindow")
+        return self
+
+
+class CheckpointPolicy(_Section):
+    """How often state is snapshotted in memory and written to the checkpoint volume."""
+
+    keep_clean: int = Field(3, ge=1, description="Clean disk checkpoints kept; the newest is never deleted.")
+    every_steps: int = Field(2000, ge=1, description="A disk checkpoint every this many steps.")
+    snapshot_every_steps: int = Field(100, ge=1, description="An in-memory snapshot every this many steps.")
+
+
+class Remediation(_Section):
+    """What a rollback (or a restart after divergence) changes before training goes on."""
+
+    lr_scale: float = Field(0.5, gt=0, le=1, description="Learning rates are multiplied by this.")
+    max_grad_norm: float | None = Field(
+        0.5, gt=0, description="Clipping is tightened to at most this norm (null: unchanged)."
+    )
+
+
+class GuardianSettings(_Section):
+    """Everything the in-process guardian is configured with."""
+
+    guard: GuardThresholds = GuardThresholds()
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
+    remediation: Remediation = Remediation()
+    status_interval_seconds: float = Field(
+        0.5, ge=0, description="The status file is rewritten at most this often (phase changes: at once)."
+    )
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the setting and where it came from."""
+
+
+def describe_validation_error(error: ValidationError, source: str) -> str:
+    """Render a pydantic error as one line per field: ``source: field.path: reason``."""
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(root)"
+        lines.append(f"{source}: {path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: object) -> GuardianSettings:
+    """Settings from ``TRAINGUARD_SETTINGS`` (JSON, camelCase) with keyword overrides on top.
+
+    Raises SettingsError naming the variable and the field when anything is invalid.
+    """
+    env = os.environ if environ is None else environ
+    raw: dict[str, object] = {}
+    text = env.get(SETTINGS_ENV, "").strip()
+    if text:
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"{SETTINGS_ENV}: not valid JSON: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise SettingsError(f"{SETTINGS_ENV}: must be a JSON object, got {type(loaded).__name__}")
+        raw.update(loaded)
+    raw.update(overrides)
+    try:
+        return GuardianSettings.model_validate(raw)
+    except ValidationError as exc:
+        source = SETTINGS_ENV if text else "Guardian settings"
+        raise SettingsError(describe_validation_error(exc, source)) from exc

@@ -1,0 +1,82 @@
+"""In-memory snapshots of model and optimizer state, restored in place for a fast rollback.
+
+A snapshot copies every tensor into host buffers allocated once and reused, and keeps the small
+non-tensor state (learning rates, scheduler and scaler state) as plain values. Restoring copies the
+buffers back into the live tensors, so the optimizer keeps its own storage and nothing is reallocated.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer_sidecar.tensorstate import HostBuffers, flatten, signature, unflatten
+
+
+@dataclass
+class Snapshot:
+    """The last clean state of model, optimizer, scheduler and scaler, plus the guardian's step counters."""
+
+    step: int = -1
+    extra: dict[str, Any] = field(default_factory=dict)
+    _buffers: HostBuffers = field(default_factory=HostBuffers)
+    _skeleton: Any = None
+    _small: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def taken(self) -> bool:
+        """Whether a snapshot exists to roll back to."""
+        return self.step >= 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the snapshot's tensors."""
+        return self._buffers.nbytes
+
+    def capture(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        small_state: dict[str, Any],
+        extra: dict[str, Any],
+    ) -> None:
+        """Copy the live state into the snapshot (the only cost the training loop pays)."""
+        skeleton, tensors = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        self._buffers.capture(tensors)
+        self._skeleton = skeleton
+        self._small = copy.deepcopy(small_state)
+        self.extra = copy.deepcopy(extra)
+        self.step = step
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Put the snapshot back into ``model`` and ``optimizer``; returns the small state to re-apply."""
+        if not self.taken:
+            raise RuntimeError("no snapshot to restore")
+        live_skeleton, live = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        if signature(live) == signature(self._buffers.tensors) and _same_keys(live_skeleton, self._skeleton):
+            self._buffers.restore_into(live)
+            saved_groups = self._skeleton["optimizer"]["param_groups"]
+            for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+                for key, value in saved.items():
+                    if key != "params":
+                        group[key] = copy.deepcopy(value)
+        else:
+            # The optimizer created state after the snapshot (for example its first step): load a copy.
+            state = unflatten(self._skeleton, [t.clone() for t in self._buffers.tensors])
+            model.load_state_dict(state["model"])
+            optimizer.state.clear()
+            optimizer.load_state_dict(state["optimizer"])
+        return copy.deepcopy(self._small)
+
+
+def _same_keys(a: Any, b: Any) -> bool:
+    """Structural equality of two skeletons, ignoring plain values (learning rates may differ)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_keys(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_keys(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) or not isinstance(a, (dict, list, tuple))
