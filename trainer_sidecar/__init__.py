@@ -1,14 +1,38 @@
 """trainguard's in-process guardian library and the sidecar that watches it.
 
-A training script needs only ``Guardian``; see its docstring for the five-line adoption.
+A training script needs only ``Guardian``; see its docstring for the five-line adoption. Names are
+imported lazily, so the sidecar (which never trains) starts without loading torch.
 """
 
-from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
-from trainer_sidecar.data import GuardedLoader
-from trainer_sidecar.exitcodes import ExitCode
-from trainer_sidecar.guardian import ConfigError, Diverged, Guardian, StepOutcome
-from trainer_sidecar.settings import CheckpointPolicy, GuardianSettings, GuardThresholds, Remediation
-from trainer_sidecar.status import Phase, WorkerStatus
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+    from trainer_sidecar.data import GuardedLoader
+    from trainer_sidecar.exitcodes import ExitCode
+    from trainer_sidecar.guardian import ConfigError, Diverged, Guardian, StepOutcome
+    from trainer_sidecar.settings import CheckpointPolicy, GuardianSettings, GuardThresholds, Remediation
+    from trainer_sidecar.status import Phase, WorkerStatus
+
+_EXPORTS = {
+    "CheckpointError": "checkpoint",
+    "CheckpointStore": "checkpoint",
+    "GuardedLoader": "data",
+    "ExitCode": "exitcodes",
+    "ConfigError": "guardian",
+    "Diverged": "guardian",
+    "Guardian": "guardian",
+    "StepOutcome": "guardian",
+    "CheckpointPolicy": "settings",
+    "GuardianSettings": "settings",
+    "GuardThresholds": "settings",
+    "Remediation": "settings",
+    "Phase": "status",
+    "WorkerStatus": "status",
+}
 
 __all__ = [
     "CheckpointError",
@@ -26,3 +50,10 @@ __all__ = [
     "StepOutcome",
     "WorkerStatus",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer_sidecar' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainer_sidecar.{module}"), name)

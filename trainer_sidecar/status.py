@@ -88,7 +88,7 @@ def write_status(path: Path, status: WorkerStatus) -> None:
 def read_status(path: Path) -> tuple[WorkerStatus | None, str]:
     """Read a status file. Returns (status, "") or (None, why it could not be read)."""
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except FileNotFoundError:
         return None, f"status file {path} does not exist yet"
     except OSError as exc:

@@ -1,0 +1,658 @@
+"""The sidecar: a tiny HTTP server beside the training container that turns the worker's status file into
+probes and metrics.
+
+Endpoints (one port):
+
+* ``GET /healthz`` - 200 ``ok`` while the worker is alive, 503 with the reason otherwise. This is the
+  *training container's* liveness probe target: a hung or diverged worker gets restarted by the kubelet.
+* ``GET /readyz`` - 200 once the worker is stepping (or finished), 503 with the reason otherwise.
+* ``GET /status`` - JSON: the worker status as read, the health verdict and the sidecar's settings. Always
+  200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
+* ``GET /metrics`` - Prometheus text exposition from a private registry.
+
+The status file is re-read on every request (it is a few hundred bytes). A missing, half-written or garbage
+file is a reason in the answer, never an exception: the sidecar itself must not be what fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from trainer_sidecar.exitcodes import ExitCode
+from trainer_sidecar.status import STATUS_FILE_ENV, Phase, WorkerStatus, read_status
+
+logger = logging.getLogger(__name__)
+
+PORT_ENV = "TRAINGUARD_SIDECAR_PORT"
+HOST_ENV = "TRAINGUARD_SIDECAR_HOST"
+HANG_TIMEOUT_ENV = "TRAINGUARD_HANG_TIMEOUT_SECONDS"
+STARTUP_GRACE_ENV = "TRAINGUARD_STARTUP_GRACE_SECONDS"
+JOB_NAME_ENV = "TRAINGUARD_JOB_NAME"
+NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
+
+DEFAULT_PORT = 9400
+DEFAULT_HOST = "0.0.0.0"
+DEFAULT_HANG_TIMEOUT_SECONDS = 300.0
+DEFAULT_STARTUP_GRACE_SECONDS = 600.0
+DEFAULT_JOB_NAME = "local"
+DEFAULT_NAMESPACE = "default"
+
+#: The only labels any sample carries (plus ``phase`` on the phase gauge): bounded cardinality.
+LABEL_NAMES = ("job", "namespace")
+
+#: Worker status field -> exported counter name. The worker's values are cumulative over the job.
+COUNTER_FIELDS: Mapping[str, str] = {
+    "steps_total": "trainguard_worker_steps_total",
+    "skipped_steps": "trainguard_worker_skipped_steps_total",
+    "rollbacks": "trainguard_worker_rollbacks_total",
+    "spikes": "trainguard_worker_loss_spikes_total",
+    "samples_seen": "trainguard_worker_samples_total",
+    "samples_dropped": "trainguard_worker_dropped_samples_total",
+}
+
+_COUNTER_HELP: Mapping[str, str] = {
+    "steps_total": "Training steps the worker completed (skipped steps included).",
+    "skipped_steps": "Steps the guardian skipped (non-finite loss or gradients, spikes).",
+    "rollbacks": "Rollbacks to the last clean snapshot or checkpoint.",
+    "spikes": "Loss or gradient-norm spikes detected.",
+    "samples_seen": "Training samples the worker's data pipeline produced.",
+    "samples_dropped": "Training samples dropped as corrupt or unreadable.",
+}
+
+
+@dataclass(frozen=True)
+class Health:
+    """A verdict on a worker: ``alive`` drives liveness, ``ready`` readiness; ``reason`` says why."""
+
+    alive: bool
+    ready: bool
+    reason: str
+
+
+def assess_health(
+    now: float,
+    status: WorkerStatus | None,
+    read_error: str,
+    sidecar_started: float,
+    hang_timeout_seconds: float,
+    startup_grace_seconds: float,
+) -> Health:
+    """Judge a worker from its status at wall-clock time ``now``. Pure: no I/O, no clock.
+
+    Promises, in order of precedence:
+
+    * no status (missing, unreadable, garbage): alive but not ready during the startup grace counted from
+      ``sidecar_started``; not alive after it. The reason carries ``read_error``.
+    * phase diverged or failed: not alive; the reason names the phase and the worker's message.
+    * phase finished: alive and ready.
+    * no step in this run of the worker (``last_step_time`` is None, or older than ``started_at``, which a
+      worker restarted inside the pod rewrites): alive but not ready during the startup grace counted from
+      ``status.started_at``; not alive after it. So a freshly (re)started worker always gets its grace,
+      even if its status carries the last step time of the run before.
+    * otherwise: not alive when the last step is more than ``hang_timeout_seconds`` old; else alive and ready.
+    """
+    grace = startup_grace_seconds
+    if status is None:
+        waited = now - sidecar_started
+        if waited < grace:
+            return Health(
+                alive=True,
+                ready=False,
+                reason=f"waiting for the worker status ({waited:.0f} s into the startup grace "
+                f"of {grace:g} s): {read_error}",
+            )
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"no readable worker status after the startup grace of {grace:g} s: {read_error}",
+        )
+    if status.phase in (Phase.DIVERGED, Phase.FAILED):
+        detail = f": {status.message}" if status.message else ""
+        return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
+    if status.phase is Phase.FINISHED:
+        return Health(alive=True, ready=True, reason=f"worker finished at step {status.step}")
+    last = status.last_step_time
+    if last is None or last < status.started_at:
+        since_start = now - status.started_at
+        if since_start < grace:
+            return Health(
+                alive=True,
+                ready=False,
+                reason=f"starting: no step yet, {since_start:.0f} s into the startup grace of {grace:g} s",
+            )
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"no step within startup grace of {grace:g} s (worker started {since_start:.0f} s ago)",
+        )
+    age = now - last
+    if age > hang_timeout_seconds:
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"no step for {age:.1f} s (hang timeout {hang_timeout_seconds:g} s), "
+            f"last step {status.step}",
+        )
+    return Health(
+        alive=True,
+        ready=True,
+        reason=f"{status.phase.value}: step {status.step}, last step {max(age, 0.0):.1f} s ago",
+    )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One read of the status file: what was read, when, the verdict, and the counter totals after it."""
+
+    now: float
+    status: WorkerStatus | None
+    read_error: str
+    health: Health
+    counters: Mapping[str, float] = field(default_factory=dict)
+
+
+def _safe_read_status(path: Path) -> tuple[WorkerStatus | None, str]:
+    """``read_status`` that cannot raise: undecodable bytes and other surprises become a reason."""
+    try:
+        return read_status(path)
+    except Exception as exc:  # a reader never trusts the file, nor the parser's error paths
+        return None, f"status file {path} cannot be read: {type(exc).__name__}: {exc}"
+
+
+class WorkerStatusCollector(Collector):
+    """Reads the status file on every scrape (and every probe) and exposes it as ``trainguard_*`` metrics.
+
+    Counters stay monotonic for the collector's lifetime. The worker's counts are cumulative over the job,
+    but they go *down* when the worker resumes from a checkpoint older than its last status (the steps after
+    that checkpoint are redone). Exporting them raw would look like a counter reset to Prometheus, and the
+    redone work would vanish from ``increase()``. So per counter the collector keeps ``(last_seen, total)``
+    and adds ``max(0, new - last_seen)`` on each read: a decrease only moves the baseline, the increase after
+    it is counted again. ``last_seen`` starts at 0, so the first read exports the worker's cumulative count,
+    and a restarted sidecar picks up where the worker is rather than at zero.
+
+    Gauges whose value is unknown (no status, no step yet, no loss) are omitted rather than exported as NaN.
+    """
+
+    def __init__(
+        self,
+        status_file: Path,
+        *,
+        hang_timeout_seconds: float,
+        startup_grace_seconds: float,
+        job: str,
+        namespace: str,
+        started_at: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.status_file = status_file
+        self.hang_timeout_seconds = hang_timeout_seconds
+        self.startup_grace_seconds = startup_grace_seconds
+        self.job = job
+        self.namespace = namespace
+        self._clock = clock
+        self.started_at = clock() if started_at is None else started_at
+        self._lock = threading.Lock()
+        self._last_seen: dict[str, int] = dict.fromkeys(COUNTER_FIELDS, 0)
+        self._totals: dict[str, float] = dict.fromkeys(COUNTER_FIELDS, 0.0)
+
+    def snapshot(self) -> Snapshot:
+        """Read the status file, assess health, fold its counts into the monotonic totals. Never raises."""
+        status, read_error = _safe_read_status(self.status_file)
+        now = self._clock()
+        health = assess_health(
+            now,
+            status,
+            read_error,
+            self.started_at,
+            self.hang_timeout_seconds,
+            self.startup_grace_seconds,
+        )
+        with self._lock:
+            if status is not None:
+                for name in COUNTER_FIELDS:
+                    value: int = getattr(status, name)
+                    self._totals[name] += max(0, value - self._last_seen[name])
+                    self._last_seen[name] = value
+            counters = dict(self._totals)
+        return Snapshot(now=now, status=status, read_error=read_error, health=health, counters=counters)
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing declared up front: the registry is private, and describing must not read the file."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """The metric families for one fresh read of the status file."""
+        snap = self.snapshot()
+        labels = [self.job, self.namespace]
+        status = snap.status
+
+        def gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
+            if value is None or not math.isfinite(value):
+                return []
+            family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
+            family.add_metric(labels, value)
+            return [family]
+
+        yield from gauge(
+            "trainguard_worker_alive",
+            "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
+            float(snap.health.alive),
+        )
+        yield from gauge(
+            "trainguard_worker_ready",
+            "1 while the worker is stepping or finished (its readiness probe passes), else 0.",
+            float(snap.health.ready),
+        )
+        if status is not None:
+            phase = GaugeMetricFamily(
+                "trainguard_worker_phase",
+                "The worker's phase: 1 for the current one, 0 for the others.",
+                labels=[*LABEL_NAMES, "phase"],
+            )
+            for value in Phase:
+                phase.add_metric([*labels, value.value], float(status.phase is value))
+            yield phase
+            yield from gauge("trainguard_worker_step", "The worker's current training step.", status.step)
+            yield from gauge("trainguard_worker_loss", "Loss of the last finite step.", status.loss)
+            yield from gauge(
+                "trainguard_worker_grad_norm",
+                "Total L2 gradient norm of the last step, before clipping.",
+                status.grad_norm,
+            )
+            yield from gauge(
+                "trainguard_worker_drop_ratio",
+                "Dropped samples over samples seen, over the job.",
+                status.drop_rate,
+            )
+            yield from gauge(
+                "trainguard_worker_lr_scale",
+                "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
+                status.lr_scale,
+            )
+            if status.last_step_time is not None:
+                yield from gauge(
+                    "trainguard_worker_last_step_timestamp_seconds",
+                    "Wall-clock time of the worker's last step (unix seconds).",
+                    status.last_step_time,
+                )
+                yield from gauge(
+                    "trainguard_worker_seconds_since_last_step",
+                    "Seconds since the worker's last step, as of this scrape.",
+                    max(0.0, snap.now - status.last_step_time),
+                )
+            checkpoint = status.last_clean_checkpoint
+            if checkpoint is not None:
+                yield from gauge(
+                    "trainguard_worker_last_clean_checkpoint_step",
+                    "Step of the newest clean checkpoint on the checkpoint volume.",
+                    checkpoint.step,
+                )
+                yield from gauge(
+                    "trainguard_worker_last_clean_checkpoint_timestamp_seconds",
+                    "Wall-clock time the newest clean checkpoint was written (unix seconds).",
+                    checkpoint.time if checkpoint.time > 0 else None,
+                )
+        for name, metric_name in COUNTER_FIELDS.items():
+            counter = CounterMetricFamily(
+                metric_name,
+                f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
+                labels=LABEL_NAMES,
+            )
+            counter.add_metric(labels, snap.counters[name])
+            yield counter
+
+
+def status_document(snap: Snapshot, collector: WorkerStatusCollector) -> dict[str, Any]:
+    """The ``/status`` JSON body: status fields (plus ``drop_rate``) or null, health, sidecar settings."""
+    status: dict[str, Any] | None = None
+    if snap.status is not None:
+        status = snap.status.model_dump(mode="json")
+        status["drop_rate"] = snap.status.drop_rate
+    return {
+        "status": status,
+        "read_error": snap.read_error,
+        "health": asdict(snap.health),
+        "time": snap.now,
+        "sidecar": {
+            "started_at": collector.started_at,
+            "hang_timeout_seconds": collector.hang_timeout_seconds,
+            "startup_grace_seconds": collector.startup_grace_seconds,
+        },
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Serves the four endpoints from the server's collector; logs access at debug level only."""
+
+    server_version = "trainguard-sidecar"
+    protocol_version = "HTTP/1.1"
+    timeout = 10.0  # a stalled client must not hold a handler thread for ever
+
+    def _sidecar(self) -> _SidecarHTTPServer:
+        return cast(_SidecarHTTPServer, self.server)
+
+    def do_GET(self) -> None:
+        """Dispatch a GET by path (the query string is ignored)."""
+        path = urlsplit(self.path).path
+        try:
+            self._dispatch(path)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("client went away during %s", path)
+        except Exception:
+            logger.exception("error serving %s", path)
+            with contextlib.suppress(OSError):
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n", "text/plain; charset=utf-8")
+
+    def _dispatch(self, path: str) -> None:
+        collector = self._sidecar().collector
+        if path == "/healthz":
+            health = collector.snapshot().health
+            self._send_verdict(health.alive, health.reason)
+        elif path == "/readyz":
+            health = collector.snapshot().health
+            self._send_verdict(health.ready, health.reason)
+        elif path == "/status":
+            body = json.dumps(status_document(collector.snapshot(), collector), indent=2) + "\n"
+            self._send(HTTPStatus.OK, body.encode(), "application/json")
+        elif path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._send(HTTPStatus.OK, encoder(self._sidecar().registry), content_type)
+        else:
+            self._send(HTTPStatus.NOT_FOUND, f"not found: {path}\n".encode(), "text/plain; charset=utf-8")
+
+    def _send_verdict(self, good: bool, reason: str) -> None:
+        if good:
+            self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+        else:
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"{reason}\n".encode(), "text/plain; charset=utf-8")
+
+    def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        """Access and error lines go to the logging module at debug level, not to stderr."""
+        logger.debug("%s - %s", self.address_string(), format % args)
+
+
+class _SidecarHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server (daemon handler threads) that carries the collector and its registry."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        collector: WorkerStatusCollector,
+        registry: CollectorRegistry,
+        address_family: socket.AddressFamily,
+    ) -> None:
+        self.address_family = address_family
+        self.collector = collector
+        self.registry = registry
+        super().__init__(address, _Handler)
+
+
+class SidecarServer:
+    """The sidecar's HTTP server, embeddable: binds in the constructor, serves on a daemon thread after
+    ``start()``, and releases the port on ``stop()``.
+
+    ``port=0`` picks a free port; ``port`` and ``url`` tell which. The metrics live on a private
+    ``CollectorRegistry`` (``registry``), never on prometheus_client's global one.
+    """
+
+    def __init__(
+        self,
+        status_file: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        hang_timeout_seconds: float = DEFAULT_HANG_TIMEOUT_SECONDS,
+        startup_grace_seconds: float = DEFAULT_STARTUP_GRACE_SECONDS,
+        job: str = DEFAULT_JOB_NAME,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> None:
+        self.host = host
+        self.collector = WorkerStatusCollector(
+            Path(status_file),
+            hang_timeout_seconds=hang_timeout_seconds,
+            startup_grace_seconds=startup_grace_seconds,
+            job=job,
+            namespace=namespace,
+        )
+        self.registry = CollectorRegistry()
+        self.registry.register(self.collector)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._httpd = _SidecarHTTPServer((host, port), self.collector, self.registry, family)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port actually bound (the chosen one when constructed with port 0)."""
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` of the server (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Serve requests on a background daemon thread; returns at once. Starting twice is an error."""
+        if self._thread is not None:
+            raise RuntimeError("sidecar server already started")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="trainguard-sidecar-http",
+            daemon=True,
+        )
+        self._thread.start()
+        logger.info("trainguard-sidecar serving %s for %s", self.url, self.collector.status_file)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket; waits for the serving thread. Safe to call more than once."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> SidecarServer:
+        """Start serving; ``with SidecarServer(...) as server:`` stops it on exit."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Stop serving."""
+        self.stop()
+
+
+class _UsageError(ValueError):
+    """A command-line or environment value is invalid; the message names the flag and the variable."""
+
+
+def _number(raw: str, flag: str, env: str, *, integer: bool = False) -> float:
+    kind = "an integer" if integer else "a number"
+    try:
+        value = float(int(raw)) if integer else float(raw)
+    except ValueError:
+        raise _UsageError(f"{flag} (or ${env}): {raw!r} is not {kind}") from None
+    if not math.isfinite(value):
+        raise _UsageError(f"{flag} (or ${env}): {raw!r} is not a finite number")
+    if value < 0:
+        raise _UsageError(f"{flag} (or ${env}): must not be negative, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class _Options:
+    status_file: Path
+    host: str
+    port: int
+    hang_timeout_seconds: float
+    startup_grace_seconds: float
+    job: str
+    namespace: str
+
+
+def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard-sidecar",
+        description="Serve a training worker's status file as liveness/readiness probes, JSON and metrics.",
+    )
+    env = environ.get
+    parser.add_argument(
+        "--status-file",
+        default=env(STATUS_FILE_ENV, ""),
+        help=f"the worker's status file (env {STATUS_FILE_ENV}; required)",
+    )
+    parser.add_argument(
+        "--port",
+        default=env(PORT_ENV, str(DEFAULT_PORT)),
+        help=f"port to listen on, 0 picks a free one (env {PORT_ENV}, default {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--host",
+        default=env(HOST_ENV, DEFAULT_HOST),
+        help=f"address to listen on (env {HOST_ENV}, default {DEFAULT_HOST})",
+    )
+    parser.add_argument(
+        "--hang-timeout-seconds",
+        default=env(HANG_TIMEOUT_ENV, f"{DEFAULT_HANG_TIMEOUT_SECONDS:g}"),
+        help=f"a worker without a step for this long is not alive (env {HANG_TIMEOUT_ENV}, "
+        f"default {DEFAULT_HANG_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--startup-grace-seconds",
+        default=env(STARTUP_GRACE_ENV, f"{DEFAULT_STARTUP_GRACE_SECONDS:g}"),
+        help=f"time a worker gets to publish its status and make its first step (env {STARTUP_GRACE_ENV}, "
+        f"default {DEFAULT_STARTUP_GRACE_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--job",
+        default=env(JOB_NAME_ENV, DEFAULT_JOB_NAME),
+        help=f"value of the job label on metrics (env {JOB_NAME_ENV}, default {DEFAULT_JOB_NAME})",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=env(NAMESPACE_ENV, DEFAULT_NAMESPACE),
+        help=f"value of the namespace label on metrics (env {NAMESPACE_ENV}, default {DEFAULT_NAMESPACE})",
+    )
+    return parser
+
+
+def _options(args: argparse.Namespace) -> _Options:
+    status_file = str(args.status_file).strip()
+    if not status_file:
+        raise _UsageError(f"--status-file (or ${STATUS_FILE_ENV}) is required")
+    port = _number(str(args.port), "--port", PORT_ENV, integer=True)
+    if port > 65535:
+        raise _UsageError(f"--port (or ${PORT_ENV}): must be at most 65535, got {args.port!r}")
+    host = str(args.host).strip()
+    if not host:
+        raise _UsageError(f"--host (or ${HOST_ENV}) must not be empty")
+    hang = _number(str(args.hang_timeout_seconds), "--hang-timeout-seconds", HANG_TIMEOUT_ENV)
+    if hang <= 0:
+        raise _UsageError(f"--hang-timeout-seconds (or ${HANG_TIMEOUT_ENV}): must be positive, got {hang:g}")
+    grace = _number(str(args.startup_grace_seconds), "--startup-grace-seconds", STARTUP_GRACE_ENV)
+    return _Options(
+        status_file=Path(status_file),
+        host=host,
+        port=int(port),
+        hang_timeout_seconds=hang,
+        startup_grace_seconds=grace,
+        job=str(args.job),
+        namespace=str(args.namespace),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``trainguard-sidecar`` command. Serves until SIGTERM or SIGINT, then shuts down and returns 0.
+
+    Every flag defaults from its environment variable. Invalid values return 2 (``ExitCode.CONFIG_ERROR``)
+    with a message on stderr naming the flag and the variable; so does a port that cannot be bound. Once
+    listening it prints ``trainguard-sidecar listening on http://HOST:PORT`` to stdout (flushed), so a
+    parent that passed ``--port 0`` learns the port.
+    """
+    parser = _parser(os.environ)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage errors (already printed)
+        return exc.code if isinstance(exc.code, int) else int(ExitCode.CONFIG_ERROR)
+    try:
+        options = _options(args)
+    except _UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    try:
+        server = SidecarServer(
+            options.status_file,
+            host=options.host,
+            port=options.port,
+            hang_timeout_seconds=options.hang_timeout_seconds,
+            startup_grace_seconds=options.startup_grace_seconds,
+            job=options.job,
+            namespace=options.namespace,
+        )
+    except OSError as exc:
+        print(
+            f"{parser.prog}: error: cannot listen on {options.host}:{options.port} "
+            f"(--host/${HOST_ENV}, --port/${PORT_ENV}): {exc}",
+            file=sys.stderr,
+        )
+        return int(ExitCode.CONFIG_ERROR)
+
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        print(f"trainguard-sidecar listening on {server.url}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("trainguard-sidecar stopped")
+    return int(ExitCode.SUCCEEDED)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
