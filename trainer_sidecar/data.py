@@ -246,6 +246,10 @@ class GuardedLoader:
             batch_sampler=_BatchSampler([batches[b] for b in wanted]),
             collate_fn=self.collate,
             num_workers=self.num_workers,
+            # Without its own generator, creating the iterator draws a seed from the global torch RNG:
+            # a job resumed mid-epoch would then consume that RNG at a different point than the
+            # original run, and dropout masks (so the weights) would differ after the resume.
+            generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch),
         )
         for b, (data, ids, seen, dropped) in zip(wanted, loader, strict=True):
             if self.inject_bad_sample is not None and self.inject_bad_sample():

@@ -1,0 +1,399 @@
+"""The step guard, rollback, remediation, resume and data guard of the in-process Guardian."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
+from trainer_sidecar.data import GuardedLoader, sample_is_bad
+from trainer_sidecar.status import read_status
+
+
+def settings(**sections: Any) -> GuardianSettings:
+    """Settings from camelCase sections, e.g. settings(guard={"maxRollbacks": 1})."""
+    return GuardianSettings.model_validate(sections)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def linear(model: torch.nn.Sequential, index: int) -> torch.nn.Linear:
+    layer = model[index]
+    assert isinstance(layer, torch.nn.Linear)
+    return layer
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)
+
+
+def loss_of(model: torch.nn.Module, seed: int = 1, scale: float = 1.0) -> torch.Tensor:
+    x, y = batch(seed)
+    return torch.nn.functional.mse_loss(model(x), y) * scale
+
+
+def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "TRAINGUARD_SETTINGS",
+        "TRAINGUARD_FAULTS",
+        "TRAINGUARD_CHECKPOINT_DIR",
+        "TRAINGUARD_STATUS_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TRAINGUARD_REMEDIATION", raising=False)
+
+
+def test_finite_step_clips_to_max_grad_norm_and_steps_scheduler() -> None:
+    model = tiny_model()
+    seen_norms: list[float] = []
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            seen_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            return super().step(closure)
+
+    optimizer = RecordingSGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    guardian = Guardian(model, optimizer, scheduler=scheduler, settings=settings(guard={"maxGradNorm": 0.01}))
+    outcome = guardian.step(loss_of(model, scale=100.0))
+    assert outcome.applied
+    assert outcome.grad_norm > 0.01  # the reported norm is the one before clipping
+    assert seen_norms[0] == pytest.approx(0.01, rel=1e-4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_finite_loss_skips_the_update_and_the_scheduler(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    status_file = tmp_path / "status.json"
+    guardian = Guardian(model, optimizer, scheduler=scheduler, status_file=status_file)
+    before = clone_state(model)
+    outcome = guardian.step(loss_of(model) * math.nan)
+    assert not outcome.applied
+    assert outcome.reason == "non-finite loss"
+    assert_same(before, clone_state(model))
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert guardian.skipped_steps == 1
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.skipped_steps == 1
+    assert status.consecutive_bad_steps == 1
+
+
+def test_inf_gradient_with_finite_loss_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINGUARD_FAULTS", "inf_grad@0")
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = clone_state(model)
+    outcome = guardian.step(loss_of(model))
+    assert math.isfinite(outcome.loss)
+    assert outcome.reason == "non-finite gradients"
+    assert_same(before, clone_state(model))
+    assert guardian.step(loss_of(model)).applied
+
+
+def test_grad_scaler_backs_off_on_a_non_finite_step() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guardian = Guardian(model, optimizer, scaler=scaler)
+    assert guardian.step(loss_of(model)).applied
+    scale = scaler.get_scale()
+    before = clone_state(model)
+    assert not guardian.step(loss_of(model) * math.inf).applied
+    assert scaler.get_scale() < scale
+    assert_same(before, clone_state(model))
+
+
+def test_loss_spike_is_detected_after_the_minimum_history() -> None:
+    model = tiny_model()
+    guard = {"spikeMinHistory": 5, "lossSpikeWindow": 10, "maxConsecutiveBadSteps": 10}
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=1e-4), settings=settings(guard=guard))
+    for _ in range(4):
+        assert guardian.step(loss_of(model)).applied
+    assert guardian.step(loss_of(model, scale=10.0)).applied  # too little history to call it a spike
+    for _ in range(5):
+        assert guardian.step(loss_of(model)).applied
+    outcome = guardian.step(loss_of(model, scale=10.0))  # now > 2x the window's mean of 1.9x
+    assert outcome.reason == "loss spike"
+    assert guardian.spikes == 1
+    assert guardian.step(loss_of(model, scale=1.5)).applied  # below twice the mean
+
+
+def test_grad_norm_spike_is_detected() -> None:
+    model = tiny_model()
+    guard = {"spikeMinHistory": 3, "lossSpikeFactor": 1000.0, "maxConsecutiveBadSteps": 10}
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=1e-4), settings=settings(guard=guard))
+    for _ in range(3):
+        assert guardian.step(loss_of(model)).applied
+    assert guardian.step(loss_of(model, scale=50.0)).reason == "grad-norm spike"
+
+
+def test_repeated_bad_steps_roll_back_to_the_snapshot_and_remediate(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = settings(checkpoint={"snapshotEverySteps": 4, "everySteps": 1000})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+    for _ in range(4):
+        assert guardian.step(loss_of(model)).applied
+    at_snapshot = clone_state(model)
+    adam_state = {k: v.clone() for k, v in optimizer.state[next(iter(model.parameters()))].items()}
+    for _ in range(2):
+        assert guardian.step(loss_of(model)).applied
+    outcomes = [guardian.step(loss_of(model) * math.nan) for _ in range(3)]
+    assert [o.rolled_back for o in outcomes] == [False, False, True]
+    assert guardian.rollbacks == 1
+    assert guardian.step_count == 4
+    assert_same(at_snapshot, clone_state(model))
+    restored = optimizer.state[next(iter(model.parameters()))]
+    for key, value in adam_state.items():
+        assert torch.equal(restored[key], value), key
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert guardian.max_grad_norm == pytest.approx(0.5)
+    assert guardian.lr_scale == pytest.approx(0.5)
+    forensics = sorted((tmp_path / "forensics").glob("*.json"))
+    assert len(forensics) == 3
+    bundle = json.loads(forensics[-1].read_text())
+    assert bundle["reason"] == "non-finite loss"
+    assert len(bundle["losses"]) == 6
+
+
+def test_a_second_rollback_from_the_same_snapshot_compounds_the_remediation() -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guardian = Guardian(model, optimizer, settings=settings(checkpoint={"snapshotEverySteps": 100}))
+    for _ in range(2):
+        for _ in range(3):
+            guardian.step(loss_of(model) * math.nan)
+    assert guardian.rollbacks == 2
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_too_many_rollbacks_diverge_with_the_documented_exit_code(tmp_path: Path) -> None:
+    model = tiny_model()
+    status_file = tmp_path / "status.json"
+    config = settings(guard={"maxRollbacks": 2, "maxConsecutiveBadSteps": 1})
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), settings=config, status_file=status_file
+    )
+    guardian.step(loss_of(model) * math.nan)
+    guardian.step(loss_of(model) * math.nan)
+    with pytest.raises(Diverged) as caught:
+        guardian.step(loss_of(model) * math.nan)
+    assert caught.value.code == ExitCode.DIVERGED >= 128
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.phase == Phase.DIVERGED
+    assert "rollbacks" in status.message
+
+
+def test_rollbacks_outside_the_window_do_not_count() -> None:
+    model = tiny_model()
+    config = settings(guard={"maxRollbacks": 1, "maxConsecutiveBadSteps": 1, "rollbackWindowSteps": 3})
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.01), settings=config)
+    guardian.step(loss_of(model) * math.nan)
+    for _ in range(3):
+        guardian.step(loss_of(model))
+    guardian.step(loss_of(model) * math.nan)  # the first rollback is out of the window by now
+    assert guardian.rollbacks == 2
+
+
+def test_gradient_accumulation_steps_once_per_boundary_with_the_mean_gradient() -> None:
+    reference = tiny_model()
+    accumulated = tiny_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    acc_opt = torch.optim.SGD(accumulated.parameters(), lr=0.1)
+    ref_guard = Guardian(reference, ref_opt, settings=settings(guard={"maxGradNorm": 1e6}))
+    acc_guard = Guardian(
+        accumulated, acc_opt, accumulation_steps=2, settings=settings(guard={"maxGradNorm": 1e6})
+    )
+    x, y = batch()
+    ref_guard.step(torch.nn.functional.mse_loss(reference(x), y))
+    first = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[:8]), y[:8]))
+    assert not first.boundary
+    assert acc_guard.step_count == 0
+    second = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[8:]), y[8:]))
+    assert second.boundary
+    assert second.applied
+    for a, b in zip(reference.parameters(), accumulated.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_nan_localisation_names_the_first_module_with_a_non_finite_output() -> None:
+    model = tiny_model()
+    with torch.no_grad():
+        linear(model, 2).weight.fill_(math.inf)
+    x, y = batch()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not guardian._locator.armed
+    guardian.step(torch.nn.functional.mse_loss(model(x), y) * math.nan, replay=lambda: model(x))
+    assert guardian.nan_location == "2"
+    assert not guardian._locator.armed  # hooks are gone again: the hot path pays nothing
+
+
+def test_nan_localisation_without_replay_inspects_the_next_forward() -> None:
+    model = tiny_model()
+    x, y = batch()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    guardian.step(torch.nn.functional.mse_loss(model(x), y) * math.nan)
+    assert guardian._locator.armed
+    with torch.no_grad():
+        linear(model, 0).bias.fill_(math.nan)
+    guardian.step(torch.nn.functional.mse_loss(model(x), y))
+    assert guardian._locator.found == "0"
+
+
+def test_resume_restores_weights_optimizer_counters_and_data_position(tmp_path: Path) -> None:
+    dataset = [(torch.randn(4), torch.randn(1)) for _ in range(64)]
+    config = settings(checkpoint={"everySteps": 5, "snapshotEverySteps": 5})
+
+    def train(until: int) -> tuple[Guardian, torch.nn.Module, GuardedLoader]:
+        model = tiny_model()
+        guardian = Guardian(
+            model, torch.optim.AdamW(model.parameters(), lr=0.01), checkpoint_dir=tmp_path, settings=config
+        )
+        loader = guardian.loader(dataset, batch_size=4)
+        for x, y in guardian.run(loader, max_steps=until):
+            guardian.step(torch.nn.functional.mse_loss(model(x), y))
+        return guardian, model, loader
+
+    first, first_model, first_loader = train(12)
+    assert first.store is not None
+    assert first.store.last_clean is not None
+    assert first.store.last_clean.step == 12  # finish() saves the final step
+    resumed, model, loader = train(12)
+    assert resumed.step_count == 12
+    assert loader.position == first_loader.position
+    assert_same(clone_state(first_model), clone_state(model))
+    continued, _, loader = train(20)
+    assert continued.step_count == 20
+    assert loader.position.epoch == 1  # 16 batches per epoch
+
+
+def test_checkpoint_of_another_model_is_a_config_error_and_deletes_nothing(tmp_path: Path) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    guardian.step(loss_of(model))
+    guardian.finish()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    with pytest.raises(ConfigError) as caught:
+        Guardian(other, torch.optim.SGD(other.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    assert "does not fit this model" in str(caught.value)
+    assert str(tmp_path) in str(caught.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "named"),
+    [
+        ("TRAINGUARD_SETTINGS", '{"guard": {"lossSpikeWindow": -1}}', "guard.lossSpikeWindow"),
+        ("TRAINGUARD_SETTINGS", '{"guard": {"lossSpikeFactor": 1.0}}', "guard.lossSpikeFactor"),
+        ("TRAINGUARD_SETTINGS", "not json", "TRAINGUARD_SETTINGS"),
+        ("TRAINGUARD_FAULTS", "nan_loss@x", "nan_loss@x"),
+        ("TRAINGUARD_REMEDIATION", '{"lrScale": 2}', "lrScale"),
+    ],
+)
+def test_invalid_settings_fail_at_start_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, named: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    model = tiny_model()
+    with pytest.raises(ConfigError) as caught:
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert named in str(caught.value)
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+
+
+def test_unusable_checkpoint_directory_fails_at_start(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    model = tiny_model()
+    with pytest.raises(ConfigError) as caught:
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=afile / "ckpt")
+    assert str(afile / "ckpt") in str(caught.value)
+
+
+def test_remediation_from_the_orchestrator_applies_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_REMEDIATION", '{"id": "attempt-2", "lrScale": 0.5, "maxGradNorm": 0.25}')
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert guardian.max_grad_norm == pytest.approx(0.25)
+    guardian.step(loss_of(model))
+    guardian.finish()
+    again = torch.optim.SGD(model.parameters(), lr=0.1)
+    resumed = Guardian(model, again, checkpoint_dir=tmp_path)  # same attempt restarted after a crash
+    assert again.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert resumed.lr_scale == pytest.approx(0.5)
+
+
+def test_data_guard_drops_bad_samples_and_counts_them() -> None:
+    good = [(torch.randn(4), torch.randn(1)) for _ in range(30)]
+    bad: list[Any] = [
+        (torch.full((4,), math.nan), torch.randn(1)),
+        (torch.randn(4), torch.tensor([math.inf])),
+        (torch.empty(0), torch.randn(1)),
+        None,
+    ]
+    dataset = good[:10] + bad + good[10:]
+    loader = GuardedLoader(dataset, batch_size=17, shuffle=False)
+    batches = list(loader)
+    assert len(batches) == 2
+    assert loader.counters.seen == 34
+    assert loader.counters.dropped == 4
+    assert loader.counters.drop_rate == pytest.approx(4 / 34)
+    assert all(torch.isfinite(b.data[0]).all() for b in batches)
+    assert batches[0].data[0].shape[0] == 13
+    assert sample_is_bad({"x": torch.tensor([1.0, math.nan])})
+    assert not sample_is_bad({"ids": torch.tensor([1, 2])})
+
+
+def test_data_order_is_deterministic_sharded_and_resumable() -> None:
+    dataset = list(range(40))
+    rank0 = GuardedLoader(dataset, batch_size=5, rank=0, world_size=2, seed=7)
+    rank1 = GuardedLoader(dataset, batch_size=5, rank=1, world_size=2, seed=7)
+    assert not set(rank0.epoch_order(0)) & set(rank1.epoch_order(0))
+    assert rank0.epoch_order(0) != rank0.epoch_order(1)
+    full = [b.sample_ids for b in rank0]
+    resumed = GuardedLoader(dataset, batch_size=5, rank=0, world_size=2, seed=7)
+    resumed.load_state_dict({"epoch": 0, "batch": 2})
+    assert [b.sample_ids for b in resumed] == full[2:]
+    assert resumed.position.epoch == 1
+
+
+def test_iterating_the_loader_leaves_the_global_rng_alone() -> None:
+    loader = GuardedLoader(list(range(40)), batch_size=5, seed=3)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)

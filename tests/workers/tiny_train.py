@@ -1,0 +1,92 @@
+"""A small, deterministic guarded training job for tests that need real processes.
+
+Single process by default; under ``torch.distributed`` (gloo) when RANK and WORLD_SIZE are set, with
+the model wrapped in DistributedDataParallel. Settings, faults, checkpoint and status locations come
+from the usual TRAINGUARD_* environment variables. On success it prints one JSON line with the
+guardian's counters and a SHA-256 of the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer_sidecar import Guardian
+
+
+def make_dataset(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed regression problem: y = w·x + noise."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16, generator=generator)
+    xs = torch.randn(n, 16, generator=generator)
+    ys = xs @ weight + 0.1 * torch.randn(n, generator=generator)
+    return [(xs[i], ys[i : i + 1]) for i in range(n)]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's bytes, in order."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> int:
+    """Train for --steps steps under the guardian and report."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    torch.manual_seed(args.seed)
+    model: torch.nn.Module = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+    )
+    if distributed:
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.01 * step))
+    guardian = Guardian(model, optimizer, scheduler=scheduler)
+    loader = guardian.loader(
+        make_dataset(args.samples, args.seed), batch_size=args.batch_size, seed=args.seed
+    )
+    for x, y in guardian.run(loader, max_steps=args.steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        guardian.step(loss)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    report = {
+        "rank": guardian.rank,
+        "step": guardian.step_count,
+        "skipped_steps": guardian.skipped_steps,
+        "rollbacks": guardian.rollbacks,
+        "lr_scale": guardian.lr_scale,
+        "samples_dropped": loader.counters.dropped,
+        "digest": weights_digest(guardian.module),
+    }
+    print(json.dumps(report), flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
