@@ -1,0 +1,137 @@
+"""The pure recovery policy, tested hard: examples for each rule, hypothesis for the invariants."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer_sidecar.exitcodes import ExitCode
+from trainguard.policy import Action, FailureKind, Observation, RankObservation, backoff_seconds, decide
+from trainguard.spec import RecoverySpec
+
+RECOVERY = RecoverySpec()
+running = RankObservation
+
+
+def gang(*ranks: RankObservation, attempt: int = 1, restarts: int = 0, handled: int = 0) -> Observation:
+    return Observation(attempt=attempt, ranks=ranks, restarts=restarts, handled_attempt=handled)
+
+
+def test_healthy_gang_continues() -> None:
+    assert decide(RECOVERY, gang(running(0), running(1))).action is Action.CONTINUE
+
+
+def test_all_ranks_exited_zero_is_success() -> None:
+    decision = decide(RECOVERY, gang(running(0, exit_code=0), running(1, exit_code=0)))
+    assert decision.action is Action.SUCCEED
+
+
+def test_one_rank_done_while_another_runs_is_not_yet_success() -> None:
+    assert decide(RECOVERY, gang(running(0, exit_code=0), running(1))).action is Action.CONTINUE
+
+
+def test_crash_restarts_the_gang_after_the_first_backoff() -> None:
+    decision = decide(RECOVERY, gang(running(0), running(1, exit_code=-9)))
+    assert decision.action is Action.RESTART
+    assert decision.delay_seconds == 10
+    assert decision.failure is FailureKind.CRASH
+    assert decision.rank == 1
+    assert decision.remediation is None
+    assert decision.restarts == 1
+    assert "signal 9" in decision.reason
+
+
+def test_hang_is_a_failure_of_the_unhealthy_rank() -> None:
+    decision = decide(RECOVERY, gang(running(0), running(1, alive=False, reason="no step for 31 s")))
+    assert decision.failure is FailureKind.HANG
+    assert "no step for 31 s" in decision.reason
+
+
+def test_divergence_explains_the_peers_that_crashed_with_it() -> None:
+    decision = decide(RECOVERY, gang(running(0, exit_code=1), running(1, exit_code=ExitCode.DIVERGED)))
+    assert decision.failure is FailureKind.DIVERGED
+    assert decision.rank == 1
+    assert decision.remediation == RECOVERY.on_divergence
+
+
+def test_config_error_fails_at_once() -> None:
+    decision = decide(RECOVERY, gang(running(0, exit_code=ExitCode.CONFIG_ERROR)))
+    assert decision.action is Action.FAIL
+    assert decision.failure is FailureKind.CONFIG
+
+
+def test_lost_pod_restarts() -> None:
+    assert decide(RECOVERY, gang(running(0, lost=True, alive=None))).failure is FailureKind.LOST
+
+
+def test_already_handled_attempt_waits() -> None:
+    observation = gang(running(0, exit_code=1), attempt=2, restarts=1, handled=2)
+    assert decide(RECOVERY, observation).action is Action.WAIT
+
+
+def test_exhausted_restarts_fail_with_the_last_reason() -> None:
+    decision = decide(RECOVERY, gang(running(0, exit_code=1), attempt=6, restarts=5))
+    assert decision.action is Action.FAIL
+    assert "restarts exhausted (5 of 5)" in decision.reason
+    assert "rank 0 crashed" in decision.reason
+
+
+schedules = st.lists(st.integers(min_value=1, max_value=600), min_size=1, max_size=6).map(sorted)
+rank_states = st.builds(
+    RankObservation,
+    rank=st.integers(0, 7),
+    exit_code=st.one_of(st.none(), st.sampled_from([0, 1, 2, 137, 200, -9, -15])),
+    alive=st.one_of(st.none(), st.booleans()),
+    diverged=st.booleans(),
+    lost=st.booleans(),
+)
+
+
+@given(schedule=schedules, restarts=st.integers(0, 50))
+def test_backoff_is_non_decreasing_and_capped(schedule: list[int], restarts: int) -> None:
+    recovery = RecoverySpec(backoff_seconds=schedule)
+    assert backoff_seconds(recovery, restarts) <= backoff_seconds(recovery, restarts + 1)
+    assert backoff_seconds(recovery, restarts) <= max(schedule)
+    assert backoff_seconds(recovery, restarts + len(schedule)) == max(schedule)
+
+
+@settings(max_examples=200)
+@given(
+    max_restarts=st.integers(0, 8),
+    schedule=schedules,
+    history=st.lists(st.lists(rank_states, min_size=1, max_size=4), min_size=1, max_size=30),
+)
+def test_a_simulated_job_never_exceeds_max_restarts_and_ends_final(
+    max_restarts: int, schedule: list[int], history: list[list[RankObservation]]
+) -> None:
+    recovery = RecoverySpec(max_restarts=max_restarts, backoff_seconds=schedule)
+    attempt, restarts, handled = 1, 0, 0
+    terminal: Action | None = None
+    delays: list[float] = []
+    for ranks in history:
+        observation = Observation(attempt, ranks, restarts, handled, terminal)
+        decision = decide(recovery, observation)
+        if terminal is not None:
+            assert decision.action is terminal  # success and failure are final
+            continue
+        if decision.action is Action.RESTART:
+            assert decision.restarts == restarts + 1 <= max_restarts
+            if decision.failure is FailureKind.DIVERGED:
+                assert decision.remediation is not None
+            delays.append(decision.delay_seconds)
+            handled, restarts, attempt = attempt, decision.restarts, attempt + 1
+        elif decision.action in (Action.SUCCEED, Action.FAIL):
+            terminal = decision.action
+    assert restarts <= max_restarts
+    assert delays == sorted(delays)
+
+
+@given(ranks=st.lists(rank_states, min_size=1, max_size=4), restarts=st.integers(0, 4))
+def test_a_diverged_restart_always_carries_remediation(ranks: list[RankObservation], restarts: int) -> None:
+    decision = decide(
+        RECOVERY, Observation(attempt=restarts + 1, ranks=ranks, restarts=restarts, handled_attempt=restarts)
+    )
+    if decision.failure is FailureKind.DIVERGED and decision.action is Action.RESTART:
+        assert decision.remediation == RECOVERY.on_divergence
+    if decision.action is Action.RESTART and decision.failure is not FailureKind.DIVERGED:
+        assert decision.remediation is None

@@ -1,0 +1,1 @@
+"""trainguard's control side: the GuardedTrainingJob spec, the recovery policy and the local runner."""

@@ -1,0 +1,357 @@
+"""The GuardedTrainingJob resource as pydantic models: the one source of truth for its shape.
+
+The CRD in ``crds/`` is generated from these models (``python -m trainguard.crd``), the operator
+and ``trainguard run`` validate with them, and the guardian's settings are the same section models
+(``trainer_sidecar.settings``). Every cross-field rule is written twice on purpose: as a pydantic
+validator here (for ``trainguard run`` and the operator) and as a CEL rule in the schema extras
+(for the API server), and a test checks both refuse the same objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
+
+from trainer_sidecar.settings import (
+    CheckpointPolicy as GuardianCheckpointPolicy,
+)
+from trainer_sidecar.settings import (
+    GuardianSettings,
+    GuardThresholds,
+    Remediation,
+    describe_validation_error,
+)
+
+GROUP = "trainguard.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "GuardedTrainingJob"
+PLURAL = "guardedtrainingjobs"
+SINGULAR = "guardedtrainingjob"
+SHORT_NAMES = ["gtj"]
+WORKER_CONTAINER = "pytorch"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
+    """One ``x-kubernetes-validations`` entry."""
+    entry: JsonDict = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class CheckpointSpec(GuardianCheckpointPolicy):
+    """Where checkpoints live (a ReadWriteMany claim shared by all workers) and how often they are written."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.snapshotEverySteps <= self.everySteps",
+                    "snapshotEverySteps must not exceed everySteps",
+                    ".snapshotEverySteps",
+                )
+            ]
+        }
+    )
+
+    claim_name: str = Field(
+        min_length=1, max_length=253, description="PersistentVolumeClaim for checkpoints."
+    )
+    mount_path: str = Field("/ckpt", pattern=r"^/", description="Where the claim is mounted in the worker.")
+
+    @model_validator(mode="after")
+    def _snapshots_not_rarer_than_checkpoints(self) -> CheckpointSpec:
+        if self.snapshot_every_steps > self.every_steps:
+            raise ValueError("snapshotEverySteps must not exceed everySteps")
+        return self
+
+    def policy(self) -> GuardianCheckpointPolicy:
+        """The part the in-process guardian needs."""
+        return GuardianCheckpointPolicy(
+            keep_clean=self.keep_clean,
+            every_steps=self.every_steps,
+            snapshot_every_steps=self.snapshot_every_steps,
+        )
+
+
+class HealthSpec(_Model):
+    """When a worker counts as hung, and how often the kubelet (or local runner) asks."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.hangTimeoutSeconds > self.probePeriodSeconds",
+                    "hangTimeoutSeconds must be longer than probePeriodSeconds",
+                    ".hangTimeoutSeconds",
+                )
+            ]
+        }
+    )
+
+    hang_timeout_seconds: int = Field(300, ge=1, description="No step for this long means hung.")
+    startup_grace_seconds: int = Field(600, ge=0, description="Time allowed before the first step.")
+    probe_period_seconds: int = Field(10, ge=1, description="How often health is checked.")
+
+    @model_validator(mode="after")
+    def _timeout_longer_than_period(self) -> HealthSpec:
+        if self.hang_timeout_seconds <= self.probe_period_seconds:
+            raise ValueError("hangTimeoutSeconds must be longer than probePeriodSeconds")
+        return self
+
+
+class RecoverySpec(_Model):
+    """How the whole gang is restarted: how often, after how long, with what remediation on divergence."""
+
+    max_restarts: int = Field(5, ge=0, description="Gang restarts allowed before the job fails.")
+    backoff_seconds: list[int] = Field(
+        default=[10, 30, 90],
+        min_length=1,
+        max_length=20,
+        description="Wait before restart N is the N-th entry; the last entry repeats (the cap).",
+        json_schema_extra={
+            "items": {"type": "integer", "minimum": 1},
+            "x-kubernetes-validations": [cel("self.isSorted()", "backoffSeconds must be non-decreasing")],
+        },
+    )
+    on_divergence: Remediation = Field(
+        default_factory=Remediation, description="Applied after a diverged exit."
+    )
+
+    @field_validator("backoff_seconds")
+    @classmethod
+    def _positive_non_decreasing(cls, value: list[int]) -> list[int]:
+        if any(v < 1 for v in value):
+            raise ValueError("every backoff must be at least 1 second")
+        if any(b < a for a, b in itertools.pairwise(value)):
+            raise ValueError("backoffSeconds must be non-decreasing")
+        return value
+
+
+class DataQualitySpec(_Model):
+    """What share of dropped samples is tolerated (alerting threshold)."""
+
+    max_drop_rate: float = Field(0.001, ge=0, le=1, description="Alert above this dropped-sample ratio.")
+
+
+class GuardSpec(GuardThresholds):
+    """The step guard's thresholds (see the guardian)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.spikeMinHistory <= self.lossSpikeWindow",
+                    "spikeMinHistory must not exceed lossSpikeWindow",
+                    ".spikeMinHistory",
+                )
+            ]
+        }
+    )
+
+
+class ContainerSpec(BaseModel):
+    """A container of the worker pod; only the fields trainguard reads are typed, the rest pass through."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    name: str = Field(min_length=1, max_length=63)
+    command: list[str] | None = None
+    args: list[str] | None = None
+    env: list[dict[str, Any]] | None = None
+
+
+class PodSpec(BaseModel):
+    """The worker pod's spec; the container named pytorch is the training container."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "x-kubernetes-preserve-unknown-fields": True,
+            "x-kubernetes-validations": [
+                cel(
+                    f"self.containers.exists(c, c.name == '{WORKER_CONTAINER}')",
+                    f"the worker template needs a container named {WORKER_CONTAINER}",
+                    ".containers",
+                )
+            ],
+        },
+    )
+
+    containers: list[ContainerSpec] = Field(min_length=1, max_length=64)
+
+    @field_validator("containers")
+    @classmethod
+    def _has_worker(cls, value: list[ContainerSpec]) -> list[ContainerSpec]:
+        if not any(c.name == WORKER_CONTAINER for c in value):
+            raise ValueError(f"the worker template needs a container named {WORKER_CONTAINER}")
+        return value
+
+    def worker(self) -> ContainerSpec:
+        """The training container."""
+        return next(c for c in self.containers if c.name == WORKER_CONTAINER)
+
+
+class PodTemplate(BaseModel):
+    """The worker pod template, as in a Deployment or a PyTorchJob replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metadata: dict[str, Any] | None = Field(
+        None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    spec: PodSpec
+
+
+class GuardedTrainingJobSpec(_Model):
+    """What the user asks for: a guarded distributed PyTorch job."""
+
+    replicas: int = Field(1, ge=1, le=4096, description="Worker processes (pods); rank 0 is the master.")
+    template: PodTemplate
+    checkpoint: CheckpointSpec
+    guard: GuardSpec = Field(default_factory=GuardSpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    data_quality: DataQualitySpec = Field(default_factory=DataQualitySpec)
+
+    def guardian_settings(self) -> GuardianSettings:
+        """The settings handed to every worker's guardian (``TRAINGUARD_SETTINGS``)."""
+        return GuardianSettings(
+            guard=GuardThresholds.model_validate(self.guard.model_dump()),
+            checkpoint=self.checkpoint.policy(),
+            remediation=self.recovery.on_divergence,
+        )
+
+
+class ObjectMeta(BaseModel):
+    """The metadata trainguard reads; everything else is kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = "default"
+
+
+class GuardedTrainingJob(BaseModel):
+    """A whole GuardedTrainingJob manifest (``kubectl apply`` form)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = Field(alias="apiVersion")
+    kind: str
+    metadata: ObjectMeta
+    spec: GuardedTrainingJobSpec
+
+    @field_validator("api_version")
+    @classmethod
+    def _api_version(cls, value: str) -> str:
+        if value != API_VERSION:
+            raise ValueError(f"must be {API_VERSION}")
+        return value
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        if value != KIND:
+            raise ValueError(f"must be {KIND}")
+        return value
+
+
+class SpecError(ValueError):
+    """A manifest is invalid; the message names the file and each bad field's path."""
+
+
+def parse_job(document: Any, source: str) -> GuardedTrainingJob:
+    """Validate one manifest (already parsed YAML) or raise SpecError naming ``source`` and fields."""
+    if not isinstance(document, dict):
+        raise SpecError(f"{source}: expected a GuardedTrainingJob mapping, got {type(document).__name__}")
+    try:
+        return GuardedTrainingJob.model_validate(document)
+    except ValidationError as exc:
+        raise SpecError(describe_validation_error(exc, source)) from exc
+
+
+def load_job(path: Path) -> GuardedTrainingJob:
+    """Read and validate a GuardedTrainingJob YAML file (the first document of kind GuardedTrainingJob)."""
+    try:
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot be read: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from exc
+    jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == KIND]
+    if not jobs:
+        raise SpecError(f"{path}: no document of kind {KIND}")
+    return parse_job(jobs[0], str(path))
+
+
+class Condition(BaseModel):
+    """A status condition in the Kubernetes API conventions shape."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    type: str
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str = ""
+    observed_generation: int | None = None
+
+
+class LastFailure(BaseModel):
+    """The failure that caused the latest gang restart."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    reason: str
+    message: str = ""
+    rank: int | None = None
+    exit_code: int | None = None
+    time: str = ""
+
+
+class CheckpointStatus(BaseModel):
+    """The newest clean checkpoint known."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    step: int
+    path: str = ""
+    sha256: str = ""
+    time: str = ""
+
+
+class GuardedTrainingJobStatus(BaseModel):
+    """What the operator (or the local runner) reports about a job."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="allow",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    phase: str | None = Field(None, description="Pending, Running, Restarting, Succeeded or Failed.")
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+    attempt: int | None = Field(None, description="Current gang attempt, starting at 1.")
+    restarts: int | None = Field(None, description="Gang restarts so far.")
+    last_failure: LastFailure | None = None
+    step: int | None = None
+    last_clean_checkpoint: CheckpointStatus | None = None
+    rollbacks: int | None = None
+    skipped_steps: int | None = None
+    samples_dropped: int | None = None
+    drop_rate: float | None = None
+    goodput: float | None = None
