@@ -135,3 +135,8 @@ def test_a_diverged_restart_always_carries_remediation(ranks: list[RankObservati
         assert decision.remediation == RECOVERY.on_divergence
     if decision.action is Action.RESTART and decision.failure is not FailureKind.DIVERGED:
         assert decision.remediation is None
+
+
+def test_several_ranks_failing_alike_are_all_named() -> None:
+    decision = decide(RECOVERY, gang(running(0, alive=False), running(1, alive=False), running(2)))
+    assert decision.reason.startswith("ranks 0, 1 hung")

@@ -215,14 +215,21 @@ class CheckpointStore:
             self.prune()
         return ref
 
-    def _record_clean(self, step: int, directory: Path) -> CheckpointRef | None:
+    def reference(self, step: int) -> CheckpointRef | None:
+        """The checkpoint at ``step`` as rank 0's manifest describes it (None without a manifest)."""
+        directory = self.root / step_dir_name(step)
         manifest = self._read_manifest(directory / "rank-0.json")
         if manifest is None:
             return None
         entry = manifest["files"].get("rank-0.pt", {})
-        ref = CheckpointRef(
+        return CheckpointRef(
             step=step, path=str(directory), sha256=str(entry.get("sha256", "")), time=float(manifest["time"])
         )
+
+    def _record_clean(self, step: int, directory: Path) -> CheckpointRef | None:
+        ref = self.reference(step)
+        if ref is None:
+            return None
         with self._lock:
             if self.last_clean is None or ref.step >= self.last_clean.step:
                 self.last_clean = ref
@@ -283,12 +290,19 @@ class CheckpointStore:
         return Verdict(step, True)
 
     def verify(self, step: int) -> Verdict:
-        """Check the files this rank would load at ``step``: complete, sizes and SHA-256 as manifested."""
+        """Check the files this rank would load at ``step``: complete, sizes and SHA-256 as manifested.
+
+        A rank beyond the writing job's world size loads rank 0's files only (see ``load``).
+        """
+        directory = self.root / step_dir_name(step)
+        first_path = directory / "rank-0.json"
+        first = self._read_manifest(first_path)
+        if first is None:
+            return Verdict(step, False, f"{first_path}: missing or not a valid manifest")
         if not self.is_complete(step):
-            return Verdict(
-                step, False, f"{self.root / step_dir_name(step)}: incomplete (a rank's manifest is missing)"
-            )
-        return self._verify_files(step, sorted({0, self.rank}))
+            return Verdict(step, False, f"{directory}: incomplete (a rank's manifest is missing)")
+        writers = int(first.get("world_size", 1))
+        return self._verify_files(step, sorted({0, self.rank} if self.rank < writers else {0}))
 
     def newest_valid(self, at_most: int | None = None) -> int | None:
         """The newest step at or below ``at_most`` this rank can load; logs why newer ones were skipped."""

@@ -198,6 +198,7 @@ class Guardian:
         self.last_step_time: float | None = None
         self.nan_location: str | None = None
         self.phase = Phase.STARTING
+        self.resumed_step = 0
         self.message = ""
         self.started_at = time.time()
         self._micro = 0
@@ -736,6 +737,7 @@ class Guardian:
             else:
                 self._pending_data_state = state["data"]
         self._take_snapshot()
+        self.resumed_step = step
         log.warning("resumed from the clean checkpoint at step %d (%s)", step, path)
         self._check_validation("resume")
 
@@ -769,6 +771,7 @@ class Guardian:
             phase=self.phase,
             started_at=self.started_at,
             step=self.step_count,
+            resumed_step=self.resumed_step,
             last_step_time=self.last_step_time,
             loss=_json_float(self.last_loss) if self.last_loss is not None else None,
             grad_norm=_json_float(self.last_grad_norm) if self.last_grad_norm is not None else None,
@@ -799,6 +802,10 @@ class Guardian:
                 self.store.wait()
             finally:
                 self.store.close()
+        if self.world_size > 1:
+            # No rank reports success before every rank's final checkpoint is durable, and ranks leave
+            # together (a rank tearing down gloo while a peer is still in it can abort the peer).
+            dist.barrier()
         self.phase = Phase.FINISHED
         self._publish(force=True)
 

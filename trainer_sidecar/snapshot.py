@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer_sidecar.tensorstate import HostBuffers, flatten, signature, unflatten
+from trainer_sidecar.tensorstate import HostBuffers, Slot, flatten, signature, unflatten
 
 
 @dataclass
@@ -62,7 +62,8 @@ class Snapshot:
             saved_groups = self._skeleton["optimizer"]["param_groups"]
             for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
                 for key, value in saved.items():
-                    if key != "params":
+                    # Tensor-valued hyperparameters (a tensor lr) were already copied back in place.
+                    if key != "params" and not isinstance(value, Slot):
                         group[key] = copy.deepcopy(value)
         else:
             # The optimizer created state after the snapshot (for example its first step): load a copy.

@@ -54,6 +54,9 @@ class WorkerStatus(BaseModel):
     started_at: float = Field(description="Wall-clock time the guardian was created (unix seconds).")
     updated_at: float = 0.0
     step: int = 0
+    resumed_step: int = Field(
+        0, description="The checkpoint step this process resumed from (0: a fresh start)."
+    )
     last_step_time: float | None = None
     loss: float | None = None
     grad_norm: float | None = None

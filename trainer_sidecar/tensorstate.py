@@ -15,7 +15,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class _Slot:
+class Slot:
     """Placeholder for the i-th tensor inside a skeleton."""
 
     index: int
@@ -28,7 +28,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
     def walk(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             tensors.append(node)
-            return _Slot(len(tensors) - 1)
+            return Slot(len(tensors) - 1)
         if isinstance(node, dict):
             return {key: walk(value) for key, value in node.items()}
         if isinstance(node, list):
@@ -44,7 +44,7 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Rebuild the nested state of ``flatten`` with ``tensors`` in the slots."""
 
     def walk(node: Any) -> Any:
-        if isinstance(node, _Slot):
+        if isinstance(node, Slot):
             return tensors[node.index]
         if isinstance(node, dict):
             return {key: walk(value) for key, value in node.items()}

@@ -1,0 +1,189 @@
+"""In-memory snapshots: capture, let training move on, restore in place, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from trainer_sidecar.snapshot import Snapshot
+
+
+def make_training(lr: float | torch.Tensor = 1e-2) -> tuple[nn.Module, torch.optim.AdamW]:
+    """A small model with parameters and buffers (BatchNorm, with an int64 counter) and its AdamW."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 20), nn.BatchNorm1d(20), nn.ReLU(), nn.Linear(20, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    return model, optimizer
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        inputs = torch.randn(12, 10, generator=generator)
+        targets = torch.randn(12, 2, generator=generator)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        torch.autograd.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def clone_state(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, Mapping):
+        return {key: clone_state(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [clone_state(value) for value in state]
+    if isinstance(state, tuple):
+        return tuple(clone_state(value) for value in state)
+    return state
+
+
+def assert_same_state(actual: Any, expected: Any, where: str = "state") -> None:
+    """Bit-exact equality of nested states: tensors by torch.equal (and dtype), the rest by ==."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {type(actual).__name__}"
+        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+        assert torch.equal(actual, expected), f"{where}: tensor contents differ"
+    elif isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), f"{where}: expected a mapping, got {type(actual).__name__}"
+        assert set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
+        for key in expected:
+            assert_same_state(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state(a, e, f"{where}[{index}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def live_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    cloned: dict[str, Any] = clone_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    return cloned
+
+
+def storage_pointers(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """data_ptr of every parameter, buffer and optimizer state tensor, by a stable name."""
+    pointers = {f"model.{name}": t.data_ptr() for name, t in model.state_dict(keep_vars=True).items()}
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                pointers[f"optimizer.{index}.{key}"] = value.data_ptr()
+    return pointers
+
+
+def lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(group["lr"]) for group in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_restore_after_more_adamw_steps_is_bit_exact_and_in_place(lr_kind: str) -> None:
+    lr: float | torch.Tensor = 1e-2 if lr_kind == "float" else torch.tensor(1e-2)
+    model, optimizer = make_training(lr)
+    train(model, optimizer, 3, seed=1)
+    small = {"scheduler": {"last_epoch": 3, "values": [1, 2]}, "scaler": None}
+    extra = {"losses": [1.0, 0.9], "optimizer_steps": 3}
+
+    snapshot = Snapshot()
+    assert not snapshot.taken
+    snapshot.capture(3, model, optimizer, small, extra)
+    assert snapshot.taken
+    assert snapshot.step == 3
+    assert snapshot.nbytes > 0
+    expected = live_state(model, optimizer)
+    expected_lrs = lrs(optimizer)
+    pointers = storage_pointers(model, optimizer)
+
+    # Training moves on: weights, buffers, moments, step counters and the learning rate all change.
+    small["scheduler"]["values"].append(3)
+    extra["losses"].append(123.0)
+    train(model, optimizer, 4, seed=2)
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(0.5)
+        else:
+            group["lr"] = 0.5
+    moved = live_state(model, optimizer)
+    assert not torch.equal(moved["model"]["0.weight"], expected["model"]["0.weight"])
+    assert not torch.equal(moved["model"]["1.running_mean"], expected["model"]["1.running_mean"])
+    assert not torch.equal(
+        moved["optimizer"]["state"][0]["exp_avg"], expected["optimizer"]["state"][0]["exp_avg"]
+    )
+
+    returned = snapshot.restore(model, optimizer)
+
+    assert_same_state(live_state(model, optimizer), expected)
+    assert lrs(optimizer) == expected_lrs
+    assert storage_pointers(model, optimizer) == pointers  # nothing reallocated
+    assert returned == {"scheduler": {"last_epoch": 3, "values": [1, 2]}, "scaler": None}
+    assert snapshot.extra == {"losses": [1.0, 0.9], "optimizer_steps": 3}
+
+    # The restored state trains exactly like the original did from the same point.
+    reference_model, reference_optimizer = make_training(lr)
+    train(reference_model, reference_optimizer, 3, seed=1)
+    assert train(model, optimizer, 3, seed=5) == train(reference_model, reference_optimizer, 3, seed=5)
+    assert_same_state(live_state(model, optimizer), live_state(reference_model, reference_optimizer))
+
+
+def test_the_snapshot_is_not_aliased_to_live_tensors_and_restores_repeatedly() -> None:
+    model, optimizer = make_training()
+    train(model, optimizer, 2, seed=1)
+    snapshot = Snapshot()
+    snapshot.capture(2, model, optimizer, {}, {})
+    expected = live_state(model, optimizer)
+
+    returned = snapshot.restore(model, optimizer)
+    returned["mutated"] = True  # the caller's copy, not the snapshot's
+    for seed in (3, 4):
+        train(model, optimizer, 2, seed=seed)
+        assert snapshot.restore(model, optimizer) == {}
+        assert_same_state(live_state(model, optimizer), expected)
+
+
+def test_restore_of_a_snapshot_taken_before_the_optimizer_had_state() -> None:
+    model, optimizer = make_training()
+    snapshot = Snapshot()
+    snapshot.capture(0, model, optimizer, {"scheduler": None}, {"optimizer_steps": 0})
+    assert len(optimizer.state) == 0
+    expected_model = clone_state(model.state_dict())
+    param_pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
+
+    train(model, optimizer, 3, seed=1)
+    optimizer.param_groups[0]["lr"] = 0.25
+    assert len(optimizer.state) > 0
+
+    assert snapshot.restore(model, optimizer) == {"scheduler": None}
+
+    assert_same_state(clone_state(model.state_dict()), expected_model)
+    assert len(optimizer.state) == 0  # the moments are gone, as at step 0
+    assert lrs(optimizer) == [1e-2]
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == param_pointers
+    # From here training is that of a fresh model and optimizer.
+    fresh_model, fresh_optimizer = make_training()
+    assert train(model, optimizer, 3, seed=7) == train(fresh_model, fresh_optimizer, 3, seed=7)
+    assert_same_state(live_state(model, optimizer), live_state(fresh_model, fresh_optimizer))
+
+
+def test_small_state_is_copied_at_capture_time() -> None:
+    model, optimizer = make_training()
+    small: dict[str, Any] = {"scheduler": {"milestones": [10, 20]}}
+    snapshot = Snapshot()
+    snapshot.capture(1, model, optimizer, small, {"k": [1]})
+    original = copy.deepcopy(small)
+    small["scheduler"]["milestones"].append(30)
+    assert snapshot.restore(model, optimizer) == original
+
+
+def test_restore_without_a_snapshot_raises() -> None:
+    model, optimizer = make_training()
+    with pytest.raises(RuntimeError, match="no snapshot"):
+        Snapshot().restore(model, optimizer)
