@@ -127,7 +127,9 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     what = rank.reason or (
         describe_exit(rank.exit_code) if rank.exit_code is not None else kind.value.lower()
     )
-    reason = f"rank {rank.rank} {kind.value.lower()}: {what}"
+    alike = sorted(r.rank for k, r in failures if k is kind)
+    who = f"rank {rank.rank}" if len(alike) == 1 else f"ranks {', '.join(map(str, alike))}"
+    reason = f"{who} {kind.value.lower()}: {what}"
     failed = Decision(
         Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts
     )

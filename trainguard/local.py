@@ -1,0 +1,481 @@
+"""``trainguard run``: a GuardedTrainingJob on one machine, with the operator's recovery policy.
+
+Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command,
+with the torch.distributed environment) and one sidecar process per worker on its own free port.
+The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a kubelet, reads
+``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
+``trainguard.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
+waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.settings import Remediation
+from trainguard.policy import Action, Decision, Observation, RankObservation, decide
+from trainguard.spec import GuardedTrainingJob, SpecError
+from trainguard.summary import Incident, Sample, goodput, kept_time, stretches
+
+log = logging.getLogger("trainguard.run")
+
+SIDECAR_START_TIMEOUT = 30.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status), bytes(response.read())
+    except urllib.error.HTTPError as error:
+        return int(error.code), bytes(error.read())
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, b""
+
+
+@dataclass
+class RankProcesses:
+    """One rank of one attempt: the worker, its sidecar, and where their files are."""
+
+    rank: int
+    worker: subprocess.Popen[bytes]
+    sidecar: subprocess.Popen[str]
+    sidecar_url: str
+    status_file: Path
+    log_file: IO[bytes]
+    alive: bool | None = None
+    health_reason: str = ""
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Event:
+    """A line of the job's timeline."""
+
+    time: float
+    kind: str
+    message: str
+    attempt: int
+    step: int | None = None
+
+    def as_dict(self, origin: float) -> dict[str, Any]:
+        """JSON form, with the time relative to the run's start."""
+        return {
+            "t": round(self.time - origin, 3),
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "step": self.step,
+            "message": self.message,
+        }
+
+
+class LocalRunner:
+    """Runs one GuardedTrainingJob to success or failure on this machine. See the module docstring."""
+
+    def __init__(
+        self,
+        job: GuardedTrainingJob,
+        *,
+        checkpoint_root: Path,
+        run_dir: Path,
+        stop_grace_seconds: float = 10.0,
+        view: Any = None,
+    ) -> None:
+        self.job = job
+        self.spec = job.spec
+        self.checkpoint_dir = checkpoint_root / self.spec.checkpoint.claim_name
+        self.run_dir = run_dir
+        self.stop_grace_seconds = stop_grace_seconds
+        self.view = view
+        self.worker = self.spec.template.spec.worker()
+        self.command = self._command()
+        self.template_env = self._template_env()
+        self.attempt = 0
+        self.restarts = 0
+        self.remediation: Remediation | None = None
+        self.ranks: list[RankProcesses] = []
+        self.events: list[Event] = []
+        self.samples: list[Sample] = []
+        self.series: list[dict[str, Any]] = []
+        self.incidents: list[Incident] = []
+        self.resume_steps: dict[int, int] = {}
+        self.backoff_total = 0.0
+        self.started = time.time()
+        self.attempt_started = self.started
+        self.final_decision: Decision | None = None
+        self._last_counts: dict[str, int] = {}
+        self._pending_incident: tuple[Decision, float, float] | None = None
+
+    # ---------------------------------------------------------------------------------- template ---
+    def _command(self) -> list[str]:
+        command = [*(self.worker.command or []), *(self.worker.args or [])]
+        if not command:
+            raise SpecError("spec.template.spec.containers[pytorch].command: a local run needs a command")
+        # The image's python is this machine's interpreter (the one trainguard runs in).
+        if Path(command[0]).name in ("python", "python3"):
+            command[0] = sys.executable
+        return command
+
+    def _template_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for index, item in enumerate(self.worker.env or []):
+            where = f"spec.template.spec.containers[pytorch].env[{index}]"
+            if "name" not in item:
+                raise SpecError(f"{where}: needs a name")
+            if "valueFrom" in item:
+                raise SpecError(f"{where} ({item['name']}): valueFrom cannot be resolved without a cluster")
+            env[str(item["name"])] = str(item.get("value", ""))
+        return env
+
+    def worker_env(self, rank: int, port: int, status_file: Path) -> dict[str, str]:
+        """The environment of one worker process in the current attempt."""
+        spec = self.spec
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env.update(self.template_env)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.replicas),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TRAINGUARD_SETTINGS=spec.guardian_settings().model_dump_json(by_alias=True),
+            TRAINGUARD_CHECKPOINT_DIR=str(self.checkpoint_dir),
+            TRAINGUARD_STATUS_FILE=str(status_file),
+            TRAINGUARD_JOB_NAME=self.job.metadata.name,
+            TRAINGUARD_NAMESPACE=self.job.metadata.namespace,
+            TRAINGUARD_ATTEMPT=str(self.attempt),
+        )
+        if self.remediation is not None:
+            payload = {"id": f"attempt-{self.attempt}", **self.remediation.model_dump(by_alias=True)}
+            env["TRAINGUARD_REMEDIATION"] = json.dumps(payload)
+        return env
+
+    # ------------------------------------------------------------------------------------ events ---
+    def event(self, kind: str, message: str, step: int | None = None) -> None:
+        """Record a timeline event and show it."""
+        entry = Event(time.time(), kind, message, self.attempt, step)
+        self.events.append(entry)
+        if self.view is not None:
+            self.view.event(entry)
+
+    # ------------------------------------------------------------------------------ gang control ---
+    def start_gang(self) -> None:
+        """Start the sidecars and workers of a new attempt."""
+        self.attempt += 1
+        self.attempt_started = time.time()
+        attempt_dir = self.run_dir / f"attempt-{self.attempt}"
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        health = self.spec.health
+        self.ranks = []
+        for rank in range(self.spec.replicas):
+            status_file = attempt_dir / f"rank-{rank}" / "status.json"
+            status_file.parent.mkdir(parents=True, exist_ok=True)
+            sidecar = subprocess.Popen(
+                [
+                    sys.executable, "-m", "trainer_sidecar.sidecar",
+                    "--status-file", str(status_file),
+                    "--host", "127.0.0.1", "--port", "0",
+                    "--hang-timeout-seconds", str(health.hang_timeout_seconds),
+                    "--startup-grace-seconds", str(health.startup_grace_seconds),
+                    "--job", self.job.metadata.name, "--namespace", self.job.metadata.namespace,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            url = self._sidecar_url(sidecar)
+            log_file = open(logs / f"attempt-{self.attempt}-rank-{rank}.log", "wb")  # noqa: SIM115
+            worker = subprocess.Popen(
+                self.command,
+                env=self.worker_env(rank, port, status_file),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            self.ranks.append(RankProcesses(rank, worker, sidecar, url, status_file, log_file))
+        remediation = ""
+        if self.remediation is not None:
+            remediation = f" with remediation lrScale={self.remediation.lr_scale}"
+        self._last_counts.clear()  # counters restored from a checkpoint are not new events
+        self.event("start", f"started {self.spec.replicas} worker(s){remediation}")
+
+    def _sidecar_url(self, sidecar: subprocess.Popen[str]) -> str:
+        assert sidecar.stdout is not None
+        deadline = time.monotonic() + SIDECAR_START_TIMEOUT
+        while time.monotonic() < deadline:
+            line = sidecar.stdout.readline()
+            if not line:
+                break
+            if "listening on" in line:
+                return line.strip().rsplit(" ", 1)[-1]
+        sidecar.kill()
+        raise RuntimeError("a sidecar did not start (no 'listening on' line)")
+
+    def stop_gang(self) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars."""
+        for rank in self.ranks:
+            _signal_group(rank.worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_seconds
+        for rank in self.ranks:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                rank.worker.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                _signal_group(rank.worker, signal.SIGKILL)
+                rank.worker.wait()
+            _signal_group(rank.worker, signal.SIGKILL)  # stray children (data loader workers)
+        for rank in self.ranks:
+            _signal_group(rank.sidecar, signal.SIGTERM)
+            try:
+                rank.sidecar.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                rank.sidecar.kill()
+                rank.sidecar.wait()
+            if rank.sidecar.stdout is not None:
+                rank.sidecar.stdout.close()
+            rank.log_file.close()
+
+    # --------------------------------------------------------------------------------- watching ---
+    def probe(self) -> None:
+        """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator)."""
+        timeout = min(5.0, float(self.spec.health.probe_period_seconds))
+        for rank in self.ranks:
+            if rank.worker.poll() is not None:
+                continue
+            code, body = _http_get(rank.sidecar_url + "/healthz", timeout)
+            rank.alive = None if code == 0 else code == 200
+            rank.health_reason = "" if code == 200 else body.decode(errors="replace").strip()
+            self.read_status(rank)
+
+    def read_status(self, rank: RankProcesses) -> None:
+        """Refresh one rank's status from its sidecar's /status."""
+        code, body = _http_get(rank.sidecar_url + "/status", 2.0)
+        if code != 200:
+            return
+        with contextlib.suppress(ValueError):
+            document = json.loads(body)
+            if isinstance(document.get("status"), dict):
+                rank.status = document["status"]
+
+    def observe(self) -> Observation:
+        """What the policy sees now."""
+        ranks = []
+        for rank in self.ranks:
+            code = rank.worker.poll()
+            diverged = rank.status.get("phase") == "diverged"
+            ranks.append(
+                RankObservation(
+                    rank=rank.rank,
+                    exit_code=code,
+                    alive=rank.alive if code is None else None,
+                    reason=rank.health_reason if code is None and rank.alive is False else "",
+                    diverged=diverged and code is not None,
+                )
+            )
+        return Observation(
+            attempt=self.attempt, ranks=ranks, restarts=self.restarts, handled_attempt=self.attempt - 1
+        )
+
+    def record_progress(self) -> None:
+        """Sample rank 0's progress and turn counter changes into timeline events."""
+        if not self.ranks:
+            return
+        status = self.ranks[0].status
+        if not status or status.get("step") is None or status.get("phase") == "starting":
+            return
+        now = time.time()
+        step = int(status["step"])
+        if self.attempt not in self.resume_steps:
+            self.resume_steps[self.attempt] = int(status.get("resumed_step") or 0)
+        if status.get("last_step_time") and float(status["last_step_time"]) >= self.attempt_started:
+            self.samples.append(Sample(now, self.attempt, step))
+            if self._pending_incident is not None:
+                decision, fault_time, detected = self._pending_incident
+                self.incidents.append(
+                    Incident(
+                        self.attempt - 1, decision.reason, fault_time, detected, decision.delay_seconds, now
+                    )
+                )
+                self.event("recovered", f"training progressed again at step {step}", step)
+                self._pending_incident = None
+        self.series.append(
+            {
+                "t": round(now - self.started, 3),
+                "attempt": self.attempt,
+                "step": step,
+                "loss": status.get("loss"),
+                "grad_norm": status.get("grad_norm"),
+            }
+        )
+        counts = {
+            "skipped_steps": int(sum(int(r.status.get("skipped_steps", 0)) for r in self.ranks[:1])),
+            "rollbacks": int(status.get("rollbacks", 0)),
+            "checkpoint": int((status.get("last_clean_checkpoint") or {}).get("step", -1)),
+        }
+        for key, value in counts.items():
+            previous = self._last_counts.get(key)
+            if previous is not None and value > previous:
+                if key == "skipped_steps":
+                    self.event("skip", f"{value - previous} step(s) skipped (non-finite or spike)", step)
+                elif key == "rollbacks":
+                    self.event(
+                        "rollback", f"rolled back to the last clean snapshot (rollback #{value})", step
+                    )
+                else:
+                    self.event("checkpoint", f"clean checkpoint at step {value}", value)
+            self._last_counts[key] = value
+
+    # ------------------------------------------------------------------------------------- main ---
+    def run(self) -> int:
+        """Run to the end; returns the process exit code (0 success, 1 failure, 130 interrupted)."""
+        self.start_gang()
+        period = float(self.spec.health.probe_period_seconds)
+        next_probe = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_probe:
+                    self.probe()
+                    next_probe = now + period
+                elif self.ranks:
+                    self.read_status(self.ranks[0])
+                self.record_progress()
+                if self.view is not None:
+                    self.view.update(self)
+                decision = decide(self.spec.recovery, self.observe())
+                if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
+                    time.sleep(0.25)
+                    continue
+                if decision.action is Action.SUCCEED:
+                    self.finish(decision)
+                    self.event("succeeded", "every rank exited 0")
+                    return 0
+                fault_time = self._fault_time(decision)
+                detected = time.time()
+                self.event(
+                    decision.action.value if decision.action is Action.FAIL else "failure", decision.reason
+                )
+                self.stop_gang()
+                if decision.action is Action.FAIL:
+                    self.final_decision = decision
+                    return 1
+                self.restarts = decision.restarts
+                if decision.remediation is not None:
+                    self.remediation = decision.remediation
+                self._pending_incident = (decision, fault_time, detected)
+                self.event(
+                    "restart",
+                    f"restarting the whole gang in {decision.delay_seconds:g} s "
+                    f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
+                )
+                time.sleep(decision.delay_seconds)
+                self.backoff_total += decision.delay_seconds
+                self.start_gang()
+                next_probe = time.monotonic() + period
+        except KeyboardInterrupt:
+            self.event("interrupted", "stopped by the user; checkpoints are intact")
+            self.stop_gang()
+            return 130
+
+    def finish(self, decision: Decision) -> None:
+        """Record the final decision and let the workers' sidecars go."""
+        self.final_decision = decision
+        for rank in self.ranks:
+            self.read_status(rank)
+        self.record_progress()
+        self.stop_gang()
+
+    def _fault_time(self, decision: Decision) -> float:
+        # A hang began when the rank last made progress; anything else when it was seen.
+        if decision.failure is not None and decision.failure.value == "Hung" and decision.rank is not None:
+            last = self.ranks[decision.rank].status.get("last_step_time")
+            if last:
+                return float(last)
+        return time.time()
+
+    # ---------------------------------------------------------------------------------- summary ---
+    def summary(self) -> dict[str, Any]:
+        """The run's figures (see the README's summary reference)."""
+        ended = time.time()
+        wall = ended - self.started
+        statuses = [r.status for r in self.ranks if r.status]
+        final = statuses[0] if statuses else {}
+        final_step = int(final.get("step", 0))
+        runs = stretches(self.samples, self.resume_steps)
+        kept = kept_time(runs, final_step)
+        seen = sum(int(s.get("samples_seen", 0)) for s in statuses)
+        dropped = sum(int(s.get("samples_dropped", 0)) for s in statuses)
+        store = CheckpointStore(self.checkpoint_dir)
+        newest = store.newest_valid()
+        checkpoint = None
+        if newest is not None:
+            ref = store.reference(newest)
+            if ref is not None:
+                checkpoint = {"step": ref.step, "path": ref.path, "sha256": ref.sha256}
+        decision = self.final_decision
+        return {
+            "job": {"name": self.job.metadata.name, "namespace": self.job.metadata.namespace},
+            "result": "succeeded" if decision and decision.action is Action.SUCCEED else "failed",
+            "reason": decision.reason if decision else "interrupted",
+            "final_step": final_step,
+            "attempts": self.attempt,
+            "restarts": [
+                {
+                    "attempt": i.attempt,
+                    "reason": i.reason,
+                    "backoff_seconds": i.backoff_seconds,
+                    "detect_seconds": round(i.detected_time - i.fault_time, 3),
+                    "time_to_recover_seconds": _round(i.time_to_recover),
+                    "time_to_recover_excluding_backoff_seconds": _round(i.time_to_recover_excluding_backoff),
+                }
+                for i in self.incidents
+            ],
+            "rollbacks": int(final.get("rollbacks", 0)),
+            "skipped_steps": int(final.get("skipped_steps", 0)),
+            "samples_seen": seen,
+            "samples_dropped": dropped,
+            "drop_rate": dropped / seen if seen else 0.0,
+            "wall_seconds": round(wall, 3),
+            "backoff_seconds": self.backoff_total,
+            "kept_seconds": round(kept, 3),
+            "goodput": round(goodput(kept, wall), 4),
+            "goodput_excluding_backoff": round(goodput(kept, wall, self.backoff_total), 4),
+            "final_checkpoint": checkpoint,
+            "timeline": [e.as_dict(self.started) for e in self.events],
+            "series": self.series,
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
