@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -125,7 +125,6 @@ class LocalRunner:
         self.attempt_started = self.started
         self.final_decision: Decision | None = None
         self._last_counts: dict[str, int] = {}
-        self._pending_incident: tuple[Decision, float, float] | None = None
 
     # ---------------------------------------------------------------------------------- template ---
     def _command(self) -> list[str]:
@@ -288,14 +287,18 @@ class LocalRunner:
         ranks = []
         for rank in self.ranks:
             code = rank.worker.poll()
+            # A worker that reported "diverged" is failing by divergence even before its exit code
+            # arrives; its sidecar's failing liveness must not be mistaken for a hang.
             diverged = rank.status.get("phase") == "diverged"
             ranks.append(
                 RankObservation(
                     rank=rank.rank,
                     exit_code=code,
                     alive=rank.alive if code is None else None,
-                    reason=rank.health_reason if code is None and rank.alive is False else "",
-                    diverged=diverged and code is not None,
+                    reason=rank.health_reason
+                    if code is None and rank.alive is False and not diverged
+                    else "",
+                    diverged=diverged,
                 )
             )
         return Observation(
@@ -315,15 +318,9 @@ class LocalRunner:
             self.resume_steps[self.attempt] = int(status.get("resumed_step") or 0)
         if status.get("last_step_time") and float(status["last_step_time"]) >= self.attempt_started:
             self.samples.append(Sample(now, self.attempt, step))
-            if self._pending_incident is not None:
-                decision, fault_time, detected = self._pending_incident
-                self.incidents.append(
-                    Incident(
-                        self.attempt - 1, decision.reason, fault_time, detected, decision.delay_seconds, now
-                    )
-                )
+            if self.incidents and self.incidents[-1].first_new_step_time is None:
+                self.incidents[-1] = replace(self.incidents[-1], first_new_step_time=now)
                 self.event("recovered", f"training progressed again at step {step}", step)
-                self._pending_incident = None
         self.series.append(
             {
                 "t": round(now - self.started, 3),
@@ -388,7 +385,11 @@ class LocalRunner:
                 self.restarts = decision.restarts
                 if decision.remediation is not None:
                     self.remediation = decision.remediation
-                self._pending_incident = (decision, fault_time, detected)
+                self.incidents.append(
+                    Incident(
+                        self.attempt, decision.reason, fault_time, detected, decision.delay_seconds, None
+                    )
+                )
                 self.event(
                     "restart",
                     f"restarting the whole gang in {decision.delay_seconds:g} s "
