@@ -796,6 +796,7 @@ class Guardian:
     def finish(self) -> None:
         """Write a final checkpoint (if due and clean), wait for every write, publish ``finished``."""
         if self.store is not None:
+            self.store.wait()  # a save of this very step may still be in flight
             if self.store.last_clean is None or self.store.last_clean.step != self.step_count:
                 self.save_checkpoint()
             try:
