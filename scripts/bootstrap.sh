@@ -22,3 +22,5 @@ fi
 # The project itself is installed editable on every run: cheap, and it must point at this clone.
 "$venv/bin/pip" install --quiet --no-deps --no-build-isolation -e "$root"
 ln -sfn "$venv" "$root/.venv"
+mkdir -p "$root/build/mypy"
+ln -sfn ../../operator "$root/build/mypy/trainguard_operator"
