@@ -1,0 +1,277 @@
+"""What checkpoints and rollbacks cost: the training loop's stall, the write throughput, the restore.
+
+One model-and-AdamW state (~400 MB by default) is saved, written and restored side by side, the order
+of the disk measurements rotated every repetition, medians reported:
+
+* ``async_stall_over_sync_save``: how long ``CheckpointStore.save_async`` blocks the loop (the copy
+  into warm host buffers) over a synchronous ``torch.save`` + fsync of the same state. Goal <= 0.05.
+* ``save_over_raw_write``: throughput of a full store save (``save_async`` + ``wait``: copy, pickle,
+  SHA-256, fsync, rename, manifest, prune) over a raw sequential write of as many bytes (one file,
+  8 MiB chunks, fsync) to the same directory, i.e. raw seconds / save seconds. Goal >= 0.7.
+* ``restore_over_memcpy``: ``Snapshot.restore`` of model and optimizer (in place) over one
+  ``copy_`` of as many bytes between preallocated tensors. Goal <= 1.5.
+
+Files go to a fresh temporary directory (under ``--dir``, default the system temp directory) that is
+deleted at the end. Run ``python bench/checkpoint.py`` (``--quick``: 40 MB). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.snapshot import Snapshot
+
+_CHUNK = 8 << 20  # the raw write's chunk (the store hashes and writes in chunks of the same order)
+_LAYERS = 8
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def build_state(megabytes: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A stack of linear layers with AdamW state; parameters plus two moments total ~``megabytes``."""
+    torch.manual_seed(seed)
+    # Each fp32 parameter costs 12 bytes once AdamW holds exp_avg and exp_avg_sq beside it.
+    width = max(8, round(math.sqrt(megabytes * 1e6 / (12 * _LAYERS))))
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(_LAYERS)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer.step()  # creates the moments
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the guardian checkpoints on rank 0 (the model and optimizer dominate its size)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 0}
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes held by the tensors of a nested state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
+
+
+def sync_save(state: dict[str, Any], path: Path) -> float:
+    """Seconds for a plain ``torch.save`` of ``state`` to ``path`` and an fsync (the file is removed)."""
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
+
+
+def raw_write(payload: memoryview, path: Path) -> tuple[float, float]:
+    """(write, delete) seconds: ``payload`` written in large chunks to a new file and fsynced; its removal."""
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as handle:
+        for offset in range(0, payload.nbytes, _CHUNK):
+            handle.write(payload[offset : offset + _CHUNK])
+        os.fsync(handle.fileno())
+    elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    path.unlink()
+    return elapsed, time.perf_counter() - start
+
+
+def sha256_seconds(payload: memoryview) -> float:
+    """Seconds to SHA-256 ``payload`` in memory, in the chunks a file write would hand over."""
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    for offset in range(0, payload.nbytes, _CHUNK):
+        digest.update(payload[offset : offset + _CHUNK])
+    digest.hexdigest()
+    return time.perf_counter() - start
+
+
+def store_save(store: CheckpointStore, step: int, state: dict[str, Any]) -> tuple[float, float]:
+    """(stall, total) seconds of one checkpoint: until ``save_async`` returns, and until it is durable."""
+    start = time.perf_counter()
+    store.save_async(step, state, {"loss": 1.0, "clean": True})
+    stall = time.perf_counter() - start
+    if store.wait() is None:
+        raise RuntimeError(f"the checkpoint at step {step} was not recorded as clean")
+    return stall, time.perf_counter() - start
+
+
+def timed(action: Callable[[], object]) -> float:
+    """Seconds taken by ``action()``."""
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--megabytes", type=float, default=None, help="state size (default 400; --quick: 40)")
+    parser.add_argument("--repetitions", type=int, default=None, help="timed rounds (default 5; --quick: 3)")
+    parser.add_argument("--quick", action="store_true", help="a 40 MB state and 3 rounds (smoke test)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="parent of the temporary directory (default: system temp)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: 2, or OMP_NUM_THREADS)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.megabytes is None:
+        args.megabytes = 40.0 if args.quick else 400.0
+    if args.repetitions is None:
+        args.repetitions = 3 if args.quick else 5
+    if args.repetitions < 1 or args.megabytes <= 0:
+        parser.error("--repetitions and --megabytes must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
+    """Run the benchmark, print human-readable lines and finally one JSON line; return that JSON."""
+    args = parse_args(argv)
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 2
+    torch.set_num_threads(threads)
+
+    model, optimizer = build_state(args.megabytes, args.seed)
+    state = training_state(model, optimizer)
+    nbytes = tensor_bytes(state)
+    print(
+        f"state: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M fp32 parameters with AdamW moments, "
+        f"{nbytes / 1e6:.1f} MB of tensors; {threads} threads"
+    )
+
+    parent = args.dir if args.dir is not None else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="trainguard-bench-", dir=parent))
+    same_disk = os.stat(root).st_dev == os.stat(_REPO).st_dev
+    print(f"directory: {root} ({'same' if same_disk else 'NOT the same'} file system as {_REPO})")
+    store = CheckpointStore(root / "ckpt", keep_clean=1)
+    load_before = os.getloadavg()[0]
+    try:
+        # Warm-up: allocates the store's host buffers, learns the checkpoint file's size.
+        store_save(store, 1, state)
+        file_bytes = (root / "ckpt" / "step-0000000001" / "rank-0.pt").stat().st_size
+        source = torch.randint(0, 256, (file_bytes,), dtype=torch.uint8, generator=torch.Generator())
+        payload = source.numpy().data.cast("B")
+
+        snapshot = Snapshot()
+        snapshot.capture(0, model, optimizer, {}, {})
+        copy_src = torch.rand(nbytes // 4)
+        copy_dst = torch.zeros_like(copy_src)
+        snapshot.restore(model, optimizer)  # warm the in-place path
+        copy_dst.copy_(copy_src)
+
+        names = ("sync", "stall", "save", "raw", "restore", "copy", "sha256", "unlink")
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(args.repetitions):
+            step = 2 + rep  # never an existing step: the store would keep, not rewrite, a valid one
+
+            def run_sync(rep: int = rep) -> None:
+                times["sync"].append(sync_save(state, root / f"sync-{rep}.pt"))
+
+            def run_store(step: int = step) -> None:
+                stall, total = store_save(store, step, state)
+                times["stall"].append(stall)
+                times["save"].append(total)
+
+            def run_raw(rep: int = rep) -> None:
+                write, delete = raw_write(payload, root / f"raw-{rep}.bin")
+                times["raw"].append(write)
+                times["unlink"].append(delete)
+
+            disk = [run_sync, run_store, run_raw]
+            shift = rep % len(disk)
+            for action in [*disk[shift:], *disk[:shift]]:
+                action()
+            times["restore"].append(timed(lambda: snapshot.restore(model, optimizer)))
+            times["copy"].append(timed(lambda: copy_dst.copy_(copy_src)))
+            times["sha256"].append(sha256_seconds(payload))
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+    load_after = os.getloadavg()[0]
+
+    med = {name: statistics.median(values) for name, values in times.items()}
+    print(f"{args.repetitions} rounds after one warm-up save; medians (min-max):")
+    cores = os.cpu_count() or 1
+    print(f"  machine load average (1 min): {load_before:.2f} before, {load_after:.2f} after; {cores} cores")
+    if max(load_before, load_after) > cores:
+        print(
+            "  WARNING: the machine is oversubscribed: per-tensor (foreach) copies with several threads "
+            "slow down far more than one large copy, so the stall and restore ratios read high"
+        )
+    labels = {
+        "sync": "torch.save + fsync (synchronous)",
+        "stall": "save_async stall (host copy)",
+        "save": "store save, save_async + wait",
+        "raw": "raw sequential write + fsync",
+        "restore": "Snapshot.restore (in place)",
+        "copy": "one copy_ of the same bytes",
+        "sha256": "SHA-256 of the file's bytes (memory)",
+        "unlink": "delete one file of that size",
+    }
+    for name, label in labels.items():
+        values = times[name]
+        size = file_bytes if name in ("sync", "save", "raw", "sha256") else nbytes
+        rate = f"  {size / med[name] / 1e9:6.2f} GB/s" if name != "unlink" else ""
+        print(
+            f"  {label:37s} {med[name] * 1e3:8.1f} ms"
+            f"  ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}){rate}"
+        )
+    stall_ratio = med["stall"] / med["sync"]
+    write_ratio = med["raw"] / med["save"]
+    restore_ratio = med["restore"] / med["copy"]
+    print(
+        "  the store's save runs in one thread: host copy, torch.save through the hashing writer (pickle,"
+        " CRC32, SHA-256, write), fsync, manifest, then pruning deletes the previous checkpoint"
+    )
+    print(
+        f"  async stall / sync save   {stall_ratio:.4f}  (goal <= 0.05; stall / memcpy of the same bytes "
+        f"{med['stall'] / med['copy']:.2f})"
+    )
+    print(f"  raw write / store save    {write_ratio:.4f}  (goal >= 0.7: store throughput vs raw)")
+    print(f"  restore / memcpy          {restore_ratio:.4f}  (goal <= 1.5)")
+
+    result: dict[str, float | int] = {
+        "async_stall_over_sync_save": round(stall_ratio, 4),
+        "save_over_raw_write": round(write_ratio, 4),
+        "restore_over_memcpy": round(restore_ratio, 4),
+        "async_stall_s": round(med["stall"], 6),
+        "sync_save_s": round(med["sync"], 6),
+        "save_s": round(med["save"], 6),
+        "raw_write_s": round(med["raw"], 6),
+        "restore_s": round(med["restore"], 6),
+        "memcpy_s": round(med["copy"], 6),
+        "sha256_s": round(med["sha256"], 6),
+        "unlink_s": round(med["unlink"], 6),
+        "bytes": nbytes,
+        "file_bytes": file_bytes,
+        "repetitions": args.repetitions,
+        "load_average": round(max(load_before, load_after), 2),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
