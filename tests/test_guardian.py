@@ -84,6 +84,19 @@ def test_finite_step_clips_to_max_grad_norm_and_steps_scheduler() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_gradients_within_the_norm_reach_the_optimizer_unchanged() -> None:
+    model = tiny_model()
+    reference = tiny_model()
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), settings=settings(guard={"maxGradNorm": 1e6})
+    )
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert guardian.step(loss_of(model)).applied
+    torch.autograd.backward(loss_of(reference))
+    plain.step()
+    assert_same(clone_state(reference), clone_state(model))
+
+
 def test_non_finite_loss_skips_the_update_and_the_scheduler(tmp_path: Path) -> None:
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -203,6 +203,8 @@ class Guardian:
         self.started_at = time.time()
         self._micro = 0
         self._loss_sum: torch.Tensor | None = None
+        self._with_grad: list[torch.nn.Parameter] = []
+        self._norm = torch.zeros(())
         self._loader: GuardedLoader | None = None
         self._pending_data_state: dict[str, int] | None = None
         self._current_batch: tuple[int, int, tuple[int, ...]] | None = None
@@ -357,8 +359,12 @@ class Guardian:
             with torch.no_grad():
                 grad = next(p.grad for p in self.params if p.grad is not None)
                 grad.view(-1)[0] = math.inf
-        grads = [p for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm, foreach=True)
+        self._with_grad = [p for p in self.params if p.grad is not None]
+        grads = [g for p in self._with_grad if (g := p.grad) is not None]
+        # One fused reduction; the clipping multiply waits for the host sync below and is skipped when
+        # the norm is already within bounds (or the step is skipped anyway).
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        self._norm = norm
         loss_flag = (~torch.isfinite(mean_loss)).float()
         local = torch.stack([mean_loss, loss_flag, norm.float().to(mean_loss.device)])
         if self.world_size > 1:
@@ -400,7 +406,7 @@ class Guardian:
         self.last_loss, self.last_grad_norm = loss_v, norm_v
 
         if not reason:
-            self._apply_update()
+            self._apply_update(norm_v)
             self.losses.append(loss_v)
             self.grad_norms.append(norm_v)
             self.consecutive_bad = 0
@@ -458,7 +464,11 @@ class Guardian:
             rolled_back=rolled_back,
         )
 
-    def _apply_update(self) -> None:
+    def _apply_update(self, norm_v: float) -> None:
+        if norm_v > self.max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_(
+                self._with_grad, self.max_grad_norm, self._norm, foreach=True
+            )
         # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
         # not needed: step the optimizer directly and let the scaler grow its scale.
         self.optimizer.step()
