@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -185,3 +187,62 @@ def test_an_invalid_job_is_refused_with_the_field_path_and_nothing_starts(
     assert named in output
     assert str(path) in output
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stops_the_gang_and_leaves_the_checkpoints_intact(tmp_path: Path) -> None:
+    job_file = job(tmp_path, steps=400, step_sleep=0.05)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            str(job_file),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--plain",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    store_dir = tmp_path / "run" / "volumes" / "ckpt"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(store_dir.glob("step-*/rank-1.json")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    pids = [json.loads(f.read_text())["pid"] for f in (tmp_path / "run").glob("attempt-*/rank-*/status.json")]
+    assert len(pids) == 2
+    for pid in pids:  # no worker outlived the runner
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    store = CheckpointStore(store_dir)
+    newest = store.newest_valid()
+    assert newest is not None
+    assert all(store.verify(step).valid for step in store.steps() if store.is_complete(step))
+
+
+def test_report_draws_the_timeline_as_a_png(tmp_path: Path) -> None:
+    code, _, output = run(tmp_path, job(tmp_path, steps=20, faults="nan_loss@8x3"))
+    assert code == 0, output
+    png = tmp_path / "timeline.png"
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "report", str(tmp_path / "summary.json"), "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert png.stat().st_size > 10_000
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "report", str(tmp_path / "missing.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "missing.json" in bad.stderr
