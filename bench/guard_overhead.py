@@ -27,9 +27,11 @@ import logging
 import math
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -132,8 +134,13 @@ class Batch:
     targets: torch.Tensor
 
 
-def build_variants(shape: ModelShape, lr: float, seed: int) -> tuple[list[Variant], Guardian, Batch]:
-    """Three identical models and optimizers wrapped in the plain, guarded and naive steps."""
+def build_variants(
+    shape: ModelShape, lr: float, seed: int, status_file: Path
+) -> tuple[list[Variant], Guardian, Batch]:
+    """Three identical models and optimizers wrapped in the plain, guarded and naive steps.
+
+    The guardian publishes its status file as in production (rate-limited), so that cost is measured.
+    """
     torch.manual_seed(seed)
     base = TinyLM(shape)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -154,7 +161,12 @@ def build_variants(shape: ModelShape, lr: float, seed: int) -> tuple[list[Varian
         checkpoint=CheckpointPolicy(every_steps=_NEVER, snapshot_every_steps=_NEVER),
     )
     guardian = Guardian(
-        guarded_model, guarded_opt, checkpoint_dir=None, status_file=None, settings=settings, resume=False
+        guarded_model,
+        guarded_opt,
+        checkpoint_dir=None,
+        status_file=status_file,
+        settings=settings,
+        resume=False,
     )
 
     def plain() -> None:
@@ -305,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     torch.set_num_threads(threads)
     shape = QUICK if args.quick else FULL
 
-    variants, guardian, batch = build_variants(shape, args.lr, args.seed)
+    scratch = tempfile.TemporaryDirectory(prefix="trainguard-bench-")
+    variants, guardian, batch = build_variants(shape, args.lr, args.seed, Path(scratch.name) / "status.json")
     params = sum(p.numel() for p in guardian.module.parameters())
     print(
         f"model: transformer LM, {params / 1e6:.2f}M parameters (vocab {shape.vocab}, embed {shape.embed}, "

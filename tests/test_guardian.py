@@ -410,3 +410,17 @@ def test_iterating_the_loader_leaves_the_global_rng_alone() -> None:
     torch.manual_seed(11)
     next(iter(loader))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_bf16_autocast_steps_are_guarded_like_fp32() -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    assert guardian.step(loss).applied
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bad = torch.nn.functional.mse_loss(model(x).float(), y) * math.nan
+    before = clone_state(model)
+    assert guardian.step(bad).reason == "non-finite loss"
+    assert_same(before, clone_state(model))
