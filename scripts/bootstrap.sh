@@ -1,26 +1,48 @@
 #!/usr/bin/env bash
-# Builds (cold) or reuses (warm) the project's virtualenv and links it as ./.venv.
-# The environment lives outside the clone, under ~/.cache/trainguard/, keyed by the hash of
-# requirements.lock, because PyPI's torch is the multi-gigabyte CUDA build: a warm machine must not
-# download it again, and a change of any pinned version must build a fresh environment.
+# Builds (cold) or reuses (warm) the project's Python environment and makes ./.venv.
+#
+# Two layers, because PyPI's torch is the multi-gigabyte CUDA build:
+# - the dependencies live outside the clone, in ~/.cache/trainguard/deps-<hash of requirements.lock>,
+#   built once per lock file and shared by every clone on the machine;
+# - ./.venv is a thin virtualenv of this clone: it sees the shared dependencies through a .pth file
+#   and holds only this clone's editable install, so two clones never import each other's code.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
 python=${PYTHON:-python3}
 key=$( (cat "$root/requirements.lock"; "$python" --version) | sha256sum | cut -c1-16)
-venv="$cache/venv-$key"
+deps="$cache/deps-$key"
 mkdir -p "$cache"
-if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
-  echo "bootstrap: building $venv (cold machine: downloads torch, a few minutes)" >&2
-  rm -rf "$venv"
-  "$python" -m venv "$venv"
-  "$venv/bin/pip" install --quiet --cache-dir "$cache/pip" -r "$root/requirements.lock"
-  touch "$venv/.complete"
+if [ ! -x "$deps/bin/python" ] || [ ! -f "$deps/.complete" ]; then
+  echo "bootstrap: building $deps (cold machine: downloads torch, a few minutes)" >&2
+  rm -rf "$deps"
+  "$python" -m venv "$deps"
+  "$deps/bin/pip" install --quiet --cache-dir "$cache/pip" -r "$root/requirements.lock"
+  touch "$deps/.complete"
 else
-  echo "bootstrap: reusing $venv" >&2
+  echo "bootstrap: reusing $deps" >&2
 fi
-# The project itself is installed editable on every run: cheap, and it must point at this clone.
-"$venv/bin/pip" install --quiet --no-deps --no-build-isolation -e "$root"
-ln -sfn "$venv" "$root/.venv"
+deps_site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+venv="$root/.venv"
+if [ -L "$venv" ] || { [ -e "$venv" ] && [ "$(cat "$venv/.deps" 2>/dev/null)" != "$deps" ]; }; then
+  rm -rf "$venv"
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv --without-pip "$venv"
+  echo "$deps" > "$venv/.deps"
+fi
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$deps_site')" > "$site/trainguard-deps.pth"
+# ruff is a native binary: the shared one serves every clone. Python tools run under this clone's
+# interpreter (so they import this clone's code), through small wrappers.
+ln -sfn "$deps/bin/ruff" "$venv/bin/ruff"
+for tool in pytest:pytest mypy:mypy torchrun:torch.distributed.run; do
+  printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m %s "$@"\n' "${tool#*:}" > "$venv/bin/${tool%%:*}"
+  chmod +x "$venv/bin/${tool%%:*}"
+done
+# The project itself, editable, into this clone's .venv only (cheap, so on every run).
+"$deps/bin/pip" --python "$venv/bin/python" install --quiet --no-deps --no-build-isolation -e "$root"
+
 mkdir -p "$root/build/mypy"
 ln -sfn ../../operator "$root/build/mypy/trainguard_operator"

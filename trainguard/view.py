@@ -52,9 +52,9 @@ class PlainView:
 class LiveView(PlainView):
     """Events scroll above a live table of the gang's state (a TTY only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: Console | None = None) -> None:
         super().__init__()
-        self.console = Console()
+        self.console = console or Console()
         self.live = Live(console=self.console, refresh_per_second=4, transient=False)
         self.live.start()
         self._last: tuple[float, int] | None = None

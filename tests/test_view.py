@@ -1,0 +1,54 @@
+"""The live table and the plain event lines of ``trainguard run``."""
+
+from __future__ import annotations
+
+import io
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from rich.console import Console
+
+from trainguard.local import Event
+from trainguard.view import LiveView, PlainView
+
+
+def fake_runner(step: int) -> Any:
+    status = {"phase": "running", "step": step, "loss": 2.5, "skipped_steps": 3, "rollbacks": 1,
+              "samples_seen": 1000, "samples_dropped": 2}  # fmt: skip
+    return SimpleNamespace(
+        ranks=[SimpleNamespace(status=status)], job=SimpleNamespace(metadata=SimpleNamespace(name="demo")),
+        attempt=2, restarts=1,
+    )  # fmt: skip
+
+
+def test_live_view_draws_the_gang_state_and_prints_events() -> None:
+    buffer = io.StringIO()
+    view = LiveView(Console(file=buffer, force_terminal=True, width=140, color_system=None))
+    view.event(Event(time.time(), "rollback", "rolled back to the last clean snapshot", 2, 120))
+    view.update(fake_runner(120))
+    view.close()
+    text = buffer.getvalue()
+    assert "rolled back to the last clean snapshot" in text
+    for column in (
+        "attempt",
+        "state",
+        "step",
+        "loss",
+        "steps/s",
+        "skipped",
+        "rollbacks",
+        "restarts",
+        "drop rate",
+    ):
+        assert column in text
+    assert "running" in text
+    assert "0.2000%" in text  # 2 of 1000 samples dropped
+
+
+def test_plain_view_prints_one_line_per_event() -> None:
+    stream = io.StringIO()
+    view = PlainView(stream)
+    view.event(Event(view.origin + 1.5, "failure", "rank 1 hung: no step for 5 s", 1))
+    view.update(fake_runner(10))
+    assert stream.getvalue() == "[    1.5s] failure    attempt 1: rank 1 hung: no step for 5 s\n"
