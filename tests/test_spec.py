@@ -162,5 +162,17 @@ def test_crd_defaults_match_the_model() -> None:
     props = schema["properties"]["spec"]["properties"]
     assert props["recovery"]["properties"]["backoffSeconds"]["default"] == [10, 30, 90]
     assert props["health"]["properties"]["hangTimeoutSeconds"]["default"] == 300
-    assert props["guard"]["default"] == {}
+    assert props["guard"]["default"] == spec.GuardSpec().model_dump(by_alias=True)
+    assert props["health"]["default"] == spec.HealthSpec().model_dump(by_alias=True)
+    recovery_default = props["recovery"]["default"]
+    assert recovery_default == spec.RecoverySpec().model_dump(by_alias=True)
     assert props["checkpoint"]["properties"]["keepClean"]["default"] == 3
+
+
+def test_crd_check_mode_reports_a_stale_copy(tmp_path: Path) -> None:
+    stale = tmp_path / "crd.yaml"
+    stale.write_text("old\n")
+    assert crd.main(["--check", "--output", str(stale)]) == 1
+    assert crd.main(["--output", str(stale)]) == 0
+    assert crd.main(["--check", "--output", str(stale)]) == 0
+    assert stale.read_text() == crd.render()

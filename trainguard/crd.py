@@ -10,6 +10,7 @@ fields marked ``x-kubernetes-preserve-unknown-fields``.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,10 @@ import yaml
 
 from trainguard import spec
 
-CRD_PATH = Path(__file__).resolve().parent.parent / "crds" / f"{spec.PLURAL}.{spec.GROUP}.yaml"
+_ROOT = Path(__file__).resolve().parent.parent
+CRD_PATH = _ROOT / "crds" / f"{spec.PLURAL}.{spec.GROUP}.yaml"
+#: The Helm chart renders the CRD from its own files/ copy (a chart cannot reach outside itself).
+CHART_CRD_PATH = _ROOT / "charts" / "trainguard" / "files" / CRD_PATH.name
 
 PRINTER_COLUMNS = [
     {"name": "State", "type": "string", "jsonPath": ".status.phase", "description": "Job phase."},
@@ -80,7 +84,13 @@ def structural(node: Any) -> Any:
                 name not in required and child.get("type") == "object" and "properties" in child
             )
             if optional_section and "default" not in child and not child.get("required"):
-                child["default"] = {}
+                # The API server checks a default against the section's CEL rules without filling in
+                # the nested defaults first, so the section default must spell its fields out.
+                child["default"] = {
+                    key: copy.deepcopy(prop["default"])  # copies: no YAML anchors in the output
+                    for key, prop in child["properties"].items()
+                    if "default" in prop
+                }
         node["properties"] = properties
     if "items" in node:
         node["items"] = structural(node["items"])
@@ -155,21 +165,22 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write the CRD (or, with --check, exit 1 when the checked-in one is stale)."""
+    """Write the CRD and the chart's copy (or, with --check, exit 1 when either is stale)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
-    parser.add_argument("--output", type=Path, default=CRD_PATH)
+    parser.add_argument("--output", type=Path, action="append", help="write here instead (repeatable)")
     args = parser.parse_args(argv)
     text = render()
+    outputs: list[Path] = args.output or [CRD_PATH, CHART_CRD_PATH]
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is stale: run python -m trainguard.crd", file=sys.stderr)
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
+        stale = [p for p in outputs if not p.exists() or p.read_text() != text]
+        for path in stale:
+            print(f"{path} is stale: run python -m trainguard.crd", file=sys.stderr)
+        return 1 if stale else 0
+    for path in outputs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

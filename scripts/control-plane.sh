@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# Builds (cold) or reuses (warm) a real Kubernetes control plane for the end-to-end tests, and runs it by
+# hand. etcd and kube-apiserver are built from the Go module proxy with the machine's Go, outside the
+# clone, under ~/.cache/trainguard/ (or $TRAINGUARD_CACHE):
+#
+#   bin/<component>-<version>/<component>   one directory per component and version: a version bump
+#                                            builds afresh, an unchanged one is reused as is
+#   bin/control-plane-<key>/<component>     symlinks to the above; <key> hashes the versions
+#   go/{mod,build,path}                      GOMODCACHE, GOCACHE, GOPATH (shared with scripts/tools.sh)
+#
+# Versions. The preinstalled kubectl is 1.32 (Google Cloud CLI's dispatcher, which also ships kubectl
+# 1.27..1.33 and runs the one matching the server's minor), and kubectl supports a server one minor away
+# at most, so Kubernetes 1.30 (the newest Debian 12's etcd 3.4.23 can serve) is out. Of 1.31..1.33, the
+# Go module proxy reached here publishes every staging module that the API server, controller manager
+# and scheduler need at the matching version only for 1.33 (1.32.13 lacks k8s.io/endpointslice,
+# 1.31.14 more), so the control plane is Kubernetes 1.33, at its newest patch. Kubernetes 1.31 and later
+# need etcd >= 3.4.29 / 3.5.11, so etcd is built too, from the 3.5 series Kubernetes 1.33 is tested
+# against, at its newest patch.
+#
+# Both modules carry replace directives (k8s.io/kubernetes for its staging modules, etcd's server for its
+# sibling modules), which `go install pkg@version` refuses. So each is built as a dependency of a small
+# wrapper module made in a temp dir outside the clone, requiring the module and its siblings at the
+# matching published versions.
+#
+# Usage:
+#   bash scripts/control-plane.sh [build]       build what is missing; print the bin directory on stdout
+#   bash scripts/control-plane.sh --bin-dir     print the bin directory only (builds nothing)
+#   bash scripts/control-plane.sh start [DIR]   build if needed, then run etcd + kube-apiserver on free
+#                                               127.0.0.1 ports (state in DIR, default a temp dir) until
+#                                               Ctrl-C; prints the kubeconfig path, e.g.
+#                                               export KUBECONFIG=<that path>; kubectl get gtj
+#
+# Everything but the final path goes to stderr, with the time each phase took. Idempotent, and safe to
+# run concurrently (a lock serialises the builds).
+set -euo pipefail
+
+KUBERNETES_VERSION=v1.33.13
+# Kubernetes publishes its staging modules (k8s.io/api, ...) as v0.MM.P for release v1.MM.P.
+STAGING_VERSION=v0.${KUBERNETES_VERSION#v1.}
+ETCD_VERSION=v3.5.35
+# etcd's client/v2 module is versioned v2.305.P for etcd v3.5.P.
+ETCD_CLIENT_V2_VERSION=v2.305.${ETCD_VERSION##*.}
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
+key=$(printf 'kubernetes %s\netcd %s\n' "$KUBERNETES_VERSION" "$ETCD_VERSION" | sha256sum | cut -c1-12)
+bin_dir="$cache/bin/control-plane-$key"
+
+mode=${1:-build}
+case "$mode" in
+  --bin-dir)
+    echo "$bin_dir"
+    exit 0
+    ;;
+  build | start) ;;
+  *)
+    echo "usage: bash scripts/control-plane.sh [build | --bin-dir | start [DIR]]" >&2
+    exit 2
+    ;;
+esac
+
+log() { printf 'control-plane: %s\n' "$*" >&2; }
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f s", b - a }'; }
+
+command -v go >/dev/null || {
+  log "error: go is not on PATH (the control plane is built from the Go module proxy)"
+  exit 1
+}
+
+export GOPATH="$cache/go/path"
+export GOMODCACHE="$cache/go/mod"
+export GOCACHE="$cache/go/build"
+export GOTOOLCHAIN=local # build with the machine's Go; never fetch another toolchain silently
+export GOFLAGS="-mod=mod -buildvcs=false"
+export CGO_ENABLED=0 # static binaries, as Kubernetes releases them; no C toolchain needed
+mkdir -p "$cache/bin" "$GOPATH" "$GOMODCACHE" "$GOCACHE"
+
+total=$(now)
+
+# One builder at a time (a developer's shell and CI may start together); the loser then finds the
+# binaries built and reuses them.
+exec 9>"$cache/bin/.control-plane.lock"
+if command -v flock >/dev/null; then
+  flock 9
+fi
+
+work=""
+cleanup() { if [ -n "$work" ]; then rm -rf "$work"; fi; }
+trap cleanup EXIT
+
+# wrapper NAME GO_DIRECTIVE REQUIRE_LINES: a fresh wrapper module in a temp dir; sets $work.
+wrapper() {
+  local name=$1 go_directive=$2 requires=$3
+  cleanup
+  work=$(mktemp -d "${TMPDIR:-/tmp}/trainguard-build-$name.XXXXXX")
+  printf 'module trainguard.invalid/build/%s\n\n%s\n\nrequire (\n%s)\n' \
+    "$name" "$go_directive" "$requires" >"$work/go.mod"
+}
+
+# build NAME VERSION PACKAGE MODULE_VERSION LDFLAGS: resolve + download PACKAGE@MODULE_VERSION (an
+# explicit version: a bare `go get` would upgrade), then compile it in the current wrapper module,
+# into a temp dir, then an atomic rename into bin/NAME-VERSION/, so an interrupted build leaves nothing
+# half-made behind.
+build() {
+  local name=$1 version=$2 package=$3 module_version=$4 ldflags=$5
+  local dir="$cache/bin/$name-$version" started tmp
+  started=$(now)
+  log "$name $version: resolving and downloading $package (cold machine: a minute or two)"
+  if ! (cd "$work" && go get "$package@$module_version") >"$work/get.log" 2>&1; then
+    cat "$work/get.log" >&2
+    log "error: resolving $package@$module_version failed (see above)"
+    return 1
+  fi
+  log "$name $version: modules ready in $(since "$started")" \
+    "($(grep -c '^go: downloading' "$work/get.log" || true) downloaded)"
+  started=$(now)
+  log "$name $version: compiling (cold machine: several minutes)"
+  tmp=$(mktemp -d "$cache/bin/.$name-$version.XXXXXX")
+  chmod 755 "$tmp"
+  if ! (cd "$work" && go build -trimpath -ldflags "-s -w $ldflags" -o "$tmp/$name" "$package"); then
+    rm -rf "$tmp"
+    log "error: building $name $version failed (see above)"
+    return 1
+  fi
+  rm -rf "$dir"
+  mv "$tmp" "$dir"
+  log "$name $version: compiled in $(since "$started")"
+}
+
+build_etcd() {
+  if [ -x "$cache/bin/etcd-$ETCD_VERSION/etcd" ]; then
+    log "etcd $ETCD_VERSION: cached in $cache/bin/etcd-$ETCD_VERSION"
+    return 0
+  fi
+  local requires=""
+  requires+="	go.etcd.io/etcd/server/v3 $ETCD_VERSION"$'\n'
+  requires+="	go.etcd.io/etcd/api/v3 $ETCD_VERSION"$'\n'
+  requires+="	go.etcd.io/etcd/client/pkg/v3 $ETCD_VERSION"$'\n'
+  requires+="	go.etcd.io/etcd/client/v2 $ETCD_CLIENT_V2_VERSION"$'\n'
+  requires+="	go.etcd.io/etcd/client/v3 $ETCD_VERSION"$'\n'
+  requires+="	go.etcd.io/etcd/pkg/v3 $ETCD_VERSION"$'\n'
+  requires+="	go.etcd.io/etcd/raft/v3 $ETCD_VERSION"$'\n'
+  # The wrapper's go line must not be older than the server module's.
+  local go_line
+  go_line=$(cd "${TMPDIR:-/tmp}" && go mod download -json "go.etcd.io/etcd/server/v3@$ETCD_VERSION" |
+    sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' | xargs grep -m1 '^go ')
+  wrapper etcd "$go_line" "$requires"
+  # The server module's main package is its root (server/main.go); GitSHA shows in `etcd --version`.
+  build etcd "$ETCD_VERSION" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" \
+    "-X go.etcd.io/etcd/api/v3/version.GitSHA=module-$ETCD_VERSION"
+}
+
+# kubernetes_gomod: the path of k8s.io/kubernetes's go.mod at the pinned release (downloads only it).
+kubernetes_gomod() {
+  (cd "${TMPDIR:-/tmp}" && go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION") |
+    sed -n 's/.*"GoMod": "\(.*\)".*/\1/p'
+}
+
+# The staging modules k8s.io/kubernetes replaces with ./staging/src/..., read from its own go.mod, so a
+# version bump needs no list edited here.
+staging_modules() {
+  sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/src/.*#\1#p' "$1"
+}
+
+kube_ldflags() {
+  local minor=${KUBERNETES_VERSION#v1.}
+  minor=${minor%%.*}
+  local pkg
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    printf -- '-X %s.gitVersion=%s -X %s.gitMajor=1 -X %s.gitMinor=%s -X %s.gitTreeState=clean ' \
+      "$pkg" "$KUBERNETES_VERSION" "$pkg" "$pkg" "$minor" "$pkg"
+  done
+}
+
+# build_kube COMPONENT: cmd/COMPONENT of k8s.io/kubernetes at the pinned release.
+build_kube() {
+  local name=$1
+  if [ -x "$cache/bin/$name-$KUBERNETES_VERSION/$name" ]; then
+    log "$name $KUBERNETES_VERSION: cached in $cache/bin/$name-$KUBERNETES_VERSION"
+    return 0
+  fi
+  local started gomod requires module n=0 unpublished=""
+  started=$(now)
+  gomod=$(kubernetes_gomod)
+  requires="	k8s.io/kubernetes $KUBERNETES_VERSION"$'\n'
+  for module in $(staging_modules "$gomod"); do
+    # Each staging module at the matching version. The proxy reached here lacks a few that no command
+    # imports (k8s.io/sample-apiserver, sample-controller, sample-cli-plugin): those stay unrequired,
+    # and a build that did need one would fail with "no required module provides package".
+    if (cd "${TMPDIR:-/tmp}" && go list -m "$module@$STAGING_VERSION") >/dev/null 2>&1; then
+      requires+="	$module $STAGING_VERSION"$'\n'
+      n=$((n + 1))
+    else
+      unpublished+=" $module"
+    fi
+  done
+  for module in k8s.io/api k8s.io/apimachinery k8s.io/apiserver k8s.io/client-go k8s.io/component-base; do
+    if [[ " $unpublished " == *" $module "* ]]; then
+      log "error: $module $STAGING_VERSION is not available from the Go module proxy"
+      return 1
+    fi
+  done
+  log "$name $KUBERNETES_VERSION: $n staging modules required at $STAGING_VERSION" \
+    "(not published, not needed:${unpublished:- none}) ($(since "$started"))"
+  # The wrapper, as the main module, decides the language version and the GODEBUG defaults: it keeps
+  # the release's (`go 1.24.0`, `godebug default=go1.24` for 1.33).
+  wrapper "$name" "$(grep -E '^(go|godebug) ' "$gomod")" "$requires"
+  build "$name" "$KUBERNETES_VERSION" "k8s.io/kubernetes/cmd/$name" "$KUBERNETES_VERSION" "$(kube_ldflags)"
+}
+
+# kubectl must be within one minor of the server. The image's kubectl (1.32, which dispatches to the
+# server's minor) is used when it fits; otherwise the same release's kubectl is built as well.
+kubectl_fits() {
+  local minor want=${KUBERNETES_VERSION#v1.}
+  want=${want%%.*}
+  command -v kubectl >/dev/null || return 1
+  minor=$(kubectl version --client -o json 2>/dev/null | sed -n 's/.*"minor": "\([0-9]*\).*/\1/p' | head -n1)
+  [ -n "$minor" ] && [ "$minor" -ge $((want - 1)) ] && [ "$minor" -le $((want + 1)) ]
+}
+
+# tests/controlplane.py makes the certificates with openssl (Debian's package; the image has it).
+if ! command -v openssl >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    started=$(now)
+    log "openssl: installing Debian's package"
+    apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends openssl >&2
+    log "openssl: installed in $(since "$started")"
+  else
+    log "error: openssl is missing (apt-get install openssl): the control plane's certificates need it"
+    exit 1
+  fi
+fi
+
+build_etcd
+build_kube kube-apiserver
+build_kubectl=false
+if [ "${TRAINGUARD_BUILD_KUBECTL:-}" = 1 ] || ! kubectl_fits; then
+  build_kubectl=true
+  build_kube kubectl
+fi
+cleanup
+work=""
+
+started=$(now)
+mkdir -p "$bin_dir"
+ln -sfn "../etcd-$ETCD_VERSION/etcd" "$bin_dir/etcd"
+ln -sfn "../kube-apiserver-$KUBERNETES_VERSION/kube-apiserver" "$bin_dir/kube-apiserver"
+if [ "$build_kubectl" = true ]; then
+  ln -sfn "../kubectl-$KUBERNETES_VERSION/kubectl" "$bin_dir/kubectl"
+else
+  rm -f "$bin_dir/kubectl"
+  log "kubectl: using $(command -v kubectl) ($(kubectl version --client 2>/dev/null | head -n1))"
+fi
+log "etcd: $("$bin_dir/etcd" --version 2>&1 | head -n1)"
+log "kube-apiserver: $("$bin_dir/kube-apiserver" --version 2>&1)"
+log "linked in $(since "$started"); control plane binaries ready in $(since "$total")"
+
+if [ "$mode" = start ]; then
+  exec 9>&- # release the build lock while the control plane runs
+  python=${PYTHON:-$root/.venv/bin/python}
+  exec "$python" "$root/tests/controlplane.py" --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
+fi
+echo "$bin_dir"

@@ -1,0 +1,34 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import controlplane
+import pytest
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ControlPlane]:
+    """A real etcd + kube-apiserver on free 127.0.0.1 ports for the whole session (``controlplane``).
+
+    The binaries come from ``bash scripts/control-plane.sh`` (which ``.ci/run`` runs), or from the
+    directory in ``TRAINGUARD_CONTROL_PLANE_BIN``. Without them the tests that use this fixture are
+    skipped on a developer's machine and fail under CI (``CI`` set), where a skip would hide a broken
+    build step. Both processes are stopped by PID at the end of the session.
+    """
+    configured = os.environ.get("TRAINGUARD_CONTROL_PLANE_BIN")
+    bin_dir = Path(configured) if configured else controlplane.bin_dir_from_script()
+    missing = controlplane.missing_binaries(bin_dir)
+    if missing:
+        message = f"{', '.join(missing)} not built in {bin_dir}: run bash scripts/control-plane.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    plane = controlplane.start(bin_dir, tmp_path_factory.mktemp("control-plane"))
+    try:
+        yield plane
+    finally:
+        plane.stop()
