@@ -114,6 +114,9 @@ class LocalRunner:
         self.attempt = 0
         self.restarts = 0
         self.remediation: Remediation | None = None
+        # The attempt that introduced the remediation names it: workers apply a given id once, so a
+        # later restart for another reason (a crash) does not lower the learning rate again.
+        self.remediation_id = ""
         self.ranks: list[RankProcesses] = []
         self.events: list[Event] = []
         self.samples: list[Sample] = []
@@ -167,7 +170,7 @@ class LocalRunner:
             TRAINGUARD_ATTEMPT=str(self.attempt),
         )
         if self.remediation is not None:
-            payload = {"id": f"attempt-{self.attempt}", **self.remediation.model_dump(by_alias=True)}
+            payload = {"id": self.remediation_id, **self.remediation.model_dump(by_alias=True)}
             env["TRAINGUARD_REMEDIATION"] = json.dumps(payload)
         return env
 
@@ -385,6 +388,7 @@ class LocalRunner:
                 self.restarts = decision.restarts
                 if decision.remediation is not None:
                     self.remediation = decision.remediation
+                    self.remediation_id = f"attempt-{self.attempt + 1}"
                 self.incidents.append(
                     Incident(
                         self.attempt, decision.reason, fault_time, detected, decision.delay_seconds, None

@@ -1,0 +1,289 @@
+"""The kopf handlers: thin glue between kopf, the API server, the sidecars and ``reconcile``.
+
+One reconcile step (``reconcile_job``) reads the GuardedTrainingJob fresh from the API server (never
+kopf's cached copy, which may predate the operator's own last write), lists its PyTorchJobs and pods,
+polls the current attempt's sidecars, asks ``reconcile.reconcile`` for a plan and carries it out. It
+runs on creation and resume, on spec updates, and in a per-job daemon every ``probePeriodSeconds``
+(sooner while a restart is due). Steps of one job never overlap (a per-job lock); nothing else is kept in
+memory, so the operator can be restarted at any point.
+
+Transient API errors and 409 conflicts become ``kopf.TemporaryError`` with a delay: kopf retries the
+handler (the daemon is re-invoked after the delay), and the retry starts from a fresh read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import kopf
+import kubernetes
+import urllib3
+from trainguard_operator.kube import KubeApi, connection_info, is_transient, load_configuration
+from trainguard_operator.metrics import OperatorMetrics
+from trainguard_operator.poll import SidecarPoller
+from trainguard_operator.reconcile import (
+    IMMUTABLE_FIELDS,
+    Plan,
+    PlanAction,
+    World,
+    changed_paths,
+    pods_to_poll,
+    reconcile,
+)
+from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
+
+from trainguard.spec import GROUP, PLURAL, VERSION
+
+RUNTIME_KEY = "trainguard_runtime"
+SETTINGS_KEY = "trainguard_settings"
+LOCK_KEY = "trainguard_lock"
+
+log = logging.getLogger("trainguard.operator")
+
+
+@dataclass
+class Runtime:
+    """The operator-wide objects the handlers share (created at startup, closed at cleanup)."""
+
+    settings: OperatorSettings
+    api: KubeApi
+    poller: SidecarPoller
+    metrics: OperatorMetrics
+    metrics_port: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a reconcile step tells its caller: when to come back, and whether the job is final."""
+
+    requeue_seconds: float
+    done: bool
+
+
+def _runtime(memo: Mapping[str, Any]) -> Runtime:
+    found = memo.get(RUNTIME_KEY)
+    if not isinstance(found, Runtime):
+        raise kopf.TemporaryError("the operator is still starting", delay=1)
+    return found
+
+
+def _lock(memo: kopf.Memo) -> asyncio.Lock:
+    lock = memo.get(LOCK_KEY)
+    if not isinstance(lock, asyncio.Lock):
+        lock = memo[LOCK_KEY] = asyncio.Lock()
+    return lock
+
+
+# ------------------------------------------------------------------------------------- lifecycle ---
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Configure kopf, start the metrics server, and create the API client and the sidecar poller."""
+    # kopf's own bookkeeping goes to annotations under trainguard.dev, never into our status.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="trainguard.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="trainguard.dev")
+    settings.persistence.finalizer = "trainguard.dev/finalizer"
+    settings.posting.level = logging.INFO
+    configured = memo.get(SETTINGS_KEY)
+    try:
+        operator_settings = (
+            configured if isinstance(configured, OperatorSettings) else OperatorSettings.from_env()
+        )
+    except OperatorSettingsError as exc:
+        raise kopf.PermanentError(f"invalid operator settings: {exc}") from exc
+    metrics = OperatorMetrics()
+    try:
+        port = metrics.serve(operator_settings.metrics_host, operator_settings.metrics_port)
+    except OSError as exc:  # the port is still held, e.g. by the previous process
+        raise kopf.TemporaryError(f"cannot serve metrics: {exc}", delay=5) from exc
+    memo[RUNTIME_KEY] = Runtime(
+        settings=operator_settings,
+        api=KubeApi.connect(),
+        poller=SidecarPoller(
+            operator_settings.sidecar_port,
+            operator_settings.poll_concurrency,
+            operator_settings.poll_timeout_seconds,
+        ),
+        metrics=metrics,
+        metrics_port=port,
+    )
+    logger.info("trainguard operator metrics on %s:%d", operator_settings.metrics_host, port)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials: the same as the operator's own API client (in-cluster, or ``$KUBECONFIG``)."""
+    return connection_info(load_configuration())
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Stop the metrics server and close the clients."""
+    found = memo.get(RUNTIME_KEY)
+    if isinstance(found, Runtime):
+        await found.poller.close()
+        found.api.close()
+        found.metrics.stop()
+
+
+# ----------------------------------------------------------------------------------- the step ---
+async def reconcile_job(rt: Runtime, namespace: str, name: str, logger: kopf.Logger) -> Outcome:
+    """One reconcile step of one job (see the module docstring). Raises TemporaryError to be retried."""
+    started = time.monotonic()
+    try:
+        body = await rt.api.get_job(namespace, name)
+        if body is None:
+            return Outcome(rt.settings.crd_retry_seconds, done=True)
+        jobs = await rt.api.list_pytorchjobs(namespace, name)
+        pods = await rt.api.list_pods(namespace, name)
+        sidecars = await rt.poller.reports(pods_to_poll(body, pods))
+        plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
+        await _execute(rt, body, plan, logger)
+    except kubernetes.client.ApiException as exc:
+        rt.metrics.reconcile_errors.labels(name, namespace).inc()
+        if exc.status == 403:
+            raise kopf.TemporaryError(
+                f"forbidden ({exc.reason}): check the operator's RBAC", delay=rt.settings.crd_retry_seconds
+            ) from exc
+        if is_transient(exc):
+            raise kopf.TemporaryError(
+                f"API error {exc.status} ({exc.reason}); retrying", delay=rt.settings.api_retry_seconds
+            ) from exc
+        raise
+    except (urllib3.exceptions.HTTPError, OSError, TimeoutError) as exc:
+        rt.metrics.reconcile_errors.labels(name, namespace).inc()
+        raise kopf.TemporaryError(
+            f"API server unreachable ({exc}); retrying", delay=rt.settings.api_retry_seconds
+        ) from exc
+    finally:
+        rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+    return Outcome(plan.requeue_seconds, plan.done)
+
+
+async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan, logger: kopf.Logger) -> None:
+    """Carry out a plan in the order ``Plan`` documents.
+
+    The events go out right after the write that makes the plan's outcome durable (the status write, or
+    the creation of an attempt), so a step retried after a failed write neither loses nor repeats them.
+    """
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    version = meta.get("resourceVersion")
+    posted = False
+
+    def post_events() -> None:
+        nonlocal posted
+        if posted:
+            return
+        posted = True
+        for note in plan.events:
+            kopf.event(
+                kopf.Body(cast(kopf.RawBody, dict(body))),
+                type=note.type,
+                reason=note.reason,
+                message=note.message,
+            )
+            log_at = logging.WARNING if note.type == "Warning" else logging.INFO
+            logger.log(log_at, "%s: %s", note.reason, note.message)
+
+    async def write_status() -> None:
+        if plan.patch:
+            await rt.api.patch_status(namespace, name, plan.patch, version)
+        post_events()
+
+    if plan.write_status_first:
+        await write_status()
+    for old in plan.delete:
+        if await rt.api.delete_pytorchjob(namespace, old):
+            logger.info("deleted PyTorchJob %s", old)
+    if plan.create is not None:
+        created = await rt.api.create_pytorchjob(plan.create)
+        logger.info("%s PyTorchJob %s", "created" if created else "found", plan.create["metadata"]["name"])
+        if created:
+            post_events()
+    if not plan.write_status_first:
+        await write_status()
+
+    status = plan.status
+    rt.metrics.observe_status(name, namespace, status)
+    decision = plan.decision
+    kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
+    if plan.action is PlanAction.RESTART:
+        failure = status.last_failure
+        rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
+    elif plan.action is PlanAction.FAIL:
+        rt.metrics.gave_up(name, namespace, kind)
+    if plan.recovered_seconds is not None:
+        rt.metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
+
+
+# ---------------------------------------------------------------------------------- handlers ---
+@kopf.on.resume(GROUP, VERSION, PLURAL, id="admit-on-resume")
+@kopf.on.create(GROUP, VERSION, PLURAL, id="admit-on-create")
+async def admit(name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """A new (or, after an operator restart, an existing) job: validate it and make sure its attempt
+    exists. An invalid spec gets the SpecInvalid condition and a Warning event, and no PyTorchJob."""
+    rt = _runtime(memo)
+    async with _lock(memo):
+        await reconcile_job(rt, namespace or "default", name, logger)
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def spec_updated(
+    name: str,
+    namespace: str | None,
+    old: Any,
+    new: Any,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    """A spec change: say which changes are accepted (Normal event); the refused ones get the
+    SpecChangeRefused condition and a Warning event from the reconcile step that follows."""
+    rt = _runtime(memo)
+    paths = changed_paths(old or {}, new or {}, "spec")
+    immutable = tuple(f"spec.{key}" for key in IMMUTABLE_FIELDS)
+    accepted = [p for p in paths if not p.startswith(immutable)]
+    if accepted:
+        kopf.info(
+            body,
+            reason="SpecChangeAccepted",
+            message=f"accepted changes to {', '.join(accepted)}: recovery and dataQuality apply to the "
+            "next decisions; health and guard apply to polling now and to the pods from the next attempt",
+        )
+    async with _lock(memo):
+        await reconcile_job(rt, namespace or "default", name, logger)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, backoff=10.0)
+async def supervise(
+    name: str,
+    namespace: str | None,
+    memo: kopf.Memo,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    """Reconcile the job every probe period (or when a wait ends) until it succeeds or fails."""
+    rt = _runtime(memo)
+    while not stopped:
+        async with _lock(memo):
+            outcome = await reconcile_job(rt, namespace or "default", name, logger)
+        if outcome.done:
+            logger.info("job %s/%s is final; supervision ends", namespace, name)
+            return
+        await stopped.wait(outcome.requeue_seconds)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def deleted(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Forget a deleted job's metric series; its PyTorchJobs go by garbage collection (owner references)."""
+    found = memo.get(RUNTIME_KEY)
+    if isinstance(found, Runtime):
+        found.metrics.forget(name, namespace or "default")

@@ -1,0 +1,161 @@
+"""The operator's Prometheus metrics, on a private registry served over HTTP.
+
+Labels are ``job`` and ``namespace`` only (plus ``phase`` on the phase gauge and ``kind``, one of the
+policy's five failure kinds, on the failures counter): cardinality is bounded by the number of
+GuardedTrainingJobs. Values are in base units (seconds, ratios). The gauges mirror the jobs' status;
+the counters count what this operator process did (Prometheus handles the reset when it restarts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from trainguard_operator.status import JobStatus, Phase, parse_time
+
+LABELS = ("job", "namespace")
+
+
+class OperatorMetrics:
+    """All operator metrics, on their own registry (never prometheus_client's global one)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.restarts = Counter(
+            "trainguard_job_restarts", "Whole-gang restarts started by this operator.", LABELS, registry=r
+        )
+        self.failures = Counter(
+            "trainguard_job_failures",
+            "Gang failures acted on (restart or give-up), by the policy's failure kind.",
+            [*LABELS, "kind"],
+            registry=r,
+        )
+        self.reconcile_errors = Counter(
+            "trainguard_job_reconcile_errors",
+            "Reconcile steps that failed (API errors, conflicts) and were retried.",
+            LABELS,
+            registry=r,
+        )
+        self.attempt = Gauge("trainguard_job_attempt", "Current gang attempt (1-based).", LABELS, registry=r)
+        self.step = Gauge("trainguard_job_step", "Newest training step seen on any rank.", LABELS, registry=r)
+        self.rollbacks = Gauge(
+            "trainguard_job_rollbacks", "In-process rollbacks reported by the guardian.", LABELS, registry=r
+        )
+        self.skipped_steps = Gauge(
+            "trainguard_job_skipped_steps", "Steps the guardian skipped.", LABELS, registry=r
+        )
+        self.dropped_samples = Gauge(
+            "trainguard_job_dropped_samples",
+            "Samples the data guard dropped, over all ranks.",
+            LABELS,
+            registry=r,
+        )
+        self.drop_ratio = Gauge(
+            "trainguard_job_drop_ratio", "Dropped over seen samples, over all ranks.", LABELS, registry=r
+        )
+        self.last_clean_checkpoint_step = Gauge(
+            "trainguard_job_last_clean_checkpoint_step",
+            "Step of the newest clean checkpoint.",
+            LABELS,
+            registry=r,
+        )
+        self.phase = Gauge(
+            "trainguard_job_phase",
+            "1 for the job's current phase, 0 for the others.",
+            [*LABELS, "phase"],
+            registry=r,
+        )
+        self.last_restart = Gauge(
+            "trainguard_job_last_restart_timestamp_seconds",
+            "When the last gang restart was decided (unix seconds).",
+            LABELS,
+            registry=r,
+        )
+        self.time_to_recover = Histogram(
+            "trainguard_job_time_to_recover_seconds",
+            "From a gang failure to the first training step of the attempt that replaced it.",
+            LABELS,
+            buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
+            registry=r,
+        )
+        self.reconcile_seconds = Histogram(
+            "trainguard_operator_reconcile_duration_seconds",
+            "Duration of one reconcile step (API reads, sidecar polls, writes).",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self._kinds: dict[tuple[str, str], set[str]] = {}
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe_status(self, job: str, namespace: str, status: JobStatus) -> None:
+        """Set the gauges from a job's status (unknown values are left as they were)."""
+        labels = (job, namespace)
+        for gauge, value in (
+            (self.attempt, status.attempt),
+            (self.step, status.step),
+            (self.rollbacks, status.rollbacks),
+            (self.skipped_steps, status.skipped_steps),
+            (self.dropped_samples, status.samples_dropped),
+            (self.drop_ratio, status.drop_rate),
+            (
+                self.last_clean_checkpoint_step,
+                status.last_clean_checkpoint.step if status.last_clean_checkpoint else None,
+            ),
+        ):
+            if value is not None:
+                gauge.labels(*labels).set(value)
+        if status.phase:
+            for phase in Phase:
+                self.phase.labels(*labels, phase.value).set(float(phase.value == status.phase))
+
+    def restarted(self, job: str, namespace: str, kind: str, when: str | None) -> None:
+        """Count a gang restart decided at ``when`` (RFC 3339) for a failure of ``kind``."""
+        self.restarts.labels(job, namespace).inc()
+        self.gave_up(job, namespace, kind)
+        moment = parse_time(when)
+        if moment is not None:
+            self.last_restart.labels(job, namespace).set(moment.timestamp())
+
+    def gave_up(self, job: str, namespace: str, kind: str) -> None:
+        """Count a failure acted on (a restart or a give-up)."""
+        self._kinds.setdefault((job, namespace), set()).add(kind)
+        self.failures.labels(job, namespace, kind).inc()
+
+    def forget(self, job: str, namespace: str) -> None:
+        """Drop every series of a deleted job."""
+        for metric in (
+            self.restarts,
+            self.reconcile_errors,
+            self.attempt,
+            self.step,
+            self.rollbacks,
+            self.skipped_steps,
+            self.dropped_samples,
+            self.drop_ratio,
+            self.last_clean_checkpoint_step,
+            self.last_restart,
+            self.time_to_recover,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(job, namespace)
+        for phase in Phase:
+            with contextlib.suppress(KeyError):
+                self.phase.remove(job, namespace, phase.value)
+        for kind in self._kinds.pop((job, namespace), set()):
+            self.failures.remove(job, namespace, kind)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

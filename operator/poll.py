@@ -1,0 +1,61 @@
+"""Asking the sidecars for ``/status``: bounded concurrency over all jobs, a timeout per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+
+import aiohttp
+from trainguard_operator.reconcile import SidecarReport
+
+
+class SidecarPoller:
+    """Polls ``http://<podIP>:<port>/status``; at most ``concurrency`` requests are in flight at once.
+
+    A sidecar that cannot be reached, times out or answers garbage gives an unreachable report (its rank
+    counts as "not known"), never an exception.
+    """
+
+    def __init__(self, port: int, concurrency: int, timeout_seconds: float) -> None:
+        self.port = port
+        self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._semaphore = asyncio.Semaphore(concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def url(self, ip: str) -> str:
+        """The ``/status`` URL of the sidecar of the pod at ``ip``."""
+        host = f"[{ip}]" if ":" in ip else ip
+        return f"http://{host}:{self.port}/status"
+
+    async def report(self, ip: str) -> SidecarReport:
+        """One sidecar's report."""
+        async with self._semaphore:
+            session = await self._client()
+            try:
+                async with session.get(self.url(ip)) as response:
+                    if response.status != 200:
+                        return SidecarReport(reachable=False, reason=f"/status answered {response.status}")
+                    text = await response.text()
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                return SidecarReport(reachable=False, reason=f"{type(exc).__name__}: {exc}")
+        try:
+            return SidecarReport.from_document(json.loads(text))
+        except ValueError as exc:
+            return SidecarReport(reachable=False, reason=f"/status is not JSON: {exc}")
+
+    async def reports(self, targets: Sequence[tuple[str, str]]) -> dict[str, SidecarReport]:
+        """Reports by pod name for ``(pod name, pod IP)`` targets, asked concurrently (within the bound)."""
+        answers = await asyncio.gather(*(self.report(ip) for _, ip in targets))
+        return {name: answer for (name, _), answer in zip(targets, answers, strict=True)}

@@ -1,0 +1,823 @@
+"""One reconcile step of a GuardedTrainingJob, as a pure function of what the API server and the sidecars
+show: ``reconcile(World, OperatorSettings) -> Plan``. No I/O, no clock (``World.now``), no memory.
+
+The plan says what to do (create attempt N's PyTorchJob now; delete attempt N's PyTorchJob and schedule
+attempt N+1 at a time, with a remediation; mark the job Succeeded; mark it Failed; wait; nothing), the
+whole new status, and the Events to post. Restarts are decided only by ``trainguard.policy.decide``.
+
+Every fact a decision needs is in the object's status (see ``status.JobStatus``), so a reconcile after an
+operator restart, from the status read back, takes the same decision, and never a second restart for the
+same failure: a failure is acted on once, by recording ``handledAttempt`` and moving ``attempt`` on in the
+same status write, *before* the old attempt is deleted (``Plan.write_status_first``).
+
+Restart approach: a gang restart deletes the attempt's PyTorchJob and creates a new one for the next
+attempt, rather than deleting the pods under the same PyTorchJob. A new PyTorchJob gets a fresh rendezvous
+(new master service and pod names, so no rank can reach a leftover peer of the old gang), a fresh
+environment carrying the new ``TRAINGUARD_ATTEMPT`` and ``TRAINGUARD_REMEDIATION``, and its own history
+(conditions, events, pods) per attempt; deleting pods under a live PyTorchJob would race the training
+operator, which recreates them with the old environment. The old pods go with their PyTorchJob through
+garbage collection (owner references); the next attempt waits, bounded, until the old PyTorchJob is gone,
+so two gangs never write to the checkpoint volume at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+from trainguard_operator.render import (
+    ATTEMPT_LABEL,
+    JOB_LABEL,
+    REPLICA_INDEX_LABEL,
+    REPLICA_TYPE_LABEL,
+    Owner,
+    RemediationOrder,
+    RenderError,
+    pytorchjob_name,
+    render_pytorchjob,
+)
+from trainguard_operator.settings import OperatorSettings
+from trainguard_operator.status import (
+    TERMINAL_PHASES,
+    ConditionType,
+    JobStatus,
+    Phase,
+    checkpoint_status,
+    clip,
+    iso,
+    iso_precise,
+    last_failure,
+    merge_patch,
+    parse_time,
+    phase_conditions,
+    set_condition,
+)
+
+from trainer_sidecar.exitcodes import describe_exit
+from trainguard.policy import Action, Decision, Observation, RankObservation, classify, decide
+from trainguard.spec import (
+    WORKER_CONTAINER,
+    GuardedTrainingJobSpec,
+    SpecError,
+    parse_job,
+)
+
+#: Spec fields fixed for the life of a job (see ``spec_change``); every other field may change.
+IMMUTABLE_FIELDS = ("replicas", "template", "checkpoint")
+#: How soon to look again while waiting for an old attempt's PyTorchJob to go away.
+STALE_POLL_SECONDS = 2.0
+#: The shortest requeue: a wait that is nearly over must not become a hot loop.
+MIN_REQUEUE_SECONDS = 0.2
+
+_POD_NAME = re.compile(r"-(master|worker)-(\d+)$")
+
+
+class PlanAction(StrEnum):
+    """What a reconcile step does."""
+
+    CREATE = "create"  # create the current attempt's PyTorchJob now
+    RESTART = "restart"  # delete the current attempt's PyTorchJob; the next attempt starts at nextAttemptAt
+    SUCCEED = "succeed"  # the job succeeded: final
+    FAIL = "fail"  # the policy gave up: final; the attempt's PyTorchJob is deleted
+    WAIT = "wait"  # a restart is pending: wait for nextAttemptAt (and for the old attempt to be gone)
+    NOTHING = "nothing"  # keep watching
+    BLOCKED = "blocked"  # cannot act: the spec is invalid or the PyTorchJob CRD is missing
+
+
+@dataclass(frozen=True)
+class EventNote:
+    """A Kubernetes Event to post on the GuardedTrainingJob."""
+
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SidecarReport:
+    """One sidecar's ``/status`` answer, or why it could not be had."""
+
+    reachable: bool
+    alive: bool | None = None
+    reason: str = ""
+    status: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_document(cls, document: Any) -> SidecarReport:
+        """Read a ``/status`` JSON document; anything malformed reads as an unreachable sidecar."""
+        if not isinstance(document, Mapping):
+            return cls(reachable=False, reason="the sidecar's /status is not a JSON object")
+        health = document.get("health")
+        status = document.get("status")
+        alive = health.get("alive") if isinstance(health, Mapping) else None
+        reason = health.get("reason", "") if isinstance(health, Mapping) else ""
+        return cls(
+            reachable=True,
+            alive=alive if isinstance(alive, bool) else None,
+            reason=str(reason),
+            status=status if isinstance(status, Mapping) else None,
+        )
+
+
+@dataclass(frozen=True)
+class World:
+    """Everything one reconcile step looks at, as read just before it.
+
+    ``jobs`` are the PyTorchJobs labelled with this GuardedTrainingJob (None: the PyTorchJob CRD is not
+    installed); ``pods`` the pods labelled with it (any attempt); ``sidecars`` the ``/status`` answers of
+    the current attempt's pods, by pod name.
+    """
+
+    body: Mapping[str, Any]
+    jobs: Sequence[Mapping[str, Any]] | None
+    pods: Sequence[Mapping[str, Any]]
+    sidecars: Mapping[str, SidecarReport]
+    now: datetime
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The outcome of a reconcile step; see the module docstring.
+
+    The executor carries it out in this order: the status patch first when ``write_status_first`` (a
+    decision is recorded before it is acted on), the deletions, the creation, then the status patch
+    (otherwise: a creation is recorded only once it happened), then the events.
+    """
+
+    action: PlanAction
+    status: JobStatus
+    patch: dict[str, Any]
+    requeue_seconds: float
+    create: dict[str, Any] | None = None
+    delete: tuple[str, ...] = ()
+    events: tuple[EventNote, ...] = ()
+    write_status_first: bool = False
+    done: bool = False
+    decision: Decision | None = None
+    recovered_seconds: float | None = None
+
+
+@dataclass
+class _Progress:
+    """Training progress aggregated over the ranks' sidecars."""
+
+    step: int | None = None
+    rollbacks: int | None = None
+    skipped_steps: int | None = None
+    samples_seen: int | None = None
+    samples_dropped: int | None = None
+    drop_rate: float | None = None
+    checkpoint: Mapping[str, Any] | None = None
+    stepping: bool = False
+
+
+# ------------------------------------------------------------------------------------ object helpers ---
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    labels = _meta(obj).get("labels")
+    return labels if isinstance(labels, Mapping) else {}
+
+
+def _status(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    status = obj.get("status")
+    return status if isinstance(status, Mapping) else {}
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def pod_rank(pod: Mapping[str, Any]) -> int | None:
+    """The torch.distributed rank of a training-operator pod: Master 0 is rank 0, Worker i is rank i+1."""
+    labels = _labels(pod)
+    kind = str(labels.get(REPLICA_TYPE_LABEL, "")).lower()
+    index = _int(labels.get(REPLICA_INDEX_LABEL))
+    if kind not in ("master", "worker") or index is None:
+        found = _POD_NAME.search(str(_meta(pod).get("name", "")))
+        if not found:
+            return None
+        kind, index = found.group(1), int(found.group(2))
+    return index if kind == "master" else index + 1
+
+
+def _attempt_pods(pods: Iterable[Mapping[str, Any]], job: str, attempt: int) -> list[Mapping[str, Any]]:
+    # Filtered here too: the label selector of the list call is the API server's job, but nothing is
+    # decided on a pod of another job or attempt even if a list returned one.
+    return [
+        p
+        for p in pods
+        if _labels(p).get(JOB_LABEL) == job and str(_labels(p).get(ATTEMPT_LABEL)) == str(attempt)
+    ]
+
+
+def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    for item in _status(pod).get("containerStatuses") or []:
+        if isinstance(item, Mapping) and item.get("name") == name:
+            return item
+    return None
+
+
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    container = _container_status(pod, WORKER_CONTAINER)
+    state = container.get("state") if container else None
+    terminated = state.get("terminated") if isinstance(state, Mapping) else None
+    return terminated if isinstance(terminated, Mapping) else None
+
+
+def pod_disruption(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod is lost to its gang without an exit code of its own (deleted, evicted, preempted, its
+    node lost), or None."""
+    name = _meta(pod).get("name", "?")
+    status = _status(pod)
+    for condition in status.get("conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == "DisruptionTarget"
+            and condition.get("status") == "True"
+        ):
+            # DeletionByTaintManager: its node became unreachable/not ready; also preemption, API
+            # eviction, pod GC of a deleted node, kubelet node-pressure termination.
+            why = condition.get("reason") or "DisruptionTarget"
+            return f"pod {name} disrupted ({why}): {condition.get('message') or 'no message'}"
+    reason = status.get("reason")
+    if reason in ("Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated"):
+        return f"pod {name} {str(reason).lower()}: {status.get('message') or 'no message'}"
+    if _meta(pod).get("deletionTimestamp"):
+        return f"pod {name} is being deleted"
+    return None
+
+
+def rank_observation(
+    rank: int, pod: Mapping[str, Any] | None, report: SidecarReport | None
+) -> RankObservation:
+    """One rank as the policy sees it, from its pod (the API server's view) and its sidecar's report."""
+    if pod is None:
+        return RankObservation(rank=rank, alive=None)  # not created yet
+    terminated = _terminated(pod)
+    code = _int(terminated.get("exitCode")) if terminated else None
+    if code == 0:
+        return RankObservation(rank=rank, exit_code=0, alive=None)
+    lost = pod_disruption(pod)
+    if lost:
+        return RankObservation(rank=rank, alive=None, lost=True, reason=lost)
+    if terminated is not None:
+        code = 1 if code is None else code
+        why = str(terminated.get("reason") or "")
+        reason = describe_exit(code) + (f" ({why})" if why and why not in ("Error", "Completed") else "")
+        if report is not None and report.alive is False and report.reason:
+            # E.g. the kubelet's liveness kill: the exit code alone says only "signal 9".
+            reason += f"; its sidecar reported: {report.reason}"
+        return RankObservation(rank=rank, exit_code=code, alive=None, reason=reason)
+    container = _container_status(pod, WORKER_CONTAINER) or {}
+    restarted = _int(container.get("restartCount")) or 0
+    if restarted > 0:
+        previous = ((container.get("lastState") or {}).get("terminated") or {}).get("exitCode")
+        return RankObservation(
+            rank=rank,
+            alive=None,
+            lost=True,
+            reason=f"container {WORKER_CONTAINER} was restarted in place ({restarted}x, last exit "
+            f"{previous}); a lone rank cannot rejoin the gang",
+        )
+    phase = _status(pod).get("phase")
+    if phase == "Succeeded":
+        return RankObservation(rank=rank, exit_code=0, alive=None)
+    if phase == "Failed":
+        status = _status(pod)
+        why = status.get("reason") or "Failed"
+        return RankObservation(
+            rank=rank, alive=None, lost=True, reason=f"pod failed ({why}): {status.get('message') or ''}"
+        )
+    if report is None or not report.reachable:
+        return RankObservation(rank=rank, alive=None)
+    if report.status and report.status.get("phase") == "diverged":
+        # Reported before the worker's exit code 200 arrives; its sidecar's failing liveness is the
+        # divergence, not a hang.
+        message = str(report.status.get("message") or "") or report.reason
+        return RankObservation(rank=rank, alive=report.alive, reason=message, diverged=True)
+    return RankObservation(
+        rank=rank, alive=report.alive, reason=report.reason if report.alive is False else ""
+    )
+
+
+def pods_to_poll(body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, pod IP) of the current attempt's pods whose worker may be running: the sidecars to ask."""
+    status = JobStatus.from_body(body)
+    name = str(_meta(body).get("name", ""))
+    if status.attempt is None or status.phase in TERMINAL_PHASES:
+        return []
+    result = []
+    for pod in _attempt_pods(pods, name, status.attempt):
+        ip = _status(pod).get("podIP")
+        if ip and _status(pod).get("phase") == "Running" and _terminated(pod) is None:
+            result.append((str(_meta(pod).get("name")), str(ip)))
+    return result
+
+
+def _job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    for condition in _status(job).get("conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == type_
+            and condition.get("status") == "True"
+        ):
+            return condition
+    return None
+
+
+def pin(spec: GuardedTrainingJobSpec) -> dict[str, Any]:
+    """The immutable part of a spec (replicas, template, checkpoint) in its wire form."""
+    wire = spec.model_dump(by_alias=True, mode="json")
+    return {key: wire[key] for key in IMMUTABLE_FIELDS}
+
+
+def changed_paths(old: Any, new: Any, prefix: str) -> list[str]:
+    """Dotted paths where ``new`` differs from ``old``; objects are compared key by key, lists whole."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        paths: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            paths += changed_paths(old.get(key), new.get(key), f"{prefix}.{key}")
+        return paths
+    return [] if old == new else [prefix]
+
+
+def spec_change(
+    pinned: Mapping[str, Any], spec: GuardedTrainingJobSpec
+) -> tuple[GuardedTrainingJobSpec, list[str]]:
+    """The spec to act on, and the refused changes: the current spec with the pinned immutable fields.
+
+    Accepted while the job runs: ``recovery`` (the next decisions use it), ``dataQuality`` (at once),
+    ``health`` and ``guard`` (the operator's polling at once; the pods at the next attempt, as pods
+    cannot change). Refused: ``replicas`` (the data order and each rank's shard depend on the world
+    size, and resuming a checkpoint under another world size is not supported), ``template`` (a new
+    image or command mid-run would resume checkpoints with different code) and ``checkpoint`` (a new
+    claim or path would start over from nothing while the old checkpoints are orphaned).
+    """
+    refused = changed_paths(dict(pinned), pin(spec), "spec")
+    effective = GuardedTrainingJobSpec.model_validate(
+        {**spec.model_dump(by_alias=True, mode="json"), **pinned}
+    )
+    return effective, refused
+
+
+def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
+
+
+# ----------------------------------------------------------------------------------------- progress ---
+def _progress(reports: Iterable[SidecarReport]) -> _Progress:
+    """Aggregate the ranks' statuses: step, rollbacks and skipped steps are the same decision on every
+    rank (the largest is taken), samples are sharded (summed), the newest clean checkpoint wins."""
+    progress = _Progress()
+    seen = dropped = 0
+    counted = False
+    for report in reports:
+        status = report.status
+        if not status:
+            continue
+
+        def biggest(current: int | None, key: str, status: Mapping[str, Any] = status) -> int | None:
+            value = _int(status.get(key))
+            return current if value is None else max(value, current or 0)
+
+        progress.step = biggest(progress.step, "step")
+        progress.rollbacks = biggest(progress.rollbacks, "rollbacks")
+        progress.skipped_steps = biggest(progress.skipped_steps, "skipped_steps")
+        seen += _int(status.get("samples_seen")) or 0
+        dropped += _int(status.get("samples_dropped")) or 0
+        counted = True
+        checkpoint = status.get("last_clean_checkpoint")
+        if isinstance(checkpoint, Mapping) and _int(checkpoint.get("step")) is not None:
+            best = progress.checkpoint
+            if best is None or (_int(checkpoint.get("step")) or 0) > (_int(best.get("step")) or 0):
+                progress.checkpoint = checkpoint
+        last, started = status.get("last_step_time"), status.get("started_at")
+        if isinstance(last, int | float) and isinstance(started, int | float) and last >= started:
+            progress.stepping = True
+    if counted:
+        progress.samples_seen, progress.samples_dropped = seen, dropped
+        progress.drop_rate = dropped / seen if seen else 0.0
+    return progress
+
+
+# ----------------------------------------------------------------------------------------- the step ---
+class _Step:
+    """The state of one reconcile step while it is worked out; ``reconcile`` is the public entry."""
+
+    def __init__(self, world: World, settings: OperatorSettings) -> None:
+        self.world = world
+        self.settings = settings
+        self.now = world.now
+        meta = _meta(world.body)
+        self.name = str(meta.get("name", ""))
+        self.namespace = str(meta.get("namespace") or "default")
+        self.uid = str(meta.get("uid", ""))
+        generation = _int(meta.get("generation"))
+        self.generation = generation
+        raw = world.body.get("status")
+        self.raw_status: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        self.old = JobStatus.from_body(world.body)
+        self.st = self.old.model_copy(deep=True)
+        self.st.observed_generation = generation
+        self.events: list[EventNote] = []
+
+    # ------------------------------------------------------------------------------------ helpers ---
+    def owns(self, obj: Mapping[str, Any]) -> bool:
+        """Whether ``obj`` is owned by this GuardedTrainingJob (by uid; any owner if the uid is unknown)."""
+        if not self.uid:
+            return True
+        refs = _meta(obj).get("ownerReferences") or []
+        return any(isinstance(r, Mapping) and r.get("uid") == self.uid for r in refs)
+
+    def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
+        self.st.conditions = set_condition(
+            self.st.conditions, type_, status, reason, message, self.now, self.generation
+        )
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append(EventNote(type_, reason, message))
+
+    def became_true(self, type_: str, message: str) -> bool:
+        """Whether the condition is True now but was not (or said something else) before this step."""
+        before = self.old.condition(type_)
+        return before is None or before.status != "True" or before.message != clip(message)
+
+    def plan(self, action: PlanAction, requeue: float, **extra: Any) -> Plan:
+        phase = Phase(self.st.phase) if self.st.phase else Phase.PENDING
+        self.st.phase = phase.value
+        reason, message = extra.pop("phase_reason", phase.value), extra.pop("phase_message", "")
+        self.st.conditions = phase_conditions(
+            self.st.conditions, phase, reason, message, self.now, self.generation
+        )
+        patch = merge_patch(self.raw_status, self.st.to_wire())
+        return Plan(
+            action=action,
+            status=self.st,
+            patch=patch,
+            requeue_seconds=max(MIN_REQUEUE_SECONDS, requeue),
+            events=tuple(self.events),
+            **extra,
+        )
+
+    # ------------------------------------------------------------------------------------ phases ---
+    def run(self) -> Plan:
+        if self.st.phase in TERMINAL_PHASES:
+            return self.terminal()
+        try:
+            job = parse_job(_manifest(self.world.body), f"{self.namespace}/{self.name}")
+        except SpecError as exc:
+            return self.blocked_spec(str(exc))
+        self.condition(ConditionType.SPEC_INVALID, False, "SpecValid")
+        if self.st.pinned is None:
+            self.st.pinned = pin(job.spec)
+        try:
+            effective, refused = spec_change(self.st.pinned, job.spec)
+        except ValidationError as exc:
+            return self.blocked_spec(f"{self.namespace}/{self.name}: {exc}")
+        self.job = job.model_copy(update={"spec": effective})
+        self.period = float(effective.health.probe_period_seconds)
+        self.refusals(refused)
+        if self.world.jobs is None:
+            return self.blocked_crd()
+        self.condition(ConditionType.CRD_MISSING, False, "PyTorchJobCRDFound")
+        if self.st.attempt is None:
+            self.st.attempt, self.st.restarts, self.st.handled_attempt = 1, 0, 0
+            self.st.phase = Phase.PENDING.value
+            # Due now; recorded so that the wait for a leftover PyTorchJob is bounded for attempt 1 too.
+            self.st.next_attempt_at = iso_precise(self.now)
+        self.attempt = self.st.attempt
+        self.restarts = self.st.restarts or 0
+        self.job_name = pytorchjob_name(self.name, self.attempt)
+        labelled = [j for j in self.world.jobs if _labels(j).get(JOB_LABEL) == self.name]
+        # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
+        self.current = next(
+            (j for j in labelled if _meta(j).get("name") == self.job_name and self.owns(j)), None
+        )
+        stale = [j for j in labelled if j is not self.current]
+        self.stale_present = bool(stale)
+        self.stale_delete = tuple(
+            str(_meta(j).get("name")) for j in stale if not _meta(j).get("deletionTimestamp")
+        )
+        if self.st.attempt_created < self.attempt:
+            if self.current is None:
+                return self.start_attempt()
+            # Created before a crash of the operator, which did not get to record it: adopt it.
+            created = parse_time(_meta(self.current).get("creationTimestamp"))
+            self.st.attempt_created = self.attempt
+            self.st.attempt_started_at = iso_precise(created or self.now)
+            self.st.pytorch_job = self.job_name
+            self.st.next_attempt_at = None
+        return self.observe()
+
+    def terminal(self) -> Plan:
+        phase = Phase(self.st.phase or Phase.FAILED.value)
+        delete: tuple[str, ...] = ()
+        if phase is Phase.FAILED and self.world.jobs is not None:
+            # The give-up was recorded but the gang may not have been stopped (operator restarted).
+            delete = tuple(
+                str(_meta(j).get("name"))
+                for j in self.world.jobs
+                if _labels(j).get(JOB_LABEL) == self.name
+                and self.owns(j)
+                and not _meta(j).get("deletionTimestamp")
+            )
+        failed = self.st.condition(phase.value)
+        message = failed.message if failed else ""
+        return self.plan(
+            PlanAction.NOTHING,
+            self.settings.crd_retry_seconds,
+            delete=delete,
+            done=True,
+            phase_reason=failed.reason if failed else phase.value,
+            phase_message=message,
+        )
+
+    def blocked_spec(self, message: str) -> Plan:
+        if self.became_true(ConditionType.SPEC_INVALID, message):
+            self.event("Warning", "SpecInvalid", message)
+        self.condition(ConditionType.SPEC_INVALID, True, "InvalidSpec", message)
+        return self.plan(
+            PlanAction.BLOCKED,
+            self.settings.crd_retry_seconds,
+            phase_reason="SpecInvalid",
+            phase_message=message,
+        )
+
+    def blocked_crd(self) -> Plan:
+        message = (
+            "the cluster has no PyTorchJob CRD (kubeflow.org/v1 pytorchjobs): install the Kubeflow "
+            f"training operator; retrying every {self.settings.crd_retry_seconds:g} s"
+        )
+        if self.became_true(ConditionType.CRD_MISSING, message):
+            self.event("Warning", "PyTorchJobCRDMissing", message)
+        self.condition(ConditionType.CRD_MISSING, True, "PyTorchJobCRDMissing", message)
+        return self.plan(PlanAction.BLOCKED, self.settings.crd_retry_seconds, phase_message=message)
+
+    def refusals(self, refused: list[str]) -> None:
+        if not refused:
+            self.condition(ConditionType.SPEC_CHANGE_REFUSED, False, "SpecMatchesRunningJob")
+            return
+        message = (
+            f"changes to {', '.join(refused)} are refused while the job runs: replicas, template and "
+            "checkpoint are fixed for the job's life, and every attempt keeps using the original values. "
+            "Revert the change, or delete and re-create the job."
+        )
+        if self.became_true(ConditionType.SPEC_CHANGE_REFUSED, message):
+            self.event("Warning", "SpecChangeRefused", message)
+        self.condition(ConditionType.SPEC_CHANGE_REFUSED, True, "ImmutableFieldChanged", message)
+
+    def start_attempt(self) -> Plan:
+        due = parse_time(self.st.next_attempt_at)
+        restarting = self.restarts > 0
+        if due is not None and self.now < due:
+            return self.plan(
+                PlanAction.WAIT,
+                min(self.period, (due - self.now).total_seconds()),
+                delete=self.stale_delete,
+                phase_reason="BackingOff",
+                phase_message=f"attempt {self.attempt} starts at {self.st.next_attempt_at}",
+            )
+        grace = timedelta(seconds=self.settings.stale_attempt_grace_seconds)
+        if self.stale_present and (due is None or self.now < due + grace):
+            return self.plan(
+                PlanAction.WAIT,
+                min(self.period, STALE_POLL_SECONDS),
+                delete=self.stale_delete,
+                phase_reason="WaitingForPreviousAttempt",
+                phase_message=f"attempt {self.attempt} waits for the previous attempt's PyTorchJob to go",
+            )
+        try:
+            manifest = render_pytorchjob(
+                self.job,
+                Owner(self.name, self.namespace, self.uid),
+                self.attempt,
+                self.st.remediation,
+                self.settings,
+            )
+        except RenderError as exc:
+            return self.blocked_spec(str(exc))
+        self.st.attempt_created = self.attempt
+        self.st.attempt_started_at = iso_precise(self.now)
+        self.st.pytorch_job = self.job_name
+        self.st.next_attempt_at = None
+        self.st.phase = (Phase.RESTARTING if restarting else Phase.PENDING).value
+        extra = ""
+        if self.st.remediation is not None:
+            order = self.st.remediation
+            extra = (
+                f" with remediation {order.id} (lrScale {order.lr_scale:g}, "
+                f"maxGradNorm {order.max_grad_norm})"
+            )
+        self.event(
+            "Normal",
+            "AttemptCreated",
+            f"created PyTorchJob {self.job_name} for attempt {self.attempt} "
+            f"({self.job.spec.replicas} replica(s)){extra}",
+        )
+        return self.plan(
+            PlanAction.CREATE,
+            self.period,
+            create=manifest,
+            delete=self.stale_delete,
+            phase_reason="AttemptCreated",
+            phase_message=f"attempt {self.attempt}: waiting for its pods",
+        )
+
+    def ranks(self) -> tuple[list[RankObservation], list[Mapping[str, Any]]]:
+        replicas = self.job.spec.replicas
+        pods = _attempt_pods(self.world.pods, self.name, self.attempt)
+        if self.current is None or _meta(self.current).get("deletionTimestamp"):
+            why = f"PyTorchJob {self.job_name} was deleted by someone else"
+            return [RankObservation(rank=0, alive=None, lost=True, reason=why)], pods
+        if _job_condition(self.current, "Succeeded") is not None:
+            return [RankObservation(rank=r, exit_code=0, alive=None) for r in range(replicas)], pods
+        by_rank: dict[int, RankObservation] = {}
+        for pod in pods:
+            rank = pod_rank(pod)
+            if rank is None or not 0 <= rank < replicas:
+                continue
+            seen = rank_observation(rank, pod, self.world.sidecars.get(str(_meta(pod).get("name"))))
+            # Two pods for one rank (a replacement beside a terminating one): the failing one counts.
+            if rank not in by_rank or classify(seen) is not None:
+                by_rank[rank] = seen
+        ranks = [by_rank.get(r, RankObservation(rank=r, alive=None)) for r in range(replicas)]
+        failed = _job_condition(self.current, "Failed")
+        if failed is not None and not any(classify(r) for r in ranks):
+            why = f"PyTorchJob {self.job_name} failed: {failed.get('message') or failed.get('reason')}"
+            ranks[0] = RankObservation(rank=0, alive=None, lost=True, reason=why)
+        return ranks, pods
+
+    def track_progress(self, pods: Sequence[Mapping[str, Any]]) -> float | None:
+        names = {str(_meta(p).get("name")) for p in pods}
+        reports = [r for n, r in self.world.sidecars.items() if n in names]
+        progress = _progress(reports)
+        st = self.st
+        if progress.rollbacks is not None and progress.rollbacks > (self.old.rollbacks or 0):
+            new = progress.rollbacks - (self.old.rollbacks or 0)
+            self.event(
+                "Warning",
+                "RollbackSeen",
+                f"the guardian rolled back to its last clean snapshot {new} time(s) "
+                f"(total {progress.rollbacks}) at step {progress.step}",
+            )
+        for key in ("step", "rollbacks", "skipped_steps", "samples_seen", "samples_dropped", "drop_rate"):
+            value = getattr(progress, key)
+            if value is not None:
+                setattr(st, key, value)
+        if progress.checkpoint is not None:
+            st.last_clean_checkpoint = checkpoint_status(progress.checkpoint)
+        if progress.drop_rate is not None:
+            limit = self.job.spec.data_quality.max_drop_rate
+            high = progress.drop_rate > limit
+            message = f"dropped-sample ratio {progress.drop_rate:.3g} (limit {limit:g})"
+            if high and not self.old.is_true(ConditionType.DROP_RATE_HIGH):
+                self.event("Warning", "DropRateHigh", message)
+            self.condition(
+                ConditionType.DROP_RATE_HIGH,
+                high,
+                "AboveMaxDropRate" if high else "WithinMaxDropRate",
+                message,
+            )
+        since = parse_time(st.recovering_since)
+        if since is not None and progress.stepping:
+            st.recovering_since = None
+            seconds = max(0.0, (self.now - since).total_seconds())
+            self.event(
+                "Normal",
+                "Recovered",
+                f"attempt {self.attempt} is training again at step {progress.step}, "
+                f"{seconds:.0f} s after the failure",
+            )
+            return seconds
+        return None
+
+    def observe(self) -> Plan:
+        ranks, pods = self.ranks()
+        recovered = self.track_progress(pods)
+        observation = Observation(
+            attempt=self.attempt,
+            ranks=ranks,
+            restarts=self.restarts,
+            handled_attempt=self.st.handled_attempt,
+        )
+        decision = decide(self.job.spec.recovery, observation)
+        if decision.action is Action.RESTART:
+            return self.restart(decision, recovered)
+        if decision.action is Action.FAIL:
+            return self.fail(decision, recovered)
+        if decision.action is Action.SUCCEED:
+            self.st.phase = Phase.SUCCEEDED.value
+            self.st.recovering_since = None
+            self.event("Normal", "Succeeded", f"attempt {self.attempt} succeeded: {decision.reason}")
+            return self.plan(
+                PlanAction.SUCCEED,
+                self.period,
+                delete=self.stale_delete,
+                done=True,
+                decision=decision,
+                recovered_seconds=recovered,
+                phase_reason="JobSucceeded",
+                phase_message=f"attempt {self.attempt} succeeded: {decision.reason}",
+            )
+        running = [p for p in pods if _status(p).get("phase") == "Running"]
+        replicas = self.job.spec.replicas
+        if running:
+            self.st.phase = Phase.RUNNING.value
+        step = f", step {self.st.step}" if self.st.step is not None else ""
+        return self.plan(
+            PlanAction.NOTHING,
+            self.period,
+            delete=self.stale_delete,
+            decision=decision,
+            recovered_seconds=recovered,
+            phase_reason="GangRunning" if running else "WaitingForPods",
+            phase_message=f"attempt {self.attempt}: {len(running)} of {replicas} pod(s) running{step}",
+        )
+
+    def record_failure(self, decision: Decision) -> None:
+        kind = decision.failure.value if decision.failure else "Failed"
+        self.st.last_failure = last_failure(
+            kind, decision.reason, decision.rank, decision.exit_code, self.now
+        )
+        self.st.handled_attempt = self.attempt
+        if self.st.recovering_since is None:
+            self.st.recovering_since = iso_precise(self.now)
+        self.event("Warning", kind, f"attempt {self.attempt}: {decision.reason}")
+
+    def restart(self, decision: Decision, recovered: float | None) -> Plan:
+        self.record_failure(decision)
+        st = self.st
+        st.restarts = decision.restarts
+        st.attempt = self.attempt + 1
+        due = self.now + timedelta(seconds=decision.delay_seconds)
+        st.next_attempt_at = iso_precise(due)
+        if decision.remediation is not None:
+            st.remediation = RemediationOrder.introduced_by(st.attempt, decision.remediation)
+        st.phase = Phase.RESTARTING.value
+        limit = self.job.spec.recovery.max_restarts
+        remedy = ""
+        if decision.remediation is not None:
+            remedy = (
+                f" with remediation (lrScale {decision.remediation.lr_scale:g}, "
+                f"maxGradNorm {decision.remediation.max_grad_norm})"
+            )
+        message = (
+            f"restarting the whole gang as attempt {st.attempt} in {decision.delay_seconds:g} s "
+            f"(restart {st.restarts} of {limit}){remedy}: {decision.reason}"
+        )
+        self.event("Warning", "GangRestart", message)
+        return self.plan(
+            PlanAction.RESTART,
+            min(self.period, decision.delay_seconds),
+            delete=(*self.stale_delete, self.job_name),
+            write_status_first=True,
+            decision=decision,
+            recovered_seconds=recovered,
+            phase_reason="GangRestart",
+            phase_message=f"{message}; attempt {st.attempt} starts at {iso(due)}",
+        )
+
+    def fail(self, decision: Decision, recovered: float | None) -> Plan:
+        self.record_failure(decision)
+        self.st.phase = Phase.FAILED.value
+        self.st.recovering_since = None
+        self.event("Warning", "Failed", f"giving up: {decision.reason}")
+        # The gang is stopped like the local runner stops it: ranks still running (hung, or waiting on a
+        # dead peer) would otherwise hold their GPUs for ever.
+        return self.plan(
+            PlanAction.FAIL,
+            self.period,
+            delete=(*self.stale_delete, self.job_name),
+            write_status_first=True,
+            done=True,
+            decision=decision,
+            recovered_seconds=recovered,
+            phase_reason=(
+                "RestartsExhausted"
+                if self.restarts >= self.job.spec.recovery.max_restarts
+                else str(self.st.last_failure.reason if self.st.last_failure else "JobFailed")
+            ),
+            phase_message=decision.reason,
+        )
+
+
+def reconcile(world: World, settings: OperatorSettings) -> Plan:
+    """One reconcile step of the GuardedTrainingJob in ``world`` (see the module docstring).
+
+    Never raises for anything an object, a pod or a sidecar can contain: an invalid spec or template is a
+    BLOCKED plan with the SpecInvalid condition. The plan's ``requeue_seconds`` is at least
+    ``MIN_REQUEUE_SECONDS``, so no input makes the caller loop hot.
+    """
+    return _Step(world, settings).run()

@@ -1,0 +1,338 @@
+"""GuardedTrainingJob -> Kubeflow PyTorchJob (``kubeflow.org/v1``), one per gang attempt. Pure.
+
+Each attempt of a job is its own PyTorchJob, named after the job and the attempt, owned by the
+GuardedTrainingJob, with a Master replica (rank 0) and ``replicas - 1`` Workers. Every replica's pod is the
+user's template with trainguard's pieces added: the ``trainguard-sidecar`` native sidecar, the status
+volume, the checkpoint claim, the guardian's environment, NCCL fail-fast settings, and liveness and
+startup probes on the training container that ask the sidecar.
+
+Restart policy ``Never`` on every replica, deliberately: a rank restarted alone (by the kubelet, or by
+the training operator's OnFailure/ExitCode policies) cannot rejoin a running collective -- its peers are
+blocked in an all-reduce with the old process, or have already torn the communicator down -- so a
+single-rank restart only turns a crash into a hang. The trainguard operator owns restarts and always
+restarts the whole gang, as a fresh PyTorchJob (see ``reconcile``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard_operator.settings import OperatorSettings
+
+from trainer_sidecar.settings import Remediation
+from trainguard.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
+
+PYTORCHJOB_GROUP = "kubeflow.org"
+PYTORCHJOB_VERSION = "v1"
+PYTORCHJOB_PLURAL = "pytorchjobs"
+PYTORCHJOB_KIND = "PyTorchJob"
+PYTORCHJOB_API_VERSION = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
+
+JOB_LABEL = "trainguard.dev/job"
+ATTEMPT_LABEL = "trainguard.dev/attempt"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "trainguard-operator"
+#: Labels the Kubeflow training operator puts on the pods it creates.
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+
+SIDECAR_CONTAINER = "trainguard-sidecar"
+SIDECAR_PORT_NAME = "tg-sidecar"
+STATUS_VOLUME = "trainguard-status"
+STATUS_DIR = "/var/run/trainguard"
+STATUS_FILE = f"{STATUS_DIR}/status.json"
+CHECKPOINT_VOLUME = "trainguard-checkpoints"
+
+#: NCCL and torch.distributed fail-fast settings, applied only where the user's container does not set them.
+NCCL_FAIL_FAST: Mapping[str, str] = {
+    # The ProcessGroupNCCL watchdog's heartbeat monitor aborts a process whose watchdog is stuck this long
+    # (the design brief's 300 s), so a wedged NCCL call ends in an exit code instead of a silent hang.
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "300",
+    # InfiniBand local ack timeout, 4.096 us * 2^20 ~ 4.3 s per retransmission, ~30 s with NCCL's
+    # default 7 retries: a link flap is ridden out, a dead link errors within half a minute.
+    "NCCL_IB_TIMEOUT": "20",
+    # Abort the communicator and the process on an NCCL error or timeout instead of leaving it hung.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+}
+
+#: The longest PyTorchJob name: the training operator names pods and services ``<job>-worker-<index>``,
+#: which must be a DNS-1035 label (<= 63). ``replicas`` is at most 4096, so the index is at most 4094.
+MAX_JOB_NAME = 63 - len("-worker-4094")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_HASH_CHARS = 8
+
+
+class RenderError(ValueError):
+    """The job's template cannot be combined with trainguard's pieces; the message names the field."""
+
+
+class RemediationOrder(Remediation):
+    """A remediation handed to an attempt's workers (``TRAINGUARD_REMEDIATION``), with its ``id``.
+
+    ``id`` names the attempt that introduced it (``attempt-N``). Later attempts pass the same id, so a
+    guardian that already applied it (the id is in its checkpoint) does not apply it a second time.
+    """
+
+    id: str
+
+    @classmethod
+    def introduced_by(cls, attempt: int, remediation: Remediation) -> RemediationOrder:
+        """The order for ``remediation`` first handed to ``attempt``."""
+        return cls(id=f"attempt-{attempt}", **remediation.model_dump())
+
+    def payload(self) -> dict[str, Any]:
+        """The JSON object the guardian reads: ``{"id": ..., "lrScale": ..., "maxGradNorm": ...}``."""
+        return self.model_dump(by_alias=True, mode="json")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The GuardedTrainingJob an attempt belongs to (its uid is needed for the owner reference)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def is_dns1035_label(value: str) -> bool:
+    """Whether ``value`` is a DNS-1035 label (what Service names must be)."""
+    return len(value) <= 63 and bool(_DNS1035.match(value))
+
+
+def pytorchjob_name(job_name: str, attempt: int) -> str:
+    """The PyTorchJob name of ``attempt`` of ``job_name``: ``<job>-<attempt>`` when that fits.
+
+    The result, and the training operator's ``<result>-master-0`` / ``<result>-worker-N`` pod and service
+    names, are DNS-1035 labels for any job name of at most 63 characters. A name that is too long, or
+    does not start with a letter, is shortened to a prefix plus a hash of the whole name, so distinct jobs
+    keep distinct names.
+    """
+    if attempt < 1 or attempt >= 10**12:
+        raise ValueError(f"attempt must be in [1, 10^12), got {attempt}")
+    suffix = f"-{attempt}"
+    plain = f"{job_name}{suffix}"
+    if len(plain) <= MAX_JOB_NAME and is_dns1035_label(plain):
+        return plain
+    digest = hashlib.sha256(job_name.encode()).hexdigest()[:_HASH_CHARS]
+    head = job_name if job_name[:1].isalpha() else f"tg-{job_name}"
+    budget = MAX_JOB_NAME - len(suffix) - 1 - _HASH_CHARS
+    head = head[:budget].rstrip("-")
+    return f"{head}-{digest}{suffix}" if head else f"tg-{digest}{suffix}"
+
+
+def probe_timing(period_seconds: int, startup_grace_seconds: int) -> dict[str, int]:
+    """Liveness and startup probe numbers for a probe period and a startup grace.
+
+    * liveness ``failureThreshold`` 3: the sidecar's ``/healthz`` already waits the hang timeout before it
+      fails, so the kubelet only needs to ride out a transient miss (a sidecar starved of CPU for a
+      moment); three periods of failure is the Kubernetes default and adds at most ~3 periods to detection.
+    * ``timeoutSeconds`` min(5, period): the answer is a file read, but the pod's cores may be saturated
+      by training and data loading; 1 s (the default) would produce false failures.
+    * startup ``failureThreshold`` ceil(grace / period) (at least 1), so the startup probe covers the whole
+      grace before the kubelet gives up on a worker that never made a first step.
+    """
+    return {
+        "liveness_failure_threshold": 3,
+        "timeout_seconds": max(1, min(5, period_seconds)),
+        "startup_failure_threshold": max(1, math.ceil(startup_grace_seconds / period_seconds)),
+    }
+
+
+def _env_map(env: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:
+    return {str(item.get("name")): item for item in env or []}
+
+
+def _worker_env(
+    existing: Sequence[Mapping[str, Any]] | None, owned: Mapping[str, str], defaults: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """The worker's env: the user's, trainguard's own variables replacing any of the same name (as the
+    local runner does: the status path and settings must agree with the sidecar and the spec), then the
+    NCCL defaults the user did not set."""
+    result = [dict(item) for item in existing or [] if item.get("name") not in owned]
+    result += [{"name": name, "value": value} for name, value in owned.items()]
+    user = _env_map(existing)
+    result += [{"name": name, "value": value} for name, value in defaults.items() if name not in user]
+    return result
+
+
+def _sidecar(job: GuardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:
+    health = job.spec.health
+    return {
+        "name": SIDECAR_CONTAINER,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.sidecar_image_pull_policy,
+        "command": ["trainguard-sidecar"],
+        # A native sidecar (an init container that always restarts, Kubernetes >= 1.29): it starts before
+        # the worker, lives as long as the pod's main containers, and is stopped when they end. A regular
+        # container would keep a finished pod Running, so the PyTorchJob would never succeed.
+        "restartPolicy": "Always",
+        "env": [
+            {"name": "TRAINGUARD_STATUS_FILE", "value": STATUS_FILE},
+            {"name": "TRAINGUARD_SIDECAR_PORT", "value": str(settings.sidecar_port)},
+            {"name": "TRAINGUARD_HANG_TIMEOUT_SECONDS", "value": str(health.hang_timeout_seconds)},
+            {"name": "TRAINGUARD_STARTUP_GRACE_SECONDS", "value": str(health.startup_grace_seconds)},
+            {"name": "TRAINGUARD_JOB_NAME", "value": job.metadata.name},
+            {"name": "TRAINGUARD_NAMESPACE", "value": job.metadata.namespace},
+        ],
+        "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": settings.sidecar_port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": STATUS_VOLUME, "mountPath": STATUS_DIR, "readOnly": True}],
+        "resources": copy.deepcopy(settings.sidecar_resources),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.sidecar_run_as_user,
+            "runAsGroup": settings.sidecar_run_as_user,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def _probe(path: str, port: int, period: int, failure_threshold: int, timeout: int) -> dict[str, Any]:
+    # The port is a number, not the sidecar's port name: a named probe port is looked up among the
+    # probed container's own ports, and the probe runs against the pytorch container.
+    return {
+        "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
+        "periodSeconds": period,
+        "failureThreshold": failure_threshold,
+        "timeoutSeconds": timeout,
+        "successThreshold": 1,
+    }
+
+
+def render_pod_template(
+    job: GuardedTrainingJob,
+    attempt: int,
+    remediation: RemediationOrder | None,
+    settings: OperatorSettings,
+) -> dict[str, Any]:
+    """One replica's pod template: the user's template with trainguard's pieces added (module docstring)."""
+    spec = job.spec
+    name = job.metadata.name
+    template = spec.template.model_dump(mode="json", exclude_none=True)
+    pod = template.setdefault("spec", {})
+    meta = template.setdefault("metadata", {})
+    meta["labels"] = {**meta.get("labels", {}), JOB_LABEL: name, ATTEMPT_LABEL: str(attempt)}
+    meta["annotations"] = {
+        **meta.get("annotations", {}),
+        "kubectl.kubernetes.io/default-container": WORKER_CONTAINER,
+    }
+    for key in ("name", "namespace"):
+        meta.pop(key, None)
+    pod["restartPolicy"] = "Never"
+
+    volumes = pod.setdefault("volumes", [])
+    taken = {v.get("name") for v in volumes}
+    for volume in (STATUS_VOLUME, CHECKPOINT_VOLUME):
+        if volume in taken:
+            raise RenderError(f"spec.template.spec.volumes: the name {volume} is reserved by trainguard")
+    volumes.append({"name": STATUS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+    volumes.append(
+        {"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}}
+    )
+
+    containers = pod["containers"]
+    index = next(i for i, c in enumerate(containers) if c.get("name") == WORKER_CONTAINER)
+    worker = containers[index]
+    if any(c.get("name") == SIDECAR_CONTAINER for c in [*containers, *pod.get("initContainers", [])]):
+        raise RenderError(f"spec.template.spec: the container name {SIDECAR_CONTAINER} is reserved")
+    mounts = worker.setdefault("volumeMounts", [])
+    for path in (STATUS_DIR, spec.checkpoint.mount_path):
+        if any(m.get("mountPath") == path for m in mounts):
+            raise RenderError(
+                f"spec.template.spec.containers[{WORKER_CONTAINER}].volumeMounts: {path} is where "
+                "trainguard mounts its own volume"
+            )
+    mounts.append({"name": STATUS_VOLUME, "mountPath": STATUS_DIR})
+    mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.mount_path})
+
+    owned = {
+        "TRAINGUARD_SETTINGS": spec.guardian_settings().model_dump_json(by_alias=True),
+        "TRAINGUARD_CHECKPOINT_DIR": spec.checkpoint.mount_path,
+        "TRAINGUARD_STATUS_FILE": STATUS_FILE,
+        "TRAINGUARD_JOB_NAME": name,
+        "TRAINGUARD_NAMESPACE": job.metadata.namespace,
+        "TRAINGUARD_ATTEMPT": str(attempt),
+    }
+    if remediation is not None:
+        owned["TRAINGUARD_REMEDIATION"] = json.dumps(remediation.payload(), separators=(",", ":"))
+    worker["env"] = _worker_env(worker.get("env"), owned, NCCL_FAIL_FAST)
+
+    health = spec.health
+    timing = probe_timing(health.probe_period_seconds, health.startup_grace_seconds)
+    worker["livenessProbe"] = _probe(
+        "/healthz",
+        settings.sidecar_port,
+        health.probe_period_seconds,
+        timing["liveness_failure_threshold"],
+        timing["timeout_seconds"],
+    )
+    # /readyz answers 503 until the first step: the startup probe holds the liveness probe off until the
+    # worker steps, for at most the startup grace.
+    worker["startupProbe"] = _probe(
+        "/readyz",
+        settings.sidecar_port,
+        health.probe_period_seconds,
+        timing["startup_failure_threshold"],
+        timing["timeout_seconds"],
+    )
+    # Last among the init containers, so it starts right before the worker and its startup grace is not
+    # spent on the user's own init containers.
+    pod["initContainers"] = [*pod.get("initContainers", []), _sidecar(job, settings)]
+    return template
+
+
+def render_pytorchjob(
+    job: GuardedTrainingJob,
+    owner: Owner,
+    attempt: int,
+    remediation: RemediationOrder | None,
+    settings: OperatorSettings,
+) -> dict[str, Any]:
+    """The PyTorchJob manifest of ``attempt`` of ``job`` (see the module docstring for what it holds).
+
+    Raises RenderError when the user's template collides with trainguard's reserved names or paths.
+    """
+    name = pytorchjob_name(owner.name, attempt)
+    labels = {JOB_LABEL: owner.name, ATTEMPT_LABEL: str(attempt), MANAGED_BY_LABEL: MANAGED_BY}
+    template = render_pod_template(job, attempt, remediation, settings)
+
+    def replica(count: int) -> dict[str, Any]:
+        return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(template)}
+
+    replicas: dict[str, Any] = {"Master": replica(1)}
+    if job.spec.replicas > 1:
+        replicas["Worker"] = replica(job.spec.replicas - 1)
+    return {
+        "apiVersion": PYTORCHJOB_API_VERSION,
+        "kind": PYTORCHJOB_KIND,
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": labels,
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": owner.name,
+                    "uid": owner.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "pytorchReplicaSpecs": replicas,
+            # The operator deletes old attempts itself (the pods go with them by garbage collection);
+            # the training operator must not delete a finished attempt's pods under it.
+            "runPolicy": {"cleanPodPolicy": "None"},
+        },
+    }
