@@ -7,22 +7,27 @@ after every kill the newest valid checkpoint must verify and load with exactly t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import math
 import os
+import pickle
 import queue
 import random
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -31,6 +36,7 @@ from torch import nn
 
 from trainer_sidecar import checkpoint as checkpoint_module
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore, step_dir_name
+from trainer_sidecar.tensorstate import flatten
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,6 +120,46 @@ def flip_one_bit(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
+def serialize(state: Any) -> bytes:
+    """The bytes the store writes for ``state``: header and raw tensor data."""
+    skeleton, tensors = flatten(state)
+    pieces = checkpoint_module._serialize(skeleton, tensors).pieces
+    return b"".join(bytes(view) for piece in pieces for view in piece.views)
+
+
+_PREFIX = len(checkpoint_module.MAGIC) + 12  # magic, uint32 version, uint64 header length
+
+
+def split_file(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """A checkpoint file's JSON header and its data section."""
+    assert data.startswith(checkpoint_module.MAGIC)
+    version, length = struct.unpack_from("<IQ", data, len(checkpoint_module.MAGIC))
+    assert version == checkpoint_module.FORMAT_VERSION
+    header = json.loads(data[_PREFIX : _PREFIX + length])
+    data_start = -(-(_PREFIX + length) // 64) * 64
+    assert data[_PREFIX + length : data_start] == bytes(data_start - _PREFIX - length)
+    return header, data[data_start:]
+
+
+def join_file(
+    header: Any, data_section: bytes, *, raw_header: bytes | None = None, version: int = 2
+) -> bytes:
+    """A checkpoint file from a header (any JSON value, or raw bytes) and a data section."""
+    text = json.dumps(header).encode() if raw_header is None else raw_header
+    prefix = checkpoint_module.MAGIC + struct.pack("<IQ", version, len(text)) + text
+    return prefix + bytes(-len(prefix) % 64) + data_section
+
+
+def same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included; works for dtypes torch.equal lacks)."""
+    return (
+        actual.dtype == expected.dtype
+        and actual.shape == expected.shape
+        and bytes(actual.contiguous().reshape(-1).view(torch.uint8).numpy())
+        == bytes(expected.contiguous().reshape(-1).view(torch.uint8).numpy())
+    )
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[CheckpointStore]:
     created = CheckpointStore(tmp_path / "ckpt", keep_clean=3)
@@ -170,6 +216,395 @@ def test_manifest_records_step_time_world_size_and_the_files_size_and_sha256(tmp
     assert ref.time == manifest["time"]
     # Nothing but the two published files is left behind (no temp files).
     assert sorted(p.name for p in data_path.parent.iterdir()) == ["rank-0.json", "rank-0.pt"]
+
+
+# --- the file format ----------------------------------------------------------------------------------
+
+
+def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bytes as a tensor of ``dtype`` (floats include NaN and Inf bit patterns)."""
+    numel = math.prod(shape)
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def test_every_supported_dtype_round_trips_bit_exactly_in_any_shape_and_layout(
+    store: CheckpointStore,
+) -> None:
+    assert {"bfloat16", "bool", "int64", "float16", "float32", "float64", "uint8", "int32"} <= set(
+        checkpoint_module.DTYPES
+    )
+    state: dict[str, Any] = {}
+    for index, (name, dtype) in enumerate(checkpoint_module.DTYPES.items()):
+        base = _random_tensor(dtype, (4, 6), seed=index)
+        state[name] = {
+            "zero-d": _random_tensor(dtype, (), seed=100 + index),
+            "empty": _random_tensor(dtype, (0,), seed=0),
+            "empty-2d": _random_tensor(dtype, (3, 0), seed=0),
+            "full": base,
+            "transposed": base.t(),
+            "strided": base[:, ::2],
+            "expanded": base[0].expand(3, 6),
+            "big": _random_tensor(dtype, (300_000 // dtype.itemsize + 3,), seed=200 + index),  # > coalesced
+        }
+    expected = clone_state(state)
+    assert not state["float32"]["transposed"].is_contiguous()
+
+    store.save(1, state, {})
+    loaded = store.load(1)
+
+    assert set(loaded) == set(expected)
+    pointers = set()
+    for name, tensors in expected.items():
+        assert set(loaded[name]) == set(tensors)
+        for key, tensor in tensors.items():
+            got = loaded[name][key]
+            assert same_bits(got, tensor), f"{name}/{key}"
+            assert got.is_contiguous()
+            if got.numel():
+                # Each tensor owns exactly its bytes: no view into a buffer shared with the others.
+                assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+                pointers.add(got.data_ptr())
+    assert len(pointers) == sum(1 for t in expected.values() for v in t.values() if v.numel())
+    loaded["float32"]["full"].add_(1)  # writable, and independent of its former neighbours
+    assert same_bits(loaded["float32"]["transposed"], expected["float32"]["transposed"])
+
+
+def test_plain_values_keep_their_types_including_nan_inf_tuples_and_non_string_keys(
+    store: CheckpointStore,
+) -> None:
+    model, optimizer = make_training()
+    train(model, optimizer, 2, seed=7)
+    generator = random.Random(11)
+    generator.random()
+    state = {
+        "floats": [math.nan, math.inf, -math.inf, -0.0, 0.1, 1e308, 5e-324, 1.0],
+        "ints": [0, -1, 2**63, -(2**100), True, False],
+        "none": None,
+        "text": ["", "héllo ✓", 'line\nbreak "quoted" \\ back', "\udcff"],
+        "tuple": (1, (2.5, "x"), [3], ()),
+        "empty": {"list": [], "dict": {}, "tuple": ()},
+        "keys": {0: "int", 1.5: "float", None: "none", True: "bool", ("a", 1): "tuple", "s": "str"},
+        "python_rng": generator.getstate(),
+        "numpy": [np.float64(0.5), np.int64(7), np.bool_(True), np.float32(0.25)],
+        "optimizer": optimizer.state_dict(),
+    }
+    expected = clone_state(state)
+
+    store.save(1, state, {})
+    loaded = store.load(1)
+
+    floats = loaded["floats"]
+    assert all(type(value) is float for value in floats)
+    assert math.isnan(floats[0])
+    assert floats[1:3] == [math.inf, -math.inf]
+    assert math.copysign(1.0, floats[3]) == -1.0
+    assert floats[4:] == expected["floats"][4:]
+    assert loaded["ints"] == expected["ints"]
+    assert [type(v) for v in loaded["ints"]] == [int, int, int, int, bool, bool]
+    for key in ("none", "text", "tuple", "empty", "keys", "python_rng", "optimizer"):
+        assert_same_state(loaded[key], expected[key], key)
+    assert [type(key) for key in loaded["keys"]] == [int, float, type(None), bool, tuple, str]
+    assert loaded["numpy"] == [0.5, 7, True, 0.25]
+    assert [type(v) for v in loaded["numpy"]] == [float, int, bool, float]
+
+    # The states come back usable: python's RNG needs a tuple, AdamW's betas are a tuple, its
+    # per-parameter state is keyed by int.
+    restored = random.Random()
+    restored.setstate(loaded["python_rng"])
+    assert restored.random() == generator.random()
+    assert isinstance(loaded["optimizer"]["param_groups"][0]["betas"], tuple)
+    assert sorted(loaded["optimizer"]["state"]) == sorted(optimizer.state_dict()["state"])
+    _, fresh = make_training(seed=3)
+    fresh.load_state_dict(loaded["optimizer"])
+
+
+def test_the_file_is_magic_version_json_header_and_aligned_raw_tensor_bytes(store: CheckpointStore) -> None:
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    flags = torch.tensor([True, False, True])
+    store.save(1, {"model": {"w": weight, "flags": flags}, "step": 1, "lr": math.inf}, {})
+    data_path, _ = step_files(store.root, 1)
+    data = data_path.read_bytes()
+
+    header, section = split_file(data)
+    assert header["byteorder"] == "little"
+    assert header["data_bytes"] == len(section)
+    assert header["state"] == {
+        "dict": [
+            ["model", {"dict": [["w", {"tensor": 0}], ["flags", {"tensor": 1}]]}],
+            ["step", 1],
+            ["lr", {"float": "inf"}],
+        ]
+    }
+    specs = header["tensors"]
+    assert [(s["dtype"], s["shape"], s["nbytes"]) for s in specs] == [
+        ("float32", [3, 4], 48),
+        ("bool", [3], 3),
+    ]
+    assert all(s["offset"] % 64 == 0 for s in specs)
+    assert (len(data) - len(section)) % 64 == 0
+    assert section[specs[0]["offset"] : specs[0]["offset"] + 48] == weight.numpy().tobytes()
+    assert section[specs[1]["offset"] : specs[1]["offset"] + 3] == b"\x01\x00\x01"
+
+
+def test_parallel_and_serial_hashing_write_identical_files(tmp_path: Path) -> None:
+    state = {
+        "model": {"big": _random_tensor(torch.float32, (5_000_000,), seed=1), "small": torch.arange(5)},
+        "step": 3,
+    }
+    digests = []
+    for parallel in (True, False):
+        store = CheckpointStore(tmp_path / str(parallel), parallel_hash=parallel)
+        try:
+            ref = store.save(3, state, {})
+        finally:
+            store.close()
+        assert ref is not None
+        data_path, _ = step_files(store.root, 3)
+        assert ref.sha256 == hashlib.sha256(data_path.read_bytes()).hexdigest()
+        digests.append(ref.sha256)
+    assert digests[0] == digests[1]
+
+
+def test_short_writes_are_resumed_where_they_stopped(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_writev = os.writev
+
+    def short_writev(fd: int, buffers: Sequence[memoryview]) -> int:
+        return real_writev(fd, [memoryview(buffers[0])[:777]])  # at most 777 bytes of the first view
+
+    state = {
+        "model": {"w": torch.randn(30_000, generator=torch.Generator().manual_seed(4)), "b": torch.arange(5)}
+    }
+    expected = clone_state(state)
+    monkeypatch.setattr(os, "writev", short_writev)
+    ref = store.save(1, state, {})
+    monkeypatch.undo()
+    assert ref is not None
+    assert store.verify(1).valid
+    assert_same_state(store.load(1), expected)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (object, "a object cannot be stored"),
+        (lambda: b"raw bytes", "a bytes cannot be stored"),
+        (lambda: {1, 2}, "a set cannot be stored"),
+        (lambda: torch.float32, "a dtype cannot be stored"),
+        (lambda: {frozenset(): 1}, "a dict key of type frozenset"),
+        (lambda: torch.zeros(2, dtype=torch.complex32), "dtype torch.complex32 cannot be stored"),
+    ],
+)
+def test_a_state_that_cannot_be_stored_fails_on_wait_naming_the_value(
+    store: CheckpointStore, make: Callable[[], Any], message: str
+) -> None:
+    store.save_async(1, {"model": {"w": torch.ones(2)}, "extra": {"bad": make()}}, {})
+    with pytest.raises(CheckpointError, match=message) as caught:
+        store.wait()
+    assert "state['extra']['bad']" in str(caught.value)
+    assert str(step_files(store.root, 1)[0]) in str(caught.value)
+    assert store.steps() == []  # nothing was written, not even the directory
+    assert store.save(2, small_state(2.0), {}) is not None  # and the store still works
+    assert store.verify(2).valid
+
+
+def _header_cases() -> dict[str, Any]:
+    """Edits of a valid header (a function of the header, returning the new one) that must be refused."""
+
+    def tensor(edit: dict[str, Any]) -> Any:
+        return lambda h: {**h, "tensors": [{**h["tensors"][0], **edit}, *h["tensors"][1:]]}
+
+    def state(node: Any) -> Any:
+        return lambda h: {**h, "state": node}
+
+    deep: Any = 0
+    for _ in range(150):  # beyond the reader's limit of 100 levels
+        deep = {"list": [deep]}
+    return {
+        "offset-past-end": tensor({"offset": 1 << 20}),
+        "offset-negative": tensor({"offset": -64}),
+        "offset-unaligned": tensor({"offset": 8}),
+        "offset-float": tensor({"offset": 0.0}),
+        "nbytes-wrong": tensor({"nbytes": 4}),
+        "nbytes-bool": tensor({"nbytes": True}),
+        "dtype-unknown": tensor({"dtype": "float128"}),
+        "dtype-object": tensor({"dtype": "object"}),
+        "dtype-not-a-name": tensor({"dtype": 7}),
+        "shape-negative": tensor({"shape": [-1, 3]}),
+        "shape-huge": tensor({"shape": [1 << 40, 1 << 40]}),
+        "shape-zero-times-huge": tensor({"shape": [0, 1 << 61, 1 << 61], "nbytes": 0}),
+        "shape-string": tensor({"shape": "3x4"}),
+        "shape-too-many-dims": tensor({"shape": [1] * 65}),
+        "tensor-extra-key": tensor({"pickle": "x"}),
+        "tensors-not-a-list": lambda h: {**h, "tensors": {}},
+        "data-bytes-wrong": lambda h: {**h, "data_bytes": h["data_bytes"] + 64},
+        "data-bytes-negative": lambda h: {**h, "data_bytes": -1},
+        "byteorder-big": lambda h: {**h, "byteorder": "big"},
+        "missing-state": lambda h: {k: v for k, v in h.items() if k != "state"},
+        "header-a-list": lambda h: [h],
+        "top-level-list": state({"list": []}),
+        "top-level-tensor": state({"tensor": 0}),
+        "tensor-ref-out-of-range": state({"dict": [["w", {"tensor": 99}]]}),
+        "tensor-ref-negative": state({"dict": [["w", {"tensor": -1}]]}),
+        "tensor-ref-bool": state({"dict": [["w", {"tensor": True}]]}),
+        "unknown-tag": state({"dict": [["w", {"pickle": "cos\nsystem"}]]}),
+        "two-key-node": state({"dict": [["w", {"list": [], "tuple": []}]]}),
+        "bare-array": state({"dict": [["w", [1, 2]]]}),
+        "bad-float": state({"dict": [["w", {"float": "nanx"}]]}),
+        "pair-of-three": state({"dict": [["w", 1, 2]]}),
+        "list-as-key": state({"dict": [[{"list": []}, 1]]}),
+        "tensor-as-key": state({"dict": [[{"tensor": 0}, 1]]}),
+        "dict-as-key": state({"dict": [[{"dict": []}, 1]]}),
+        "list-body-not-array": state({"dict": [["w", {"list": 3}]]}),
+        "deep-nesting": state({"dict": [["w", deep]]}),
+    }
+
+
+_HEADER_CASES = _header_cases()
+
+
+@pytest.mark.parametrize("case", sorted(_HEADER_CASES))
+def test_a_malformed_header_is_refused_naming_the_file(tmp_path: Path, case: str) -> None:
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "flags": torch.tensor([True, False])}, "n": 1}
+    header, section = split_file(serialize(state))
+    path = tmp_path / "rank-0.pt"
+    path.write_bytes(join_file(_HEADER_CASES[case](header), section))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_module.read_state(path)
+    assert str(path) in str(caught.value)
+
+
+def _byte_cases(data: bytes) -> dict[str, bytes]:
+    header, section = split_file(data)
+    magic = checkpoint_module.MAGIC
+    text = json.dumps(header).encode()
+    flags = header["tensors"][1]["offset"]
+    return {
+        "empty": b"",
+        "truncated-in-magic": data[:10],
+        "truncated-in-preamble": data[: len(magic) + 5],
+        "truncated-in-header": data[: _PREFIX + 5],
+        "truncated-in-data": data[:-1],
+        "trailing-bytes": data + b"\0",
+        "bad-magic": b"\x88" + data[1:],
+        "zip-archive": b"PK\x03\x04" + data[4:],
+        "version-1": join_file(header, section, version=1),
+        "version-3": join_file(header, section, version=3),
+        "header-length-huge": magic + struct.pack("<IQ", 2, 1 << 63) + data[_PREFIX:],
+        "header-not-json": join_file(None, section, raw_header=b"{" + b"x" * (len(text) - 1)),
+        "header-not-utf8": join_file(None, section, raw_header=b'{"\xff\xfe": 1}'),
+        "nan-literal": join_file(None, section, raw_header=text.replace(b'"n", 1', b'"n", NaN')),
+        "huge-float-literal": join_file(None, section, raw_header=text.replace(b'"n", 1', b'"n", 1e999')),
+        "huge-int-literal": join_file(
+            None, section, raw_header=text.replace(b'"n", 1', b'"n", ' + b"9" * 5000)
+        ),
+        "deep-json": join_file(None, section, raw_header=b'{"state": ' + b"[" * 100_000),
+        "bool-byte-2": join_file(header, section[:flags] + b"\x02" + section[flags + 1 :]),
+    }
+
+
+def test_truncated_or_garbled_bytes_are_refused_naming_the_file(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "flags": torch.tensor([True, False])}, "n": 1}
+    data = serialize(state)
+    assert b'"n", 1' in json.dumps(split_file(data)[0]).encode()
+    for case, payload in _byte_cases(data).items():
+        path = tmp_path / f"{case}.pt"
+        path.write_bytes(payload)
+        with pytest.raises(CheckpointError) as caught:
+            checkpoint_module.read_state(path)
+        assert str(path) in str(caught.value), case
+    with pytest.raises(CheckpointError, match="cannot be opened"):
+        checkpoint_module.read_state(tmp_path / "missing.pt")
+
+
+_JUNK: list[Any] = [
+    -1, 0, 1, 63, 64, 1 << 62, 1 << 64, 1.5, -0.0, "", "float32", "bool", None, True, False,
+    [], [0], [-1], [1 << 62, 4], {}, {"tensor": 0}, {"list": 5}, {"dict": [[1]]}, {"float": "inf"},
+]  # fmt: skip
+
+
+def _subtrees(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in items:
+        yield from _subtrees(child, (*path, key))
+
+
+def _replaced(node: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    copy = dict(node) if isinstance(node, dict) else list(node)
+    copy[path[0]] = _replaced(node[path[0]], path[1:], value)
+    return copy
+
+
+def _load_outcome(path: Path) -> str:
+    """ "ok" or "refused"; anything but CheckpointError escapes (and fails the test)."""
+    try:
+        loaded = checkpoint_module.read_state(path)
+    except CheckpointError as exc:
+        message = str(exc)
+    else:
+        assert isinstance(loaded, dict)
+        return "ok"
+    assert str(path) in message
+    return "refused"
+
+
+@pytest.mark.timeout(180)
+def test_fuzzed_files_only_ever_load_or_raise_checkpoint_error(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    """Hundreds of random mutations of a real checkpoint: bytes anywhere (mostly in the header),
+    truncations, insertions, and subtrees of the JSON header replaced by junk."""
+    model, optimizer = make_training()
+    train(model, optimizer, 2, seed=1)
+    state = {**training_state(model, optimizer, 2), "rng": {"python": random.Random(3).getstate()}}
+    store.save(2, state, {})
+    data = step_files(store.root, 2)[0].read_bytes()
+    header, section = split_file(data)
+    header_end = len(data) - len(section)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    path = tmp_path / "fuzzed.pt"
+    outcomes: dict[str, int] = {"ok": 0, "refused": 0}
+    started = time.monotonic()
+
+    for trial in range(400):
+        mutated = bytearray(data)
+        kind = trial % 4
+        if kind == 0:  # a few bytes in the header
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(header_end)] = rng.randrange(256)
+        elif kind == 1:  # a few bytes anywhere
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(8)
+        elif kind == 2:  # truncated
+            del mutated[rng.randrange(len(mutated)) :]
+        else:  # a run of bytes inserted into or deleted from the header
+            at = rng.randrange(header_end)
+            if rng.random() < 0.5:
+                mutated[at:at] = rng.randbytes(rng.randint(1, 8))
+            else:
+                del mutated[at : at + rng.randint(1, 8)]
+        path.write_bytes(bytes(mutated))
+        outcomes[_load_outcome(path)] += 1
+
+    subtrees = list(_subtrees(header))
+    for _ in range(300):
+        edited = _replaced(header, rng.choice(subtrees), rng.choice(_JUNK))
+        path.write_bytes(join_file(edited, section))
+        outcomes[_load_outcome(path)] += 1
+
+    assert outcomes["refused"] > 300, f"seed {seed}: {outcomes}"
+    assert outcomes["ok"] > 20, f"seed {seed}: {outcomes}"  # flips in tensor bytes still parse
+    assert time.monotonic() - started < 120, f"seed {seed}: fuzzing took too long"
 
 
 # --- corruption and fallback ---------------------------------------------------------------------------
@@ -375,7 +810,7 @@ def test_existing_directory_that_is_not_writable_raises_naming_the_path() -> Non
     assert str(root) in str(caught.value)
 
 
-# --- loading is weights-only ---------------------------------------------------------------------------
+# --- loading never runs code ---------------------------------------------------------------------------
 
 
 class _RunsCodeWhenUnpickled:
@@ -388,24 +823,64 @@ class _RunsCodeWhenUnpickled:
         return (open, (str(self.marker), "w"))
 
 
-def test_load_refuses_a_checkpoint_whose_pickle_would_run_code(
-    store: CheckpointStore, tmp_path: Path
+def _publish_crafted(store: CheckpointStore, step: int, payload: bytes) -> Path:
+    """Place ``payload`` as rank-0.pt of ``step`` with a manifest that matches it (size and SHA-256)."""
+    directory = store.root / step_dir_name(step)
+    directory.mkdir()
+    data_path = directory / "rank-0.pt"
+    data_path.write_bytes(payload)
+    manifest = {
+        "format": checkpoint_module.FORMAT_VERSION,
+        "step": step,
+        "rank": 0,
+        "world_size": 1,
+        "time": time.time(),
+        "files": {"rank-0.pt": {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}},
+    }
+    (directory / "rank-0.json").write_text(json.dumps(manifest))
+    return data_path
+
+
+def _hostile_torch_save(marker: Path) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "payload": _RunsCodeWhenUnpickled(marker)}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "pickle"])
+def test_load_refuses_a_manifested_file_whose_pickle_would_run_code(
+    store: CheckpointStore, tmp_path: Path, kind: str
 ) -> None:
     marker = tmp_path / "code-ran"
-    directory = store.root / step_dir_name(3)
-    directory.mkdir()
-    torch.save(
-        {"model": {"w": torch.ones(2)}, "payload": _RunsCodeWhenUnpickled(marker)}, directory / "rank-0.pt"
-    )
+    hostile = _RunsCodeWhenUnpickled(marker)
+    payload = _hostile_torch_save(marker) if kind == "torch.save" else pickle.dumps({"model": hostile})
+    data_path = _publish_crafted(store, 3, payload)
+    # The manifest matches, so the checkpoint verifies: only the parser stands between it and the loader.
+    assert store.verify(3).valid
 
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(CheckpointError, match="not a trainguard checkpoint") as caught:
         store.load(3)
-    assert str(directory / "rank-0.pt") in str(caught.value)
+    assert str(data_path) in str(caught.value)
     assert not marker.exists()
 
-    # Control: the same file loaded without weights_only really does run the code.
-    torch.load(directory / "rank-0.pt", weights_only=False)
+    # Control: the same bytes loaded by pickle really do run the code.
+    if kind == "torch.save":
+        torch.load(data_path, weights_only=False)
+    else:
+        pickle.loads(payload)  # the point of the control
     assert marker.exists()
+
+
+def test_load_refuses_a_pickle_behind_valid_magic_and_header(store: CheckpointStore, tmp_path: Path) -> None:
+    """A well-formed header whose data section holds a pickle: the bytes are only ever tensor bytes."""
+    marker = tmp_path / "code-ran"
+    pickled = pickle.dumps({"model": _RunsCodeWhenUnpickled(marker)})
+    state = {"model": {"blob": torch.frombuffer(bytearray(pickled), dtype=torch.uint8)}}
+    payload = serialize(state)
+    _publish_crafted(store, 3, payload)
+    loaded = store.load(3)
+    assert bytes(loaded["model"]["blob"].numpy()) == pickled
+    assert not marker.exists()
 
 
 def test_load_rejects_a_file_that_is_not_a_checkpoint_dict(store: CheckpointStore) -> None:
@@ -414,6 +889,36 @@ def test_load_rejects_a_file_that_is_not_a_checkpoint_dict(store: CheckpointStor
     torch.save(torch.zeros(3), directory / "rank-0.pt")
     with pytest.raises(CheckpointError, match="not a trainguard checkpoint"):
         store.load(4)
+    (directory / "rank-0.pt").write_bytes(serialize([torch.zeros(3), 1]))  # a v2 file, but a list
+    with pytest.raises(CheckpointError, match=r"not a trainguard checkpoint \(top level is list\)"):
+        store.load(4)
+
+
+def test_a_format_1_checkpoint_is_skipped_as_an_unknown_format(store: CheckpointStore) -> None:
+    store.save(10, small_state(10.0), {})
+    directory = store.root / step_dir_name(20)
+    directory.mkdir()
+    buffer = io.BytesIO()
+    torch.save(small_state(20.0), buffer)
+    (directory / "rank-0.pt").write_bytes(buffer.getvalue())
+    manifest = {
+        "format": 1,
+        "step": 20,
+        "world_size": 1,
+        "time": time.time(),
+        "files": {
+            "rank-0.pt": {
+                "size": len(buffer.getvalue()),
+                "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
+            }
+        },
+    }
+    (directory / "rank-0.json").write_text(json.dumps(manifest))
+    verdict = store.verify(20)
+    assert not verdict.valid
+    assert "unknown checkpoint format 1" in verdict.reason
+    assert str(directory / "rank-0.json") in verdict.reason
+    assert store.newest_valid() == 10
 
 
 # --- asynchronous saves --------------------------------------------------------------------------------
@@ -427,15 +932,15 @@ def test_back_to_back_save_async_each_store_the_state_at_their_call(
     live = training_state(model, optimizer, 2)
     at_first_call = clone_state(live)
 
-    # Hold the first background write inside torch.save until released, so it is surely in flight.
+    # Hold the first background write inside its file write until released, so it is surely in flight.
     gate = threading.Event()
-    original_write = checkpoint_module._HashingWriter.write
+    original_write = checkpoint_module._write_all
 
-    def gated_write(self: Any, data: bytes | bytearray | memoryview) -> int:
+    def gated_write(fd: int, views: Sequence[memoryview]) -> None:
         assert gate.wait(timeout=30), "the gate was never opened"
-        return original_write(self, data)
+        original_write(fd, views)
 
-    monkeypatch.setattr(checkpoint_module._HashingWriter, "write", gated_write)
+    monkeypatch.setattr(checkpoint_module, "_write_all", gated_write)
 
     store.save_async(2, live, {"n": 1})
     assert store.busy
@@ -468,15 +973,18 @@ def test_back_to_back_save_async_each_store_the_state_at_their_call(
 def test_write_errors_surface_on_wait_as_checkpoint_error(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing_write(self: Any, data: bytes | bytearray | memoryview) -> int:
+    def failing_write(fd: int, views: Sequence[memoryview]) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module._HashingWriter, "write", failing_write)
+    monkeypatch.setattr(checkpoint_module, "_write_all", failing_write)
     store.save_async(1, small_state(1.0), {})
     with pytest.raises(CheckpointError, match="No space left") as caught:
         store.wait()
     assert str(store.root) in str(caught.value)
     assert store.newest_valid() is None
+    # The temp file is removed; the hashing thread has stopped.
+    assert [p.name for p in store.root.rglob("*") if p.is_file()] == []
+    assert not [t for t in threading.enumerate() if t.name == "trainguard-hash"]
 
 
 # --- retention -----------------------------------------------------------------------------------------
@@ -486,10 +994,11 @@ _KINDS = ("complete", "incomplete-world-2", "data-only")
 
 def _build(root: Path, plan: dict[int, str]) -> None:
     """Create checkpoints per ``plan`` (step -> kind), in its order, without any pruning."""
-    single = CheckpointStore(root, world_size=1)
-    partial = CheckpointStore(root, rank=0, world_size=2)
-    try:
-        with mock.patch.object(CheckpointStore, "prune", return_value=[]):
+    # Pruning runs in the stores' janitor threads: they must be closed while it is still patched out.
+    with mock.patch.object(CheckpointStore, "prune", return_value=[]):
+        single = CheckpointStore(root, world_size=1)
+        partial = CheckpointStore(root, rank=0, world_size=2)
+        try:
             for step, kind in plan.items():
                 if kind == "complete":
                     single.save(step, small_state(float(step)), {})
@@ -499,9 +1008,9 @@ def _build(root: Path, plan: dict[int, str]) -> None:
                     directory = root / step_dir_name(step)
                     directory.mkdir()
                     (directory / "rank-0.pt").write_bytes(b"half a checkpoint")
-    finally:
-        single.close()
-        partial.close()
+        finally:
+            single.close()
+            partial.close()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -552,6 +1061,7 @@ def test_saving_prunes_as_it_goes_and_never_loses_the_newest(steps: list[int], k
             saved: list[int] = []
             for step in steps:
                 store.save(step, small_state(float(step)), {})
+                store.wait_for_pruning()  # pruning runs after the save is durable, in the background
                 saved.append(step)
                 complete = [s for s in store.steps() if store.is_complete(s)]
                 assert complete == sorted(saved)[-keep:]
@@ -560,6 +1070,100 @@ def test_saving_prunes_as_it_goes_and_never_loses_the_newest(steps: list[int], k
             assert_same_state(store.load(newest), small_state(float(newest)))
         finally:
             store.close()
+
+
+def _gate_prune(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make every prune wait for the returned ``release`` event; ``entered`` is set when one starts."""
+    entered, release = threading.Event(), threading.Event()
+    original = CheckpointStore.prune
+
+    def gated(self: CheckpointStore) -> list[int]:
+        entered.set()
+        assert release.wait(timeout=30), "the prune was never released"
+        return original(self)
+
+    monkeypatch.setattr(CheckpointStore, "prune", gated)
+    return entered, release
+
+
+def test_pruning_is_off_the_path_wait_waits_on_and_close_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(tmp_path, keep_clean=1)
+    entered, release = _gate_prune(monkeypatch)
+    try:
+        assert store.save(1, small_state(1.0), {}) is not None
+        assert entered.wait(timeout=10)
+        # The pruning after step 1 is stuck, yet the next save completes and is durable.
+        ref = store.save(2, small_state(2.0), {})
+        assert ref is not None
+        assert ref.step == 2
+        assert store.verify(2).valid
+        assert store.steps() == [1, 2]
+
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        closer.join(timeout=0.3)
+        assert closer.is_alive(), "close() returned while pruning was still pending"
+    finally:
+        release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    assert store.steps() == [2]
+
+
+def test_a_failing_prune_is_logged_and_the_store_keeps_working(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def failing(self: CheckpointStore) -> list[int]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(CheckpointStore, "prune", failing)
+    with caplog.at_level(logging.ERROR, logger=checkpoint_module.__name__):
+        assert store.save(1, small_state(1.0), {}) is not None
+        store.wait_for_pruning()
+        assert store.save(2, small_state(2.0), {}) is not None
+        store.wait_for_pruning()
+    failures = [r for r in caplog.records if "pruning old checkpoints" in r.getMessage()]
+    assert len(failures) == 2
+    assert "Input/output error" in caplog.text
+    assert store.newest_valid() == 2
+
+
+def test_pruning_never_deletes_a_step_while_this_store_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(tmp_path, keep_clean=1)
+    try:
+        store.save(10, small_state(10.0), {})
+        store.save(20, small_state(20.0), {})
+        store.wait_for_pruning()
+        assert store.steps() == [20]
+
+        gate = threading.Event()
+        original_write = checkpoint_module._write_all
+
+        def gated_write(fd: int, views: Sequence[memoryview]) -> None:
+            assert gate.wait(timeout=30), "the gate was never opened"
+            original_write(fd, views)
+
+        monkeypatch.setattr(checkpoint_module, "_write_all", gated_write)
+        store.save_async(5, small_state(5.0), {})  # older than the newest complete: a prune target
+        deadline = time.monotonic() + 10
+        while not (tmp_path / step_dir_name(5)).is_dir():
+            assert time.monotonic() < deadline, "the write of step 5 never started"
+            time.sleep(0.005)
+        assert store.prune() == []  # step 5 is being written: left alone
+        assert (tmp_path / step_dir_name(5)).is_dir()
+        gate.set()
+        ref = store.wait()
+        assert ref is not None
+        assert ref.step == 5
+        store.wait_for_pruning()  # now it is complete and older than the newest: pruned as usual
+        assert store.steps() == [20]
+        assert store.newest_valid() == 20
+    finally:
+        store.close()
 
 
 # --- SIGKILL during writes -----------------------------------------------------------------------------
