@@ -1328,6 +1328,12 @@ def test_sigkill_at_random_moments_never_leaves_the_store_without_a_loadable_new
                     zygote.expect("saved ")
                     period = zygote.saved_times[-1] - zygote.saved_times[-2]
                     launched = time.monotonic()
+                elif kill % 4 == 3:
+                    # Every few runs, let one save of this run finish first: on a loaded machine a
+                    # restart can take longer than the kill window, and the store must still be seen
+                    # to make progress across restarts.
+                    zygote.expect("saved ")
+                    launched = time.monotonic()
                 # Uniform over a few save periods from the (re)start: covers the store's start-up,
                 # torch.save, fsync, the renames, the manifest and the pruning of old checkpoints.
                 delay = rng.uniform(0, 2.5 * period)
