@@ -132,7 +132,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------- the step ---
-async def reconcile_job(rt: Runtime, namespace: str, name: str, logger: kopf.Logger) -> Outcome:
+async def reconcile_job(rt: Runtime, namespace: str, name: str) -> Outcome:
     """One reconcile step of one job (see the module docstring). Raises TemporaryError to be retried."""
     started = time.monotonic()
     try:
@@ -143,7 +143,7 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, logger: kopf.Log
         pods = await rt.api.list_pods(namespace, name)
         sidecars = await rt.poller.reports(pods_to_poll(body, pods))
         plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
-        await _execute(rt, body, plan, logger)
+        await _execute(rt, body, plan)
     except kubernetes.client.ApiException as exc:
         rt.metrics.reconcile_errors.labels(name, namespace).inc()
         if exc.status == 403:
@@ -165,7 +165,7 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, logger: kopf.Log
     return Outcome(plan.requeue_seconds, plan.done)
 
 
-async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan, logger: kopf.Logger) -> None:
+async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan) -> None:
     """Carry out a plan in the order ``Plan`` documents.
 
     The events go out right after the write that makes the plan's outcome durable (the status write, or
@@ -188,8 +188,10 @@ async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan, logger: kop
                 reason=note.reason,
                 message=note.message,
             )
+            # The module's logger, not kopf's per-object one: kopf posts the latter's INFO records as
+            # Events too, which would post every one of these twice.
             log_at = logging.WARNING if note.type == "Warning" else logging.INFO
-            logger.log(log_at, "%s: %s", note.reason, note.message)
+            log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
 
     async def write_status() -> None:
         if plan.patch:
@@ -200,10 +202,11 @@ async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan, logger: kop
         await write_status()
     for old in plan.delete:
         if await rt.api.delete_pytorchjob(namespace, old):
-            logger.info("deleted PyTorchJob %s", old)
+            log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
     if plan.create is not None:
         created = await rt.api.create_pytorchjob(plan.create)
-        logger.info("%s PyTorchJob %s", "created" if created else "found", plan.create["metadata"]["name"])
+        verb = "created" if created else "found"
+        log.info("%s/%s: %s PyTorchJob %s", namespace, name, verb, plan.create["metadata"]["name"])
         if created:
             post_events()
     if not plan.write_status_first:
@@ -225,12 +228,12 @@ async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan, logger: kop
 # ---------------------------------------------------------------------------------- handlers ---
 @kopf.on.resume(GROUP, VERSION, PLURAL, id="admit-on-resume")
 @kopf.on.create(GROUP, VERSION, PLURAL, id="admit-on-create")
-async def admit(name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def admit(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A new (or, after an operator restart, an existing) job: validate it and make sure its attempt
     exists. An invalid spec gets the SpecInvalid condition and a Warning event, and no PyTorchJob."""
     rt = _runtime(memo)
     async with _lock(memo):
-        await reconcile_job(rt, namespace or "default", name, logger)
+        await reconcile_job(rt, namespace or "default", name)
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -241,7 +244,6 @@ async def spec_updated(
     new: Any,
     body: kopf.Body,
     memo: kopf.Memo,
-    logger: kopf.Logger,
     **_: Any,
 ) -> None:
     """A spec change: say which changes are accepted (Normal event); the refused ones get the
@@ -258,7 +260,7 @@ async def spec_updated(
             "next decisions; health and guard apply to polling now and to the pods from the next attempt",
         )
     async with _lock(memo):
-        await reconcile_job(rt, namespace or "default", name, logger)
+        await reconcile_job(rt, namespace or "default", name)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, backoff=10.0)
@@ -267,16 +269,15 @@ async def supervise(
     namespace: str | None,
     memo: kopf.Memo,
     stopped: kopf.DaemonStopped,
-    logger: kopf.Logger,
     **_: Any,
 ) -> None:
     """Reconcile the job every probe period (or when a wait ends) until it succeeds or fails."""
     rt = _runtime(memo)
     while not stopped:
         async with _lock(memo):
-            outcome = await reconcile_job(rt, namespace or "default", name, logger)
+            outcome = await reconcile_job(rt, namespace or "default", name)
         if outcome.done:
-            logger.info("job %s/%s is final; supervision ends", namespace, name)
+            log.info("%s/%s is final; supervision ends", namespace, name)
             return
         await stopped.wait(outcome.requeue_seconds)
 

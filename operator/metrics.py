@@ -62,6 +62,12 @@ class OperatorMetrics:
             LABELS,
             registry=r,
         )
+        self.goodput = Gauge(
+            "trainguard_job_goodput_ratio",
+            "Share of wall time since the first attempt spent on steps the final model kept (0..1).",
+            LABELS,
+            registry=r,
+        )
         self.phase = Gauge(
             "trainguard_job_phase",
             "1 for the job's current phase, 0 for the others.",
@@ -101,6 +107,7 @@ class OperatorMetrics:
             (self.skipped_steps, status.skipped_steps),
             (self.dropped_samples, status.samples_dropped),
             (self.drop_ratio, status.drop_rate),
+            (self.goodput, status.goodput),
             (
                 self.last_clean_checkpoint_step,
                 status.last_clean_checkpoint.step if status.last_clean_checkpoint else None,
@@ -136,6 +143,7 @@ class OperatorMetrics:
             self.skipped_steps,
             self.dropped_samples,
             self.drop_ratio,
+            self.goodput,
             self.last_clean_checkpoint_step,
             self.last_restart,
             self.time_to_recover,

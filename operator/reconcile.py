@@ -30,6 +30,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
+from trainguard_operator.goodput import job_goodput, record_progress
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
     JOB_LABEL,
@@ -174,6 +175,7 @@ class _Progress:
     drop_rate: float | None = None
     checkpoint: Mapping[str, Any] | None = None
     stepping: bool = False
+    resumed_step: int | None = None
 
 
 # ------------------------------------------------------------------------------------ object helpers ---
@@ -395,6 +397,8 @@ def _progress(reports: Iterable[SidecarReport]) -> _Progress:
         progress.step = biggest(progress.step, "step")
         progress.rollbacks = biggest(progress.rollbacks, "rollbacks")
         progress.skipped_steps = biggest(progress.skipped_steps, "skipped_steps")
+        # Every rank resumes from the same checkpoint; the largest is taken should they disagree.
+        progress.resumed_step = biggest(progress.resumed_step, "resumed_step")
         seen += _int(status.get("samples_seen")) or 0
         dropped += _int(status.get("samples_dropped")) or 0
         counted = True
@@ -432,6 +436,8 @@ class _Step:
         self.st = self.old.model_copy(deep=True)
         self.st.observed_generation = generation
         self.events: list[EventNote] = []
+        #: Whether this step updates ``status.goodput`` (not for a final or blocked job: it stays put).
+        self.measuring = False
 
     # ------------------------------------------------------------------------------------ helpers ---
     def owns(self, obj: Mapping[str, Any]) -> bool:
@@ -461,6 +467,8 @@ class _Step:
         self.st.conditions = phase_conditions(
             self.st.conditions, phase, reason, message, self.now, self.generation
         )
+        if self.measuring:
+            self.measure_goodput()
         patch = merge_patch(self.raw_status, self.st.to_wire())
         return Plan(
             action=action,
@@ -470,6 +478,25 @@ class _Step:
             events=tuple(self.events),
             **extra,
         )
+
+    def measure_goodput(self) -> None:
+        st = self.st
+        if st.job_started_at is None and st.attempt_created >= 1:
+            # A job whose first attempt predates the field: its creation stands for the start.
+            created = parse_time(_meta(self.world.body).get("creationTimestamp"))
+            st.job_started_at = iso_precise(created) if created else st.attempt_started_at
+        value = job_goodput(st.step_history or [], st.step_history_folded, st.job_started_at, self.now)
+        if value is not None:
+            st.goodput = value
+
+    def attempt_started(self, at: datetime) -> None:
+        """Record that the current attempt's PyTorchJob exists since ``at``."""
+        self.st.attempt_created = self.attempt
+        self.st.attempt_started_at = iso_precise(at)
+        if self.attempt == 1 and self.st.job_started_at is None:
+            self.st.job_started_at = self.st.attempt_started_at
+        self.st.pytorch_job = self.job_name
+        self.st.next_attempt_at = None
 
     # ------------------------------------------------------------------------------------ phases ---
     def run(self) -> Plan:
@@ -499,6 +526,7 @@ class _Step:
             self.st.next_attempt_at = iso_precise(self.now)
         self.attempt = self.st.attempt
         self.restarts = self.st.restarts or 0
+        self.measuring = True
         self.job_name = pytorchjob_name(self.name, self.attempt)
         labelled = [j for j in self.world.jobs if _labels(j).get(JOB_LABEL) == self.name]
         # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
@@ -515,10 +543,7 @@ class _Step:
                 return self.start_attempt()
             # Created before a crash of the operator, which did not get to record it: adopt it.
             created = parse_time(_meta(self.current).get("creationTimestamp"))
-            self.st.attempt_created = self.attempt
-            self.st.attempt_started_at = iso_precise(created or self.now)
-            self.st.pytorch_job = self.job_name
-            self.st.next_attempt_at = None
+            self.attempt_started(created or self.now)
         return self.observe()
 
     def terminal(self) -> Plan:
@@ -608,10 +633,7 @@ class _Step:
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
-        self.st.attempt_created = self.attempt
-        self.st.attempt_started_at = iso_precise(self.now)
-        self.st.pytorch_job = self.job_name
-        self.st.next_attempt_at = None
+        self.attempt_started(self.now)
         self.st.phase = (Phase.RESTARTING if restarting else Phase.PENDING).value
         extra = ""
         if self.st.remediation is not None:
@@ -678,6 +700,17 @@ class _Step:
                 setattr(st, key, value)
         if progress.checkpoint is not None:
             st.last_clean_checkpoint = checkpoint_status(progress.checkpoint)
+        if progress.stepping and progress.step is not None and progress.step >= 0:
+            resumed = progress.resumed_step
+            st.step_history, st.step_history_folded = record_progress(
+                st.step_history or [],
+                st.step_history_folded,
+                attempt=self.attempt,
+                started_at=st.attempt_started_at,
+                resumed_step=resumed if resumed is not None and resumed >= 0 else None,
+                step=progress.step,
+                now=self.now,
+            )
         if progress.drop_rate is not None:
             limit = self.job.spec.data_quality.max_drop_rate
             high = progress.drop_rate > limit

@@ -17,7 +17,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 from trainguard_operator.render import RemediationOrder
 
 from trainguard.spec import CheckpointStatus, Condition, GuardedTrainingJobStatus, LastFailure
@@ -58,6 +59,48 @@ MAX_MESSAGE = 1024
 CONDITION_ORDER = list(ConditionType)
 
 
+class StepRecord(BaseModel):
+    """A stretch of forward progress the operator saw: normally one per attempt, and a new one within an
+    attempt when the step went backwards (an in-process rollback). Times are the operator's clock when it
+    first saw the step (RFC 3339). See ``goodput``."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+    attempt: int = Field(ge=1, lt=10**12)
+    started_at: str | None = Field(None, description="When the attempt's PyTorchJob was created.")
+    resumed_step: int | None = Field(
+        None, ge=0, description="The checkpoint step the attempt resumed from (unset after a rollback)."
+    )
+    first_step: int = Field(ge=0)
+    first_step_at: str
+    last_step: int = Field(ge=0)
+    last_step_at: str
+
+    @field_validator("started_at", "first_step_at", "last_step_at")
+    @classmethod
+    def _a_time(cls, value: str | None) -> str | None:
+        if value is not None and parse_time(value) is None:
+            raise ValueError(f"not an RFC 3339 time: {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _forward(self) -> StepRecord:
+        if self.last_step < self.first_step:
+            raise ValueError("lastStep is below firstStep")
+        return self
+
+
+class FoldedHistory(BaseModel):
+    """The step records that fell off ``stepHistory``, folded into one: the kept history from
+    ``fromStep`` to ``toStep`` took ``keptSeconds`` of wall time. See ``goodput``."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+    from_step: int = Field(ge=0)
+    to_step: int = Field(ge=0)
+    kept_seconds: float = Field(ge=0, allow_inf_nan=False)
+
+
 class JobStatus(GuardedTrainingJobStatus):
     """``GuardedTrainingJobStatus`` plus the operator's bookkeeping (all camelCase on the wire)."""
 
@@ -75,6 +118,16 @@ class JobStatus(GuardedTrainingJobStatus):
     )
     recovering_since: str | None = Field(None, description="Failure time of the recovery in progress.")
     samples_seen: int | None = None
+    goodput: float | None = Field(
+        None, ge=0, le=1, description="Share of wall time spent on steps the final model kept (see goodput)."
+    )
+    job_started_at: str | None = Field(None, description="When attempt 1 was created: goodput's wall time.")
+    step_history: list[StepRecord] | None = Field(
+        None, description="The latest stretches of progress seen (bounded), for goodput."
+    )
+    step_history_folded: FoldedHistory | None = Field(
+        None, description="The older step records, folded into one (see goodput)."
+    )
 
     @field_validator("phase")
     @classmethod

@@ -10,8 +10,10 @@ import copy
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ import pytest_asyncio
 import yaml
 from kopf.testing import KopfRunner
 from prometheus_client.parser import text_string_to_metric_families
+from test_operator_emulator import Emulator
 from test_operator_render import REFERENCE, gtj_manifest
 from trainguard_operator.__main__ import main
+from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
     REPLICA_INDEX_LABEL,
@@ -54,55 +58,6 @@ def free_port() -> int:
         return port
 
 
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus the API server behaviour the operator and kopf rely on: on creation a uid,
-    a creationTimestamp and a name from ``generateName`` (kopf names Events so); a resourceVersion that
-    changes with every write; and optimistic concurrency on it (a merge patch carrying a stale
-    resourceVersion gets 409, a JSON patch whose ``test`` of it fails gets 422)."""
-
-    _serial = 0
-
-    def _next_version(self) -> str:
-        Emulator._serial += 1
-        return str(Emulator._serial)
-
-    def _current_version(self, request: kmock.Request) -> str | None:
-        if request.resource is None or request.name is None:
-            return None
-        try:
-            found = self.objects[request.resource, request.namespace, request.name]
-        except KeyError:
-            return None
-        return None if found.deleted else found.raw.get("metadata", {}).get("resourceVersion")
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        data = request.data
-        if request.resource is not None and request.action == kmock.action.CREATE and isinstance(data, dict):
-            meta = data.setdefault("metadata", {})
-            version = self._next_version()
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = f"{meta['generateName']}{version}"
-            meta.setdefault("uid", f"uid-{version}")
-            meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-            meta["resourceVersion"] = version
-        elif request.resource is not None and request.action == kmock.action.UPDATE and request.name:
-            current = self._current_version(request)
-            if isinstance(data, list):
-                for op in data:
-                    test = op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion"
-                    if test and op.get("value") != current:
-                        raise kmock.KubernetesError(status=422, reason="Invalid", message="stale test")
-                data.append({"op": "add", "path": "/metadata/resourceVersion", "value": self._next_version()})
-            elif isinstance(data, dict):
-                wanted = (data.get("metadata") or {}).get("resourceVersion")
-                if wanted is not None and current is not None and wanted != current:
-                    raise kmock.KubernetesError(
-                        status=409, reason="Conflict", message="the object has been modified"
-                    )
-                data.setdefault("metadata", {})["resourceVersion"] = self._next_version()
-        return await super()._handle(request)
-
-
 async def install_crd(emulator: kmock.KubernetesEmulator, path: Path) -> None:
     """Install a CRD: its resource as the API server would serve it, and the CRD object itself (whose
     watch event is what tells kopf to look at the resources again)."""
@@ -124,26 +79,26 @@ async def install_crd(emulator: kmock.KubernetesEmulator, path: Path) -> None:
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
 
-@pytest_asyncio.fixture
-async def bare_cluster(
-    kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def prepare_cluster(
+    emulator: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> kmock.KubernetesEmulator:
-    """kmock with the GuardedTrainingJob CRD (no PyTorchJob CRD), pods and events, and a kubeconfig."""
+    """kmock with the GuardedTrainingJob CRD (no PyTorchJob CRD), pods and events, and a kubeconfig
+    (``$KUBECONFIG``) that points the operator at it."""
     # kopf watches CRDs to notice new resources (the PyTorchJob CRD arriving late, for one), and needs
     # namespaces discovered before it starts (it lists them only when not cluster-wide).
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+    emulator.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=VERBS
     )
-    kmock.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
-    kmock.resources[PODS] = kmock.ResourceInfo(
+    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
+    emulator.resources[PODS] = kmock.ResourceInfo(
         kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"}
     )
-    kmock.resources[EVENTS] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=VERBS)
-    await install_crd(kmock, GTJ_CRD)
+    emulator.resources[EVENTS] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=VERBS)
+    await install_crd(emulator, GTJ_CRD)
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+        "clusters": [{"name": "kmock", "cluster": {"server": str(emulator.url).rstrip("/")}}],
         "users": [{"name": "operator", "user": {"token": "test-token"}}],
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "operator", "namespace": NS}}],
         "current-context": "kmock",
@@ -151,7 +106,15 @@ async def bare_cluster(
     path = tmp_path / "kubeconfig"
     path.write_text(json.dumps(config))
     monkeypatch.setenv("KUBECONFIG", str(path))
-    return kmock
+    return emulator
+
+
+@pytest_asyncio.fixture
+async def bare_cluster(
+    kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> kmock.KubernetesEmulator:
+    """kmock with the GuardedTrainingJob CRD (no PyTorchJob CRD), pods and events, and a kubeconfig."""
+    return await prepare_cluster(kmock, tmp_path, monkeypatch)
 
 
 @pytest_asyncio.fixture
@@ -164,7 +127,7 @@ async def cluster(bare_cluster: kmock.KubernetesEmulator) -> kmock.KubernetesEmu
 class Sidecars:
     """Real sidecar servers, one per rank, on 127.0.0.R+1 and one shared port (as in a pod network)."""
 
-    def __init__(self, root: Path, ranks: int) -> None:
+    def __init__(self, root: Path, ranks: int, hang_timeout_seconds: float = 30) -> None:
         self.files = [root / f"rank-{r}" / "status.json" for r in range(ranks)]
         self.servers: list[SidecarServer] = []
         port = 0
@@ -174,7 +137,7 @@ class Sidecars:
                 path,
                 host=f"127.0.0.{rank + 1}",
                 port=port,
-                hang_timeout_seconds=30,
+                hang_timeout_seconds=hang_timeout_seconds,
                 startup_grace_seconds=30,
                 job="tiny-lm",
                 namespace=NS,
@@ -195,34 +158,91 @@ class Sidecars:
         values |= fields
         write_status(self.files[rank], WorkerStatus(**values))
 
+    def healthz(self, rank: int) -> int:
+        """The HTTP status of rank ``rank``'s ``/healthz``, as the kubelet's liveness probe sees it."""
+        url = f"http://127.0.0.{rank + 1}:{self.port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                code: int = response.status
+        except urllib.error.HTTPError as exc:
+            code = exc.code
+        return code
+
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
 
 
+class Workers:
+    """The workers of one attempt as their status files show them: every rank steps every 0.1 s (from
+    ``resumed`` on) until the test hangs it. Used as ``async with Workers(...) as workers``."""
+
+    def __init__(self, sidecars: Sidecars, resumed: int = 0, ranks: int = 2) -> None:
+        self.sidecars = sidecars
+        self.resumed = resumed
+        self.steps = dict.fromkeys(range(ranks), resumed)
+        self.hung: set[int] = set()
+        self.started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    def hang(self, rank: int) -> None:
+        """Rank ``rank`` stops stepping (its status file keeps its last step time)."""
+        self.hung.add(rank)
+
+    def write(self, rank: int) -> None:
+        self.sidecars.write(rank, step=self.steps[rank], resumed_step=self.resumed, started_at=self.started)
+
+    async def _run(self) -> None:
+        while True:
+            for rank in self.steps:
+                if rank not in self.hung:
+                    self.steps[rank] += 1
+                    self.write(rank)
+            await asyncio.sleep(0.1)
+
+    async def __aenter__(self) -> Workers:
+        for rank in self.steps:
+            self.write(rank)
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
 @pytest.fixture
-def sidecars(tmp_path: Path) -> Iterator[Sidecars]:
-    found = Sidecars(tmp_path / "sidecars", 2)
+def sidecars(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Sidecars]:
+    """Two ranks' sidecars; an indirect parameter sets their hang timeout (default 30 s)."""
+    found = Sidecars(tmp_path / "sidecars", 2, hang_timeout_seconds=float(getattr(request, "param", 30)))
     yield found
     found.stop()
 
 
-@pytest.fixture
-def operator_env(monkeypatch: pytest.MonkeyPatch, sidecars: Sidecars) -> int:
-    """The operator's settings for the tests; returns the metrics port."""
+def configure_operator(monkeypatch: pytest.MonkeyPatch, sidecar_port: int, **overrides: str) -> int:
+    """The operator's settings for the tests (``overrides`` by field name); returns the metrics port."""
     port = free_port()
-    for key, value in {
+    values = {
         "METRICS_HOST": "127.0.0.1",
         "METRICS_PORT": str(port),
-        "SIDECAR_PORT": str(sidecars.port),
+        "SIDECAR_PORT": str(sidecar_port),
         "SIDECAR_IMAGE": "registry.example/trainguard:test",
         "CRD_RETRY_SECONDS": "1",
         "API_RETRY_SECONDS": "0.5",
         "STALE_ATTEMPT_GRACE_SECONDS": "5",
         "POLL_TIMEOUT_SECONDS": "2",
-    }.items():
+    }
+    for key, value in (values | {k.upper(): v for k, v in overrides.items()}).items():
         monkeypatch.setenv(f"TRAINGUARD_OPERATOR_{key}", value)
     return port
+
+
+@pytest.fixture
+def operator_env(monkeypatch: pytest.MonkeyPatch, sidecars: Sidecars) -> int:
+    """The operator's settings for the tests; returns the metrics port."""
+    return configure_operator(monkeypatch, sidecars.port)
 
 
 @contextlib.asynccontextmanager
@@ -236,8 +256,9 @@ async def operator() -> AsyncIterator[KopfRunner]:
         yield runner
     finally:
         await asyncio.to_thread(runner.__exit__, None, None, None)
-    # No handler may have failed with an unexpected exception (kopf would log and retry it).
-    assert "Traceback" not in runner.output, runner.output[-4000:]
+    # No handler may have failed with an unexpected exception (kopf would log and retry it), nor given up.
+    for sign in ("Traceback", "failed with an exception", "failed permanently"):
+        assert sign not in runner.output, runner.output[-4000:]
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
@@ -602,6 +623,160 @@ async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_opera
         accepted = [e for e in events(cluster) if e["reason"] == "SpecChangeAccepted"]
         assert "spec.recovery.maxRestarts" in accepted[0]["message"]
         assert "spec.replicas" not in accepted[0]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sidecars", [2.0], indirect=True)  # the sidecars' hang timeout: 2 s
+async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_is_measured(
+    cluster: kmock.KubernetesEmulator, sidecars: Sidecars, operator_env: int
+) -> None:
+    async with operator():
+        await post(cluster, GTJ_PATH, gtj(recovery={"maxRestarts": 3, "backoffSeconds": [2]}))
+        job1 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1")
+        async with Workers(sidecars) as workers:
+            pods = await start_pods(cluster, job1, ["127.0.0.1", "127.0.0.2"])
+            await eventually(
+                lambda: status(cluster).get("phase") == "Running" and status(cluster).get("step", 0) >= 5,
+                what="attempt 1 training",
+            )
+            assert sidecars.healthz(1) == 200
+            # Rank 1 stops stepping: 2 s later its sidecar says it is not alive, in /status for the
+            # operator and on /healthz for the kubelet's liveness probe.
+            workers.hang(1)
+            await eventually(lambda: status(cluster).get("restarts") == 1, what="the restart decision")
+            decided = time.monotonic()
+            assert sidecars.healthz(1) == 503
+            # The kubelet's liveness probe fails too, and it kills the container (restartPolicy Never:
+            # exit 137, the pod fails). The failure is already being handled: no second restart.
+            await terminate(cluster, pods[1], 137)
+            job2 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-2"), what="attempt 2")
+            assert time.monotonic() - decided >= 1.5  # the 2 s backoff was waited (decision seen late)
+        st = status(cluster)
+        assert (st["attempt"], st["restarts"], st["handledAttempt"]) == (2, 1, 1)
+        failure = st["lastFailure"]
+        assert (failure["reason"], failure["rank"]) == ("Hung", 1)
+        assert "rank 1 hung: no step for" in failure["message"]
+        assert "hang timeout 2 s" in failure["message"]
+        assert alive(cluster, PTJ, "tiny-lm-1") is None
+        await eventually(
+            lambda: {"Hung", "GangRestart"} <= set(event_reasons(cluster)), what="the hang's events"
+        )
+        hung = next(e for e in events(cluster) if e["reason"] == "Hung")
+        assert hung["type"] == "Warning"
+        assert "rank 1 hung" in hung["message"]
+
+        # Attempt 2 starts from scratch (no checkpoint yet): attempt 1's work is lost to goodput.
+        async with Workers(sidecars, resumed=0):
+            await start_pods(cluster, job2, ["127.0.0.1", "127.0.0.2"])
+            await eventually(lambda: "Recovered" in event_reasons(cluster), what="the recovery")
+            await asyncio.sleep(1.5)  # attempt 2 keeps training; nothing else happens
+            st = status(cluster)
+            assert (st["attempt"], st["restarts"], st["phase"]) == (2, 1, "Running")
+            assert creations(cluster, PTJ, "tiny-lm-2") == 1
+            assert creations(cluster, PTJ, "tiny-lm-3") == 0
+            assert event_reasons(cluster).count("GangRestart") == 1
+
+            # The metrics over HTTP: one restart for a hang, one recovery timed (failure to the first
+            # step of attempt 2: at least the backoff), the phase, and the goodput of the status.
+            async def metrics_match_status() -> tuple[Samples, dict[str, Any]]:
+                seen = await scrape(operator_env)
+                return seen, status(cluster)
+
+            seen, st = await metrics_match_status()
+            for _ in range(40):
+                if value(seen, "trainguard_job_goodput_ratio") == st.get("goodput"):
+                    break
+                await asyncio.sleep(0.05)
+                seen, st = await metrics_match_status()
+            assert value(seen, "trainguard_job_restarts_total") == 1
+            assert value(seen, "trainguard_job_failures_total", kind="Hung") == 1
+            assert value(seen, "trainguard_job_time_to_recover_seconds_count") == 1
+            assert value(seen, "trainguard_job_time_to_recover_seconds_sum") >= 2
+            assert value(seen, "trainguard_job_phase", phase="Running") == 1
+            assert value(seen, "trainguard_job_phase", phase="Restarting") == 0
+            goodput = value(seen, "trainguard_job_goodput_ratio")
+            assert goodput == st["goodput"]
+            # Only attempt 2's time is kept: at most its share of the wall time since attempt 1 started.
+            history = st["stepHistory"]
+            assert [(r["attempt"], r["resumedStep"]) for r in history] == [(1, 0), (2, 0)]
+            started, second = (datetime.fromisoformat(st[k]) for k in ("jobStartedAt", "attemptStartedAt"))
+            seen_at = datetime.fromisoformat(history[-1]["lastStepAt"])
+            assert 0 < goodput <= (seen_at - second) / (seen_at - started) + 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_repeated_divergence_applies_remediation_each_time_and_fails_at_the_limit(
+    cluster: kmock.KubernetesEmulator, sidecars: Sidecars, operator_env: int
+) -> None:
+    async with operator():
+        await post(cluster, GTJ_PATH, gtj(recovery={"maxRestarts": 2, "backoffSeconds": [1]}))
+        job1 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1")
+        sidecars.write(0, step=40)
+        sidecars.write(1, step=40)
+        await start_pods(cluster, job1, ["127.0.0.1", "127.0.0.2"])
+        await eventually(lambda: status(cluster).get("step") == 40, what="attempt 1 training")
+        # Attempt 1: rank 0's guardian runs out of rollbacks and says so in its status.
+        sidecars.write(0, step=41, phase=Phase.DIVERGED, message="5 rollbacks within 2000 steps")
+        job2 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-2"), what="attempt 2")
+        st = status(cluster)
+        assert (st["restarts"], st["lastFailure"]["reason"], st["lastFailure"]["rank"]) == (1, "Diverged", 0)
+        order2 = json.loads(env_of(job2)["TRAINGUARD_REMEDIATION"])
+        assert order2 == {"id": "attempt-2", "lrScale": 0.5, "maxGradNorm": 0.5}
+
+        # Attempt 2: rank 1's guardian exits with the diverged exit code.
+        sidecars.write(0, step=30, resumed_step=20)
+        sidecars.write(1, step=30, resumed_step=20)
+        pods2 = await start_pods(cluster, job2, ["127.0.0.1", "127.0.0.2"])
+        await eventually(lambda: status(cluster).get("phase") == "Running", what="attempt 2 running")
+        await terminate(cluster, pods2[1], 200)
+        job3 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-3"), what="attempt 3")
+        st = status(cluster)
+        assert (st["restarts"], st["lastFailure"]["reason"]) == (2, "Diverged")
+        assert (st["lastFailure"]["rank"], st["lastFailure"]["exitCode"]) == (1, 200)
+        # A new order with its own id: a guardian that applied attempt-2's applies this one on top.
+        order3 = json.loads(env_of(job3)["TRAINGUARD_REMEDIATION"])
+        assert order3 == {"id": "attempt-3", "lrScale": 0.5, "maxGradNorm": 0.5}
+
+        # Attempt 3 diverges too: the two restarts allowed are used up, the job fails for good.
+        sidecars.write(0, step=25, resumed_step=20)
+        sidecars.write(1, step=25, resumed_step=20)
+        await start_pods(cluster, job3, ["127.0.0.1", "127.0.0.2"])
+        await eventually(
+            lambda: status(cluster).get("phase") == "Running" and status(cluster)["attempt"] == 3,
+            what="attempt 3 running",
+        )
+        sidecars.write(1, step=26, phase=Phase.DIVERGED, message="loss explosion pattern persists")
+        await eventually(lambda: status(cluster).get("phase") == "Failed", what="the give-up")
+        failed = conditions(cluster)["Failed"]
+        assert (failed["status"], failed["reason"]) == ("True", "RestartsExhausted")
+        assert "restarts exhausted (2 of 2)" in failed["message"]
+        assert "rank 1 diverged: loss explosion pattern persists" in failed["message"]
+        assert conditions(cluster)["Ready"]["status"] == "False"
+        await eventually(lambda: "Failed" in event_reasons(cluster), what="the give-up event")
+        gave_up = next(e for e in events(cluster) if e["reason"] == "Failed")
+        assert gave_up["type"] == "Warning"
+        assert "giving up: restarts exhausted" in gave_up["message"]
+        await eventually(lambda: alive(cluster, PTJ, "tiny-lm-3") is None, what="attempt 3 stopped")
+        await asyncio.sleep(1.5)
+        assert status(cluster)["phase"] == "Failed"
+        assert creations(cluster, PTJ, "tiny-lm-4") == 0
+        assert event_reasons(cluster).count("Diverged") == 3
+        assert event_reasons(cluster).count("GangRestart") == 2
+        seen = await scrape(operator_env)
+        assert value(seen, "trainguard_job_phase", phase="Failed") == 1
+        assert value(seen, "trainguard_job_restarts_total") == 2
+        assert value(seen, "trainguard_job_failures_total", kind="Diverged") == 3
+        assert value(seen, "trainguard_job_goodput_ratio") == status(cluster)["goodput"]
+
+
+def test_every_operator_metric_is_documented() -> None:
+    readme = (ROOT / "examples/k8s/README.md").read_text()
+    registry = OperatorMetrics().registry
+    names = {family.name + ("_total" if family.type == "counter" else "") for family in registry.collect()}
+    assert len(names) >= 15
+    assert sorted(n for n in names if f"`{n}`" not in readme and f"`{n}{{" not in readme) == []
 
 
 def test_the_operator_entry_point_refuses_bad_settings(

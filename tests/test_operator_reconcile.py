@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_operator_render import gtj_manifest, schema_errors
+from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
 from trainguard_operator.reconcile import (
     MIN_REQUEUE_SECONDS,
     Plan,
@@ -36,7 +38,7 @@ from trainguard_operator.render import (
     pytorchjob_name,
 )
 from trainguard_operator.settings import OperatorSettings
-from trainguard_operator.status import JobStatus, merge_patch
+from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso_precise, merge_patch
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 GTJ_CRD = Path(__file__).resolve().parents[1] / "crds/guardedtrainingjobs.trainguard.dev.yaml"
@@ -721,6 +723,143 @@ def test_merge_patch_round_trip() -> None:
     assert merge_patch(new, new) == {}
 
 
+# ------------------------------------------------------------------------------------ goodput ---
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def master(attempt: int, step: int, resumed: int = 0, **status: Any) -> dict[str, SidecarReport]:
+    """Rank 0's sidecar of ``attempt`` reporting ``step``, resumed from checkpoint step ``resumed``."""
+    return {f"tiny-lm-{attempt}-master-0": report(step=step, resumed_step=resumed, **status)}
+
+
+def test_goodput_loses_the_work_after_the_checkpoint_a_restart_resumed_from() -> None:
+    # Attempt 1 is created at t=0 and runs at 1 step/s: seen at step 10 (t=10) and step 110 (t=110).
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    assert cluster.status.job_started_at == "2030-01-01T00:00:00.000000Z"
+    assert cluster.status.goodput == 0.0  # nothing kept yet
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(110), master(1, 110))
+    assert cluster.status.goodput == 1.0  # extrapolated back to its resume step 0: all 110 s kept
+    # Rank 1 crashes at t=110; the gang restarts after the 10 s backoff.
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    assert cluster.step(at(110), master(1, 110)).action is PlanAction.RESTART
+    assert cluster.step(at(115)).action is PlanAction.WAIT
+    assert cluster.status.goodput == round(110 / 115, 4)  # backoff is wall time, not kept time
+    assert cluster.step(at(120)).action is PlanAction.CREATE
+    # Attempt 2 resumed from the checkpoint at step 50: steps 50..110 of attempt 1 are redone, lost.
+    cluster.run_pods(2)
+    cluster.step(at(140), master(2, 60, resumed=50))
+    cluster.step(at(240), master(2, 160, resumed=50))
+    # Kept: steps 0..50 of attempt 1 (50 s) and 50..160 of attempt 2 (110 s, from t=130) over 240 s.
+    assert cluster.status.goodput == round(160 / 240, 4)
+    history = cluster.status.step_history
+    assert history is not None
+    assert [(r.attempt, r.resumed_step, r.first_step, r.last_step) for r in history] == [
+        (1, 0, 10, 110),
+        (2, 50, 60, 160),
+    ]
+    assert history[1].started_at == "2030-01-01T00:02:00.000000Z"
+    assert history[1].last_step_at == "2030-01-01T00:04:00.000000Z"
+    # Success freezes it: the job's wall time ends there.
+    cluster.current_job()["status"] = {"conditions": [{"type": "Succeeded", "status": "True"}]}
+    assert cluster.step(at(250)).action is PlanAction.SUCCEED
+    assert cluster.status.goodput == round(160 / 250, 4)
+    cluster.step(at(4000))
+    assert cluster.status.goodput == round(160 / 250, 4)
+
+
+def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_resumed_from() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(100), master(1, 100))
+    # A checkpoint at step 104 is written after the last look, then rank 0 crashes at t=105.
+    cluster.set_pod(pod(1, 0, exit_code=1))
+    cluster.step(at(105))
+    cluster.step(at(115))
+    cluster.run_pods(2)
+    cluster.step(at(130), master(2, 110, resumed=104))
+    cluster.step(at(170), master(2, 150, resumed=104))
+    # Attempt 1 reached 104 at ~t=104 (its own rate), attempt 2 went 104..150 in 46 s: 150 s of 170.
+    assert cluster.status.goodput == round(150 / 170, 4)
+
+
+def test_goodput_discards_steps_undone_by_a_rollback() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(100), master(1, 100))
+    cluster.step(at(110), master(1, 80, rollbacks=1))  # rolled back to the snapshot at step 80
+    cluster.step(at(130), master(1, 100, rollbacks=1))
+    history = cluster.status.step_history
+    assert history is not None
+    assert [(r.attempt, r.resumed_step, r.first_step, r.last_step) for r in history] == [
+        (1, 0, 10, 100),
+        (1, None, 80, 100),
+    ]
+    # Kept: steps 0..80 (80 s) and 80..100 again (20 s) over 130 s.
+    assert cluster.status.goodput == round(100 / 130, 4)
+
+
+def test_the_step_history_in_the_status_is_bounded() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    # Thirty rollbacks, each back by 5 steps after 10 new ones: 1 step/s, each look 1 s apart.
+    step, clock = 0, 0.0
+    for _ in range(30):
+        for _ in range(10):
+            step, clock = step + 1, clock + 1
+            cluster.step(at(clock), master(1, step))
+        step, clock = step - 5, clock + 1
+        cluster.step(at(clock), master(1, step))
+    status = cluster.status
+    assert status.step_history is not None
+    assert len(status.step_history) == MAX_RECORDS
+    assert status.step_history_folded is not None
+    # Every look took 1 s; 5 of every 11 looks' worth of steps were undone: the final 150 steps took
+    # 150 s of kept time (1 s a step), out of 330 s.
+    assert status.goodput == pytest.approx(150 / 330, abs=1e-3)
+    assert len(json.dumps(status.to_wire())) < 8000
+
+
+def linear_attempts(count: int) -> tuple[list[StepRecord], FoldedHistory | None]:
+    """``count`` attempts at 1 step/s, 100 s apart; each resumes 10 steps before where the last was seen."""
+    history: list[StepRecord] = []
+    folded: FoldedHistory | None = None
+    resumed = 0
+    for attempt in range(1, count + 1):
+        start = 100.0 * (attempt - 1)
+        for seconds, step in ((start + 20, resumed + 10), (start + 70, resumed + 60)):
+            history, folded = record_progress(
+                history,
+                folded,
+                attempt=attempt,
+                started_at=iso_precise(at(start)),
+                resumed_step=resumed,
+                step=step,
+                now=at(seconds),
+            )
+        resumed += 50
+    return history, folded
+
+
+def test_folding_old_records_keeps_the_kept_time_of_a_steady_job() -> None:
+    history, folded = linear_attempts(30)
+    assert len(history) == MAX_RECORDS
+    assert folded is not None
+    assert (folded.from_step, folded.to_step) == (0, 9 * 50 + 60)  # attempts 1..10 folded
+    # Each attempt kept 50 s (the next one resumed 10 steps short of its last), the last one 60 s.
+    assert kept_seconds(history, folded) == pytest.approx(29 * 50 + 60)
+    assert job_goodput(history, folded, iso_precise(at(0)), at(29 * 100 + 70)) == round(1510 / 2970, 4)
+    assert job_goodput([], None, None, at(10)) is None
+
+
 # -------------------------------------------------------------------------------------- fuzz ---
 JSON = st.recursive(
     st.none()
@@ -743,7 +882,19 @@ def bodies(draw: st.DrawFn) -> dict[str, Any]:
         body["status"] = draw(
             st.dictionaries(
                 st.sampled_from(
-                    ["attempt", "phase", "conditions", "pinned", "nextAttemptAt", "remediation", "restarts"]
+                    [
+                        "attempt",
+                        "phase",
+                        "conditions",
+                        "pinned",
+                        "nextAttemptAt",
+                        "remediation",
+                        "restarts",
+                        "stepHistory",
+                        "stepHistoryFolded",
+                        "jobStartedAt",
+                        "goodput",
+                    ]
                 ),
                 JSON,
                 max_size=4,
