@@ -25,12 +25,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from test_chart import tool
 
 from trainer_sidecar.sidecar import WorkerStatusCollector
 from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus, write_status
@@ -46,29 +46,6 @@ ALERTS = (
     "TrainguardCheckpointStale",
 )
 JOB = {"job": "llm", "namespace": "ml"}
-
-
-@cache
-def tool(name: str) -> str:
-    """The path of a tool built by scripts/tools.sh; fails loudly when it is missing."""
-    bin_dir = (
-        os.environ.get("TRAINGUARD_BIN")
-        or subprocess.run(
-            ["bash", str(ROOT / "scripts" / "tools.sh"), "--bin-dir"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    path = Path(bin_dir) / name
-    if not os.access(path, os.X_OK):
-        pytest.fail(
-            f"{name} is not built ({path} is missing): run `bash scripts/tools.sh` first "
-            "(CI's .ci/run does; it builds helm, promtool, prometheus and monitoring-check from the Go "
-            "module proxy)",
-            pytrace=False,
-        )
-    return str(path)
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
