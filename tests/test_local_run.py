@@ -214,6 +214,8 @@ def test_ctrl_c_stops_the_gang_and_leaves_the_checkpoints_intact(tmp_path: Path)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert "interrupted" in output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["result"] == "interrupted"
     pids = [json.loads(f.read_text())["pid"] for f in (tmp_path / "run").glob("attempt-*/rank-*/status.json")]
     assert len(pids) == 2
     for pid in pids:  # no worker outlived the runner

@@ -446,7 +446,13 @@ class LocalRunner:
         decision = self.final_decision
         return {
             "job": {"name": self.job.metadata.name, "namespace": self.job.metadata.namespace},
-            "result": "succeeded" if decision and decision.action is Action.SUCCEED else "failed",
+            "result": (
+                "interrupted"
+                if decision is None
+                else "succeeded"
+                if decision.action is Action.SUCCEED
+                else "failed"
+            ),
             "reason": decision.reason if decision else "interrupted",
             "final_step": final_step,
             "attempts": self.attempt,
