@@ -3,8 +3,8 @@
 Each attempt of a job is its own PyTorchJob, named after the job and the attempt, owned by the
 GuardedTrainingJob, with a Master replica (rank 0) and ``replicas - 1`` Workers. Every replica's pod is the
 user's template with trainguard's pieces added: the ``trainguard-sidecar`` native sidecar, the status
-volume, the checkpoint claim, the guardian's environment, NCCL fail-fast settings, and liveness and
-startup probes on the training container that ask the sidecar.
+volume, the checkpoint claim, the guardian's environment, NCCL fail-fast settings, and a liveness probe
+on the training container that asks the sidecar.
 
 Restart policy ``Never`` on every replica, deliberately: a rank restarted alone (by the kubelet, or by
 the training operator's OnFailure/ExitCode policies) cannot rejoin a running collective -- its peers are
@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -127,22 +126,17 @@ def pytorchjob_name(job_name: str, attempt: int) -> str:
     return f"{head}-{digest}{suffix}" if head else f"tg-{digest}{suffix}"
 
 
-def probe_timing(period_seconds: int, startup_grace_seconds: int) -> dict[str, int]:
-    """Liveness and startup probe numbers for a probe period and a startup grace.
+def probe_timing(period_seconds: int) -> dict[str, int]:
+    """Liveness probe numbers for a probe period.
 
-    * liveness ``failureThreshold`` 3: the sidecar's ``/healthz`` already waits the hang timeout before it
-      fails, so the kubelet only needs to ride out a transient miss (a sidecar starved of CPU for a
-      moment); three periods of failure is the Kubernetes default and adds at most ~3 periods to detection.
+    * ``failureThreshold`` 3: the sidecar's ``/healthz`` already waits the hang timeout (and the startup
+      grace before the first step) before it fails, so the kubelet only needs to ride out a transient
+      miss (a sidecar starved of CPU for a moment); three periods of failure is the Kubernetes default
+      and adds at most ~3 periods to detection.
     * ``timeoutSeconds`` min(5, period): the answer is a file read, but the pod's cores may be saturated
       by training and data loading; 1 s (the default) would produce false failures.
-    * startup ``failureThreshold`` ceil(grace / period) (at least 1), so the startup probe covers the whole
-      grace before the kubelet gives up on a worker that never made a first step.
     """
-    return {
-        "liveness_failure_threshold": 3,
-        "timeout_seconds": max(1, min(5, period_seconds)),
-        "startup_failure_threshold": max(1, math.ceil(startup_grace_seconds / period_seconds)),
-    }
+    return {"liveness_failure_threshold": 3, "timeout_seconds": max(1, min(5, period_seconds))}
 
 
 def _env_map(env: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:
@@ -267,7 +261,7 @@ def render_pod_template(
     worker["env"] = _worker_env(worker.get("env"), owned, NCCL_FAIL_FAST)
 
     health = spec.health
-    timing = probe_timing(health.probe_period_seconds, health.startup_grace_seconds)
+    timing = probe_timing(health.probe_period_seconds)
     worker["livenessProbe"] = _probe(
         "/healthz",
         settings.sidecar_port,
@@ -275,15 +269,12 @@ def render_pod_template(
         timing["liveness_failure_threshold"],
         timing["timeout_seconds"],
     )
-    # /readyz answers 503 until the first step: the startup probe holds the liveness probe off until the
-    # worker steps, for at most the startup grace.
-    worker["startupProbe"] = _probe(
-        "/readyz",
-        settings.sidecar_port,
-        health.probe_period_seconds,
-        timing["startup_failure_threshold"],
-        timing["timeout_seconds"],
-    )
+    # No startup probe, on purpose. One on /readyz (503 until the first step) would keep the master pod
+    # unready until the gang steps, but the workers' init container waits for the master's headless
+    # Service name to resolve, and cluster DNS publishes ready pods only: the gang would never start.
+    # /healthz already grants the startup grace before the first step. A startup probe of the user's
+    # would hold the liveness probe off beyond that grace, so it goes too.
+    worker.pop("startupProbe", None)
     # Last among the init containers, so it starts right before the worker and its startup grace is not
     # spent on the user's own init containers.
     pod["initContainers"] = [*pod.get("initContainers", []), _sidecar(job, settings)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
@@ -273,16 +272,14 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         assert volumes["trainguard-checkpoints"]["persistentVolumeClaim"] == {"claimName": "tiny-lm-ckpt"}
         assert "emptyDir" in volumes["trainguard-status"]
 
-        liveness, startup = worker["livenessProbe"], worker["startupProbe"]
+        liveness = worker["livenessProbe"]
         assert liveness["httpGet"] == {"path": "/healthz", "port": 9400, "scheme": "HTTP"}
         assert liveness["periodSeconds"] == 10
         assert liveness["failureThreshold"] == 3
         assert liveness["timeoutSeconds"] == 5
-        assert startup["httpGet"] == {"path": "/readyz", "port": 9400, "scheme": "HTTP"}
-        assert startup["periodSeconds"] == 10
-        # 605 s of grace at a 10 s period: 61 probes, so the whole grace is covered.
-        assert startup["failureThreshold"] == 61
-        assert startup["failureThreshold"] * startup["periodSeconds"] >= 605
+        # Nothing may hold the master's readiness until the gang steps (see render_pod_template).
+        assert "startupProbe" not in worker
+        assert "readinessProbe" not in worker
 
         (side,) = [c for c in pod["initContainers"] if c["name"] == SIDECAR_CONTAINER]
         assert pod["initContainers"][-1] is side
@@ -372,22 +369,23 @@ def test_other_containers_and_init_containers_are_kept() -> None:
     assert [c["name"] for c in spec["initContainers"]] == ["fetch-data", SIDECAR_CONTAINER]
 
 
-def test_startup_probe_covers_any_grace() -> None:
-    for grace, period, expected in ((0, 10, 1), (600, 10, 60), (601, 10, 61), (5, 7, 1), (60, 1, 60)):
+def test_liveness_probe_timing_for_any_period() -> None:
+    for period in (1, 3, 5, 10, 60):
         manifest = gtj_manifest(
             health={
                 "hangTimeoutSeconds": period + 1,
-                "startupGraceSeconds": grace,
+                "startupGraceSeconds": 600,
                 "probePeriodSeconds": period,
             }
         )
+        template = gtj_manifest()["spec"]["template"]
+        template["spec"]["containers"][0]["startupProbe"] = {"exec": {"command": ["true"]}}
+        manifest["spec"]["template"] = template
         rendered = render_pytorchjob(load(manifest), OWNER, 1, None, SETTINGS)
         worker = rendered["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-        startup = worker["startupProbe"]
-        assert startup["failureThreshold"] == expected
-        assert startup["failureThreshold"] * period >= grace
+        assert worker["livenessProbe"]["periodSeconds"] == period
         assert worker["livenessProbe"]["timeoutSeconds"] == min(5, period)
-        assert math.isfinite(startup["periodSeconds"])
+        assert "startupProbe" not in worker  # the user's would hold the liveness probe off
 
 
 @pytest.mark.parametrize(
