@@ -191,3 +191,18 @@ def test_crash_and_restart_reproduces_the_uninterrupted_run(
     assert "resumed from the clean checkpoint at step 20" in stderr, stderr[-4000:]
     # The exact data position, RNG and optimizer state came back: the result is bit-for-bit the same.
     assert summary == plain_run[0]
+
+
+def test_a_multi_rank_launch_without_rendezvous_variables_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A PyTorchJob pod has RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT but no LOCAL_RANK; a launch with
+    # WORLD_SIZE > 1 and no master must fail rather than train alone.
+    monkeypatch.syspath_prepend(str(EXAMPLE))  # train.py imports its siblings as a script does
+    train = _load("train")
+    for name in _INHERITED:
+        monkeypatch.delenv(name, raising=False)
+    assert train.init_distributed() == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit, match="MASTER_ADDR, MASTER_PORT not set"):
+        train.init_distributed()
+    assert "LOCAL_RANK" not in train.DISTRIBUTED_ENV

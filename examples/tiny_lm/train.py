@@ -40,7 +40,9 @@ log = logging.getLogger("tiny_lm")
 
 CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
 DEFAULT_CHECKPOINT_DIR = "./runs/tiny_lm/ckpt"
-DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+# What torch's env:// rendezvous needs. torchrun sets LOCAL_RANK too, the Kubeflow training operator does
+# not (one process per pod), so it is not required.
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -75,10 +77,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def init_distributed() -> tuple[int, int]:
-    """Join the process group when launched by torchrun (or an equivalent environment); (rank, world)."""
+    """Join the process group when launched by torchrun, a PyTorchJob, or ``trainguard run``; (rank, world).
+
+    A launch that asks for more than one rank but lacks the rendezvous variables is an error, not a
+    silent single-process run (every pod would train alone and overwrite the others' checkpoints).
+    """
     if all(name in os.environ for name in DISTRIBUTED_ENV):
         dist.init_process_group("gloo")
         return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        missing = [name for name in DISTRIBUTED_ENV if name not in os.environ]
+        raise SystemExit(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set")
     return 0, 1
 
 
