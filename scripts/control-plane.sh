@@ -29,6 +29,8 @@
 #                                               127.0.0.1 ports (state in DIR, default a temp dir) until
 #                                               Ctrl-C; prints the kubeconfig path, e.g.
 #                                               export KUBECONFIG=<that path>; kubectl get gtj
+#                                               (TRAINGUARD_CONTROL_PLANE_COMPONENTS=1: also the controller
+#                                               manager, scheduler and training operator; --components)
 #
 # Everything but the final path goes to stderr, with the time each phase took. Idempotent, and safe to
 # run concurrently (a lock serialises the builds).
@@ -40,10 +42,14 @@ STAGING_VERSION=v0.${KUBERNETES_VERSION#v1.}
 ETCD_VERSION=v3.5.35
 # etcd's client/v2 module is versioned v2.305.P for etcd v3.5.P.
 ETCD_CLIENT_V2_VERSION=v2.305.${ETCD_VERSION##*.}
+# The Kubeflow training operator v1 (PyTorchJob), at the newest v1.9 patch; its CRD is the v1.9.0 one in
+# ../shared/reference/kubeflow/ (the PyTorchJob schema did not change in the v1.9 patches).
+TRAINING_OPERATOR_VERSION=v1.9.3
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
-key=$(printf 'kubernetes %s\netcd %s\n' "$KUBERNETES_VERSION" "$ETCD_VERSION" | sha256sum | cut -c1-12)
+key=$(printf 'kubernetes %s\netcd %s\ntraining-operator %s\n' "$KUBERNETES_VERSION" "$ETCD_VERSION" \
+  "$TRAINING_OPERATOR_VERSION" | sha256sum | cut -c1-12)
 bin_dir="$cache/bin/control-plane-$key"
 
 mode=${1:-build}
@@ -209,6 +215,32 @@ build_kube() {
   build "$name" "$KUBERNETES_VERSION" "k8s.io/kubernetes/cmd/$name" "$KUBERNETES_VERSION" "$(kube_ldflags)"
 }
 
+# The training operator's module has no replace directives, so it installs with plain `go install
+# pkg@version` (into a temp GOBIN, then an atomic rename, as build() does).
+build_training_operator() {
+  local name=training-operator version=$TRAINING_OPERATOR_VERSION
+  local dir="$cache/bin/$name-$version" started tmp
+  if [ -x "$dir/$name" ]; then
+    log "$name $version: cached in $dir"
+    return 0
+  fi
+  started=$(now)
+  log "$name $version: go install github.com/kubeflow/training-operator/cmd/training-operator.v1@$version" \
+    "(cold machine: several minutes)"
+  tmp=$(mktemp -d "$cache/bin/.$name-$version.XXXXXX")
+  chmod 755 "$tmp"
+  if ! (cd "${TMPDIR:-/tmp}" && GOBIN="$tmp" go install -trimpath -ldflags "-s -w" \
+    "github.com/kubeflow/training-operator/cmd/training-operator.v1@$version"); then
+    rm -rf "$tmp"
+    log "error: building $name $version failed (see above)"
+    return 1
+  fi
+  mv "$tmp/training-operator.v1" "$tmp/$name"
+  rm -rf "$dir"
+  mv "$tmp" "$dir"
+  log "$name $version: built in $(since "$started")"
+}
+
 # kubectl must be within one minor of the server. The image's kubectl (1.32, which dispatches to the
 # server's minor) is used when it fits; otherwise the same release's kubectl is built as well.
 kubectl_fits() {
@@ -234,6 +266,9 @@ fi
 
 build_etcd
 build_kube kube-apiserver
+build_kube kube-controller-manager
+build_kube kube-scheduler
+build_training_operator
 build_kubectl=false
 if [ "${TRAINGUARD_BUILD_KUBECTL:-}" = 1 ] || ! kubectl_fits; then
   build_kubectl=true
@@ -245,7 +280,10 @@ work=""
 started=$(now)
 mkdir -p "$bin_dir"
 ln -sfn "../etcd-$ETCD_VERSION/etcd" "$bin_dir/etcd"
-ln -sfn "../kube-apiserver-$KUBERNETES_VERSION/kube-apiserver" "$bin_dir/kube-apiserver"
+for component in kube-apiserver kube-controller-manager kube-scheduler; do
+  ln -sfn "../$component-$KUBERNETES_VERSION/$component" "$bin_dir/$component"
+done
+ln -sfn "../training-operator-$TRAINING_OPERATOR_VERSION/training-operator" "$bin_dir/training-operator"
 if [ "$build_kubectl" = true ]; then
   ln -sfn "../kubectl-$KUBERNETES_VERSION/kubectl" "$bin_dir/kubectl"
 else
@@ -253,7 +291,10 @@ else
   log "kubectl: using $(command -v kubectl) ($(kubectl version --client 2>/dev/null | head -n1))"
 fi
 log "etcd: $("$bin_dir/etcd" --version 2>&1 | head -n1)"
-log "kube-apiserver: $("$bin_dir/kube-apiserver" --version 2>&1)"
+for component in kube-apiserver kube-controller-manager kube-scheduler; do
+  log "$component: $("$bin_dir/$component" --version 2>&1)"
+done
+log "training-operator: $TRAINING_OPERATOR_VERSION"
 log "linked in $(since "$started"); control plane binaries ready in $(since "$total")"
 
 if [ "$mode" = start ]; then

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import cluster
 import controlplane
 import pytest
 
@@ -32,3 +33,26 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlp
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def e2e_cluster(
+    control_plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[cluster.Cluster]:
+    """The whole test cluster on the session's control plane (``cluster``): kube-controller-manager,
+    kube-scheduler and the Kubeflow training operator, a node agent running pods as processes, and the
+    trainguard operator. Where the node agent cannot run (not root, no ``ip``/``nslookup``) the tests
+    that use it are skipped on a developer's machine and fail under CI.
+    """
+    missing = controlplane.missing_binaries(control_plane.bin_dir, components=True)
+    reason = f"{', '.join(missing)} not built: run bash scripts/control-plane.sh" if missing else None
+    reason = reason or cluster.why_not_runnable()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"))
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -9,12 +9,16 @@ module only runs them:
 - etcd serves clients over mutual TLS, its data dir in the state dir; the API server uses RBAC;
 - every port is a free one on 127.0.0.1 (a start that loses a port race is retried with new ports);
 - readiness is etcd's ``/health`` and the API server's ``/readyz``, polled with the admin certificate;
-- everything is stopped by PID (SIGTERM, then SIGKILL after a grace period), the API server first.
-  The processes also get SIGKILL if the Python process that started them dies (``PR_SET_PDEATHSIG``).
+- ``start_cluster`` adds the rest of a small cluster on the same plane (no kubelet, no kube-proxy):
+  kube-controller-manager, kube-scheduler (each with its own client certificate and kubeconfig) and the
+  Kubeflow training operator (PyTorchJob only, after its CRD), each ready on its own health endpoint;
+- everything is stopped by PID (SIGTERM, then SIGKILL after a grace period): the extra components in
+  reverse order of start, then the API server, then etcd. The processes also get SIGKILL if the Python
+  process that started them dies (``PR_SET_PDEATHSIG``).
 
 Run by hand (``bash scripts/control-plane.sh start`` does this)::
 
-    python tests/controlplane.py --bin-dir DIR [--state-dir DIR]
+    python tests/controlplane.py --bin-dir DIR [--state-dir DIR] [--components]
 
 prints the kubeconfig path on stdout and runs until Ctrl-C.
 """
@@ -22,8 +26,10 @@ prints the kubeconfig path on stdout and runs until Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -52,6 +58,25 @@ KUBERNETES_SERVICE_IP = "10.0.0.1"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 START_ATTEMPTS = 3
 PR_SET_PDEATHSIG = 1
+# make_pki's marker: a new name whenever the set of certificates grows, so an older state dir regenerates.
+PKI_MARKER = ".complete-components"
+CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver")
+COMPONENT_BINARIES = ("kube-controller-manager", "kube-scheduler", "training-operator")
+# Pod IPs in this test cluster are loopback addresses, which Endpoints and EndpointSlices refuse: these
+# controllers would only log errors. (Names as `kube-controller-manager --help` lists them in v1.33.)
+DISABLED_CONTROLLERS = (
+    "endpoints-controller",
+    "endpointslice-controller",
+    "endpointslice-mirroring-controller",
+)
+PYTORCHJOB_CRD = ROOT.parent / "shared" / "reference" / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+TRAINING_OPERATOR_NAMESPACE = "kubeflow"
+# What the training operator's cert rotator (open-policy-agent/cert-controller) keeps its webhook CA and
+# serving certificate in; it must exist before the operator starts (the rotator only updates it).
+WEBHOOK_SECRET = "training-operator-webhook-cert"
+# Hard-coded in the operator (pkg/cert): where a pod would mount that Secret. Shared by every operator
+# started on this machine; only its webhook server reads it, and nothing here calls that server.
+WEBHOOK_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
 
 
 class ControlPlaneError(RuntimeError):
@@ -74,9 +99,11 @@ def bin_dir_from_script() -> Path:
     return Path(out.stdout.strip())
 
 
-def missing_binaries(bin_dir: Path) -> list[str]:
-    """The control plane binaries that are not (yet) in ``bin_dir``."""
-    return [name for name in ("etcd", "kube-apiserver") if not os.access(bin_dir / name, os.X_OK)]
+def missing_binaries(bin_dir: Path, *, components: bool = False) -> list[str]:
+    """The control plane binaries that are not (yet) in ``bin_dir``; with ``components``, also those
+    ``start_cluster`` runs (controller manager, scheduler, training operator)."""
+    names = CONTROL_PLANE_BINARIES + (COMPONENT_BINARIES if components else ())
+    return [name for name in names if not os.access(bin_dir / name, os.X_OK)]
 
 
 def find_kubectl(bin_dir: Path) -> Path:
@@ -149,7 +176,7 @@ def _leaf(usage: str, alt_names: str | None = None) -> dict[str, str]:
 
 def make_pki(pki: Path) -> None:
     """The CA, serving and client certificates and the service-account key, unless already made."""
-    if (pki / ".complete").exists():
+    if (pki / PKI_MARKER).exists():
         return
     pki.mkdir(parents=True, exist_ok=True)
     _certificate(
@@ -178,11 +205,15 @@ def make_pki(pki: Path) -> None:
         ),
     )
     _certificate(pki, "admin", "/O=system:masters/CN=trainguard-admin", _leaf("clientAuth"))
+    # The controller manager and scheduler authenticate as the users their default RBAC roles name; for
+    # simplicity they are also in system:masters, so no role binding can be missing in a test cluster.
+    for component in ("kube-controller-manager", "kube-scheduler"):
+        _certificate(pki, component, f"/O=system:masters/CN=system:{component}", _leaf("clientAuth"))
     _ec_key(pki / "service-account.key")
     _openssl(
         "pkey", "-in", str(pki / "service-account.key"), "-pubout", "-out", str(pki / "service-account.pub")
     )
-    (pki / ".complete").touch()
+    (pki / PKI_MARKER).touch()
 
 
 # --- processes -----------------------------------------------------------------------------------
@@ -202,12 +233,14 @@ class Process:
     argv: list[str]
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None  # the whole environment; None: this process's
 
     def start(self, *, die_with_parent: bool) -> None:
         """Start it with stdout and stderr appended to its log file."""
         with self.log.open("ab") as log:
             self.popen = subprocess.Popen(
                 self.argv,
+                env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -254,7 +287,15 @@ def _tls_context(pki: Path) -> ssl.SSLContext:
     return context
 
 
-def _get(url: str, context: ssl.SSLContext) -> tuple[int, str]:
+def _unverified_context() -> ssl.SSLContext:
+    """For the health endpoints of components that serve a self-signed certificate made at start."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _get(url: str, context: ssl.SSLContext | None) -> tuple[int, str]:
     """Status code and body of a GET; (0, error) when the server does not answer."""
     try:
         with urllib.request.urlopen(url, context=context, timeout=5) as response:
@@ -297,6 +338,8 @@ class ControlPlane:
     etcd_url: str
     kubeconfig: Path
     startup_seconds: dict[str, float] = field(default_factory=dict)
+    # Extra processes (start_cluster's), in order of start.
+    components: list[Process] = field(default_factory=list)
 
     @property
     def pki(self) -> Path:
@@ -304,9 +347,15 @@ class ControlPlane:
         return self.state_dir / "pki"
 
     def stop(self) -> None:
-        """Stop the API server, then etcd, each by PID."""
+        """Stop the extra components in reverse order of start, then the API server, then etcd, by PID."""
+        for process in reversed(self.components):
+            process.stop()
         self.apiserver.stop()
         self.etcd.stop()
+
+    def processes(self) -> list[Process]:
+        """Every process of this plane, in order of start."""
+        return [self.etcd, self.apiserver, *self.components]
 
     def kubectl(
         self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
@@ -340,7 +389,8 @@ class ControlPlane:
         return _get(self.server + path, _tls_context(self.pki))
 
 
-def _write_kubeconfig(path: Path, server: str, pki: Path) -> None:
+def _write_kubeconfig(path: Path, server: str, pki: Path, user: str = "admin") -> None:
+    """A kubeconfig for ``server`` as the client certificate ``pki/<user>.crt``."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -352,17 +402,21 @@ def _write_kubeconfig(path: Path, server: str, pki: Path) -> None:
         ],
         "users": [
             {
-                "name": "trainguard-admin",
+                "name": f"trainguard-{user}",
                 "user": {
-                    "client-certificate": str(pki / "admin.crt"),
-                    "client-key": str(pki / "admin.key"),
+                    "client-certificate": str(pki / f"{user}.crt"),
+                    "client-key": str(pki / f"{user}.key"),
                 },
             }
         ],
         "contexts": [
             {
                 "name": "trainguard-test",
-                "context": {"cluster": "trainguard-test", "user": "trainguard-admin", "namespace": "default"},
+                "context": {
+                    "cluster": "trainguard-test",
+                    "user": f"trainguard-{user}",
+                    "namespace": "default",
+                },
             }
         ],
         "current-context": "trainguard-test",
@@ -459,10 +513,7 @@ def start(
 
 def _start_once(bin_dir: Path, state_dir: Path, *, timeout: float, die_with_parent: bool) -> ControlPlane:
     pki = state_dir / "pki"
-    ports = {free_port() for _ in range(3)}
-    while len(ports) < 3:
-        ports.add(free_port())
-    client_port, peer_port, api_port = sorted(ports)
+    client_port, peer_port, api_port = _free_ports(3)
     etcd_url = f"https://127.0.0.1:{client_port}"
     server = f"https://127.0.0.1:{api_port}"
     context = _tls_context(pki)
@@ -508,11 +559,304 @@ def _start_once(bin_dir: Path, state_dir: Path, *, timeout: float, die_with_pare
     return plane
 
 
+# --- the rest of a cluster: controller manager, scheduler, training operator ----------------------
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports, ascending."""
+    ports = {free_port() for _ in range(count)}
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def _health_check(url: str, context: ssl.SSLContext | None) -> Callable[[], tuple[bool, str]]:
+    """A readiness check for ``_wait_until``: ``url`` answers 200 ``ok``."""
+
+    def check() -> tuple[bool, str]:
+        code, body = _get(url, context)
+        return code == 200 and body.strip() == "ok", f"{code} {body[-2000:]}"
+
+    return check
+
+
+def _start_component(
+    plane: ControlPlane,
+    name: str,
+    argv: Callable[[list[int]], list[str]],
+    ready: Callable[[list[int]], Callable[[], tuple[bool, str]]],
+    *,
+    ports: int,
+    timeout: float,
+    die_with_parent: bool,
+    env: dict[str, str] | None = None,
+) -> Process:
+    """Start ``name`` (``argv(ports)``, log ``<state dir>/<name>.log``) and wait until ``ready(ports)`` holds.
+
+    A start whose process exits before it is ready (a port taken between choosing and binding it, say)
+    is retried with fresh ports, up to START_ATTEMPTS times; one that is still running at the timeout is
+    not. The seconds to ready, over all attempts, go to ``plane.startup_seconds[name]``.
+    """
+    started = time.monotonic()
+    error: ControlPlaneError | None = None
+    for _ in range(START_ATTEMPTS):
+        chosen = _free_ports(ports)
+        process = Process(name, argv(chosen), plane.state_dir / f"{name}.log", env=env)
+        process.start(die_with_parent=die_with_parent)
+        try:
+            _wait_until(f"{name} ready", ready(chosen), process, timeout)
+        except ControlPlaneError as exc:
+            exited = not process.alive()
+            process.stop()
+            if not exited:
+                raise
+            error = exc
+            continue
+        except BaseException:
+            process.stop()
+            raise
+        plane.startup_seconds[name] = time.monotonic() - started
+        return process
+    assert error is not None
+    raise error
+
+
+def _component_kubeconfig(plane: ControlPlane, user: str) -> Path:
+    """``<state dir>/<user>.kubeconfig``: this plane's API server, as the client certificate ``user``."""
+    path = plane.state_dir / f"{user}.kubeconfig"
+    _write_kubeconfig(path, plane.server, plane.pki, user)
+    return path
+
+
+def _delegated_auth_flags(kubeconfig: Path, pki: Path) -> list[str]:
+    """How the controller manager and scheduler authenticate and authorize callers of their HTTPS port.
+
+    Client certificates are checked against our CA directly, and the lookup of the rest in the
+    ``kube-system/extension-apiserver-authentication`` ConfigMap is skipped: this API server has no
+    front proxy (no ``--requestheader-client-ca-file``), and the lookup would log an error about the
+    missing bundle every few seconds. Authorization is delegated to the API server (SubjectAccessReview);
+    ``/healthz``, ``/readyz`` and ``/livez`` are always allowed, also anonymously.
+    """
+    return [
+        f"--authentication-kubeconfig={kubeconfig}",
+        "--authentication-skip-lookup=true",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--authorization-kubeconfig={kubeconfig}",
+    ]
+
+
+def start_controller_manager(
+    plane: ControlPlane, *, timeout: float = 120.0, die_with_parent: bool = True
+) -> Process:
+    """Start kube-controller-manager against ``plane``; return it once its ``/healthz`` says ok.
+
+    Every on-by-default controller runs (garbage collector, namespace, service account and its tokens,
+    persistent-volume binder, node lifecycle, ...) but the Endpoints/EndpointSlice ones
+    (DISABLED_CONTROLLERS). The caller stops the process (``start_cluster`` hands it to the plane).
+    """
+    name = "kube-controller-manager"
+    pki = plane.pki
+    kubeconfig = _component_kubeconfig(plane, name)
+
+    def argv(ports: list[int]) -> list[str]:
+        return [
+            str(plane.bin_dir / name),
+            f"--kubeconfig={kubeconfig}",
+            *_delegated_auth_flags(kubeconfig, pki),
+            "--bind-address=127.0.0.1",
+            f"--secure-port={ports[0]}",
+            "--leader-elect=false",
+            f"--service-account-private-key-file={pki / 'service-account.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            "--use-service-account-credentials=false",
+            f"--controllers=*,{','.join('-' + c for c in DISABLED_CONTROLLERS)}",
+            # Resync PVs and claims every 5 s rather than 15 s, so a test's claim binds promptly even if
+            # it raced its volume.
+            "--pvclaimbinder-sync-period=5s",
+            # Its default is under /usr/libexec, which it would create on the host.
+            f"--flex-volume-plugin-dir={plane.state_dir / 'flexvolume'}",
+            "--profiling=false",
+            "--v=1",
+        ]
+
+    def ready(ports: list[int]) -> Callable[[], tuple[bool, str]]:
+        # It serves a self-signed certificate it made in memory at start: nothing to verify it against.
+        return _health_check(f"https://127.0.0.1:{ports[0]}/healthz", _unverified_context())
+
+    return _start_component(
+        plane, name, argv, ready, ports=1, timeout=timeout, die_with_parent=die_with_parent
+    )
+
+
+def start_scheduler(plane: ControlPlane, *, timeout: float = 120.0, die_with_parent: bool = True) -> Process:
+    """Start kube-scheduler against ``plane``; return it once its ``/healthz`` says ok."""
+    name = "kube-scheduler"
+    kubeconfig = _component_kubeconfig(plane, name)
+
+    def argv(ports: list[int]) -> list[str]:
+        return [
+            str(plane.bin_dir / name),
+            f"--kubeconfig={kubeconfig}",
+            *_delegated_auth_flags(kubeconfig, plane.pki),
+            "--bind-address=127.0.0.1",
+            f"--secure-port={ports[0]}",
+            "--leader-elect=false",
+            "--profiling=false",
+            "--v=1",
+        ]
+
+    def ready(ports: list[int]) -> Callable[[], tuple[bool, str]]:
+        return _health_check(f"https://127.0.0.1:{ports[0]}/healthz", _unverified_context())
+
+    return _start_component(
+        plane, name, argv, ready, ports=1, timeout=timeout, die_with_parent=die_with_parent
+    )
+
+
+def _api_json(plane: ControlPlane, path: str) -> tuple[int, dict[str, Any]]:
+    """GET ``path`` as the admin user: (status code, decoded body or {})."""
+    code, body = plane.get(path)
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        decoded = {}
+    return code, decoded if isinstance(decoded, dict) else {}
+
+
+def _pytorchjob_crd_served(plane: ControlPlane) -> tuple[bool, str]:
+    """The PyTorchJob CRD is Established and ``kubeflow.org/v1`` discovery lists it (the operator's REST
+    mapper looks it up once, at start, and exits if it is missing)."""
+    code, crd = _api_json(
+        plane, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org"
+    )
+    conditions = {c.get("type"): c.get("status") for c in crd.get("status", {}).get("conditions") or []}
+    if conditions.get("Established") != "True":
+        return False, f"{code} conditions {conditions}"
+    code, group = _api_json(plane, "/apis/kubeflow.org/v1")
+    served = {r.get("name") for r in group.get("resources") or []}
+    return "pytorchjobs" in served, f"discovery {code} {sorted(str(r) for r in served)}"
+
+
+def _mount_webhook_secret(plane: ControlPlane, namespace: str) -> str:
+    """The kubelet's part for the operator's cert rotator: once the rotator has filled in the webhook
+    Secret, copy its ``tls.key`` and ``tls.crt`` into WEBHOOK_CERT_DIR (the rotator waits for
+    ``tls.crt`` there before it reports ready). Returns what it found, for error messages."""
+    code, secret = _api_json(plane, f"/api/v1/namespaces/{namespace}/secrets/{WEBHOOK_SECRET}")
+    data = secret.get("data") or {}
+    if code != 200 or "tls.crt" not in data or "tls.key" not in data:
+        return f"secret {namespace}/{WEBHOOK_SECRET}: {code}, keys {sorted(data)}"
+    WEBHOOK_CERT_DIR.mkdir(parents=True, exist_ok=True)
+    for key in ("tls.key", "tls.crt"):  # the certificate last: the rotator polls for it
+        content = base64.b64decode(data[key])
+        target = WEBHOOK_CERT_DIR / key
+        with contextlib.suppress(OSError):
+            if target.read_bytes() == content:
+                continue
+        partial = target.with_name(f".{key}.{os.getpid()}")
+        partial.write_bytes(content)
+        partial.chmod(0o600)
+        os.replace(partial, target)  # atomic, as the kubelet's symlink swap is
+    return f"secret {namespace}/{WEBHOOK_SECRET} copied to {WEBHOOK_CERT_DIR}"
+
+
+def start_training_operator(
+    plane: ControlPlane,
+    namespace: str = TRAINING_OPERATOR_NAMESPACE,
+    *,
+    timeout: float = 120.0,
+    die_with_parent: bool = True,
+) -> Process:
+    """Start the Kubeflow training operator (PyTorchJob only) against ``plane``; return it once its
+    ``/readyz`` answers 200.
+
+    First the PyTorchJob CRD is applied (server-side; waited for until Established and served), then
+    ``namespace`` and the empty webhook Secret the operator's cert rotator fills in. The rotator writes
+    the certificates to the Secret only; a pod would get them in WEBHOOK_CERT_DIR through a Secret
+    volume, so ``_mount_webhook_secret`` copies them there while the operator starts.
+
+    No ValidatingWebhookConfiguration (``validator.training-operator.kubeflow.org``) is registered: the
+    rotator only logs that it is missing and still gets ready, and the API server could not call the
+    webhook anyway: it would go through the ``training-operator`` Service's ClusterIP, and this cluster
+    has no kube-proxy to route it. So PyTorchJobs are admitted on the CRD's schema alone. The operator
+    watches every namespace (no ``--namespace``), as the standalone install does.
+    """
+    name = "training-operator"
+    started = time.monotonic()
+    plane.kubectl("apply", "--server-side", "--force-conflicts", f"--filename={PYTORCHJOB_CRD}")
+    _wait_until("PyTorchJob CRD established", lambda: _pytorchjob_crd_served(plane), plane.apiserver, timeout)
+    plane.startup_seconds["pytorchjob-crd"] = time.monotonic() - started
+    setup = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": WEBHOOK_SECRET, "namespace": namespace}},
+    ]
+    # Server-side apply: certificates the rotator already wrote (an earlier start) are not its fields,
+    # so they stay.
+    plane.kubectl("apply", "--server-side", "--filename=-", stdin=yaml.safe_dump_all(setup))
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBEFLOW_NAMESPACE")}
+    env["MY_POD_NAMESPACE"] = namespace  # where the rotator looks for its Secret
+
+    def argv(ports: list[int]) -> list[str]:
+        metrics, probe, webhook = ports
+        return [
+            str(plane.bin_dir / name),
+            f"--kubeconfig={plane.kubeconfig}",  # controller-runtime's flag; as the admin user
+            f"--metrics-bind-address=127.0.0.1:{metrics}",
+            f"--health-probe-bind-address=127.0.0.1:{probe}",
+            # The webhook server has no host flag: it listens on every interface, on this port.
+            f"--webhook-server-port={webhook}",
+            "--enable-scheme=pytorchjob",
+            "--leader-elect=false",
+            "--zap-log-level=info",
+        ]
+
+    def ready(ports: list[int]) -> Callable[[], tuple[bool, str]]:
+        url = f"http://127.0.0.1:{ports[1]}/readyz"
+
+        def check() -> tuple[bool, str]:
+            mounted = _mount_webhook_secret(plane, namespace)
+            code, body = _get(url, None)
+            return code == 200, f"{code} {body[-2000:]}; {mounted}"
+
+        return check
+
+    return _start_component(
+        plane, name, argv, ready, ports=3, timeout=timeout, die_with_parent=die_with_parent, env=env
+    )
+
+
+def start_cluster(plane: ControlPlane, *, timeout: float = 120.0, die_with_parent: bool = True) -> None:
+    """Start kube-controller-manager, kube-scheduler and the training operator on ``plane``, in that
+    order, appending each to ``plane.components`` (``plane.stop()`` stops them) with its time to ready
+    in ``plane.startup_seconds``.
+
+    Idempotent: components already running are left alone, so any number of fixtures may call it; one
+    that has exited is started again (its log keeps the earlier run's output).
+    """
+    missing = missing_binaries(plane.bin_dir, components=True)
+    if missing:
+        raise ControlPlaneError(
+            f"{', '.join(missing)} missing in {plane.bin_dir}: run bash scripts/control-plane.sh"
+        )
+    for process in [p for p in plane.components if not p.alive()]:
+        process.stop()  # reap it
+        plane.components.remove(process)
+    starters: dict[str, Callable[..., Process]] = {
+        "kube-controller-manager": start_controller_manager,
+        "kube-scheduler": start_scheduler,
+        "training-operator": start_training_operator,
+    }
+    running = {process.name for process in plane.components}
+    for name, starter in starters.items():
+        if name not in running:
+            plane.components.append(starter(plane, timeout=timeout, die_with_parent=die_with_parent))
+
+
 # --- by hand ---------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Start the control plane, print the kubeconfig path, and run until SIGINT or SIGTERM."""
+    """Start the control plane (with ``--components``, the whole ``start_cluster`` set), print the
+    kubeconfig path, and run until SIGINT or SIGTERM."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -525,6 +869,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="certificates, etcd data, logs and the kubeconfig (kept; reused by the next start); "
         "default: a temp dir removed at exit",
     )
+    parser.add_argument(
+        "--components",
+        action="store_true",
+        # scripts/control-plane.sh start passes only --bin-dir and --state-dir: the variable reaches
+        # this flag through it.
+        default=os.environ.get("TRAINGUARD_CONTROL_PLANE_COMPONENTS") == "1",
+        help="also run kube-controller-manager, kube-scheduler and the Kubeflow training operator "
+        "(default: on if TRAINGUARD_CONTROL_PLANE_COMPONENTS=1)",
+    )
     args = parser.parse_args(argv)
     bin_dir: Path = args.bin_dir or bin_dir_from_script()
     keep = args.state_dir is not None
@@ -532,22 +885,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.set())
+    missing = missing_binaries(bin_dir, components=args.components)
+    if missing:
+        print(f"control-plane: {', '.join(missing)} missing in {bin_dir}", file=sys.stderr)
+        return 1
     try:
         plane = start(bin_dir, state_dir.resolve(), die_with_parent=True)
     except ControlPlaneError as exc:
         print(f"control-plane: {exc}", file=sys.stderr)
         return 1
+    if args.components:
+        try:
+            start_cluster(plane, die_with_parent=True)
+        except ControlPlaneError as exc:
+            plane.stop()
+            print(f"control-plane: {exc}", file=sys.stderr)
+            return 1
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in plane.startup_seconds.items())
+    others = "".join(f", {p.name} (PID {p.pid})" for p in plane.components)
     print(
         f"control-plane: kube-apiserver {plane.server} (PID {plane.apiserver.pid}), etcd {plane.etcd_url} "
-        f"(PID {plane.etcd.pid}); ready ({timings}); logs in {state_dir}\n"
-        f"control-plane: export KUBECONFIG={plane.kubeconfig}    # Ctrl-C stops both",
+        f"(PID {plane.etcd.pid}){others}; ready ({timings}); logs in {state_dir}\n"
+        f"control-plane: export KUBECONFIG={plane.kubeconfig}    # Ctrl-C stops them all",
         file=sys.stderr,
     )
     print(plane.kubeconfig, flush=True)
     try:
         while not stop.wait(1.0):
-            for process in (plane.etcd, plane.apiserver):
+            for process in plane.processes():
                 if not process.alive():
                     print(f"control-plane: {process.name} exited:\n{process.log_tail()}", file=sys.stderr)
                     stop.set()
