@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds (cold) or reuses (warm) a real Kubernetes control plane for the end-to-end tests, and runs it by
-# hand. etcd and kube-apiserver are built from the Go module proxy with the machine's Go, outside the
-# clone, under ~/.cache/trainguard/ (or $TRAINGUARD_CACHE):
+# hand. etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the Kubeflow training operator
+# are built from the Go module proxy with the machine's Go, outside the clone, under ~/.cache/trainguard/
+# (or $TRAINGUARD_CACHE):
 #
 #   bin/<component>-<version>/<component>   one directory per component and version: a version bump
 #                                            builds afresh, an unchanged one is reused as is
@@ -17,7 +18,7 @@
 # need etcd >= 3.4.29 / 3.5.11, so etcd is built too, from the 3.5 series Kubernetes 1.33 is tested
 # against, at its newest patch.
 #
-# Both modules carry replace directives (k8s.io/kubernetes for its staging modules, etcd's server for its
+# etcd's and Kubernetes' modules carry replace directives (k8s.io/kubernetes for its staging modules, etcd's server for its
 # sibling modules), which `go install pkg@version` refuses. So each is built as a dependency of a small
 # wrapper module made in a temp dir outside the clone, requiring the module and its siblings at the
 # matching published versions.
@@ -25,12 +26,12 @@
 # Usage:
 #   bash scripts/control-plane.sh [build]       build what is missing; print the bin directory on stdout
 #   bash scripts/control-plane.sh --bin-dir     print the bin directory only (builds nothing)
-#   bash scripts/control-plane.sh start [DIR]   build if needed, then run etcd + kube-apiserver on free
-#                                               127.0.0.1 ports (state in DIR, default a temp dir) until
-#                                               Ctrl-C; prints the kubeconfig path, e.g.
+#   bash scripts/control-plane.sh start [DIR]   build if needed, then run the whole test cluster
+#                                               (tests/cluster.py: the control plane on free 127.0.0.1
+#                                               ports, the node agent, the trainguard operator; state in
+#                                               DIR, default a temp dir) until Ctrl-C; needs root; prints
+#                                               the kubeconfig path, e.g.
 #                                               export KUBECONFIG=<that path>; kubectl get gtj
-#                                               (TRAINGUARD_CONTROL_PLANE_COMPONENTS=1: also the controller
-#                                               manager, scheduler and training operator; --components)
 #
 # Everything but the final path goes to stderr, with the time each phase took. Idempotent, and safe to
 # run concurrently (a lock serialises the builds).
@@ -251,15 +252,22 @@ kubectl_fits() {
   [ -n "$minor" ] && [ "$minor" -ge $((want - 1)) ] && [ "$minor" -le $((want + 1)) ]
 }
 
-# tests/controlplane.py makes the certificates with openssl (Debian's package; the image has it).
-if ! command -v openssl >/dev/null; then
+# Debian packages the tests need: openssl (tests/controlplane.py makes the certificates), iproute2 (the
+# node agent's network namespaces, veths and bridge), util-linux (nsenter, for exec probes) and
+# bind9-dnsutils (nslookup, which the training operator's worker init container runs).
+missing_packages=""
+for pair in openssl:openssl ip:iproute2 nsenter:util-linux nslookup:bind9-dnsutils; do
+  command -v "${pair%%:*}" >/dev/null || missing_packages+=" ${pair#*:}"
+done
+if [ -n "$missing_packages" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     started=$(now)
-    log "openssl: installing Debian's package"
-    apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends openssl >&2
-    log "openssl: installed in $(since "$started")"
+    log "installing Debian's packages:$missing_packages"
+    # shellcheck disable=SC2086 # one word per package
+    apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends $missing_packages >&2
+    log "installed in $(since "$started")"
   else
-    log "error: openssl is missing (apt-get install openssl): the control plane's certificates need it"
+    log "error: missing Debian packages:$missing_packages (apt-get install them, as root)"
     exit 1
   fi
 fi
@@ -300,6 +308,6 @@ log "linked in $(since "$started"); control plane binaries ready in $(since "$to
 if [ "$mode" = start ]; then
   exec 9>&- # release the build lock while the control plane runs
   python=${PYTHON:-$root/.venv/bin/python}
-  exec "$python" "$root/tests/controlplane.py" --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
+  exec "$python" "$root/tests/cluster.py" --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
 fi
 echo "$bin_dir"

@@ -10,15 +10,27 @@ training operator, all real, built from the Go module proxy) this starts:
 
 Everything is a process stopped by PID (the operator, then the agent, which stops its pods and removes
 their namespaces, then the control plane).
+
+Run by hand (``bash scripts/control-plane.sh start`` does this)::
+
+    python tests/cluster.py --bin-dir DIR [--state-dir DIR] [--no-operator]
+
+prints the kubeconfig path on stdout and runs until Ctrl-C; then ``kubectl apply -f
+examples/k8s/job.yaml`` (with a PersistentVolume for its claim) trains on this machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -112,7 +124,9 @@ class Cluster:
         self.agent.stop(grace=30)
 
 
-def start(plane: ControlPlane, state_dir: Path, *, backoff_base: float = 1.0) -> Cluster:
+def start(
+    plane: ControlPlane, state_dir: Path, *, backoff_base: float = 1.0, run_operator: bool = True
+) -> Cluster:
     """Start the control plane's components, a node agent and the trainguard operator on ``plane``.
 
     The node agent's restart back-off starts at ``backoff_base`` seconds (the kubelet's 10 s would only
@@ -171,6 +185,8 @@ def start(plane: ControlPlane, state_dir: Path, *, backoff_base: float = 1.0) ->
         plane.kubectl(
             "wait", "--for=condition=Established", "--timeout=60s", "crd/guardedtrainingjobs.trainguard.dev"
         )
+        if not run_operator:
+            return cluster
         operator.start(die_with_parent=True)
         wait_for(
             "the trainguard operator to start watching",
@@ -188,3 +204,61 @@ def _operator_watching(operator: Process) -> bool:
     if not operator.alive():
         raise ClusterError(f"the trainguard operator exited:\n{operator.log_tail()}")
     return "Initial authentication has finished" in operator.log_tail(200)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the whole cluster, print the kubeconfig path, and run until SIGINT or SIGTERM."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bin-dir", type=Path, help="the control plane binaries (default: the script's)")
+    parser.add_argument("--state-dir", type=Path, help="state, logs and kubeconfig (default: a temp dir)")
+    parser.add_argument(
+        "--no-operator", action="store_true", help="do not run the trainguard operator (run your own)"
+    )
+    args = parser.parse_args(argv)
+    reason = why_not_runnable()
+    if reason:
+        print(f"cluster: {reason}", file=sys.stderr)
+        return 1
+    bin_dir: Path = args.bin_dir or controlplane.bin_dir_from_script()
+    keep = args.state_dir is not None
+    state_dir: Path = (args.state_dir or Path(tempfile.mkdtemp(prefix="trainguard-cluster-"))).resolve()
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        plane = controlplane.start(bin_dir, state_dir / "control-plane")
+    except controlplane.ControlPlaneError as exc:
+        print(f"cluster: {exc}", file=sys.stderr)
+        return 1
+    try:
+        cluster = start(plane, state_dir, backoff_base=10.0, run_operator=not args.no_operator)
+    except BaseException as exc:
+        plane.stop()
+        print(f"cluster: {exc}", file=sys.stderr)
+        return 1
+    timings = ", ".join(f"{k} {v:.1f} s" for k, v in plane.startup_seconds.items())
+    print(
+        f"cluster: ready ({timings}); logs in {state_dir}\n"
+        f"cluster: export KUBECONFIG={plane.kubeconfig}    # Ctrl-C stops everything",
+        file=sys.stderr,
+    )
+    print(plane.kubeconfig, flush=True)
+    try:
+        while not stop.wait(1.0):
+            for process in [*plane.processes(), cluster.agent]:
+                if not process.alive():
+                    print(f"cluster: {process.name} exited:\n{process.log_tail()}", file=sys.stderr)
+                    stop.set()
+    finally:
+        cluster.stop()
+        plane.stop()
+        print("cluster: stopped", file=sys.stderr)
+        if not keep:
+            shutil.rmtree(state_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
