@@ -1160,7 +1160,8 @@ class PodWorker(threading.Thread):
                 raise ValueError(f"volumeMount {mount['name']!r} names no volume of the pod")
             if mount.get("subPath"):
                 source = source / mount["subPath"]
-                source.mkdir(parents=True, exist_ok=True)
+                if not source.exists():  # a file of the volume (a ConfigMap key) is mounted as it is
+                    source.mkdir(parents=True)
             mounts.append((str(source), mount["mountPath"], bool(mount.get("readOnly", False))))
         spec = {
             "netns": self.netns,
@@ -1242,10 +1243,9 @@ class PodWorker(threading.Thread):
         if self.ip:
             status["podIP"] = self.ip
             status["podIPs"] = [{"ip": self.ip}]
-        if self.message:
-            status["message"] = self.message
-        if self.reason:
-            status["reason"] = self.reason
+        # Null, not absent, once cleared: the status is a strategic merge patch, which keeps absent keys.
+        status["message"] = self.message or None
+        status["reason"] = self.reason or None
         return status
 
     def publish(self) -> None:
@@ -1279,19 +1279,35 @@ def _resource_value(container: dict[str, Any], ref: dict[str, Any]) -> str:
     return value
 
 
-_VAR = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
-
-
 def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, the rest stays."""
+    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, the rest stays.
 
-    def replace(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name = match.group(1)
-        return env[name] if name in env else match.group(0)
-
-    return _VAR.sub(replace, text)
+    The kubelet's scanner (``third_party/forked/golang/expansion``): ``$(`` opens a reference that runs to
+    the next ``)`` whatever it holds, so a name may be any relaxed environment variable name, and an unknown
+    or unterminated reference is kept as written.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] != "$" or i + 1 == len(text):
+            out.append(text[i])
+            i += 1
+        elif text[i + 1] == "$":  # escaped: `$$` is `$`, and `$$(VAR)` is never expanded
+            out.append("$")
+            i += 2
+        elif text[i + 1] == "(":
+            close = text.find(")", i + 2)
+            if close < 0:  # unterminated: kept
+                out.append("$(")
+                i += 2
+                continue
+            name = text[i + 2 : close]
+            out.append(env[name] if name in env else text[i : close + 1])
+            i = close + 1
+        else:  # a `$` that opens nothing
+            out.append("$")
+            i += 1
+    return "".join(out)
 
 
 # --- the agent ---------------------------------------------------------------------------------------
