@@ -339,10 +339,21 @@ def _job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | No
     return None
 
 
+def without_nulls(value: Any) -> Any:
+    """``value`` without null object members, at any depth (inside lists too), as the API server stores
+    it: a JSON merge patch (how the status is written) drops them everywhere."""
+    if isinstance(value, Mapping):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
+
+
 def pin(spec: GuardedTrainingJobSpec) -> dict[str, Any]:
-    """The immutable part of a spec (replicas, template, checkpoint) in its wire form."""
+    """The immutable part of a spec (replicas, template, checkpoint) in its wire form, without nulls (as
+    it reads back from the status it is stored in)."""
     wire = spec.model_dump(by_alias=True, mode="json")
-    return {key: wire[key] for key in IMMUTABLE_FIELDS}
+    return {key: without_nulls(wire[key]) for key in IMMUTABLE_FIELDS}
 
 
 def changed_paths(old: Any, new: Any, prefix: str) -> list[str]:
@@ -367,7 +378,8 @@ def spec_change(
     image or command mid-run would resume checkpoints with different code) and ``checkpoint`` (a new
     claim or path would start over from nothing while the old checkpoints are orphaned).
     """
-    refused = changed_paths(dict(pinned), pin(spec), "spec")
+    # Both sides without nulls: a pin stored before nulls were dropped compares equal to its spec too.
+    refused = changed_paths(without_nulls(pinned), pin(spec), "spec")
     effective = GuardedTrainingJobSpec.model_validate(
         {**spec.model_dump(by_alias=True, mode="json"), **pinned}
     )
@@ -653,9 +665,14 @@ class _Step:
             self.period,
             create=manifest,
             delete=self.stale_delete,
-            phase_reason="AttemptCreated",
-            phase_message=f"attempt {self.attempt}: waiting for its pods",
+            # What the next step says too while no pod runs: an unchanged status is not written again.
+            phase_reason="WaitingForPods",
+            phase_message=self.pods_running_message(0),
         )
+
+    def pods_running_message(self, running: int) -> str:
+        step = f", step {self.st.step}" if self.st.step is not None else ""
+        return f"attempt {self.attempt}: {running} of {self.job.spec.replicas} pod(s) running{step}"
 
     def ranks(self) -> tuple[list[RankObservation], list[Mapping[str, Any]]]:
         replicas = self.job.spec.replicas
@@ -765,10 +782,8 @@ class _Step:
                 phase_message=f"attempt {self.attempt} succeeded: {decision.reason}",
             )
         running = [p for p in pods if _status(p).get("phase") == "Running"]
-        replicas = self.job.spec.replicas
         if running:
             self.st.phase = Phase.RUNNING.value
-        step = f", step {self.st.step}" if self.st.step is not None else ""
         return self.plan(
             PlanAction.NOTHING,
             self.period,
@@ -776,7 +791,7 @@ class _Step:
             decision=decision,
             recovered_seconds=recovered,
             phase_reason="GangRunning" if running else "WaitingForPods",
-            phase_message=f"attempt {self.attempt}: {len(running)} of {replicas} pod(s) running{step}",
+            phase_message=self.pods_running_message(len(running)),
         )
 
     def record_failure(self, decision: Decision) -> None:

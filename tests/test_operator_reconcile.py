@@ -18,7 +18,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_operator_render import gtj_manifest, schema_errors
+from test_operator_render import gtj_manifest, load, schema_errors
 from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
 from trainguard_operator.reconcile import (
     MIN_REQUEUE_SECONDS,
@@ -26,9 +26,12 @@ from trainguard_operator.reconcile import (
     PlanAction,
     SidecarReport,
     World,
+    pin,
     pod_rank,
     pods_to_poll,
     reconcile,
+    spec_change,
+    without_nulls,
 )
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
@@ -589,6 +592,27 @@ def test_spec_change_of_immutable_fields_is_refused_and_recovery_changes_apply()
     spec["template"]["spec"]["containers"][0]["image"] = "registry.example/tiny-lm:1"
     cluster.step(T0 + timedelta(seconds=70))
     assert condition(cluster.status, "SpecChangeRefused")[0] == "False"
+
+
+def test_a_pin_read_back_from_the_api_server_is_no_spec_change() -> None:
+    # The pin is stored in the status by a JSON merge patch, which drops null members at any depth; a
+    # real API server hands it back without them (kmock kept them, which hid a SpecChangeRefused on
+    # every job). The comparison must not see a change in that.
+    manifest = gtj_manifest()
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [
+        {"name": "A", "value": "1"},
+        {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    spec = load(manifest).spec
+    wire = spec.model_dump(by_alias=True, mode="json")
+    stored = without_nulls({key: wire[key] for key in ("replicas", "template", "checkpoint")})
+    assert json.dumps(stored).count("null") == 0
+    assert spec_change(stored, spec)[1] == []
+    assert spec_change(pin(spec), spec)[1] == []
+    changed = copy.deepcopy(stored)
+    changed["template"]["spec"]["containers"][0]["env"][0]["value"] = "2"
+    assert spec_change(changed, spec)[1]
 
 
 def test_missing_pytorchjob_crd_is_a_condition_not_a_crash_nor_a_hot_loop() -> None:
