@@ -4,8 +4,10 @@ One reconcile step (``reconcile_job``) reads the GuardedTrainingJob fresh from t
 kopf's cached copy, which may predate the operator's own last write), lists its PyTorchJobs and pods,
 polls the current attempt's sidecars, asks ``reconcile.reconcile`` for a plan and carries it out. It
 runs on creation and resume, on spec updates, and in a per-job daemon every ``probePeriodSeconds``
-(sooner while a restart is due). Steps of one job never overlap (a per-job lock); nothing else is kept in
-memory, so the operator can be restarted at any point.
+(sooner while a restart is due). Steps of one job never overlap (a per-job lock). At creation and resume
+kopf starts the create/resume handler and the daemon at once: whichever takes the lock second does not
+repeat the step the other just took (the daemon waits out the rest of that step's requeue instead).
+Nothing else is kept in memory, so the operator can be restarted at any point.
 
 Transient API errors and 409 conflicts become ``kopf.TemporaryError`` with a delay: kopf retries the
 handler (the daemon is re-invoked after the delay), and the retry starts from a fresh read.
@@ -43,6 +45,7 @@ from trainguard.spec import GROUP, PLURAL, VERSION
 RUNTIME_KEY = "trainguard_runtime"
 SETTINGS_KEY = "trainguard_settings"
 LOCK_KEY = "trainguard_lock"
+LAST_STEP_KEY = "trainguard_last_step"
 
 log = logging.getLogger("trainguard.operator")
 
@@ -78,6 +81,26 @@ def _lock(memo: kopf.Memo) -> asyncio.Lock:
     if not isinstance(lock, asyncio.Lock):
         lock = memo[LOCK_KEY] = asyncio.Lock()
     return lock
+
+
+@dataclass(frozen=True)
+class LastStep:
+    """When this process last finished a step of a job (``time.monotonic()``), and its outcome."""
+
+    finished: float
+    outcome: Outcome
+
+
+def _last_step(memo: kopf.Memo) -> LastStep | None:
+    found = memo.get(LAST_STEP_KEY)
+    return found if isinstance(found, LastStep) else None
+
+
+async def _step(rt: Runtime, memo: kopf.Memo, namespace: str, name: str) -> Outcome:
+    """One reconcile step (the caller holds the job's lock), remembered for ``_last_step``."""
+    outcome = await reconcile_job(rt, namespace, name)
+    memo[LAST_STEP_KEY] = LastStep(time.monotonic(), outcome)
+    return outcome
 
 
 # ------------------------------------------------------------------------------------- lifecycle ---
@@ -230,10 +253,14 @@ async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL, id="admit-on-create")
 async def admit(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A new (or, after an operator restart, an existing) job: validate it and make sure its attempt
-    exists. An invalid spec gets the SpecInvalid condition and a Warning event, and no PyTorchJob."""
+    exists. An invalid spec gets the SpecInvalid condition and a Warning event, and no PyTorchJob.
+
+    The job's daemon starts at the same moment; when it has already finished a step (it began after this
+    process saw the job, as this one would), that step is not repeated."""
     rt = _runtime(memo)
     async with _lock(memo):
-        await reconcile_job(rt, namespace or "default", name)
+        if _last_step(memo) is None:
+            await _step(rt, memo, namespace or "default", name)
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -260,7 +287,7 @@ async def spec_updated(
             "next decisions; health and guard apply to polling now and to the pods from the next attempt",
         )
     async with _lock(memo):
-        await reconcile_job(rt, namespace or "default", name)
+        await _step(rt, memo, namespace or "default", name)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, backoff=10.0)
@@ -271,15 +298,27 @@ async def supervise(
     stopped: kopf.DaemonStopped,
     **_: Any,
 ) -> None:
-    """Reconcile the job every probe period (or when a wait ends) until it succeeds or fails."""
+    """Reconcile the job every probe period (or when a wait ends) until it succeeds or fails.
+
+    On its first round, a step that another handler finished less than its requeue time ago (the
+    create/resume handler's, started by kopf with this daemon) counts as this round's: the daemon waits
+    out the rest of it instead of repeating it."""
     rt = _runtime(memo)
+    first = True
     while not stopped:
         async with _lock(memo):
-            outcome = await reconcile_job(rt, namespace or "default", name)
+            last = _last_step(memo) if first else None
+            if last is not None and time.monotonic() - last.finished < last.outcome.requeue_seconds:
+                outcome = last.outcome
+                wait = last.outcome.requeue_seconds - (time.monotonic() - last.finished)
+            else:
+                outcome = await _step(rt, memo, namespace or "default", name)
+                wait = outcome.requeue_seconds
+        first = False
         if outcome.done:
             log.info("%s/%s is final; supervision ends", namespace, name)
             return
-        await stopped.wait(outcome.requeue_seconds)
+        await stopped.wait(wait)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
