@@ -118,16 +118,33 @@ class Cluster:
         ]
         return "\n".join(parts)
 
+    def start_operator(self) -> None:
+        """Start the trainguard operator (cluster-wide) and wait until it watches."""
+        started = time.monotonic()
+        self.plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+        self.plane.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s", "crd/guardedtrainingjobs.trainguard.dev"
+        )
+        self.operator.start(die_with_parent=True)
+        wait_for("the trainguard operator to start watching", lambda: _operator_watching(self.operator), 60)
+        self.plane.startup_seconds["trainguard-operator"] = time.monotonic() - started
+
+    def stop_operator(self) -> None:
+        """Stop the trainguard operator (a no-op if it is not running)."""
+        self.operator.stop(grace=10)
+        self.operator.popen = None
+
     def stop(self) -> None:
         """Stop the operator and the node agent (the control plane is stopped by its own owner)."""
-        self.operator.stop(grace=10)
+        self.stop_operator()
         self.agent.stop(grace=30)
 
 
 def start(
     plane: ControlPlane, state_dir: Path, *, backoff_base: float = 1.0, run_operator: bool = True
 ) -> Cluster:
-    """Start the control plane's components, a node agent and the trainguard operator on ``plane``.
+    """Start the control plane's components, a node agent and (``run_operator``) the trainguard operator
+    on ``plane``.
 
     The node agent's restart back-off starts at ``backoff_base`` seconds (the kubelet's 10 s would only
     slow the tests; the doubling and the cap are the kubelet's).
@@ -180,20 +197,8 @@ def start(
         wait_for("the node to be Ready", node_ready, timeout=60)
         plane.startup_seconds["node-agent"] = time.monotonic() - started
 
-        started = time.monotonic()
-        plane.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-        plane.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s", "crd/guardedtrainingjobs.trainguard.dev"
-        )
-        if not run_operator:
-            return cluster
-        operator.start(die_with_parent=True)
-        wait_for(
-            "the trainguard operator to start watching",
-            lambda: _operator_watching(operator),
-            timeout=60,
-        )
-        plane.startup_seconds["trainguard-operator"] = time.monotonic() - started
+        if run_operator:
+            cluster.start_operator()
     except BaseException:
         cluster.stop()
         raise

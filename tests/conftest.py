@@ -40,9 +40,12 @@ def e2e_cluster(
     control_plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[cluster.Cluster]:
     """The whole test cluster on the session's control plane (``cluster``): kube-controller-manager,
-    kube-scheduler and the Kubeflow training operator, a node agent running pods as processes, and the
-    trainguard operator. Where the node agent cannot run (not root, no ``ip``/``nslookup``) the tests
-    that use it are skipped on a developer's machine and fail under CI.
+    kube-scheduler and the Kubeflow training operator, and a node agent running pods as processes.
+
+    The trainguard operator is not running: modules that need it start it
+    (``e2e_cluster.start_operator()``) and stop it, so it does not reconcile the objects other tests
+    write by hand. Where the node agent cannot run (not root, no ``ip``/``nslookup``) the tests that use
+    it are skipped on a developer's machine and fail under CI.
     """
     missing = controlplane.missing_binaries(control_plane.bin_dir, components=True)
     reason = f"{', '.join(missing)} not built: run bash scripts/control-plane.sh" if missing else None
@@ -51,7 +54,7 @@ def e2e_cluster(
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"))
+    running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"), run_operator=False)
     try:
         yield running
     finally:

@@ -468,6 +468,8 @@ def _apiserver_argv(bin_dir: Path, pki: Path, etcd_url: str, port: int) -> list[
         # a loopback address: the reconciler would log an error every few seconds. Nothing here needs
         # them (in-cluster clients are given the server's address directly).
         "--endpoint-reconciler-type=none",
+        # Node agents register no resolvable hostname: reach their kubelet API (kubectl logs) by IP.
+        "--kubelet-preferred-address-types=InternalIP",
         "--profiling=false",
         "--v=1",
     ]

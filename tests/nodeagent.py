@@ -35,7 +35,9 @@ kernel's own namespaces and the project's Python environment instead of images:
   Unhealthy, BackOff).
 - **Deletion.** A pod being deleted gets SIGTERM, its grace period, then SIGKILL (containers first, then
   sidecars, as the kubelet orders them), and is then removed with a zero grace period.
-- **Logs.** Every container's output is kept under ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
+- **Logs.** Every container's output is kept under ``<state-dir>/pods/<namespace>_<pod>/<container>.log``
+  and served on the kubelet's HTTPS port (10250, on the node's address) to the API server, so
+  ``kubectl logs`` (``--previous``, ``--tail``, ``-f``) works.
 
 Needs root (namespaces, ``ip``, port 53), ``iproute2`` and, for the training operator's init container,
 an ``nslookup`` (Debian's ``bind9-dnsutils``). Run::
@@ -74,6 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = Path(__file__).resolve().parent / "podlaunch.py"
 CLUSTER_DOMAIN = "cluster.local"
 KUBELET_VERSION = "v1.33.13"
+KUBELET_PORT = 10250  # on the bridge address, which is this agent's own: no clash between agents
 LEASE_SECONDS = 40
 LEASE_RENEW_SECONDS = 10
 DEFAULT_GRACE_SECONDS = 30
@@ -1310,6 +1313,141 @@ def expand(text: str, env: dict[str, str]) -> str:
     return "".join(out)
 
 
+# --- the kubelet API: container logs -------------------------------------------------------------
+
+_INSTANCE_MARK = re.compile(rb"^--- \S+ start #\d+ ---$", re.MULTILINE)
+
+
+def log_segment(text: bytes, previous: bool) -> bytes:
+    """One container instance's output from the agent's log file: the current one, or the one before."""
+    marks = list(_INSTANCE_MARK.finditer(text))
+    if not marks:
+        return text
+    index = len(marks) - (2 if previous else 1)
+    if index < 0:
+        return b""
+    start = marks[index].end() + 1
+    end = marks[index + 1].start() if index + 1 < len(marks) else len(text)
+    return text[start:end]
+
+
+def tail_lines(data: bytes, lines: int | None) -> bytes:
+    """The last ``lines`` lines of ``data`` (all of it when None)."""
+    if lines is None:
+        return data
+    if lines <= 0:
+        return b""
+    kept = data.splitlines(keepends=True)[-lines:]
+    return b"".join(kept)
+
+
+class KubeletServer:
+    """The part of the kubelet's HTTPS API that ``kubectl logs`` uses: ``/containerLogs/NS/POD/CONTAINER``
+    (``tailLines``, ``previous``, ``limitBytes``, ``follow``) and ``/healthz``.
+
+    The API server proxies ``kubectl logs`` to the node's address and ``daemonEndpoints`` port. Like a
+    kubelet with anonymous auth on, it does not authenticate the caller (the API server does).
+    """
+
+    def __init__(self, agent: NodeAgent, address: str, port: int, cert: Path, key: Path) -> None:
+        import http.server
+        import ssl
+        import urllib.parse
+
+        def logs(path: str, query: dict[str, list[str]]) -> tuple[int, bytes, bool, Path | None]:
+            parts = path.split("/")
+            if len(parts) != 5 or parts[1] != "containerLogs":
+                return 404, b"not found\n", False, None
+            _, _, namespace, pod, container = parts
+            file = agent.state_dir / "pods" / f"{namespace}_{pod}" / f"{container}.log"
+            if not file.exists():
+                return (
+                    404,
+                    f"container {container} in pod {namespace}/{pod} has no logs\n".encode(),
+                    False,
+                    None,
+                )
+            previous = query.get("previous", ["false"])[0] == "true"
+            text = log_segment(file.read_bytes(), previous)
+            lines = int(query["tailLines"][0]) if "tailLines" in query else None
+            body = tail_lines(text, lines)
+            if "limitBytes" in query:
+                body = body[: int(query["limitBytes"][0])]
+            follow = query.get("follow", ["false"])[0] == "true" and not previous
+            return 200, body, follow, file
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                if url.path == "/healthz":
+                    self._reply(200, b"ok")
+                    return
+                code, body, follow, file = logs(url.path, urllib.parse.parse_qs(url.query))
+                if not follow or file is None:
+                    self._reply(code, body)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self._chunk(body)
+                offset = file.stat().st_size
+                parts = url.path.split("/")
+                while not agent.stopping.is_set() and agent.container_running(parts[2], parts[3], parts[4]):
+                    time.sleep(0.5)
+                    size = file.stat().st_size
+                    if size > offset:
+                        with file.open("rb") as handle:
+                            handle.seek(offset)
+                            self._chunk(handle.read(size - offset))
+                        offset = size
+                self._chunk(b"")
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def _reply(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+                log.debug("kubelet api: " + format, *args)
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(str(cert), str(key))
+        self.server = http.server.ThreadingHTTPServer((address, port), Handler)
+        self.server.daemon_threads = True
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="kubelet-api", daemon=True)
+
+    def start(self) -> None:
+        """Serve on a daemon thread."""
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serving_certificate(directory: Path, address: str) -> tuple[Path, Path]:
+    """A self-signed serving certificate for ``address`` (as a kubelet makes when it has none)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "kubelet.crt", directory / "kubelet.key"
+    _run(
+        "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=trainguard-node",
+        "-addext", f"subjectAltName=IP:{address}",
+    )  # fmt: skip
+    return cert, key
+
+
 # --- the agent ---------------------------------------------------------------------------------------
 
 
@@ -1337,6 +1475,7 @@ class NodeAgent:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.dns: DnsServer | None = None
+        self.kubelet: KubeletServer | None = None
 
     # node and lease
 
@@ -1391,7 +1530,7 @@ class NodeAgent:
                 {"type": "InternalIP", "address": self.network.gateway},
                 {"type": "Hostname", "address": self.node_name},
             ],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": KUBELET_PORT}},
             "nodeInfo": {
                 "machineID": "",
                 "systemUUID": "",
@@ -1529,13 +1668,24 @@ class NodeAgent:
         except Exception as exc:
             log.debug("event %s for %s/%s not posted: %s", reason, meta["namespace"], meta["name"], exc)
 
+    def container_running(self, namespace: str, pod: str, container: str) -> bool:
+        """Whether that container of a pod on this node is running now."""
+        with self.lock:
+            workers = [w for w in self.workers.values() if (w.namespace, w.name) == (namespace, pod)]
+        return any(
+            c.name == container and c.running for w in workers for c in [*w.init_containers, *w.containers]
+        )
+
     # run
 
     def run(self) -> None:
-        """Until ``stop()``: node, lease, DNS, pods."""
+        """Until ``stop()``: node, lease, DNS, the kubelet API, pods."""
         self.network.setup()
         self.dns = DnsServer(self.network.gateway, ClusterResolver(self.api))
         self.dns.start()
+        cert, key = serving_certificate(self.state_dir / "pki", self.network.gateway)
+        self.kubelet = KubeletServer(self, self.network.gateway, KUBELET_PORT, cert, key)
+        self.kubelet.start()
         self.register()
         threading.Thread(target=self._lease_loop, name="lease", daemon=True).start()
         log.info(
@@ -1561,6 +1711,8 @@ class NodeAgent:
             worker.join(timeout=15)
         if self.dns is not None:
             self.dns.stop()
+        if self.kubelet is not None:
+            self.kubelet.stop()
         self.network.teardown()
 
 

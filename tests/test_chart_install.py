@@ -50,6 +50,13 @@ def test_helm_install_and_uninstall_against_a_real_api_server(
 ) -> None:
     restricted_namespace(control_plane, NAMESPACE)
     kubeconfig = f"--kubeconfig={control_plane.kubeconfig}"
+    crd_name = "crd/guardedtrainingjobs.trainguard.dev"
+    if kube(control_plane, "get", crd_name, check=False).returncode == 0:
+        # Applied by hand earlier (by another test here; by a user's kubectl apply -f crds/ elsewhere):
+        # adopt it into the release as the chart's README says, or helm refuses to install.
+        kube(control_plane, "label", "--overwrite", crd_name, "app.kubernetes.io/managed-by=Helm")
+        kube(control_plane, "annotate", "--overwrite", crd_name,
+             "meta.helm.sh/release-name=tg", f"meta.helm.sh/release-namespace={NAMESPACE}")  # fmt: skip
     helm("install", "tg", str(CHART), "--namespace", NAMESPACE, kubeconfig, "--wait=false")
     crd = kube(control_plane, "get", "crd", "guardedtrainingjobs.trainguard.dev", "-o", "json")
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"

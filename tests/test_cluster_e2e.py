@@ -65,6 +65,16 @@ def example(
     return [claim, job]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def trainguard_operator(e2e_cluster: Cluster) -> Iterator[None]:
+    """The trainguard operator, cluster-wide, for this module's tests only."""
+    e2e_cluster.start_operator()
+    try:
+        yield
+    finally:
+        e2e_cluster.stop_operator()
+
+
 @pytest.fixture
 def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh namespace with a ReadWriteMany PersistentVolume (a host directory) pre-bound to the claim."""
@@ -170,6 +180,10 @@ def test_the_example_job_trains_to_success(e2e_cluster: Cluster, namespace: str,
     assert steps, list(volume.iterdir())
     assert {p.name for p in (volume / steps[-1]).glob("rank-*.json")} == {"rank-0.json", "rank-1.json"}
 
+    # kubectl logs reaches the node agent's kubelet API through the API server.
+    logs = cluster.kubectl("logs", f"{JOB}-1-master-0", "-n", namespace, "-c", "pytorch", "--tail=5")
+    assert "[rank 0] tiny_lm: done in" in logs, logs
+    assert json.loads(logs.strip().splitlines()[-1])["final_step"] == 60, logs
     table = cluster.kubectl("get", "gtj", "-n", namespace)
     header, row = table.splitlines()[:2]
     assert header.split() == ["NAME", "STATE", "STEP", "RESTARTS", "ROLLBACKS", "AGE"]
