@@ -195,6 +195,42 @@ def test_repeated_bad_steps_roll_back_to_the_snapshot_and_remediate(tmp_path: Pa
     assert len(bundle["losses"]) == 6
 
 
+def test_a_rollback_reports_itself_busy_until_its_validation_is_done(tmp_path: Path) -> None:
+    # The restore and the held-out validation make no steps; the status says "rolling back" with the
+    # time it began (the sidecar then allows the startup grace, not the hang timeout), and afterwards
+    # the hang clock restarts from the end of the rollback.
+    status_file = tmp_path / "status.json"
+    seen: list[Any] = []
+
+    def validate() -> float:
+        status, _ = read_status(status_file)
+        seen.append(status)
+        return 1.0
+
+    model = tiny_model()
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file, validate=validate
+    )
+    for _ in range(3):
+        guardian.step(loss_of(model))
+    before = guardian.last_step_time
+    assert before is not None
+    for _ in range(3):
+        guardian.step(loss_of(model) * math.nan)
+    assert guardian.rollbacks == 1
+    [during] = seen
+    assert during is not None
+    assert during.phase is Phase.ROLLING_BACK
+    assert during.busy_since is not None
+    assert during.busy_since >= before
+    after, _ = read_status(status_file)
+    assert after is not None
+    assert after.phase is Phase.RUNNING
+    assert after.busy_since is None
+    assert after.last_step_time is not None
+    assert after.last_step_time >= during.busy_since
+
+
 def test_a_second_rollback_from_the_same_snapshot_compounds_the_remediation() -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

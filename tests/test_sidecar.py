@@ -545,6 +545,35 @@ def test_a_finished_worker_is_alive_and_ready(
     )
 
 
+@given(
+    started=times,
+    last_step_age=st.floats(min_value=0.0, max_value=10.0, allow_nan=False),  # a step of this run
+    hang=positive_durations,
+    grace=positive_durations,
+    busy_fraction=st.floats(min_value=0.0, max_value=3.0, allow_nan=False),
+)
+def test_a_rollback_gets_the_startup_grace_not_the_hang_timeout(
+    started: float, last_step_age: float, hang: float, grace: float, busy_fraction: float
+) -> None:
+    busy_since = started + 10.0
+    now = busy_since + grace * busy_fraction
+    status = WorkerStatus(
+        phase=Phase.ROLLING_BACK,
+        started_at=started,
+        last_step_time=busy_since - last_step_age,
+        busy_since=busy_since,
+        step=7,
+    )
+    health = assess_health(now, status, "", 0.0, hang, grace)
+    assert not health.ready
+    assert health.alive == (now - busy_since < grace)
+    assert "step 7" in health.reason
+    # Without the marker (an older worker), the hang timeout applies as before.
+    legacy = status.model_copy(update={"busy_since": None})
+    last_step = busy_since - last_step_age
+    assert assess_health(now, legacy, "", 0.0, hang, grace).alive == (now - last_step <= hang)
+
+
 def test_reasons_name_the_numbers() -> None:
     status = WorkerStatus(started_at=1000.0, last_step_time=2000.0, step=17)
     health = assess_health(2010.5, status, "", 0.0, 5.0, 600.0)

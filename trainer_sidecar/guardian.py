@@ -198,6 +198,7 @@ class Guardian:
         self.last_step_time: float | None = None
         self.nan_location: str | None = None
         self.phase = Phase.STARTING
+        self.busy_since: float | None = None
         self.resumed_step = 0
         self.message = ""
         self.started_at = time.time()
@@ -518,7 +519,11 @@ class Guardian:
             self._diverge(
                 f"{len(recent)} rollbacks within {guard.rollback_window_steps} steps and still {reason}"
             )
+        # A rollback makes no steps for a while (the restore, then the held-out validation, which may take
+        # minutes on a large model): the status says so, and the sidecar gives it the startup grace
+        # instead of the hang timeout.
         self.phase = Phase.ROLLING_BACK
+        self.busy_since = time.time()
         self._publish(force=True)
         from_step = self.step_count
         small = self._snapshot.restore(self.module, self.optimizer)
@@ -548,8 +553,15 @@ class Guardian:
             self.lr_scale,
             self.max_grad_norm,
         )
-        self.phase = Phase.RUNNING
         self._check_validation("rollback")
+        if self.world_size > 1:
+            # Every rank stays "rolling back" until the slowest one has validated: otherwise the faster
+            # ranks would wait for it in their next all-reduce and look hung.
+            dist.barrier()
+        self.phase = Phase.RUNNING
+        self.busy_since = None
+        self.last_step_time = time.time()  # the rollback itself is progress: the hang clock restarts
+        self._publish(force=True)
 
     def _remediate(self, remediation: Remediation) -> None:
         factor = remediation.lr_scale
@@ -783,6 +795,7 @@ class Guardian:
             step=self.step_count,
             resumed_step=self.resumed_step,
             last_step_time=self.last_step_time,
+            busy_since=self.busy_since,
             loss=_json_float(self.last_loss) if self.last_loss is not None else None,
             grad_norm=_json_float(self.last_grad_norm) if self.last_grad_norm is not None else None,
             lr_scale=self.lr_scale,

@@ -107,6 +107,9 @@ def assess_health(
       ``sidecar_started``; not alive after it. The reason carries ``read_error``.
     * phase diverged or failed: not alive; the reason names the phase and the worker's message.
     * phase finished: alive and ready.
+    * phase rolling-back with ``busy_since`` set: alive but not ready while the rollback (restore and
+      held-out validation) has taken less than the startup grace; not alive after it. A rollback makes
+      no steps, and its validation may take far longer than the hang timeout.
     * no step in this run of the worker (``last_step_time`` is None, or older than ``started_at``, which a
       worker restarted inside the pod rewrites): alive but not ready during the startup grace counted from
       ``status.started_at``; not alive after it. So a freshly (re)started worker always gets its grace,
@@ -133,6 +136,21 @@ def assess_health(
         return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
     if status.phase is Phase.FINISHED:
         return Health(alive=True, ready=True, reason=f"worker finished at step {status.step}")
+    if status.phase is Phase.ROLLING_BACK and status.busy_since is not None:
+        busy = now - status.busy_since
+        if busy < grace:
+            return Health(
+                alive=True,
+                ready=False,
+                reason=f"rolling back at step {status.step}: restoring and validating for {busy:.0f} s "
+                f"(allowed: the startup grace of {grace:g} s)",
+            )
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"rollback at step {status.step} not done within the startup grace of {grace:g} s "
+            f"({busy:.0f} s)",
+        )
     last = status.last_step_time
     if last is None or last < status.started_at:
         since_start = now - status.started_at

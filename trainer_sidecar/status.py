@@ -58,6 +58,11 @@ class WorkerStatus(BaseModel):
         0, description="The checkpoint step this process resumed from (0: a fresh start)."
     )
     last_step_time: float | None = None
+    busy_since: float | None = Field(
+        None,
+        description="While the phase is rolling-back (restoring the snapshot, then validating it): when "
+        "that began (unix seconds). None otherwise.",
+    )
     loss: float | None = None
     grad_norm: float | None = None
     lr_scale: float = 1.0

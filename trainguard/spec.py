@@ -101,7 +101,12 @@ class HealthSpec(_Model):
     )
 
     hang_timeout_seconds: int = Field(300, ge=1, description="No step for this long means hung.")
-    startup_grace_seconds: int = Field(600, ge=0, description="Time allowed before the first step.")
+    startup_grace_seconds: int = Field(
+        600,
+        ge=0,
+        description="Time allowed before the first step, and for a rollback (restore and held-out "
+        "validation), instead of the hang timeout.",
+    )
     probe_period_seconds: int = Field(10, ge=1, description="How often health is checked.")
 
     @model_validator(mode="after")
