@@ -51,6 +51,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTROL_PLANE_SCRIPT = ROOT / "scripts" / "control-plane.sh"
+PYTORCH_INIT_CONTAINER = ROOT / "examples" / "k8s" / "pytorch-init-container.yaml"
 # The first address of the service range is the `kubernetes` Service's ClusterIP; the serving
 # certificate names it, as a real cluster's does.
 SERVICE_CIDR = "10.0.0.0/24"
@@ -807,6 +808,8 @@ def start_training_operator(
             # The webhook server has no host flag: it listens on every interface, on this port.
             f"--webhook-server-port={webhook}",
             "--enable-scheme=pytorchjob",
+            # Worker pods admissible in a namespace enforcing Pod Security "restricted" (see the file).
+            f"--pytorch-init-container-template-file={PYTORCH_INIT_CONTAINER}",
             "--leader-elect=false",
             "--zap-log-level=info",
         ]

@@ -77,10 +77,14 @@ def trainguard_operator(e2e_cluster: Cluster) -> Iterator[None]:
 
 @pytest.fixture
 def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh namespace with a ReadWriteMany PersistentVolume (a host directory) pre-bound to the claim."""
+    """A fresh namespace enforcing Pod Security "restricted", with a ReadWriteMany PersistentVolume (a
+    host directory) pre-bound to the claim."""
     name = "e2e-" + request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
     cluster = e2e_cluster
     cluster.kubectl("create", "namespace", name)
+    # Every pod of the gang (trainguard's sidecar, the training operator's init container, the user's
+    # worker) must pass the real PodSecurity admission of the strictest profile.
+    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
     volume = tmp_path / "checkpoints"
     pv = {
         "apiVersion": "v1",
