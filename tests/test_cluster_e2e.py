@@ -6,7 +6,8 @@ v1.9 built from the Go module proxy; the trainguard operator as a local process;
 (``tests/nodeagent.py``), which runs the pods the scheduler binds to its Node as processes, each in its
 own network namespace, with the probes, restarts, volumes, DNS and status a kubelet provides. The workers
 train the example model (``examples/tiny_lm``) with real torch and gloo, and their checkpoints go to a
-ReadWriteMany PersistentVolume (a host directory) shared by the gang.
+ReadWriteMany PersistentVolume (a host directory) shared by the gang. Each test's namespace enforces the
+Pod Security "restricted" profile, so every pod of the gang also passes the real PodSecurity admission.
 
 The scenarios are those of ``examples/k8s/job.yaml``, made short: 60 steps instead of 20 000, and a
 hang timeout of seconds rather than minutes.
