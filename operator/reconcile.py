@@ -22,6 +22,7 @@ so two gangs never write to the checkpoint volume at once.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -236,6 +237,23 @@ def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     state = container.get("state") if container else None
     terminated = state.get("terminated") if isinstance(state, Mapping) else None
     return terminated if isinstance(terminated, Mapping) else None
+
+
+def final_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The worker's final status, from its container's termination message (the guardian writes it when
+    the worker finishes or diverges), or None: no message, or not a status document. The sidecar is gone
+    by then, so this is the only record of the last steps."""
+    terminated = _terminated(pod)
+    message = terminated.get("message") if terminated else None
+    if not isinstance(message, str) or not message.lstrip().startswith("{"):
+        return None
+    try:
+        document = json.loads(message)
+    except ValueError:
+        return None
+    if not isinstance(document, Mapping) or _int(document.get("step")) is None:
+        return None
+    return document
 
 
 def pod_disruption(pod: Mapping[str, Any]) -> str | None:
@@ -701,6 +719,8 @@ class _Step:
     def track_progress(self, pods: Sequence[Mapping[str, Any]]) -> float | None:
         names = {str(_meta(p).get("name")) for p in pods}
         reports = [r for n, r in self.world.sidecars.items() if n in names]
+        finals = (final_status(p) for p in pods)
+        reports += [SidecarReport(reachable=True, status=final) for final in finals if final is not None]
         progress = _progress(reports)
         st = self.st
         if progress.rollbacks is not None and progress.rollbacks > (self.old.rollbacks or 0):

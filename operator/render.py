@@ -126,6 +126,10 @@ def pytorchjob_name(job_name: str, attempt: int) -> str:
     return f"{head}-{digest}{suffix}" if head else f"tg-{digest}{suffix}"
 
 
+#: Kubernetes' default terminationMessagePath.
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+
+
 def probe_timing(period_seconds: int) -> dict[str, int]:
     """Liveness probe numbers for a probe period.
 
@@ -252,6 +256,9 @@ def render_pod_template(
         "TRAINGUARD_SETTINGS": spec.guardian_settings().model_dump_json(by_alias=True),
         "TRAINGUARD_CHECKPOINT_DIR": spec.checkpoint.mount_path,
         "TRAINGUARD_STATUS_FILE": STATUS_FILE,
+        # The guardian's final status outlives the sidecar in the pod's state.terminated.message.
+        "TRAINGUARD_TERMINATION_MESSAGE_PATH": worker.get("terminationMessagePath")
+        or TERMINATION_MESSAGE_PATH,
         "TRAINGUARD_JOB_NAME": name,
         "TRAINGUARD_NAMESPACE": job.metadata.namespace,
         "TRAINGUARD_ATTEMPT": str(attempt),

@@ -58,6 +58,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "TRAINGUARD_FAULTS",
         "TRAINGUARD_CHECKPOINT_DIR",
         "TRAINGUARD_STATUS_FILE",
+        "TRAINGUARD_TERMINATION_MESSAGE_PATH",
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TRAINGUARD_REMEDIATION", raising=False)
@@ -229,6 +230,36 @@ def test_a_rollback_reports_itself_busy_until_its_validation_is_done(tmp_path: P
     assert after.busy_since is None
     assert after.last_step_time is not None
     assert after.last_step_time >= during.busy_since
+
+
+def test_finishing_writes_the_final_status_as_the_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    message_file = tmp_path / "termination-log"
+    monkeypatch.setenv("TRAINGUARD_TERMINATION_MESSAGE_PATH", str(message_file))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(5):
+        guardian.step(loss_of(model))
+    guardian.message = "x" * 10_000  # a free text too long for the kubelet's 4096 bytes
+    guardian.finish()
+    text = message_file.read_text()
+    assert len(text.encode()) <= 4096
+    final = json.loads(text)
+    assert final["phase"] == "finished"
+    assert final["step"] == 5
+    assert final["message"].endswith("...")
+
+
+def test_a_termination_message_that_cannot_be_written_does_not_fail_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_TERMINATION_MESSAGE_PATH", str(tmp_path / "missing-dir" / "log"))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    guardian.step(loss_of(model))
+    guardian.finish()
+    assert guardian.phase is Phase.FINISHED
 
 
 def test_a_second_rollback_from_the_same_snapshot_compounds_the_remediation() -> None:

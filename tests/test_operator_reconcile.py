@@ -26,6 +26,7 @@ from trainguard_operator.reconcile import (
     PlanAction,
     SidecarReport,
     World,
+    final_status,
     pin,
     pod_rank,
     pods_to_poll,
@@ -455,6 +456,36 @@ def test_every_rank_exiting_zero_is_success_too() -> None:
     assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.NOTHING
     cluster.set_pod(pod(1, 1, exit_code=0))
     assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.SUCCEED
+
+
+def test_the_final_step_comes_from_the_workers_termination_messages() -> None:
+    # The sidecars are gone once the workers end; the guardian's final status in each container's
+    # termination message is the record of the last steps (the last poll saw step 100 here).
+    cluster = started_cluster()
+    for rank in (0, 1):
+        final = pod(1, rank, exit_code=0)
+        terminated = final["status"]["containerStatuses"][0]["state"]["terminated"]
+        message = {"phase": "finished", "step": 120, "started_at": 1.0, "last_step_time": 3.0, "rollbacks": 1}
+        message["last_clean_checkpoint"] = {"step": 120, "path": "/ckpt/step-0000000120", "sha256": "ab"}
+        terminated["message"] = json.dumps(message)
+        cluster.set_pod(final)
+    assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.SUCCEED
+    assert cluster.status.step == 120
+    assert cluster.status.rollbacks == 1
+    assert cluster.status.last_clean_checkpoint is not None
+    assert cluster.status.last_clean_checkpoint.step == 120
+
+
+@pytest.mark.parametrize(
+    "message",
+    [None, "", "plain text from the user", "{not json", "[1, 2]", '{"phase": "finished"}', '{"step": "x"}'],
+)
+def test_a_termination_message_that_is_no_status_is_ignored(message: str | None) -> None:
+    final = pod(1, 0, exit_code=0)
+    if message is not None:
+        final["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    assert final_status(final) is None
+    assert final_status(pod(1, 0)) is None  # still running
 
 
 def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:

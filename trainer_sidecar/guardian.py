@@ -49,7 +49,14 @@ from trainer_sidecar.settings import (
     load_settings,
 )
 from trainer_sidecar.snapshot import Snapshot
-from trainer_sidecar.status import STATUS_FILE_ENV, Phase, StatusPublisher, WorkerStatus
+from trainer_sidecar.status import (
+    STATUS_FILE_ENV,
+    TERMINATION_MESSAGE_ENV,
+    Phase,
+    StatusPublisher,
+    WorkerStatus,
+    write_termination_message,
+)
 
 log = logging.getLogger("trainguard")
 
@@ -600,6 +607,7 @@ class Guardian:
         self.message = message
         log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
         self._publish(force=True)
+        self._write_termination_message()
         if self.store is not None:
             try:
                 self.store.close()
@@ -832,6 +840,19 @@ class Guardian:
             dist.barrier()
         self.phase = Phase.FINISHED
         self._publish(force=True)
+        self._write_termination_message()
+
+    def _write_termination_message(self) -> None:
+        """The final status into the container's termination message (``TRAINGUARD_TERMINATION_MESSAGE_PATH``,
+        set by the operator): the orchestrator reads it from the pod after the sidecar has gone. Best
+        effort: a worker never fails for it."""
+        path = os.environ.get(TERMINATION_MESSAGE_ENV, "").strip()
+        if not path:
+            return
+        try:
+            write_termination_message(Path(path), self.status())
+        except OSError as exc:
+            log.warning("could not write the termination message to %s: %s", path, exc)
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""

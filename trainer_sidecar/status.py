@@ -16,6 +16,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 STATUS_FILE_ENV = "TRAINGUARD_STATUS_FILE"
+#: Where the guardian writes its final status when the worker ends (a container's terminationMessagePath).
+TERMINATION_MESSAGE_ENV = "TRAINGUARD_TERMINATION_MESSAGE_PATH"
+#: The kubelet keeps at most this much of a container's termination message.
+TERMINATION_MESSAGE_LIMIT = 4096
 SCHEMA_VERSION = 1
 
 
@@ -82,6 +86,21 @@ class WorkerStatus(BaseModel):
     def drop_rate(self) -> float:
         """Dropped samples over samples seen (0 before any sample)."""
         return self.samples_dropped / self.samples_seen if self.samples_seen else 0.0
+
+
+def write_termination_message(path: Path, status: WorkerStatus) -> None:
+    """Write ``status`` as compact JSON, within the kubelet's 4096-byte limit, to a container's
+    termination message file, so that the final state outlives the pod's sidecar (it lands in the pod's
+    ``state.terminated.message``). The free-text message is shortened first if the limit requires it."""
+    payload = status.model_dump(mode="json")
+    payload["drop_rate"] = status.drop_rate
+    text = json.dumps(payload, separators=(",", ":"))
+    overflow = len(text.encode()) - TERMINATION_MESSAGE_LIMIT
+    if overflow > 0:
+        message = str(payload.get("message", ""))
+        payload["message"] = message[: max(0, len(message) - overflow - 3)] + "..."
+        text = json.dumps(payload, separators=(",", ":"))
+    path.write_text(text)
 
 
 def write_status(path: Path, status: WorkerStatus) -> None:
