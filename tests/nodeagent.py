@@ -33,6 +33,9 @@ kernel's own namespaces and the project's Python environment instead of images:
   ContainersReady, Ready), container and init container statuses (state, lastState with exit code and
   reason, ready, started, restartCount), podIP(s), hostIP(s), startTime; and Events (Started, Killing,
   Unhealthy, BackOff).
+- **Termination messages.** A per-container file is mounted at ``terminationMessagePath`` (where the host
+  allows the mount point); its first 4096 bytes, or with ``FallbackToLogsOnError`` and a failure the end
+  of the output, become ``state.terminated.message``.
 - **Deletion.** A pod being deleted gets SIGTERM, its grace period, then SIGKILL (containers first, then
   sidecars, as the kubelet orders them), and is then removed with a zero grace period.
 - **Logs.** Every container's output is kept under ``<state-dir>/pods/<namespace>_<pod>/<container>.log``
@@ -76,6 +79,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = Path(__file__).resolve().parent / "podlaunch.py"
 CLUSTER_DOMAIN = "cluster.local"
 KUBELET_VERSION = "v1.33.13"
+TERMINATION_MESSAGE_BYTES = 4096
 KUBELET_PORT = 10250  # on the bridge address, which is this agent's own: no clash between agents
 LEASE_SECONDS = 40
 LEASE_RENEW_SECONDS = 10
@@ -453,6 +457,7 @@ class Terminated:
     started_at: float
     finished_at: float
     signal: int | None = None
+    message: str = ""
 
     def as_state(self) -> dict[str, Any]:
         """The ``terminated`` container state."""
@@ -464,6 +469,8 @@ class Terminated:
         }
         if self.signal:
             state["signal"] = self.signal
+        if self.message:
+            state["message"] = self.message
         return state
 
 
@@ -557,6 +564,7 @@ class Container:
         try:
             argv, env = self.pod.command_and_env(self.spec)
             spec_file = self.pod.write_launch_spec(self.spec, argv, env)
+            self.pod.termination_file(self.name).write_bytes(b"")  # each instance starts with none
         except (
             Exception
         ) as exc:  # a bad reference (missing ConfigMap key, ...): kubelet's CreateContainerConfigError
@@ -704,6 +712,7 @@ class Container:
                 started_at=self.started_at,
                 finished_at=time.time(),
                 signal=sig,
+                message=self._termination_message(exit_code),
             )
             self.ready = False
             self.started = False
@@ -732,6 +741,25 @@ class Container:
                 "Warning", "BackOff", f"Back-off restarting failed container {self.name}", self.name
             )
         return True
+
+    def _termination_message(self, exit_code: int) -> str:
+        """What the container left at its terminationMessagePath (the kubelet keeps 4096 bytes), or with
+        ``FallbackToLogsOnError`` and a failure, the end of its output."""
+        try:
+            data = self.pod.termination_file(self.name).read_bytes()[:TERMINATION_MESSAGE_BYTES]
+        except OSError:
+            data = b""
+        if (
+            not data
+            and exit_code != 0
+            and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+        ):
+            try:
+                output = log_segment((self.pod.log_dir / f"{self.name}.log").read_bytes(), previous=False)
+            except OSError:
+                output = b""
+            data = tail_lines(output, 80)[-2048:]
+        return data.decode(errors="replace")
 
     def due(self) -> bool:
         """Whether a restart is due now."""
@@ -1153,10 +1181,15 @@ class PodWorker(threading.Thread):
 
     def write_launch_spec(self, container: dict[str, Any], argv: list[str], env: dict[str, str]) -> Path:
         """The spec file ``podlaunch.py`` reads for one start of ``container``."""
-        mounts: list[tuple[str, str, bool]] = [
+        mounts: list[tuple[str, str, bool] | tuple[str, str, bool, bool]] = [
             (str(self.dir / "hosts"), "/etc/hosts", False),
             (str(self.dir / "resolv.conf"), "/etc/resolv.conf", False),
         ]
+        termination = container.get("terminationMessagePath") or "/dev/termination-log"
+        self.termination_file(container["name"]).touch()
+        # Optional: where the host cannot take a mount point there (a read-only /dev), the container
+        # runs without a termination message rather than not at all.
+        mounts.append((str(self.termination_file(container["name"])), termination, False, True))
         for mount in container.get("volumeMounts", []):
             source = self.mounts.get(mount["name"])
             if source is None:
@@ -1177,6 +1210,10 @@ class PodWorker(threading.Thread):
         path = self.dir / f"launch-{container['name']}.json"
         path.write_text(json.dumps(spec))
         return path
+
+    def termination_file(self, container: str) -> Path:
+        """The host file behind a container's terminationMessagePath."""
+        return self.dir / f"termination-{container}"
 
     def exec_in_container(self, container: Container) -> Callable[[list[str], float], int]:
         """A function that runs a command in ``container``'s namespaces (for exec probes): its exit code."""

@@ -1,8 +1,9 @@
 """Start one container process of a pod, for the node agent (``tests/nodeagent.py``).
 
 Run as ``python podlaunch.py SPEC.json``. The spec holds the pod's network namespace (a name under
-``/run/netns``, made by the agent), its hostname, the bind mounts (volumes, and the pod's own
-``/etc/hosts`` and ``/etc/resolv.conf``, as the kubelet gives every pod), the working directory, the
+``/run/netns``, made by the agent), its hostname, the bind mounts (volumes, the pod's own
+``/etc/hosts`` and ``/etc/resolv.conf`` and the container's termination message file, as the kubelet
+gives them), the working directory, the
 environment and the argv. This process joins the pod's network namespace, makes a private mount and UTS
 namespace of its own, mounts, sets the hostname, and then ``exec``s the argv: the container's main process
 keeps this process's PID, so the agent signals it (and its process group) directly.
@@ -66,8 +67,13 @@ def enter(spec: dict[str, object]) -> None:
     _mount("none", "/", MS_REC | MS_PRIVATE)
     mounts = spec.get("mounts", [])
     assert isinstance(mounts, list)
-    for source, target, read_only in mounts:
-        _bind(Path(source), Path(target), bool(read_only))
+    for source, target, read_only, *optional in mounts:
+        try:
+            _bind(Path(source), Path(target), bool(read_only))
+        except OSError as exc:
+            if not (optional and optional[0]):
+                raise
+            print(f"podlaunch: {target} not mounted: {exc}", file=sys.stderr, flush=True)
     hostname = str(spec.get("hostname", "")).encode()
     if hostname:
         _check(_libc.sethostname(hostname, len(hostname)), "sethostname")

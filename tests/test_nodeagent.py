@@ -686,6 +686,33 @@ def test_restart_policies_crash_loop_back_off_and_on_failure(kube: Kube) -> None
 
 
 @e2e
+def test_termination_messages_from_the_file_or_the_log(kube: Kube) -> None:
+    kube.create(
+        pod("says", [sh("says", "echo starting; printf 'all done' > /dev/termination-log")]),
+        pod(
+            "custom",
+            [sh("custom", f"printf 'custom path' > {MNT}/term", terminationMessagePath=f"{MNT}/term")],
+        ),
+        pod(
+            "fails",
+            [
+                sh(
+                    "fails",
+                    "echo line one; echo the reason; exit 5",
+                    terminationMessagePolicy="FallbackToLogsOnError",
+                )
+            ],
+        ),
+    )
+    says = status_of(kube.wait_phase("says", "Succeeded"), "says")
+    assert says["state"]["terminated"]["message"] == "all done"
+    custom = status_of(kube.wait_phase("custom", "Succeeded"), "custom")
+    assert custom["state"]["terminated"]["message"] == "custom path"
+    fails = status_of(kube.wait_phase("fails", "Failed"), "fails")
+    assert fails["state"]["terminated"]["message"].splitlines()[-2:] == ["line one", "the reason"]
+
+
+@e2e
 def test_probes_startup_gates_liveness_readiness_toggles_and_http_liveness_restarts(
     kube: Kube, tmp_path: Path
 ) -> None:
