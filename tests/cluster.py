@@ -251,11 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(plane.kubeconfig, flush=True)
     try:
-        while not stop.wait(1.0):
-            for process in [*plane.processes(), cluster.agent]:
-                if not process.alive():
-                    print(f"cluster: {process.name} exited:\n{process.log_tail()}", file=sys.stderr)
-                    stop.set()
+        controlplane.run_until_stopped([*plane.processes(), cluster.agent], stop, "cluster")
     finally:
         cluster.stop()
         plane.stop()

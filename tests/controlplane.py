@@ -648,36 +648,22 @@ def _delegated_auth_flags(kubeconfig: Path, pki: Path) -> list[str]:
     ]
 
 
-def start_controller_manager(
-    plane: ControlPlane, *, timeout: float = 120.0, die_with_parent: bool = True
+def _start_kube_component(
+    plane: ControlPlane, name: str, flags: list[str], *, timeout: float, die_with_parent: bool
 ) -> Process:
-    """Start kube-controller-manager against ``plane``; return it once its ``/healthz`` says ok.
-
-    Every on-by-default controller runs (garbage collector, namespace, service account and its tokens,
-    persistent-volume binder, node lifecycle, ...) but the Endpoints/EndpointSlice ones
-    (DISABLED_CONTROLLERS). The caller stops the process (``start_cluster`` hands it to the plane).
-    """
-    name = "kube-controller-manager"
-    pki = plane.pki
+    """Start kube-controller-manager or kube-scheduler with the flags both take, then ``flags``; return
+    it once its ``/healthz`` says ok."""
     kubeconfig = _component_kubeconfig(plane, name)
 
     def argv(ports: list[int]) -> list[str]:
         return [
             str(plane.bin_dir / name),
             f"--kubeconfig={kubeconfig}",
-            *_delegated_auth_flags(kubeconfig, pki),
+            *_delegated_auth_flags(kubeconfig, plane.pki),
             "--bind-address=127.0.0.1",
             f"--secure-port={ports[0]}",
             "--leader-elect=false",
-            f"--service-account-private-key-file={pki / 'service-account.key'}",
-            f"--root-ca-file={pki / 'ca.crt'}",
-            "--use-service-account-credentials=false",
-            f"--controllers=*,{','.join('-' + c for c in DISABLED_CONTROLLERS)}",
-            # Resync PVs and claims every 5 s rather than 15 s, so a test's claim binds promptly even if
-            # it raced its volume.
-            "--pvclaimbinder-sync-period=5s",
-            # Its default is under /usr/libexec, which it would create on the host.
-            f"--flex-volume-plugin-dir={plane.state_dir / 'flexvolume'}",
+            *flags,
             "--profiling=false",
             "--v=1",
         ]
@@ -691,28 +677,36 @@ def start_controller_manager(
     )
 
 
+def start_controller_manager(
+    plane: ControlPlane, *, timeout: float = 120.0, die_with_parent: bool = True
+) -> Process:
+    """Start kube-controller-manager against ``plane``; return it once its ``/healthz`` says ok.
+
+    Every on-by-default controller runs (garbage collector, namespace, service account and its tokens,
+    persistent-volume binder, node lifecycle, ...) but the Endpoints/EndpointSlice ones
+    (DISABLED_CONTROLLERS). The caller stops the process (``start_cluster`` hands it to the plane).
+    """
+    pki = plane.pki
+    flags = [
+        f"--service-account-private-key-file={pki / 'service-account.key'}",
+        f"--root-ca-file={pki / 'ca.crt'}",
+        "--use-service-account-credentials=false",
+        f"--controllers=*,{','.join('-' + c for c in DISABLED_CONTROLLERS)}",
+        # Resync PVs and claims every 5 s rather than 15 s, so a test's claim binds promptly even if it
+        # raced its volume.
+        "--pvclaimbinder-sync-period=5s",
+        # Its default is under /usr/libexec, which it would create on the host.
+        f"--flex-volume-plugin-dir={plane.state_dir / 'flexvolume'}",
+    ]
+    return _start_kube_component(
+        plane, "kube-controller-manager", flags, timeout=timeout, die_with_parent=die_with_parent
+    )
+
+
 def start_scheduler(plane: ControlPlane, *, timeout: float = 120.0, die_with_parent: bool = True) -> Process:
     """Start kube-scheduler against ``plane``; return it once its ``/healthz`` says ok."""
-    name = "kube-scheduler"
-    kubeconfig = _component_kubeconfig(plane, name)
-
-    def argv(ports: list[int]) -> list[str]:
-        return [
-            str(plane.bin_dir / name),
-            f"--kubeconfig={kubeconfig}",
-            *_delegated_auth_flags(kubeconfig, plane.pki),
-            "--bind-address=127.0.0.1",
-            f"--secure-port={ports[0]}",
-            "--leader-elect=false",
-            "--profiling=false",
-            "--v=1",
-        ]
-
-    def ready(ports: list[int]) -> Callable[[], tuple[bool, str]]:
-        return _health_check(f"https://127.0.0.1:{ports[0]}/healthz", _unverified_context())
-
-    return _start_component(
-        plane, name, argv, ready, ports=1, timeout=timeout, die_with_parent=die_with_parent
+    return _start_kube_component(
+        plane, "kube-scheduler", [], timeout=timeout, die_with_parent=die_with_parent
     )
 
 
@@ -859,6 +853,15 @@ def start_cluster(plane: ControlPlane, *, timeout: float = 120.0, die_with_paren
 # --- by hand ---------------------------------------------------------------------------------------
 
 
+def run_until_stopped(processes: Sequence[Process], stop: threading.Event, prefix: str) -> None:
+    """Wait until ``stop`` is set, or set it when one of ``processes`` exits (printing its log tail)."""
+    while not stop.wait(1.0):
+        for process in processes:
+            if not process.alive():
+                print(f"{prefix}: {process.name} exited:\n{process.log_tail()}", file=sys.stderr)
+                stop.set()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the control plane (with ``--components``, the whole ``start_cluster`` set), print the
     kubeconfig path, and run until SIGINT or SIGTERM."""
@@ -916,11 +919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(plane.kubeconfig, flush=True)
     try:
-        while not stop.wait(1.0):
-            for process in plane.processes():
-                if not process.alive():
-                    print(f"control-plane: {process.name} exited:\n{process.log_tail()}", file=sys.stderr)
-                    stop.set()
+        run_until_stopped(plane.processes(), stop, "control-plane")
     finally:
         plane.stop()
         print("control-plane: stopped", file=sys.stderr)

@@ -32,6 +32,9 @@ from cluster import Cluster, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "k8s" / "job.yaml"
 JOB = "tiny-lm"
+# A hang is a few seconds without a step here (the example's 120 s would make slow tests).
+FAST_HANG_DETECTION = {"hangTimeoutSeconds": 4, "startupGraceSeconds": 120, "probePeriodSeconds": 1}
+TWO_RESTARTS = {"maxRestarts": 2, "backoffSeconds": [2]}
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +63,7 @@ def example(
         "startupGraceSeconds": 120,
         "probePeriodSeconds": 2,
     }
-    job["spec"]["recovery"] = recovery or {"maxRestarts": 2, "backoffSeconds": [2]}
+    job["spec"]["recovery"] = recovery or TWO_RESTARTS
     if guard:
         job["spec"]["guard"] = guard
     return [claim, job]
@@ -207,8 +210,8 @@ def test_a_nan_burst_rolls_back_and_a_hang_restarts_the_gang_past_it(
     cluster = e2e_cluster
     documents = example(
         faults="nan_loss@15x4,hang@35:1",
-        health={"hangTimeoutSeconds": 4, "startupGraceSeconds": 120, "probePeriodSeconds": 1},
-        recovery={"maxRestarts": 2, "backoffSeconds": [2]},
+        health=FAST_HANG_DETECTION,
+        recovery=TWO_RESTARTS,
     )
     apply(cluster, namespace, documents, tmp_path)
     job = finished(cluster, namespace, timeout=420)
@@ -274,8 +277,8 @@ def test_a_hang_while_the_operator_is_down_is_killed_by_the_liveness_probe(
     cluster = e2e_cluster
     documents = example(
         faults="hang@35:1",
-        health={"hangTimeoutSeconds": 4, "startupGraceSeconds": 120, "probePeriodSeconds": 1},
-        recovery={"maxRestarts": 2, "backoffSeconds": [2]},
+        health=FAST_HANG_DETECTION,
+        recovery=TWO_RESTARTS,
     )
     apply(cluster, namespace, documents, tmp_path)
 
