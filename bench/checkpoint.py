@@ -22,7 +22,7 @@ The same save by a second store that hashes serially (``parallel_hash=False``: w
 timed too, to show what the two-thread pipeline buys on this machine (``save_serial_hash_s``).
 
 Files go to a fresh temporary directory (under ``--dir``, default the system temp directory) that is
-deleted at the end. Run ``python bench/checkpoint.py`` (``--quick``: 40 MB). The last line is JSON.
+deleted at the end. Run ``python -m bench.checkpoint`` (``--quick``: 40 MB). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.support.paths import REPO_ROOT
 from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.snapshot import Snapshot
 
 _CHUNK = 8 << 20  # the raw write's chunk (the store writes and hashes large tensors in 8 MiB pieces)
 _LAYERS = 8
-_REPO = Path(__file__).resolve().parent.parent
 
 
 def build_state(megabytes: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -176,8 +176,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     parent = args.dir if args.dir is not None else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="trainguard-bench-", dir=parent))
-    same_disk = os.stat(root).st_dev == os.stat(_REPO).st_dev
-    print(f"directory: {root} ({'same' if same_disk else 'NOT the same'} file system as {_REPO})")
+    same_disk = os.stat(root).st_dev == os.stat(REPO_ROOT).st_dev
+    print(f"directory: {root} ({'same' if same_disk else 'NOT the same'} file system as {REPO_ROOT})")
     load_before = os.getloadavg()[0]
     stores: list[CheckpointStore] = []
     try:

@@ -14,7 +14,7 @@ The guardian runs without a checkpoint directory or status file, and with snapsh
 intervals beyond the run, so the timed region holds only the per-step guard; one in-memory snapshot
 is timed separately and reported amortised over the default snapshot interval.
 
-Run ``python bench/guard_overhead.py`` (``--quick`` for a smoke test). The last line printed is JSON.
+Run ``python -m bench.guard_overhead`` (``--quick`` for a smoke test). The last line printed is JSON.
 Goal: ``guarded_over_plain <= 1.03``.
 """
 

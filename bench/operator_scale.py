@@ -3,7 +3,7 @@ operator running as its own process (``python -m trainguard_operator``, kopf and
 in a cluster), against one of two API servers:
 
 * by default kmock's Kubernetes API emulator, served by this script on loopback (200 jobs);
-* with ``--real`` a real kube-apiserver v1.33 with etcd (500 jobs), started by ``tests/controlplane.py``
+* with ``--real`` a real kube-apiserver v1.33 with etcd (500 jobs), started by ``tests.support.controlplane``
   from the binaries ``bash scripts/control-plane.sh`` builds, or an already-running cluster given by
   ``--kubeconfig``. The GuardedTrainingJob CRD (``crds/``) and Kubeflow's PyTorchJob CRD
   (``../shared/reference/kubeflow/``) are applied server-side first, and the jobs go to a fresh namespace
@@ -44,8 +44,8 @@ No pods run: without a kubelet none are created, and on a cluster that has a nod
 node label nobody has, so every job stays at its first attempt: this measures admission, rendering and
 the steady watch, not recovery. The cluster must not run another trainguard operator.
 
-``python bench/operator_scale.py`` (200 jobs; ``--jobs N``; ``--quick``: 20 jobs, a smoke test);
-``python bench/operator_scale.py --real`` (500 jobs; ``--kubeconfig PATH`` for a running cluster).
+``python -m bench.operator_scale`` (200 jobs; ``--jobs N``; ``--quick``: 20 jobs, a smoke test);
+``python -m bench.operator_scale --real`` (500 jobs; ``--kubeconfig PATH`` for a running cluster).
 Human-readable lines, then one JSON line, last.
 """
 
@@ -60,7 +60,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -77,14 +76,13 @@ import kmock
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-_REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_REPO / "tests"))
-import controlplane  # noqa: E402
-from test_operator_emulator import Emulator as BaseEmulator  # noqa: E402
+from tests.support import controlplane
+from tests.support.kube_emulator import Emulator as BaseEmulator
+from tests.support.paths import GTJ_CRD, REPO_ROOT, SHARED
+from tests.support.ports import free_port
 
-GTJ_CRD = _REPO / "crds" / "guardedtrainingjobs.trainguard.dev.yaml"
 #: Where Kubeflow's CRDs are kept, beside the repository (``/work/shared/...`` here, the same in CI).
-KUBEFLOW_REFERENCE = _REPO.parent / "shared" / "reference" / "kubeflow"
+KUBEFLOW_REFERENCE = SHARED / "reference" / "kubeflow"
 NS = "default"
 GTJ_API = "/apis/trainguard.dev/v1alpha1"
 GTJ_PLURAL = "guardedtrainingjobs"
@@ -113,7 +111,7 @@ HANDLED_ANNOTATION = "trainguard.dev/last-handled-configuration"
 
 
 class Emulator(BaseEmulator):
-    """The operator tests' API server emulator (``tests/test_operator_emulator.py``: uids, creation
+    """The operator tests' API server emulator (``tests/support/kube_emulator.py``: uids, creation
     timestamps, resourceVersions, label selectors, a flat cost per request) that also records when each
     job's PyTorchJob creation arrived, and counts the requests it serves."""
 
@@ -134,14 +132,6 @@ class Emulator(BaseEmulator):
             if job is not None:
                 self.pytorchjob_created.setdefault(str(job), time.monotonic())
         return await super()._handle(request)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def job_manifest(name: str, namespace: str = NS) -> dict[str, Any]:
@@ -540,7 +530,7 @@ async def real_cluster(
     """A real API server with both CRDs applied and a fresh namespace, for as long as the context lasts.
 
     Without ``kubeconfig`` an etcd + kube-apiserver pair is started from ``bin_dir``
-    (``tests/controlplane.py``), and stopped at the end; with it, that cluster is used, and the namespace
+    (``tests.support.controlplane``), and stopped at the end; with it, that cluster is used, and the namespace
     and everything the run created in it are deleted at the end.
     """
     plane: controlplane.ControlPlane | None = None
@@ -599,7 +589,7 @@ def start_operator(
             env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
-            cwd=_REPO,
+            cwd=REPO_ROOT,
         )
 
 

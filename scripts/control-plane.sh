@@ -27,7 +27,7 @@
 #   bash scripts/control-plane.sh [build]       build what is missing; print the bin directory on stdout
 #   bash scripts/control-plane.sh --bin-dir     print the bin directory only (builds nothing)
 #   bash scripts/control-plane.sh start [DIR]   build if needed, then run the whole test cluster
-#                                               (tests/cluster.py: the control plane on free 127.0.0.1
+#                                               (tests/support/cluster.py: the control plane on free 127.0.0.1
 #                                               ports, the node agent, the trainguard operator; state in
 #                                               DIR, default a temp dir) until Ctrl-C; needs root; prints
 #                                               the kubeconfig path, e.g.
@@ -252,7 +252,7 @@ kubectl_fits() {
   [ -n "$minor" ] && [ "$minor" -ge $((want - 1)) ] && [ "$minor" -le $((want + 1)) ]
 }
 
-# Debian packages the tests need: openssl (tests/controlplane.py makes the certificates), iproute2 (the
+# Debian packages the tests need: openssl (tests/support/controlplane.py makes the certificates), iproute2 (the
 # node agent's network namespaces, veths and bridge), util-linux (nsenter, for exec probes) and
 # bind9-dnsutils (nslookup, which the training operator's worker init container runs). Only openssl is
 # required: the node agent runs as root anyway, so elsewhere its tests are skipped (and fail under CI).
@@ -315,6 +315,6 @@ log "linked in $(since "$started"); control plane binaries ready in $(since "$to
 if [ "$mode" = start ]; then
   exec 9>&- # release the build lock while the control plane runs
   python=${PYTHON:-$root/.venv/bin/python}
-  exec "$python" "$root/tests/cluster.py" --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
+  cd "$root" && exec "$python" -m tests.support.cluster --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
 fi
 echo "$bin_dir"

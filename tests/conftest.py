@@ -1,61 +1,18 @@
-"""Shared pytest fixtures."""
+"""Marks every test with its tier (``unit``, ``integration``, ``e2e``: the folder it is in), so that
+``pytest -m unit`` selects a tier as ``pytest tests/unit`` does."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
-
-import cluster
-import controlplane
 import pytest
 
-
-@pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ControlPlane]:
-    """A real etcd + kube-apiserver on free 127.0.0.1 ports for the whole session (``controlplane``).
-
-    The binaries come from ``bash scripts/control-plane.sh`` (which ``.ci/run`` runs), or from the
-    directory in ``TRAINGUARD_CONTROL_PLANE_BIN``. Without them the tests that use this fixture are
-    skipped on a developer's machine and fail under CI (``CI`` set), where a skip would hide a broken
-    build step. Both processes are stopped by PID at the end of the session.
-    """
-    configured = os.environ.get("TRAINGUARD_CONTROL_PLANE_BIN")
-    bin_dir = Path(configured) if configured else controlplane.bin_dir_from_script()
-    missing = controlplane.missing_binaries(bin_dir)
-    if missing:
-        message = f"{', '.join(missing)} not built in {bin_dir}: run bash scripts/control-plane.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    plane = controlplane.start(bin_dir, tmp_path_factory.mktemp("control-plane"))
-    try:
-        yield plane
-    finally:
-        plane.stop()
+TIERS = ("unit", "integration", "e2e")
 
 
-@pytest.fixture(scope="session")
-def e2e_cluster(
-    control_plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[cluster.Cluster]:
-    """The whole test cluster on the session's control plane (``cluster``): kube-controller-manager,
-    kube-scheduler and the Kubeflow training operator, and a node agent running pods as processes.
-
-    The trainguard operator is not running: modules that need it start it
-    (``e2e_cluster.start_operator()``) and stop it, so it does not reconcile the objects other tests
-    write by hand. Where the node agent cannot run (not root, no ``ip``/``nslookup``) the tests that use
-    it are skipped on a developer's machine and fail under CI.
-    """
-    missing = controlplane.missing_binaries(control_plane.bin_dir, components=True)
-    reason = f"{', '.join(missing)} not built: run bash scripts/control-plane.sh" if missing else None
-    reason = reason or cluster.why_not_runnable()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"), run_operator=False)
-    try:
-        yield running
-    finally:
-        running.stop()
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Add the tier marker of the folder each test lives in."""
+    for item in items:
+        parts = item.path.parts
+        for tier in TIERS:
+            if tier in parts:
+                item.add_marker(getattr(pytest.mark, tier))
+                break

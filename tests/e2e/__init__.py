@@ -1,0 +1,1 @@
+"""End-to-end tests: a real etcd, kube-apiserver, controllers and node, helm, promtool and Prometheus."""

@@ -1,0 +1,65 @@
+"""Two real ranks over gloo: every decision of the guardian is the same on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import run_gang, successful_reports
+from trainer_sidecar.checkpoint import step_dir_name
+from trainer_sidecar.exitcodes import ExitCode
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = {"checkpoint": {"everySteps": 10, "snapshotEverySteps": 5}, "guard": {"spikeMinHistory": 5}}
+
+
+def test_nan_on_one_rank_makes_every_rank_skip(tmp_path: Path) -> None:
+    reports = successful_reports(
+        run_gang(tmp_path, 2, ["--steps", "20"], faults="nan_loss@7:1", settings=SETTINGS)
+    )
+    for report in reports:
+        assert report["skipped_steps"] == 1
+        assert report["step"] == 20
+    assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def test_loss_spike_on_one_rank_is_skipped_by_both(tmp_path: Path) -> None:
+    reports = successful_reports(
+        run_gang(tmp_path, 2, ["--steps", "20"], faults="loss_spike@12:0", settings=SETTINGS)
+    )
+    assert reports[0]["skipped_steps"] == reports[1]["skipped_steps"] >= 1
+    assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def test_rollback_happens_on_every_rank_together(tmp_path: Path) -> None:
+    reports = successful_reports(
+        run_gang(tmp_path, 2, ["--steps", "20"], faults="nan_loss@7x3:0", settings=SETTINGS)
+    )
+    for report in reports:
+        assert report["rollbacks"] == 1
+        assert report["lr_scale"] == pytest.approx(0.5)
+    assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def test_divergence_ends_every_rank_with_the_diverged_code(tmp_path: Path) -> None:
+    settings = {"guard": {"maxRollbacks": 1, "maxConsecutiveBadSteps": 2}}
+    results = run_gang(tmp_path, 2, ["--steps", "30"], faults="nan_loss@3x6:1", settings=settings)
+    assert [code for code, _, _ in results] == [ExitCode.DIVERGED, ExitCode.DIVERGED]
+
+
+def test_ranks_agree_on_the_checkpoint_to_resume_when_one_rank_file_is_corrupt(tmp_path: Path) -> None:
+    first = run_gang(tmp_path, 2, ["--steps", "20"], settings=SETTINGS)
+    assert [code for code, _, _ in first] == [0, 0]
+    newest = tmp_path / step_dir_name(20) / "rank-1.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    second = run_gang(tmp_path, 2, ["--steps", "25"], settings=SETTINGS)
+    reports = successful_reports(second)
+    for _, _, err in second:
+        assert "resumed from the clean checkpoint at step 10" in err
+    assert "SHA-256 does not match" in second[1][2]
+    assert [r["step"] for r in reports] == [25, 25]
+    assert reports[0]["digest"] == reports[1]["digest"]

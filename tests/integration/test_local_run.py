@@ -1,0 +1,251 @@
+"""``trainguard run`` end to end: real worker processes, real sidecars, the real policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from tests.support import procs
+from trainer_sidecar.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.slow
+
+WORKER = str(procs.WORKER)
+
+
+def job(
+    tmp_path: Path,
+    *,
+    steps: int = 40,
+    faults: str = "",
+    replicas: int = 2,
+    recovery: dict[str, Any] | None = None,
+    guard: dict[str, Any] | None = None,
+    hang_timeout: int = 3,
+    step_sleep: float = 0.05,
+) -> Path:
+    document = {
+        "apiVersion": "trainguard.dev/v1alpha1",
+        "kind": "GuardedTrainingJob",
+        "metadata": {"name": "test-job"},
+        "spec": {
+            "replicas": replicas,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "pytorch",
+                            "image": "unused",
+                            "command": [
+                                "python",
+                                WORKER,
+                                "--steps",
+                                str(steps),
+                                "--step-sleep",
+                                str(step_sleep),
+                            ],
+                            "env": [{"name": "TRAINGUARD_FAULTS", "value": faults}],
+                        }
+                    ]
+                }
+            },
+            "checkpoint": {"claimName": "ckpt", "everySteps": 5, "snapshotEverySteps": 5},
+            "guard": guard or {},
+            "health": {
+                "hangTimeoutSeconds": hang_timeout,
+                "startupGraceSeconds": 60,
+                "probePeriodSeconds": 1,
+            },
+            "recovery": recovery or {"maxRestarts": 3, "backoffSeconds": [1, 2]},
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def run(tmp_path: Path, job_file: Path, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
+    summary = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "run", str(job_file), "--run-dir", str(tmp_path / "run"),
+         "--summary", str(summary), "--plain"],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    data = json.loads(summary.read_text()) if summary.exists() else {}
+    return proc.returncode, data, proc.stdout + proc.stderr
+
+
+def final_weights_finite(tmp_path: Path) -> bool:
+    store = CheckpointStore(tmp_path / "run" / "volumes" / "ckpt")
+    step = store.newest_valid()
+    assert step is not None
+    state = store.load(step)
+    return all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+def test_nan_burst_rolls_back_and_the_job_succeeds_with_finite_weights(tmp_path: Path) -> None:
+    code, summary, output = run(tmp_path, job(tmp_path, faults="nan_loss@12x3"))
+    assert code == 0, output
+    assert summary["result"] == "succeeded"
+    assert summary["rollbacks"] == 1
+    assert summary["skipped_steps"] >= 3
+    assert summary["restarts"] == []
+    assert summary["final_step"] == 40
+    assert summary["final_checkpoint"]["step"] == 40
+    assert final_weights_finite(tmp_path)
+    assert "rollback" in [event["kind"] for event in summary["timeline"]]
+
+
+def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: Path) -> None:
+    hang_timeout, probe_period = 3, 1
+    code, summary, output = run(tmp_path, job(tmp_path, faults="hang@15:1", hang_timeout=hang_timeout))
+    assert code == 0, output
+    assert len(summary["restarts"]) == 1
+    restart = summary["restarts"][0]
+    assert "hung" in restart["reason"]
+    # The hang began at the last step; the runner must act within the timeout plus one probe period
+    # (and a little scheduling slack on a loaded 2-core machine).
+    assert restart["detect_seconds"] <= hang_timeout + probe_period + 1.5
+    assert restart["time_to_recover_seconds"] is not None
+    assert summary["final_step"] == 40
+    assert summary["attempts"] == 2
+
+
+def test_a_crash_restarts_the_gang_after_the_configured_backoff(tmp_path: Path) -> None:
+    started = time.monotonic()
+    code, summary, output = run(
+        tmp_path, job(tmp_path, faults="crash@12:0", recovery={"maxRestarts": 2, "backoffSeconds": [2]})
+    )
+    assert code == 0, output
+    assert time.monotonic() - started >= 2
+    [restart] = summary["restarts"]
+    assert "rank 0 crashed: killed by signal 9" in restart["reason"]
+    assert restart["backoff_seconds"] == 2
+    assert restart["time_to_recover_seconds"] >= 2
+    starts = [e for e in summary["timeline"] if e["kind"] == "start"]
+    failure = next(e for e in summary["timeline"] if e["kind"] == "failure")
+    assert starts[1]["t"] - failure["t"] >= 2
+    assert summary["final_step"] == 40
+
+
+def test_divergence_beyond_the_limits_fails_with_the_reason(tmp_path: Path) -> None:
+    code, summary, output = run(
+        tmp_path,
+        job(
+            tmp_path,
+            faults="nan_loss@10x40",
+            guard={"maxRollbacks": 1, "maxConsecutiveBadSteps": 2},
+            recovery={"maxRestarts": 1, "backoffSeconds": [1]},
+        ),
+    )
+    assert code == 1, output
+    assert summary["result"] == "failed"
+    assert "restarts exhausted (1 of 1)" in summary["reason"]
+    assert "diverged" in summary["reason"]
+    assert "diverged" in summary["restarts"][0]["reason"]
+    assert "job failed" in output
+    start_lines = [e["message"] for e in summary["timeline"] if e["kind"] == "start"]
+    assert "remediation" in start_lines[1]  # the restart after divergence carries it
+
+
+def test_exhausted_restarts_fail_the_job(tmp_path: Path) -> None:
+    code, summary, output = run(
+        tmp_path,
+        job(tmp_path, faults="crash@5,crash@8,crash@11", recovery={"maxRestarts": 2, "backoffSeconds": [1]}),
+    )
+    assert code == 1, output
+    assert "restarts exhausted (2 of 2)" in summary["reason"]
+    assert len(summary["restarts"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"health": {"hangTimeoutSeconds": 5, "probePeriodSeconds": 10}}, "spec.health"),
+        ({"recovery": {"backoffSeconds": [5, 1]}}, "spec.recovery.backoffSeconds"),
+        ({"replicas": -1}, "spec.replicas"),
+    ],
+)
+def test_an_invalid_job_is_refused_with_the_field_path_and_nothing_starts(
+    tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    path = job(tmp_path)
+    document = yaml.safe_load(path.read_text())
+    document["spec"].update(change)
+    path.write_text(yaml.safe_dump(document))
+    code, _, output = run(tmp_path, path, timeout=60)
+    assert code == 2
+    assert named in output
+    assert str(path) in output
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stops_the_gang_and_leaves_the_checkpoints_intact(tmp_path: Path) -> None:
+    job_file = job(tmp_path, steps=400, step_sleep=0.05)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            str(job_file),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--plain",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    store_dir = tmp_path / "run" / "volumes" / "ckpt"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(store_dir.glob("step-*/rank-1.json")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["result"] == "interrupted"
+    pids = [json.loads(f.read_text())["pid"] for f in (tmp_path / "run").glob("attempt-*/rank-*/status.json")]
+    assert len(pids) == 2
+    for pid in pids:  # no worker outlived the runner
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    store = CheckpointStore(store_dir)
+    newest = store.newest_valid()
+    assert newest is not None
+    assert all(store.verify(step).valid for step in store.steps() if store.is_complete(step))
+
+
+def test_report_draws_the_timeline_as_a_png(tmp_path: Path) -> None:
+    code, _, output = run(tmp_path, job(tmp_path, steps=20, faults="nan_loss@8x3"))
+    assert code == 0, output
+    png = tmp_path / "timeline.png"
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "report", str(tmp_path / "summary.json"), "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert png.stat().st_size > 10_000
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "report", str(tmp_path / "missing.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "missing.json" in bad.stderr

@@ -1,0 +1,103 @@
+"""GuardedTrainingJob manifests for tests, and the Kubeflow PyTorchJob v1.9.0 schema to check renders."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import yaml
+
+from tests.support.paths import SHARED
+from trainguard.spec import GuardedTrainingJob, parse_job
+
+#: The PyTorchJob CRD of the Kubeflow training operator v1.9.0.
+REFERENCE = SHARED / "reference/kubeflow/kubeflow.org_pytorchjobs.v1.9.0.yaml"
+USER_ENV: list[dict[str, Any]] = [
+    {"name": "TRAINGUARD_FAULTS", "value": "nan_loss@100x4"},
+    {"name": "DATA_DIR", "value": "/data"},
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+]
+
+
+def gtj_manifest(
+    name: str = "tiny-lm",
+    namespace: str = "research",
+    replicas: int = 2,
+    env: list[dict[str, Any]] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A GuardedTrainingJob manifest as ``kubectl apply`` would send it (extra spec keys merged in)."""
+    return {
+        "apiVersion": "trainguard.dev/v1alpha1",
+        "kind": "GuardedTrainingJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "template": {
+                "metadata": {"labels": {"team": "nlp"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "pytorch",
+                            "image": "registry.example/tiny-lm:1",
+                            "command": ["python", "train.py"],
+                            "args": ["--max-steps", "1000"],
+                            "env": copy.deepcopy(USER_ENV if env is None else env),
+                            "resources": {"limits": {"nvidia.com/gpu": 1}},
+                        }
+                    ],
+                    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                },
+            },
+            "checkpoint": {"claimName": "tiny-lm-ckpt", "mountPath": "/ckpt"},
+            "health": {"hangTimeoutSeconds": 300, "startupGraceSeconds": 605, "probePeriodSeconds": 10},
+            **spec,
+        },
+    }
+
+
+def load(manifest: Mapping[str, Any]) -> GuardedTrainingJob:
+    """Validate a manifest as the operator does."""
+    return parse_job(manifest, "test")
+
+
+# ------------------------------------------------------------------------------------ the schema ---
+def _strict(schema: Any) -> Any:
+    """The CRD schema as a JSON schema that also refuses what the API server would prune.
+
+    Kubernetes' structural schemas drop unknown fields silently; a rendered field the CRD does not know
+    (a typo, or a field newer than the CRD) would vanish on a real cluster. So every object schema with
+    ``properties`` and no ``additionalProperties`` or ``x-kubernetes-preserve-unknown-fields`` gets
+    ``additionalProperties: false``. The other ``x-kubernetes-*`` keys are left for jsonschema to ignore;
+    int-or-string fields already carry ``anyOf: [integer, string]``.
+    """
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: _strict(value) for key, value in schema.items()}
+    if (
+        "properties" in result
+        and "additionalProperties" not in result
+        and not result.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        result["additionalProperties"] = False
+    return result
+
+
+@cache
+def validator() -> jsonschema.Draft7Validator:
+    """The strict PyTorchJob v1 schema (see ``_strict``)."""
+    crd = yaml.load(REFERENCE.read_text(), Loader=yaml.CSafeLoader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def schema_errors(manifest: Mapping[str, Any]) -> list[str]:
+    """Every way ``manifest`` breaks the strict PyTorchJob schema (``path: message``)."""
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator().iter_errors(manifest)]

@@ -1,0 +1,1 @@
+"""Unit tests: in-process, no child processes, no servers; each runs in well under a second."""

@@ -1,0 +1,990 @@
+"""The pure reconcile step, scenario by scenario, against a tiny in-memory "API server" that stores only
+what the real one would (objects and their status). Each step is a fresh ``reconcile`` call on that
+state, so nothing can survive in memory between steps: that is the operator-restart property."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import cache
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
+from trainguard_operator.reconcile import (
+    MIN_REQUEUE_SECONDS,
+    Plan,
+    PlanAction,
+    SidecarReport,
+    World,
+    final_status,
+    pin,
+    pod_rank,
+    pods_to_poll,
+    reconcile,
+    spec_change,
+    without_nulls,
+)
+from trainguard_operator.render import (
+    ATTEMPT_LABEL,
+    JOB_LABEL,
+    REPLICA_INDEX_LABEL,
+    REPLICA_TYPE_LABEL,
+    pytorchjob_name,
+)
+from trainguard_operator.settings import OperatorSettings
+from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso_precise, merge_patch
+
+from tests.support.manifests import gtj_manifest, load, schema_errors
+from tests.support.paths import REPO_ROOT
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+GTJ_CRD = REPO_ROOT / "crds/guardedtrainingjobs.trainguard.dev.yaml"
+
+
+@cache
+def status_validator() -> jsonschema.Draft7Validator:
+    """The GuardedTrainingJob CRD's status schema (``nullable`` aside: the operator writes no nulls)."""
+    crd = yaml.load(GTJ_CRD.read_text(), Loader=yaml.CSafeLoader)
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    return jsonschema.Draft7Validator(schema)
+
+
+UID = "6f1c2d3e-0000-4000-8000-000000000001"
+SETTINGS = OperatorSettings(stale_attempt_grace_seconds=60, crd_retry_seconds=60)
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies a merge patch."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = apply_merge_patch(result.get(key), value)
+    return result
+
+
+def pod(
+    attempt: int,
+    rank: int,
+    *,
+    phase: str = "Running",
+    exit_code: int | None = None,
+    container_reason: str | None = None,
+    job: str = "tiny-lm",
+    **status: Any,
+) -> dict[str, Any]:
+    """A pod as the training operator creates it and the kubelet reports it."""
+    kind, index = ("master", 0) if rank == 0 else ("worker", rank - 1)
+    state: dict[str, Any] = {"running": {"startedAt": "2030-01-01T00:00:00Z"}}
+    if exit_code is not None:
+        state = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": container_reason or ("Completed" if exit_code == 0 else "Error"),
+            }
+        }
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+    return {
+        "metadata": {
+            "name": f"{pytorchjob_name(job, attempt)}-{kind}-{index}",
+            "namespace": "research",
+            "labels": {
+                JOB_LABEL: job,
+                ATTEMPT_LABEL: str(attempt),
+                REPLICA_TYPE_LABEL: kind,
+                REPLICA_INDEX_LABEL: str(index),
+            },
+        },
+        "status": {
+            "phase": phase,
+            "podIP": f"10.0.0.{rank + 1}",
+            "containerStatuses": [{"name": "pytorch", "restartCount": 0, "state": state}],
+            **status,
+        },
+    }
+
+
+def report(alive: bool = True, reason: str = "running", **status: Any) -> SidecarReport:
+    """A sidecar's /status answer."""
+    worker = {"phase": "running", "step": 100, "started_at": 1.0, "last_step_time": 2.0, **status}
+    return SidecarReport(reachable=True, alive=alive, reason=reason, status=worker)
+
+
+@dataclass
+class Cluster:
+    """The API server's state for one job: the GuardedTrainingJob, its PyTorchJobs, its pods."""
+
+    body: dict[str, Any]
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    crd: bool = True
+    history: list[Plan] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any] | None = None) -> Cluster:
+        body = copy.deepcopy(
+            manifest or gtj_manifest(recovery={"backoffSeconds": [10, 30, 90], "maxRestarts": 3})
+        )
+        body["metadata"] |= {"uid": UID, "generation": 1}
+        return cls(body)
+
+    @property
+    def status(self) -> JobStatus:
+        return JobStatus.from_body(self.body)
+
+    def world(self, now: datetime, sidecars: Mapping[str, SidecarReport] | None = None) -> World:
+        return World(
+            body=copy.deepcopy(self.body),
+            jobs=[copy.deepcopy(j) for j in self.jobs.values()] if self.crd else None,
+            pods=copy.deepcopy(self.pods),
+            sidecars=dict(sidecars or {}),
+            now=now,
+        )
+
+    def plan(self, now: datetime, sidecars: Mapping[str, SidecarReport] | None = None) -> Plan:
+        """A reconcile step from the stored state only."""
+        return reconcile(self.world(now, sidecars), SETTINGS)
+
+    def write_status(self, plan: Plan) -> None:
+        self.body["status"] = apply_merge_patch(self.body.get("status") or {}, plan.patch)
+        # What the API server would refuse (the CRD's status schema) must never be written.
+        errors = [e.message for e in status_validator().iter_errors(self.body["status"])]
+        assert errors == [], errors
+
+    def effects(self, plan: Plan) -> None:
+        for name in plan.delete:
+            gone = self.jobs.pop(name, None)
+            if gone is not None:
+                attempt = gone["metadata"]["labels"][ATTEMPT_LABEL]
+                self.pods = [p for p in self.pods if p["metadata"]["labels"][ATTEMPT_LABEL] != attempt]
+        if plan.create is not None:
+            self.jobs.setdefault(plan.create["metadata"]["name"], copy.deepcopy(plan.create))
+
+    def step(self, now: datetime, sidecars: Mapping[str, SidecarReport] | None = None) -> Plan:
+        """Reconcile and carry the plan out completely, in the executor's order."""
+        plan = self.plan(now, sidecars)
+        if plan.write_status_first:
+            self.write_status(plan)
+        self.effects(plan)
+        if not plan.write_status_first:
+            self.write_status(plan)
+        self.history.append(plan)
+        return plan
+
+    def current_job(self) -> dict[str, Any]:
+        attempt = self.status.attempt
+        assert attempt is not None
+        return self.jobs[pytorchjob_name("tiny-lm", attempt)]
+
+    def run_pods(self, attempt: int, replicas: int = 2) -> None:
+        self.pods += [pod(attempt, rank) for rank in range(replicas)]
+
+    def set_pod(self, replacement: dict[str, Any]) -> None:
+        name = replacement["metadata"]["name"]
+        self.pods = [p for p in self.pods if p["metadata"]["name"] != name] + [replacement]
+
+
+def reasons(plan: Plan) -> list[str]:
+    return [e.reason for e in plan.events]
+
+
+def condition(status: JobStatus, type_: str) -> tuple[str, str]:
+    found = status.condition(type_)
+    assert found is not None, type_
+    return found.status, found.reason
+
+
+def env(job: Mapping[str, Any]) -> dict[str, str]:
+    worker = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in worker["env"]}
+
+
+def started_cluster() -> Cluster:
+    """A job whose attempt 1 runs on two healthy pods."""
+    cluster = Cluster.of()
+    plan = cluster.step(T0)
+    assert plan.action is PlanAction.CREATE
+    cluster.run_pods(1)
+    assert cluster.step(T0 + timedelta(seconds=5)).action is PlanAction.NOTHING
+    return cluster
+
+
+# ---------------------------------------------------------------------------------- scenarios ---
+def test_a_new_job_gets_attempt_one_rendered_and_owned() -> None:
+    cluster = Cluster.of()
+    plan = cluster.step(T0)
+    assert plan.action is PlanAction.CREATE
+    assert plan.create is not None
+    assert plan.create["metadata"]["name"] == "tiny-lm-1"
+    assert plan.create["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert schema_errors(plan.create) == []
+    assert not plan.write_status_first  # a creation is recorded only once it happened
+    status = cluster.status
+    assert (status.attempt, status.restarts, status.attempt_created, status.phase) == (1, 0, 1, "Pending")
+    assert status.pinned is not None
+    assert status.pinned["replicas"] == 2
+    assert reasons(plan) == ["AttemptCreated"]
+    assert condition(status, "Ready")[0] == "False"
+    assert condition(status, "SpecInvalid") == ("False", "SpecValid")
+    assert all(c.observed_generation == 1 for c in status.conditions)
+    cluster.run_pods(1)
+    plan = cluster.step(T0 + timedelta(seconds=10), {"tiny-lm-1-master-0": report(step=42)})
+    assert plan.action is PlanAction.NOTHING
+    assert plan.requeue_seconds == 10  # probePeriodSeconds
+    assert cluster.status.phase == "Running"
+    assert cluster.status.step == 42
+    assert condition(cluster.status, "Ready") == ("True", "Running")
+    assert condition(cluster.status, "Running") == ("True", "GangRunning")
+
+
+def test_worker_killed_137_restarts_the_gang_after_the_first_backoff_without_remediation() -> None:
+    cluster = started_cluster()
+    failed_at = T0 + timedelta(seconds=60)
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    plan = cluster.step(failed_at)
+    assert plan.action is PlanAction.RESTART
+    assert plan.write_status_first
+    assert plan.delete == ("tiny-lm-1",)
+    assert plan.decision is not None
+    assert plan.decision.delay_seconds == 10
+    status = cluster.status
+    assert (status.attempt, status.restarts, status.handled_attempt) == (2, 1, 1)
+    assert status.remediation is None
+    assert status.next_attempt_at == "2030-01-01T00:01:10.000000Z"
+    assert status.last_failure is not None
+    assert status.last_failure.reason == "Crashed"
+    assert (status.last_failure.rank, status.last_failure.exit_code) == (1, 137)
+    assert "signal 9" in status.last_failure.message
+    assert status.phase == "Restarting"
+    assert condition(status, "Restarting") == ("True", "GangRestart")
+    assert condition(status, "Ready")[0] == "False"
+    assert reasons(plan) == ["Crashed", "GangRestart"]
+    assert "tiny-lm-1" not in cluster.jobs
+
+    # During the backoff: wait, and come back when it ends.
+    plan = cluster.step(failed_at + timedelta(seconds=4))
+    assert plan.action is PlanAction.WAIT
+    assert plan.requeue_seconds == 6
+    assert cluster.jobs == {}
+    # At the end of the backoff: attempt 2, a fresh PyTorchJob with the attempt in its environment.
+    plan = cluster.step(failed_at + timedelta(seconds=10))
+    assert plan.action is PlanAction.CREATE
+    assert plan.create is not None
+    assert plan.create["metadata"]["name"] == "tiny-lm-2"
+    assert env(plan.create)["TRAINGUARD_ATTEMPT"] == "2"
+    assert "TRAINGUARD_REMEDIATION" not in env(plan.create)
+    assert cluster.status.restarts == 1
+
+
+def test_diverged_exit_200_restarts_with_remediation_that_later_attempts_keep_once() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=200))
+    cluster.set_pod(pod(1, 1, exit_code=1))  # its peer dies in the collective
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.RESTART
+    status = cluster.status
+    assert status.last_failure is not None
+    assert status.last_failure.reason == "Diverged"
+    assert status.last_failure.rank == 0
+    assert status.remediation is not None
+    assert status.remediation.payload() == {"id": "attempt-2", "lrScale": 0.5, "maxGradNorm": 0.5}
+    assert reasons(plan) == ["Diverged", "GangRestart"]
+    plan = cluster.step(T0 + timedelta(seconds=70))
+    assert plan.create is not None
+    assert json.loads(env(plan.create)["TRAINGUARD_REMEDIATION"]) == {
+        "id": "attempt-2",
+        "lrScale": 0.5,
+        "maxGradNorm": 0.5,
+    }
+    # A crash of attempt 2 is not a divergence: attempt 3 carries the same order (same id), which a
+    # guardian that already applied it skips, rather than a second halving of the learning rate.
+    cluster.run_pods(2)
+    cluster.set_pod(pod(2, 1, exit_code=137))
+    plan = cluster.step(T0 + timedelta(seconds=200))
+    assert plan.action is PlanAction.RESTART
+    assert plan.decision is not None
+    assert plan.decision.delay_seconds == 30
+    plan = cluster.step(T0 + timedelta(seconds=230))
+    assert plan.create is not None
+    assert json.loads(env(plan.create)["TRAINGUARD_REMEDIATION"])["id"] == "attempt-2"
+
+
+def test_a_diverged_status_on_the_sidecar_is_acted_on_before_the_exit_code() -> None:
+    cluster = started_cluster()
+    diverged = report(
+        alive=False, reason="worker phase is diverged", phase="diverged", message="6 rollbacks in 2000 steps"
+    )
+    plan = cluster.step(T0 + timedelta(seconds=60), {"tiny-lm-1-worker-0": diverged})
+    assert plan.action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert failure.reason == "Diverged"
+    assert failure.message == "rank 1 diverged: 6 rollbacks in 2000 steps"
+    assert cluster.status.remediation is not None
+
+
+def test_a_hang_seen_by_the_sidecar_restarts_with_its_reason() -> None:
+    cluster = started_cluster()
+    why = "no step for 312.0 s (hang timeout 300 s), last step 4200"
+    plan = cluster.step(T0 + timedelta(seconds=400), {"tiny-lm-1-worker-0": report(alive=False, reason=why)})
+    assert plan.action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert failure.reason == "Hung"
+    assert why in failure.message
+    assert failure.rank == 1
+    assert reasons(plan) == ["Hung", "GangRestart"]
+
+
+def test_a_liveness_kill_carries_the_sidecars_reason() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    why = "no step for 331.0 s (hang timeout 300 s), last step 4200"
+    cluster.step(T0 + timedelta(seconds=400), {"tiny-lm-1-worker-0": report(alive=False, reason=why)})
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert failure.reason == "Crashed"
+    assert failure.exit_code == 137
+    assert "signal 9" in failure.message
+    assert why in failure.message
+
+
+def test_oom_kill_is_named() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=137, container_reason="OOMKilled"))
+    cluster.step(T0 + timedelta(seconds=60))
+    assert cluster.status.last_failure is not None
+    assert "OOMKilled" in cluster.status.last_failure.message
+
+
+def test_eviction_and_disruption_are_a_lost_rank() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 1, phase="Failed", reason="Evicted", message="The node was low on memory."))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert failure.reason == "Lost"
+    assert failure.rank == 1
+    assert "evicted" in failure.message
+    assert "low on memory" in failure.message
+
+    cluster = started_cluster()
+    disrupted = pod(
+        1,
+        0,
+        conditions=[
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "DeletionByTaintManager",
+                "message": "node lost",
+            }
+        ],
+    )
+    cluster.set_pod(disrupted)
+    cluster.step(T0 + timedelta(seconds=60))
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert failure.reason == "Lost"
+    assert "DeletionByTaintManager" in failure.message
+
+
+def test_a_pod_being_deleted_or_restarted_in_place_is_a_lost_rank() -> None:
+    cluster = started_cluster()
+    deleting = pod(1, 1)
+    deleting["metadata"]["deletionTimestamp"] = "2030-01-01T00:00:50Z"
+    cluster.set_pod(deleting)
+    cluster.step(T0 + timedelta(seconds=60))
+    assert cluster.status.last_failure is not None
+    assert "being deleted" in cluster.status.last_failure.message
+
+    cluster = started_cluster()
+    restarted = pod(1, 1)
+    restarted["status"]["containerStatuses"][0] |= {
+        "restartCount": 1,
+        "lastState": {"terminated": {"exitCode": 137}},
+    }
+    cluster.set_pod(restarted)
+    cluster.step(T0 + timedelta(seconds=60))
+    assert cluster.status.last_failure is not None
+    assert "restarted in place" in cluster.status.last_failure.message
+
+
+def test_a_pytorchjob_deleted_by_someone_else_is_a_lost_gang() -> None:
+    cluster = started_cluster()
+    cluster.jobs.clear()
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.RESTART
+    assert cluster.status.last_failure is not None
+    assert "deleted" in cluster.status.last_failure.message
+
+
+def test_success_is_final() -> None:
+    cluster = started_cluster()
+    cluster.current_job()["status"] = {
+        "conditions": [{"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded"}]
+    }
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.SUCCEED
+    assert plan.done
+    assert cluster.status.phase == "Succeeded"
+    assert condition(cluster.status, "Succeeded") == ("True", "JobSucceeded")
+    assert condition(cluster.status, "Ready") == ("True", "Succeeded")
+    assert reasons(plan) == ["Succeeded"]
+    # Whatever happens to the pods afterwards, the job stays succeeded and nothing is deleted.
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    plan = cluster.step(T0 + timedelta(seconds=120))
+    assert (plan.action, plan.done, plan.delete, plan.events) == (PlanAction.NOTHING, True, (), ())
+    assert cluster.status.phase == "Succeeded"
+    assert "tiny-lm-1" in cluster.jobs
+
+
+def test_every_rank_exiting_zero_is_success_too() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=0))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.NOTHING
+    cluster.set_pod(pod(1, 1, exit_code=0))
+    assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.SUCCEED
+
+
+def test_the_final_step_comes_from_the_workers_termination_messages() -> None:
+    # The sidecars are gone once the workers end; the guardian's final status in each container's
+    # termination message is the record of the last steps (the last poll saw step 100 here).
+    cluster = started_cluster()
+    for rank in (0, 1):
+        final = pod(1, rank, exit_code=0)
+        terminated = final["status"]["containerStatuses"][0]["state"]["terminated"]
+        message = {"phase": "finished", "step": 120, "started_at": 1.0, "last_step_time": 3.0, "rollbacks": 1}
+        message["last_clean_checkpoint"] = {"step": 120, "path": "/ckpt/step-0000000120", "sha256": "ab"}
+        terminated["message"] = json.dumps(message)
+        cluster.set_pod(final)
+    assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.SUCCEED
+    assert cluster.status.step == 120
+    assert cluster.status.rollbacks == 1
+    assert cluster.status.last_clean_checkpoint is not None
+    assert cluster.status.last_clean_checkpoint.step == 120
+
+
+@pytest.mark.parametrize(
+    "message",
+    [None, "", "plain text from the user", "{not json", "[1, 2]", '{"phase": "finished"}', '{"step": "x"}'],
+)
+def test_a_termination_message_that_is_no_status_is_ignored(message: str | None) -> None:
+    final = pod(1, 0, exit_code=0)
+    if message is not None:
+        final["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    assert final_status(final) is None
+    assert final_status(pod(1, 0)) is None  # still running
+
+
+def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
+    cluster = Cluster.of(gtj_manifest(recovery={"maxRestarts": 1, "backoffSeconds": [1]}))
+    cluster.step(T0)
+    cluster.run_pods(1)
+    cluster.set_pod(pod(1, 0, exit_code=137))
+    assert cluster.step(T0 + timedelta(seconds=10)).action is PlanAction.RESTART
+    assert cluster.step(T0 + timedelta(seconds=11)).action is PlanAction.CREATE
+    cluster.run_pods(2)
+    cluster.set_pod(pod(2, 1, exit_code=139))
+    plan = cluster.step(T0 + timedelta(seconds=30))
+    assert plan.action is PlanAction.FAIL
+    assert plan.done
+    assert plan.write_status_first
+    assert plan.delete == ("tiny-lm-2",)
+    status = cluster.status
+    assert status.phase == "Failed"
+    assert status.restarts == 1
+    assert status.last_failure is not None
+    assert "restarts exhausted (1 of 1)" in status.last_failure.message
+    assert condition(status, "Failed") == ("True", "RestartsExhausted")
+    assert condition(status, "Ready")[0] == "False"
+    assert reasons(plan) == ["Crashed", "Failed"]
+    assert cluster.jobs == {}
+
+
+def test_a_configuration_error_fails_at_once() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=2))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.FAIL
+    assert cluster.status.restarts == 0
+    assert condition(cluster.status, "Failed") == ("True", "ConfigError")
+
+
+def test_operator_restart_mid_recovery_neither_restarts_twice_nor_loses_counts() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    failed_at = T0 + timedelta(seconds=60)
+    # The operator writes the decision, then dies before it deletes attempt 1's PyTorchJob.
+    plan = cluster.plan(failed_at)
+    assert plan.action is PlanAction.RESTART
+    assert plan.write_status_first
+    cluster.write_status(plan)
+    # A new operator process: only the stored state remains. Attempt 1 still shows the failed pod.
+    for offset in (1, 2, 5):
+        again = cluster.step(failed_at + timedelta(seconds=offset))
+        assert again.action is PlanAction.WAIT
+        assert not any(e.reason == "GangRestart" for e in again.events)
+        assert again.delete == ("tiny-lm-1",) or "tiny-lm-1" not in cluster.jobs
+        assert cluster.status.restarts == 1
+    assert "tiny-lm-1" not in cluster.jobs
+    created = cluster.step(failed_at + timedelta(seconds=10))
+    assert created.action is PlanAction.CREATE
+    assert (cluster.status.attempt, cluster.status.restarts) == (2, 1)
+    restarts = [p for p in cluster.history if p.action is PlanAction.RESTART]
+    assert restarts == []  # the one restart was the plan carried out before the "crash"
+
+
+def test_operator_restart_between_creation_and_status_write_adopts_the_attempt() -> None:
+    cluster = Cluster.of()
+    plan = cluster.plan(T0)
+    assert plan.action is PlanAction.CREATE
+    assert not plan.write_status_first
+    cluster.effects(plan)  # created, then the operator died before recording it
+    again = cluster.step(T0 + timedelta(seconds=3))
+    assert again.action is PlanAction.NOTHING
+    assert again.create is None
+    assert (cluster.status.attempt, cluster.status.attempt_created) == (1, 1)
+    assert list(cluster.jobs) == ["tiny-lm-1"]
+
+
+def test_the_next_attempt_waits_for_the_old_pytorchjob_to_be_gone_within_a_bound() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    failed_at = T0 + timedelta(seconds=60)
+    plan = cluster.plan(failed_at)
+    cluster.write_status(plan)
+    # Foreground deletion in progress: the old PyTorchJob is still listed, terminating.
+    cluster.jobs["tiny-lm-1"]["metadata"]["deletionTimestamp"] = "2030-01-01T00:01:00Z"
+    waiting = cluster.step(failed_at + timedelta(seconds=15))
+    assert waiting.action is PlanAction.WAIT
+    assert waiting.delete == ()  # already being deleted
+    assert waiting.requeue_seconds <= 2
+    late = cluster.step(failed_at + timedelta(seconds=10 + SETTINGS.stale_attempt_grace_seconds + 1))
+    assert late.action is PlanAction.CREATE  # bounded: a stuck deletion does not stall the job
+
+
+def test_next_attempt_in_the_future_means_wait_until_then() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=137))
+    cluster.step(T0 + timedelta(seconds=60))
+    for offset, left in ((61, 9), (65, 5), (69.9, 0.1)):
+        plan = cluster.step(T0 + timedelta(seconds=offset))
+        assert plan.action is PlanAction.WAIT
+        assert abs(plan.requeue_seconds - max(left, MIN_REQUEUE_SECONDS)) < 1e-6
+        assert plan.create is None
+    assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.CREATE
+
+
+def test_spec_change_of_immutable_fields_is_refused_and_recovery_changes_apply() -> None:
+    cluster = started_cluster()
+    spec = cluster.body["spec"]
+    spec["replicas"] = 4
+    spec["template"]["spec"]["containers"][0]["image"] = "registry.example/tiny-lm:2"
+    spec["recovery"] = {"maxRestarts": 7, "backoffSeconds": [2]}
+    cluster.body["metadata"]["generation"] = 2
+    plan = cluster.step(T0 + timedelta(seconds=30))
+    status = cluster.status
+    assert condition(status, "SpecChangeRefused") == ("True", "ImmutableFieldChanged")
+    refused = status.condition("SpecChangeRefused")
+    assert refused is not None
+    assert "spec.replicas" in refused.message
+    assert "spec.template.spec.containers" in refused.message
+    assert "recovery" not in refused.message
+    assert refused.observed_generation == 2
+    assert condition(status, "Ready") == ("False", "SpecChangeRefused")
+    assert reasons(plan) == ["SpecChangeRefused"]
+    assert cluster.step(T0 + timedelta(seconds=40)).events == ()  # said once, not every step
+    # The accepted recovery change is used by the next decision; the next attempt keeps 2 replicas
+    # and the original image.
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.decision is not None
+    assert plan.decision.delay_seconds == 2
+    assert "of 7" in plan.events[-1].message
+    plan = cluster.step(T0 + timedelta(seconds=62))
+    assert plan.create is not None
+    replicas = plan.create["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Worker"]["replicas"] == 1
+    assert replicas["Master"]["template"]["spec"]["containers"][0]["image"] == "registry.example/tiny-lm:1"
+    # Reverting the change clears the condition.
+    spec["replicas"] = 2
+    spec["template"]["spec"]["containers"][0]["image"] = "registry.example/tiny-lm:1"
+    cluster.step(T0 + timedelta(seconds=70))
+    assert condition(cluster.status, "SpecChangeRefused")[0] == "False"
+
+
+def test_a_pin_read_back_from_the_api_server_is_no_spec_change() -> None:
+    # The pin is stored in the status by a JSON merge patch, which drops null members at any depth; a
+    # real API server hands it back without them (kmock kept them, which hid a SpecChangeRefused on
+    # every job). The comparison must not see a change in that.
+    manifest = gtj_manifest()
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [
+        {"name": "A", "value": "1"},
+        {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    spec = load(manifest).spec
+    wire = spec.model_dump(by_alias=True, mode="json")
+    stored = without_nulls({key: wire[key] for key in ("replicas", "template", "checkpoint")})
+    assert json.dumps(stored).count("null") == 0
+    assert spec_change(stored, spec)[1] == []
+    assert spec_change(pin(spec), spec)[1] == []
+    changed = copy.deepcopy(stored)
+    changed["template"]["spec"]["containers"][0]["env"][0]["value"] = "2"
+    assert spec_change(changed, spec)[1]
+
+
+def test_missing_pytorchjob_crd_is_a_condition_not_a_crash_nor_a_hot_loop() -> None:
+    cluster = Cluster.of()
+    cluster.crd = False
+    plan = cluster.step(T0)
+    assert plan.action is PlanAction.BLOCKED
+    assert plan.requeue_seconds == SETTINGS.crd_retry_seconds
+    assert plan.create is None
+    assert condition(cluster.status, "PyTorchJobCRDMissing") == ("True", "PyTorchJobCRDMissing")
+    assert condition(cluster.status, "Ready") == ("False", "PyTorchJobCRDMissing")
+    assert reasons(plan) == ["PyTorchJobCRDMissing"]
+    assert cluster.step(T0 + timedelta(seconds=60)).events == ()
+    cluster.crd = True
+    plan = cluster.step(T0 + timedelta(seconds=120))
+    assert plan.action is PlanAction.CREATE
+    assert condition(cluster.status, "PyTorchJobCRDMissing")[0] == "False"
+
+
+def test_an_invalid_spec_is_refused_with_the_field_named_and_nothing_created() -> None:
+    manifest = gtj_manifest()
+    manifest["spec"]["health"] = {"hangTimeoutSeconds": 5, "probePeriodSeconds": 10}
+    manifest["spec"]["recovery"] = {"backoffSeconds": [30, 10]}
+    cluster = Cluster.of(manifest)
+    plan = cluster.step(T0)
+    assert plan.action is PlanAction.BLOCKED
+    assert plan.create is None
+    assert plan.delete == ()
+    assert reasons(plan) == ["SpecInvalid"]
+    invalid = cluster.status.condition("SpecInvalid")
+    assert invalid is not None
+    assert invalid.status == "True"
+    assert "spec.health" in invalid.message
+    assert "spec.recovery.backoffSeconds" in invalid.message
+    assert cluster.status.attempt is None
+    # Fixed: the job starts.
+    cluster.body["spec"] = gtj_manifest()["spec"]
+    assert cluster.step(T0 + timedelta(seconds=5)).action is PlanAction.CREATE
+
+
+def test_messages_fit_the_crds_limits() -> None:
+    manifest = gtj_manifest()
+    manifest["spec"]["template"]["spec"]["containers"] = [{"name": f"c{i}" * 40} for i in range(40)]
+    cluster = Cluster.of(manifest)
+    cluster.step(T0)  # write_status validates against the CRD's status schema (1024-character messages)
+    invalid = cluster.status.condition("SpecInvalid")
+    assert invalid is not None
+    assert invalid.status == "True"
+    assert len(invalid.message) == 1024
+    assert cluster.step(T0 + timedelta(seconds=60)).events == ()  # a clipped message is still "the same"
+
+
+def test_progress_from_the_sidecars_is_aggregated_and_rollbacks_and_recovery_are_reported() -> None:
+    cluster = started_cluster()
+    checkpoint = {"step": 2000, "path": "/ckpt/step-2000", "sha256": "ab" * 32, "time": 1893456000.0}
+    sidecars = {
+        "tiny-lm-1-master-0": report(
+            step=2100, rollbacks=1, skipped_steps=3, samples_seen=1000, samples_dropped=1
+        ),
+        "tiny-lm-1-worker-0": report(
+            step=2100,
+            rollbacks=1,
+            skipped_steps=3,
+            samples_seen=1000,
+            samples_dropped=3,
+            last_clean_checkpoint=checkpoint,
+        ),
+    }
+    plan = cluster.step(T0 + timedelta(seconds=30), sidecars)
+    status = cluster.status
+    assert (status.step, status.rollbacks, status.skipped_steps) == (2100, 1, 3)
+    assert (status.samples_seen, status.samples_dropped) == (2000, 4)
+    assert status.drop_rate == 0.002
+    assert status.last_clean_checkpoint is not None
+    assert status.last_clean_checkpoint.step == 2000
+    assert status.last_clean_checkpoint.time == "2030-01-01T00:00:00Z"
+    assert reasons(plan) == ["RollbackSeen", "DropRateHigh"]  # 0.2 % > the default 0.1 %
+    assert condition(status, "DropRateHigh") == ("True", "AboveMaxDropRate")
+    again = cluster.step(T0 + timedelta(seconds=40), sidecars)
+    assert again.events == ()
+
+    # After a restart, the first step of the new attempt ends the recovery and is timed.
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    cluster.step(T0 + timedelta(seconds=60))
+    cluster.step(T0 + timedelta(seconds=70))
+    cluster.run_pods(2)
+    not_yet = {"tiny-lm-2-master-0": report(last_step_time=None, phase="starting")}
+    assert cluster.step(T0 + timedelta(seconds=80), not_yet).recovered_seconds is None
+    stepping = {"tiny-lm-2-master-0": report(step=2010, started_at=100.0, last_step_time=150.0)}
+    plan = cluster.step(T0 + timedelta(seconds=100), stepping)
+    assert plan.recovered_seconds == 40
+    assert "Recovered" in reasons(plan)
+    assert cluster.status.recovering_since is None
+    assert cluster.status.phase == "Running"
+
+
+def test_only_the_current_attempts_running_pods_are_polled() -> None:
+    cluster = started_cluster()
+    cluster.pods.append(pod(0 + 1, 1, job="another-job"))
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    assert pods_to_poll(cluster.body, cluster.pods) == [("tiny-lm-1-master-0", "10.0.0.1")]
+    assert pod_rank(pod(1, 3)) == 3
+    assert pod_rank(pod(1, 0)) == 0
+    unlabeled = pod(1, 2)
+    unlabeled["metadata"]["labels"] = {}
+    assert pod_rank(unlabeled) == 2  # from the name, <job>-worker-1
+
+
+def test_last_transition_time_moves_only_when_the_status_changes() -> None:
+    cluster = started_cluster()
+    cluster.step(T0 + timedelta(seconds=20), {"tiny-lm-1-master-0": report()})
+    running = cluster.status.condition("Running")
+    assert running is not None
+    assert running.status == "True"
+    first = running.last_transition_time
+    cluster.step(T0 + timedelta(seconds=50), {"tiny-lm-1-master-0": report(step=500)})
+    running = cluster.status.condition("Running")
+    assert running is not None
+    assert running.last_transition_time == first
+    cluster.set_pod(pod(1, 0, exit_code=137))
+    cluster.step(T0 + timedelta(seconds=80))
+    running = cluster.status.condition("Running")
+    assert running is not None
+    assert running.status == "False"
+    assert running.last_transition_time == "2030-01-01T00:01:20Z"
+
+
+def test_merge_patch_round_trip() -> None:
+    old = {"a": 1, "b": {"c": 2, "d": 3}, "e": [1, 2], "f": "x"}
+    new = {"a": 1, "b": {"c": 5}, "e": [1], "g": 7}
+    assert apply_merge_patch(old, merge_patch(old, new)) == new
+    assert merge_patch(new, new) == {}
+
+
+# ------------------------------------------------------------------------------------ goodput ---
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def master(attempt: int, step: int, resumed: int = 0, **status: Any) -> dict[str, SidecarReport]:
+    """Rank 0's sidecar of ``attempt`` reporting ``step``, resumed from checkpoint step ``resumed``."""
+    return {f"tiny-lm-{attempt}-master-0": report(step=step, resumed_step=resumed, **status)}
+
+
+def test_goodput_loses_the_work_after_the_checkpoint_a_restart_resumed_from() -> None:
+    # Attempt 1 is created at t=0 and runs at 1 step/s: seen at step 10 (t=10) and step 110 (t=110).
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    assert cluster.status.job_started_at == "2030-01-01T00:00:00.000000Z"
+    assert cluster.status.goodput == 0.0  # nothing kept yet
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(110), master(1, 110))
+    assert cluster.status.goodput == 1.0  # extrapolated back to its resume step 0: all 110 s kept
+    # Rank 1 crashes at t=110; the gang restarts after the 10 s backoff.
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    assert cluster.step(at(110), master(1, 110)).action is PlanAction.RESTART
+    assert cluster.step(at(115)).action is PlanAction.WAIT
+    assert cluster.status.goodput == round(110 / 115, 4)  # backoff is wall time, not kept time
+    assert cluster.step(at(120)).action is PlanAction.CREATE
+    # Attempt 2 resumed from the checkpoint at step 50: steps 50..110 of attempt 1 are redone, lost.
+    cluster.run_pods(2)
+    cluster.step(at(140), master(2, 60, resumed=50))
+    cluster.step(at(240), master(2, 160, resumed=50))
+    # Kept: steps 0..50 of attempt 1 (50 s) and 50..160 of attempt 2 (110 s, from t=130) over 240 s.
+    assert cluster.status.goodput == round(160 / 240, 4)
+    history = cluster.status.step_history
+    assert history is not None
+    assert [(r.attempt, r.resumed_step, r.first_step, r.last_step) for r in history] == [
+        (1, 0, 10, 110),
+        (2, 50, 60, 160),
+    ]
+    assert history[1].started_at == "2030-01-01T00:02:00.000000Z"
+    assert history[1].last_step_at == "2030-01-01T00:04:00.000000Z"
+    # Success freezes it: the job's wall time ends there.
+    cluster.current_job()["status"] = {"conditions": [{"type": "Succeeded", "status": "True"}]}
+    assert cluster.step(at(250)).action is PlanAction.SUCCEED
+    assert cluster.status.goodput == round(160 / 250, 4)
+    cluster.step(at(4000))
+    assert cluster.status.goodput == round(160 / 250, 4)
+
+
+def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_resumed_from() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(100), master(1, 100))
+    # A checkpoint at step 104 is written after the last look, then rank 0 crashes at t=105.
+    cluster.set_pod(pod(1, 0, exit_code=1))
+    cluster.step(at(105))
+    cluster.step(at(115))
+    cluster.run_pods(2)
+    cluster.step(at(130), master(2, 110, resumed=104))
+    cluster.step(at(170), master(2, 150, resumed=104))
+    # Attempt 1 reached 104 at ~t=104 (its own rate), attempt 2 went 104..150 in 46 s: 150 s of 170.
+    assert cluster.status.goodput == round(150 / 170, 4)
+
+
+def test_goodput_discards_steps_undone_by_a_rollback() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(100), master(1, 100))
+    cluster.step(at(110), master(1, 80, rollbacks=1))  # rolled back to the snapshot at step 80
+    cluster.step(at(130), master(1, 100, rollbacks=1))
+    history = cluster.status.step_history
+    assert history is not None
+    assert [(r.attempt, r.resumed_step, r.first_step, r.last_step) for r in history] == [
+        (1, 0, 10, 100),
+        (1, None, 80, 100),
+    ]
+    # Kept: steps 0..80 (80 s) and 80..100 again (20 s) over 130 s.
+    assert cluster.status.goodput == round(100 / 130, 4)
+
+
+def test_the_step_history_in_the_status_is_bounded() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    # Thirty rollbacks, each back by 5 steps after 10 new ones: 1 step/s, each look 1 s apart.
+    step, clock = 0, 0.0
+    for _ in range(30):
+        for _ in range(10):
+            step, clock = step + 1, clock + 1
+            cluster.step(at(clock), master(1, step))
+        step, clock = step - 5, clock + 1
+        cluster.step(at(clock), master(1, step))
+    status = cluster.status
+    assert status.step_history is not None
+    assert len(status.step_history) == MAX_RECORDS
+    assert status.step_history_folded is not None
+    # Every look took 1 s; 5 of every 11 looks' worth of steps were undone: the final 150 steps took
+    # 150 s of kept time (1 s a step), out of 330 s.
+    assert status.goodput == pytest.approx(150 / 330, abs=1e-3)
+    assert len(json.dumps(status.to_wire())) < 8000
+
+
+def linear_attempts(count: int) -> tuple[list[StepRecord], FoldedHistory | None]:
+    """``count`` attempts at 1 step/s, 100 s apart; each resumes 10 steps before where the last was seen."""
+    history: list[StepRecord] = []
+    folded: FoldedHistory | None = None
+    resumed = 0
+    for attempt in range(1, count + 1):
+        start = 100.0 * (attempt - 1)
+        for seconds, step in ((start + 20, resumed + 10), (start + 70, resumed + 60)):
+            history, folded = record_progress(
+                history,
+                folded,
+                attempt=attempt,
+                started_at=iso_precise(at(start)),
+                resumed_step=resumed,
+                step=step,
+                now=at(seconds),
+            )
+        resumed += 50
+    return history, folded
+
+
+def test_folding_old_records_keeps_the_kept_time_of_a_steady_job() -> None:
+    history, folded = linear_attempts(30)
+    assert len(history) == MAX_RECORDS
+    assert folded is not None
+    assert (folded.from_step, folded.to_step) == (0, 9 * 50 + 60)  # attempts 1..10 folded
+    # Each attempt kept 50 s (the next one resumed 10 steps short of its last), the last one 60 s.
+    assert kept_seconds(history, folded) == pytest.approx(29 * 50 + 60)
+    assert job_goodput(history, folded, iso_precise(at(0)), at(29 * 100 + 70)) == round(1510 / 2970, 4)
+    assert job_goodput([], None, None, at(10)) is None
+
+
+# -------------------------------------------------------------------------------------- fuzz ---
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+SPEC_KEYS = ["replicas", "template", "checkpoint", "guard", "health", "recovery", "dataQuality"]
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> dict[str, Any]:
+    body = gtj_manifest()
+    for key in draw(st.lists(st.sampled_from(SPEC_KEYS), max_size=3, unique=True)):
+        body["spec"][key] = draw(JSON)
+    if draw(st.booleans()):
+        body["status"] = draw(
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "attempt",
+                        "phase",
+                        "conditions",
+                        "pinned",
+                        "nextAttemptAt",
+                        "remediation",
+                        "restarts",
+                        "stepHistory",
+                        "stepHistoryFolded",
+                        "jobStartedAt",
+                        "goodput",
+                    ]
+                ),
+                JSON,
+                max_size=4,
+            )
+        )
+    return body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bodies(), st.lists(JSON, max_size=2), JSON, JSON, st.booleans())
+def test_any_object_content_gives_a_plan_never_an_exception_nor_a_hot_loop(
+    body: dict[str, Any], junk_pods: list[Any], pod_status: Any, sidecar_document: Any, crd: bool
+) -> None:
+    """Whatever the job, its pods and its sidecars contain, a step gives a plan (never raises), writes
+    a status the CRD accepts, renders only valid PyTorchJobs, and never asks to come back at once."""
+    odd = pod(1, 1)
+    odd["status"] = pod_status
+    body["metadata"]["uid"] = UID
+    pods = [p for p in junk_pods if isinstance(p, dict)] + [pod(1, 0), odd]
+    jobs = [
+        {
+            "metadata": {
+                "name": "tiny-lm-1",
+                "labels": {JOB_LABEL: "tiny-lm"},
+                "ownerReferences": [{"uid": UID}],
+            }
+        }
+    ]
+    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document(sidecar_document)}
+    world = World(body=body, jobs=jobs if crd else None, pods=pods, sidecars=sidecars, now=T0)
+    plan = reconcile(world, SETTINGS)
+    assert plan.requeue_seconds >= MIN_REQUEUE_SECONDS
+    assert isinstance(plan.patch, dict)
+    json.dumps(plan.patch)  # what is written is JSON
+    assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
+    if plan.create is not None:
+        assert schema_errors(plan.create) == []

@@ -1,0 +1,68 @@
+"""The README documents what the code does: every spec field, fault kind, exit code and metric."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from tests.support.paths import REPO_ROOT
+from trainer_sidecar.exitcodes import ExitCode
+from trainer_sidecar.faults import FaultKind
+from trainer_sidecar.sidecar import WorkerStatusCollector
+from trainer_sidecar.status import CheckpointRef, WorkerStatus, write_status
+from trainguard.spec import GuardedTrainingJobSpec
+
+README = (REPO_ROOT / "README.md").read_text()
+SECTIONS_WITH_CHILDREN = {"template"}
+
+
+def leaf_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    paths = []
+    for name, info in model.model_fields.items():
+        alias = info.alias or name
+        path = f"{prefix}{alias}"
+        annotation: Any = info.annotation
+        if (
+            isinstance(annotation, type)
+            and issubclass(annotation, BaseModel)
+            and alias not in SECTIONS_WITH_CHILDREN
+        ):
+            paths.extend(leaf_paths(annotation, f"{path}."))
+        else:
+            paths.append(path)
+    return paths
+
+
+def test_every_spec_field_is_in_the_reference_table() -> None:
+    missing = [p for p in leaf_paths(GuardedTrainingJobSpec) if f"| `{p}` |" not in README]
+    assert missing == []
+
+
+def test_every_fault_kind_and_exit_code_is_documented() -> None:
+    assert [k.value for k in FaultKind if f"| `{k.value}` |" not in README] == []
+    assert [c.value for c in ExitCode if f"| {c.value} |" not in README] == []
+
+
+def test_every_exported_metric_is_documented(tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    now = time.time()
+    write_status(
+        status_file,
+        WorkerStatus(
+            started_at=now - 10,
+            last_step_time=now,
+            loss=1.0,
+            grad_norm=1.0,
+            samples_seen=10,
+            last_clean_checkpoint=CheckpointRef(step=1, path="/x", time=now),
+        ),
+    )
+    collector = WorkerStatusCollector(
+        status_file, hang_timeout_seconds=60, startup_grace_seconds=60, job="j", namespace="n"
+    )
+    names = {sample.name for family in collector.collect() for sample in family.samples}
+    assert len(names) >= 15
+    assert sorted(n for n in names if f"`{n}`" not in README) == []
