@@ -515,7 +515,14 @@ class Poisonable(torch.nn.Module):
 
 def poisonable_loss(model: Poisonable) -> torch.Tensor:
     ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])  # rows 4-9 are never looked up
-    return model(ids).pow(2).mean()
+    loss: torch.Tensor = model(ids).pow(2).mean()
+    return loss
+
+
+def buffer(module: torch.nn.Module, name: str) -> torch.Tensor:
+    found = getattr(module, name)
+    assert isinstance(found, torch.Tensor)
+    return found
 
 
 def finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
@@ -563,7 +570,7 @@ def test_a_state_that_stays_poisoned_diverges_instead_of_finishing(tmp_path: Pat
 
     def poison(*_: Any) -> None:
         with torch.no_grad():
-            model.norm.running_var.fill_(math.nan)  # a broken update: every step poisons a buffer
+            buffer(model.norm, "running_var").fill_(math.nan)  # a broken update: every step poisons a buffer
 
     optimizer.register_step_post_hook(poison)
     config = settings(checkpoint={"snapshotEverySteps": 1, "everySteps": 1}, guard={"maxRollbacks": 2})
@@ -588,7 +595,7 @@ def test_finish_never_reports_success_over_a_poisoned_final_state(tmp_path: Path
     for _ in range(3):
         guardian.step(poisonable_loss(model))
     with torch.no_grad():
-        model.norm.running_mean.fill_(math.nan)
+        buffer(model.norm, "running_mean").fill_(math.nan)
     with pytest.raises(UncleanState, match="step 3"):
         guardian.finish()
     assert guardian.phase is not Phase.FINISHED
@@ -607,7 +614,7 @@ def test_run_trains_on_after_a_poisoned_final_state_until_it_is_clean(tmp_path: 
         if guardian.step_count == 5 and not poisoned:
             poisoned = True
             with torch.no_grad():
-                model.norm.running_mean.fill_(math.nan)
+                buffer(model.norm, "running_mean").fill_(math.nan)
     assert guardian.phase is Phase.FINISHED
     assert guardian.rollbacks == 1
     assert guardian.step_count == 5
