@@ -214,7 +214,7 @@ def test_directory_instead_of_status_file_is_a_reason(serve: Serve, status_file:
     server = serve(startup_grace_seconds=0.0)
     code, body = get(f"{server.url}/healthz")
     assert code == 503
-    assert "cannot be read" in body
+    assert "is a directory, not a regular file" in body
 
 
 @pytest.mark.parametrize("phase", [Phase.DIVERGED, Phase.FAILED])
