@@ -10,8 +10,10 @@ Endpoints (one port):
   200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
 * ``GET /metrics`` - Prometheus text exposition from a private registry.
 
-The status file is re-read on every request (it is a few hundred bytes). A missing, half-written or garbage
-file is a reason in the answer, never an exception: the sidecar itself must not be what fails.
+The status file is re-read on every request (it is a few hundred bytes; only a regular file of at most
+``MAX_STATUS_BYTES`` is read). A missing, half-written, oversized, special or garbage file is a reason in the
+answer, never an exception or a hang: the sidecar itself must not be what fails. Health is judged on the
+sidecar's own clock (``trainer_sidecar.health``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,24 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainer_sidecar.exitcodes import ExitCode
-from trainer_sidecar.status import STATUS_FILE_ENV, Phase, WorkerStatus, read_status
+from trainer_sidecar.health import (
+    DEFAULT_CLOCK_SKEW_SECONDS,
+    Clocks,
+    Health,
+    HealthPolicy,
+    Tracking,
+    assess_health,
+    implausible_timestamps,
+)
+from trainer_sidecar.status import (
+    STATUS_FILE_ENV,
+    HealthReport,
+    Phase,
+    SidecarInfo,
+    SidecarStatusDocument,
+    WorkerStatus,
+    read_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,124 +102,47 @@ _COUNTER_HELP: Mapping[str, str] = {
 
 
 @dataclass(frozen=True)
-class Health:
-    """A verdict on a worker: ``alive`` drives liveness, ``ready`` readiness; ``reason`` says why."""
+class Reading:
+    """One read of the status file: what was read (or why nothing was), the sidecar's clocks at the time,
+    the verdict, the sidecar's age of the worker's last step, and the counter totals after it."""
 
-    alive: bool
-    ready: bool
-    reason: str
-
-
-def assess_health(
-    now: float,
-    status: WorkerStatus | None,
-    read_error: str,
-    sidecar_started: float,
-    hang_timeout_seconds: float,
-    startup_grace_seconds: float,
-) -> Health:
-    """Judge a worker from its status at wall-clock time ``now``. Pure: no I/O, no clock.
-
-    Promises, in order of precedence:
-
-    * no status (missing, unreadable, garbage): alive but not ready during the startup grace counted from
-      ``sidecar_started``; not alive after it. The reason carries ``read_error``.
-    * phase diverged or failed: not alive; the reason names the phase and the worker's message.
-    * phase finished: alive and ready.
-    * phase rolling-back with ``busy_since`` set: alive but not ready while the rollback (restore and
-      held-out validation) has taken less than the startup grace; not alive after it. A rollback makes
-      no steps, and its validation may take far longer than the hang timeout.
-    * no step in this run of the worker (``last_step_time`` is None, or older than ``started_at``, which a
-      worker restarted inside the pod rewrites): alive but not ready during the startup grace counted from
-      ``status.started_at``; not alive after it. So a freshly (re)started worker always gets its grace,
-      even if its status carries the last step time of the run before.
-    * otherwise: not alive when the last step is more than ``hang_timeout_seconds`` old; else alive and ready.
-    """
-    grace = startup_grace_seconds
-    if status is None:
-        waited = now - sidecar_started
-        if waited < grace:
-            return Health(
-                alive=True,
-                ready=False,
-                reason=f"waiting for the worker status ({waited:.0f} s into the startup grace "
-                f"of {grace:g} s): {read_error}",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"no readable worker status after the startup grace of {grace:g} s: {read_error}",
-        )
-    if status.phase in (Phase.DIVERGED, Phase.FAILED):
-        detail = f": {status.message}" if status.message else ""
-        return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
-    if status.phase is Phase.FINISHED:
-        return Health(alive=True, ready=True, reason=f"worker finished at step {status.step}")
-    if status.phase is Phase.ROLLING_BACK and status.busy_since is not None:
-        busy = now - status.busy_since
-        if busy < grace:
-            return Health(
-                alive=True,
-                ready=False,
-                reason=f"rolling back at step {status.step}: restoring and validating for {busy:.0f} s "
-                f"(allowed: the startup grace of {grace:g} s)",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"rollback at step {status.step} not done within the startup grace of {grace:g} s "
-            f"({busy:.0f} s)",
-        )
-    last = status.last_step_time
-    if last is None or last < status.started_at:
-        since_start = now - status.started_at
-        if since_start < grace:
-            return Health(
-                alive=True,
-                ready=False,
-                reason=f"starting: no step yet, {since_start:.0f} s into the startup grace of {grace:g} s",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"no step within startup grace of {grace:g} s (worker started {since_start:.0f} s ago)",
-        )
-    age = now - last
-    if age > hang_timeout_seconds:
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"no step for {age:.1f} s (hang timeout {hang_timeout_seconds:g} s), "
-            f"last step {status.step}",
-        )
-    return Health(
-        alive=True,
-        ready=True,
-        reason=f"{status.phase.value}: step {status.step}, last step {max(age, 0.0):.1f} s ago",
-    )
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One read of the status file: what was read, when, the verdict, and the counter totals after it."""
-
-    now: float
+    clocks: Clocks
     status: WorkerStatus | None
     read_error: str
     health: Health
+    seconds_since_step: float | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
 
 
-def _safe_read_status(path: Path) -> tuple[WorkerStatus | None, str]:
-    """``read_status`` that cannot raise: undecodable bytes and other surprises become a reason."""
-    try:
-        return read_status(path)
-    except Exception as exc:  # a reader never trusts the file, nor the parser's error paths
-        return None, f"status file {path} cannot be read: {type(exc).__name__}: {exc}"
+def fold_counters(
+    last_seen: Mapping[str, int], totals: Mapping[str, float], status: WorkerStatus
+) -> tuple[dict[str, int], dict[str, float]]:
+    """The monotonic totals after reading ``status``: each counter grows by what the worker's count rose
+    since ``last_seen``; a decrease (a resume from an older checkpoint) only moves the baseline."""
+    seen = dict(last_seen)
+    grown = dict(totals)
+    for name in COUNTER_FIELDS:
+        value: int = getattr(status, name)
+        grown[name] += max(0, value - seen[name])
+        seen[name] = value
+    return seen, grown
+
+
+def _seconds_since_step(
+    tracking: Tracking, status: WorkerStatus | None, clocks: Clocks, policy: HealthPolicy
+) -> float | None:
+    """Seconds since the worker's last step of this run: since its progress last changed on the sidecar's
+    clock, or since its claimed ``last_step_time`` if longer. None without a plausible step of this run."""
+    if status is None or status.last_step_time is None or status.last_step_time < status.started_at:
+        return None
+    if implausible_timestamps(status, clocks.wall, policy.clock_skew_seconds):
+        return None  # no age to tell; the verdict reports the timestamps
+    return max(0.0, clocks.monotonic - tracking.progress_since, clocks.wall - status.last_step_time)
 
 
 class WorkerStatusCollector(Collector):
-    """Reads the status file on every scrape (and every probe) and exposes it as ``trainguard_*`` metrics.
+    """Reads the status file on every scrape (and every probe), judges the worker's health on the sidecar's
+    own clock (``trainer_sidecar.health``), and exposes both as ``trainguard_*`` metrics.
 
     Counters stay monotonic for the collector's lifetime. The worker's counts are cumulative over the job,
     but they go *down* when the worker resumes from a checkpoint older than its last status (the steps after
@@ -211,6 +153,7 @@ class WorkerStatusCollector(Collector):
     and a restarted sidecar picks up where the worker is rather than at zero.
 
     Gauges whose value is unknown (no status, no step yet, no loss) are omitted rather than exported as NaN.
+    Reads are serialised: the health tracking must see the file's versions in the order they were read.
     """
 
     def __init__(
@@ -221,40 +164,39 @@ class WorkerStatusCollector(Collector):
         startup_grace_seconds: float,
         job: str,
         namespace: str,
-        started_at: float | None = None,
-        clock: Callable[[], float] = time.time,
+        clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.status_file = status_file
-        self.hang_timeout_seconds = hang_timeout_seconds
-        self.startup_grace_seconds = startup_grace_seconds
+        self.policy = HealthPolicy(hang_timeout_seconds, startup_grace_seconds, clock_skew_seconds)
         self.job = job
         self.namespace = namespace
-        self._clock = clock
-        self.started_at = clock() if started_at is None else started_at
+        self._monotonic = monotonic
+        self._wall = wall
+        self.started_at = wall()
         self._lock = threading.Lock()
+        self._tracking = Tracking.begin(monotonic())
         self._last_seen: dict[str, int] = dict.fromkeys(COUNTER_FIELDS, 0)
         self._totals: dict[str, float] = dict.fromkeys(COUNTER_FIELDS, 0.0)
 
-    def snapshot(self) -> Snapshot:
-        """Read the status file, assess health, fold its counts into the monotonic totals. Never raises."""
-        status, read_error = _safe_read_status(self.status_file)
-        now = self._clock()
-        health = assess_health(
-            now,
-            status,
-            read_error,
-            self.started_at,
-            self.hang_timeout_seconds,
-            self.startup_grace_seconds,
-        )
+    def read(self) -> Reading:
+        """Read the status file, judge health, fold its counts into the monotonic totals. Never raises, and
+        never blocks on the file (``read_status`` reads regular files only, boundedly)."""
         with self._lock:
+            status, read_error = read_status(self.status_file)
+            clocks = Clocks(monotonic=self._monotonic(), wall=self._wall())
+            health, self._tracking = assess_health(self._tracking, status, read_error, clocks, self.policy)
             if status is not None:
-                for name in COUNTER_FIELDS:
-                    value: int = getattr(status, name)
-                    self._totals[name] += max(0, value - self._last_seen[name])
-                    self._last_seen[name] = value
-            counters = dict(self._totals)
-        return Snapshot(now=now, status=status, read_error=read_error, health=health, counters=counters)
+                self._last_seen, self._totals = fold_counters(self._last_seen, self._totals, status)
+            return Reading(
+                clocks=clocks,
+                status=status,
+                read_error=read_error,
+                health=health,
+                seconds_since_step=_seconds_since_step(self._tracking, status, clocks, self.policy),
+                counters=dict(self._totals),
+            )
 
     def describe(self) -> Iterable[Metric]:
         """Nothing declared up front: the registry is private, and describing must not read the file."""
@@ -262,103 +204,121 @@ class WorkerStatusCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         """The metric families for one fresh read of the status file."""
-        snap = self.snapshot()
+        reading = self.read()
         labels = [self.job, self.namespace]
-        status = snap.status
+        yield from _health_families(reading, labels)
+        if reading.status is not None:
+            yield from _status_families(reading, reading.status, labels)
+        yield from _counter_families(reading, labels)
 
-        def gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
-            if value is None or not math.isfinite(value):
-                return []
-            family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
-            family.add_metric(labels, value)
-            return [family]
-
-        yield from gauge(
-            "trainguard_worker_alive",
-            "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
-            float(snap.health.alive),
+    def document(self, reading: Reading) -> SidecarStatusDocument:
+        """The ``/status`` body for ``reading``: the status or why none, health, the sidecar's settings."""
+        return SidecarStatusDocument(
+            status=reading.status,
+            read_error=reading.read_error,
+            health=HealthReport(**asdict(reading.health)),
+            time=reading.clocks.wall,
+            sidecar=SidecarInfo(
+                started_at=self.started_at,
+                hang_timeout_seconds=self.policy.hang_timeout_seconds,
+                startup_grace_seconds=self.policy.startup_grace_seconds,
+            ),
         )
-        yield from gauge(
-            "trainguard_worker_ready",
-            "1 while the worker is stepping or finished (its readiness probe passes), else 0.",
-            float(snap.health.ready),
+
+
+def _gauge(name: str, doc: str, labels: list[str], value: float | None) -> Iterable[Metric]:
+    """A one-sample gauge family, or nothing when the value is unknown or not finite."""
+    if value is None or not math.isfinite(value):
+        return []
+    family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
+    family.add_metric(labels, value)
+    return [family]
+
+
+def _health_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    yield from _gauge(
+        "trainguard_worker_alive",
+        "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
+        labels,
+        float(reading.health.alive),
+    )
+    yield from _gauge(
+        "trainguard_worker_ready",
+        "1 while the worker is stepping or finished (its readiness probe passes), else 0.",
+        labels,
+        float(reading.health.ready),
+    )
+
+
+def _status_families(reading: Reading, status: WorkerStatus, labels: list[str]) -> Iterable[Metric]:
+    phase = GaugeMetricFamily(
+        "trainguard_worker_phase",
+        "The worker's phase: 1 for the current one, 0 for the others.",
+        labels=[*LABEL_NAMES, "phase"],
+    )
+    for each in Phase:
+        phase.add_metric([*labels, each.value], float(status.phase is each))
+    yield phase
+    gauges: list[tuple[str, str, float | None]] = [
+        ("trainguard_worker_step", "The worker's current training step.", status.step),
+        ("trainguard_worker_loss", "Loss of the last finite step.", status.loss),
+        (
+            "trainguard_worker_grad_norm",
+            "Total L2 gradient norm of the last step, before clipping.",
+            status.grad_norm,
+        ),
+        (
+            "trainguard_worker_drop_ratio",
+            "Dropped samples over samples seen, over the job.",
+            status.drop_rate,
+        ),
+        (
+            "trainguard_worker_lr_scale",
+            "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
+            status.lr_scale,
+        ),
+    ]
+    if reading.seconds_since_step is not None:
+        gauges += [
+            (
+                "trainguard_worker_last_step_timestamp_seconds",
+                "Wall-clock time of the worker's last step (unix seconds).",
+                status.last_step_time,
+            ),
+            (
+                "trainguard_worker_seconds_since_last_step",
+                "Seconds since the worker's last step, as of this scrape (on the sidecar's own clock; the "
+                "worker's timestamp only when it is older).",
+                reading.seconds_since_step,
+            ),
+        ]
+    checkpoint = status.last_clean_checkpoint
+    if checkpoint is not None:
+        gauges += [
+            (
+                "trainguard_worker_last_clean_checkpoint_step",
+                "Step of the newest clean checkpoint on the checkpoint volume.",
+                checkpoint.step,
+            ),
+            (
+                "trainguard_worker_last_clean_checkpoint_timestamp_seconds",
+                "Wall-clock time the newest clean checkpoint was written (unix seconds).",
+                checkpoint.time if checkpoint.time > 0 else None,
+            ),
+        ]
+    for name, doc, value in gauges:
+        yield from _gauge(name, doc, labels, value)
+
+
+def _counter_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    for name, metric_name in COUNTER_FIELDS.items():
+        counter = CounterMetricFamily(
+            metric_name,
+            f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
+            labels=LABEL_NAMES,
         )
-        if status is not None:
-            phase = GaugeMetricFamily(
-                "trainguard_worker_phase",
-                "The worker's phase: 1 for the current one, 0 for the others.",
-                labels=[*LABEL_NAMES, "phase"],
-            )
-            for value in Phase:
-                phase.add_metric([*labels, value.value], float(status.phase is value))
-            yield phase
-            yield from gauge("trainguard_worker_step", "The worker's current training step.", status.step)
-            yield from gauge("trainguard_worker_loss", "Loss of the last finite step.", status.loss)
-            yield from gauge(
-                "trainguard_worker_grad_norm",
-                "Total L2 gradient norm of the last step, before clipping.",
-                status.grad_norm,
-            )
-            yield from gauge(
-                "trainguard_worker_drop_ratio",
-                "Dropped samples over samples seen, over the job.",
-                status.drop_rate,
-            )
-            yield from gauge(
-                "trainguard_worker_lr_scale",
-                "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
-                status.lr_scale,
-            )
-            if status.last_step_time is not None:
-                yield from gauge(
-                    "trainguard_worker_last_step_timestamp_seconds",
-                    "Wall-clock time of the worker's last step (unix seconds).",
-                    status.last_step_time,
-                )
-                yield from gauge(
-                    "trainguard_worker_seconds_since_last_step",
-                    "Seconds since the worker's last step, as of this scrape.",
-                    max(0.0, snap.now - status.last_step_time),
-                )
-            checkpoint = status.last_clean_checkpoint
-            if checkpoint is not None:
-                yield from gauge(
-                    "trainguard_worker_last_clean_checkpoint_step",
-                    "Step of the newest clean checkpoint on the checkpoint volume.",
-                    checkpoint.step,
-                )
-                yield from gauge(
-                    "trainguard_worker_last_clean_checkpoint_timestamp_seconds",
-                    "Wall-clock time the newest clean checkpoint was written (unix seconds).",
-                    checkpoint.time if checkpoint.time > 0 else None,
-                )
-        for name, metric_name in COUNTER_FIELDS.items():
-            counter = CounterMetricFamily(
-                metric_name,
-                f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
-                labels=LABEL_NAMES,
-            )
-            counter.add_metric(labels, snap.counters[name])
-            yield counter
-
-
-def status_document(snap: Snapshot, collector: WorkerStatusCollector) -> dict[str, Any]:
-    """The ``/status`` JSON body: status fields (plus ``drop_rate``) or null, health, sidecar settings."""
-    status: dict[str, Any] | None = None
-    if snap.status is not None:
-        status = snap.status.model_dump(mode="json")
-        status["drop_rate"] = snap.status.drop_rate
-    return {
-        "status": status,
-        "read_error": snap.read_error,
-        "health": asdict(snap.health),
-        "time": snap.now,
-        "sidecar": {
-            "started_at": collector.started_at,
-            "hang_timeout_seconds": collector.hang_timeout_seconds,
-            "startup_grace_seconds": collector.startup_grace_seconds,
-        },
-    }
+        counter.add_metric(labels, reading.counters[name])
+        yield counter
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -386,13 +346,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, path: str) -> None:
         collector = self._sidecar().collector
         if path == "/healthz":
-            health = collector.snapshot().health
+            health = collector.read().health
             self._send_verdict(health.alive, health.reason)
         elif path == "/readyz":
-            health = collector.snapshot().health
+            health = collector.read().health
             self._send_verdict(health.ready, health.reason)
         elif path == "/status":
-            body = json.dumps(status_document(collector.snapshot(), collector), indent=2) + "\n"
+            document = collector.document(collector.read()).to_document()
+            body = json.dumps(document, indent=2) + "\n"
             self._send(HTTPStatus.OK, body.encode(), "application/json")
         elif path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
