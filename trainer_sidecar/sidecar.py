@@ -13,7 +13,7 @@ Endpoints (one port):
 The status file is re-read on every request (it is a few hundred bytes; only a regular file of at most
 ``MAX_STATUS_BYTES`` is read). A missing, half-written, oversized, special or garbage file is a reason in the
 answer, never an exception or a hang: the sidecar itself must not be what fails. Health is judged on the
-sidecar's own clock (``trainer_sidecar.health``).
+sidecar's own clock (``trainer_sidecar.health``); the configuration is one model (``SidecarSettings``).
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Annotated, Any, cast
 from urllib.parse import urlsplit
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainer_sidecar.exitcodes import ExitCode
 from trainer_sidecar.health import (
@@ -417,19 +418,33 @@ class SidecarServer:
         job: str = DEFAULT_JOB_NAME,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        self.host = host
-        self.collector = WorkerStatusCollector(
-            Path(status_file),
+        settings = SidecarSettings(
+            status_file=Path(status_file),
+            host=host,
+            port=port,
             hang_timeout_seconds=hang_timeout_seconds,
             startup_grace_seconds=startup_grace_seconds,
             job=job,
             namespace=namespace,
         )
+        self.host = settings.host
+        self.collector = WorkerStatusCollector(
+            settings.status_file,
+            hang_timeout_seconds=settings.hang_timeout_seconds,
+            startup_grace_seconds=settings.startup_grace_seconds,
+            job=settings.job,
+            namespace=settings.namespace,
+        )
         self.registry = CollectorRegistry()
         self.registry.register(self.collector)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._httpd = _SidecarHTTPServer((host, port), self.collector, self.registry, family)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._httpd = _SidecarHTTPServer((self.host, settings.port), self.collector, self.registry, family)
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, settings: SidecarSettings) -> SidecarServer:
+        """A server configured by validated ``settings`` (bound, not yet serving)."""
+        return cls(**settings.model_dump())
 
     @property
     def port(self) -> int:
@@ -473,103 +488,92 @@ class SidecarServer:
         self.stop()
 
 
-class _UsageError(ValueError):
-    """A command-line or environment value is invalid; the message names the flag and the variable."""
+#: Longest hang timeout or startup grace accepted: a week. Limits are measured on a float monotonic clock
+#: that stays exact far beyond; a week bounds what a probe can sensibly wait for and refuses absurd values.
+MAX_DURATION_SECONDS = 7 * 24 * 3600.0
+
+Seconds = Annotated[float, Field(allow_inf_nan=False, le=MAX_DURATION_SECONDS)]
 
 
-def _number(raw: str, flag: str, env: str, *, integer: bool = False) -> float:
-    kind = "an integer" if integer else "a number"
+class SidecarSettings(BaseModel):
+    """The sidecar's configuration, validated in one place: every flag defaults from its environment
+    variable (``SETTING_SOURCES``), then from the field's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    status_file: Path = Field(description="The worker's status file (required).")
+    host: str = Field(DEFAULT_HOST, min_length=1, max_length=255, description="Address to listen on.")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Port to listen on; 0 picks a free one.")
+    hang_timeout_seconds: Seconds = Field(
+        DEFAULT_HANG_TIMEOUT_SECONDS,
+        gt=0,
+        description="A worker without progress for this long is not alive.",
+    )
+    startup_grace_seconds: Seconds = Field(
+        DEFAULT_STARTUP_GRACE_SECONDS,
+        ge=0,
+        description="Time a worker gets to publish its status and make its first step (and a rollback).",
+    )
+    job: str = Field(DEFAULT_JOB_NAME, min_length=1, max_length=253, description="The job label on metrics.")
+    namespace: str = Field(
+        DEFAULT_NAMESPACE, min_length=1, max_length=253, description="The namespace label on metrics."
+    )
+
+    @field_validator("status_file", mode="before")
+    @classmethod
+    def _required_path(cls, value: object) -> object:
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            raise ValueError("must be a path (not empty, no NUL byte)")
+        return value
+
+
+#: Field name -> (flag, environment variable) it is set from.
+SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
+    "status_file": ("--status-file", STATUS_FILE_ENV),
+    "host": ("--host", HOST_ENV),
+    "port": ("--port", PORT_ENV),
+    "hang_timeout_seconds": ("--hang-timeout-seconds", HANG_TIMEOUT_ENV),
+    "startup_grace_seconds": ("--startup-grace-seconds", STARTUP_GRACE_ENV),
+    "job": ("--job", JOB_NAME_ENV),
+    "namespace": ("--namespace", NAMESPACE_ENV),
+}
+
+
+class SettingsError(ValueError):
+    """A flag or environment value is invalid; the message names the flag and the variable."""
+
+
+def load_settings(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> SidecarSettings:
+    """The settings from ``flags`` (field name -> the flag's value, None when not given) over ``environ``
+    over the defaults. Raises ``SettingsError`` naming the flag and the variable of the first bad value."""
+    raw: dict[str, str] = {}
+    for name, (_, env) in SETTING_SOURCES.items():
+        value = flags.get(name)
+        if value is None:
+            value = environ.get(env)
+        if value is not None:
+            raw[name] = value
     try:
-        value = float(int(raw)) if integer else float(raw)
-    except ValueError:
-        raise _UsageError(f"{flag} (or ${env}): {raw!r} is not {kind}") from None
-    if not math.isfinite(value):
-        raise _UsageError(f"{flag} (or ${env}): {raw!r} is not a finite number")
-    if value < 0:
-        raise _UsageError(f"{flag} (or ${env}): must not be negative, got {raw!r}")
-    return value
+        return SidecarSettings.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        name = str(error["loc"][0]) if error["loc"] else ""
+        flag, env = SETTING_SOURCES.get(name, ("--status-file", STATUS_FILE_ENV))
+        given = f", got {raw[name]!r}" if name in raw else ""
+        problem = "is required" if error["type"] == "missing" else error["msg"]
+        raise SettingsError(f"{flag} (or ${env}): {problem}{given}") from None
 
 
-@dataclass(frozen=True)
-class _Options:
-    status_file: Path
-    host: str
-    port: int
-    hang_timeout_seconds: float
-    startup_grace_seconds: float
-    job: str
-    namespace: str
-
-
-def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainguard-sidecar",
         description="Serve a training worker's status file as liveness/readiness probes, JSON and metrics.",
     )
-    env = environ.get
-    parser.add_argument(
-        "--status-file",
-        default=env(STATUS_FILE_ENV, ""),
-        help=f"the worker's status file (env {STATUS_FILE_ENV}; required)",
-    )
-    parser.add_argument(
-        "--port",
-        default=env(PORT_ENV, str(DEFAULT_PORT)),
-        help=f"port to listen on, 0 picks a free one (env {PORT_ENV}, default {DEFAULT_PORT})",
-    )
-    parser.add_argument(
-        "--host",
-        default=env(HOST_ENV, DEFAULT_HOST),
-        help=f"address to listen on (env {HOST_ENV}, default {DEFAULT_HOST})",
-    )
-    parser.add_argument(
-        "--hang-timeout-seconds",
-        default=env(HANG_TIMEOUT_ENV, f"{DEFAULT_HANG_TIMEOUT_SECONDS:g}"),
-        help=f"a worker without a step for this long is not alive (env {HANG_TIMEOUT_ENV}, "
-        f"default {DEFAULT_HANG_TIMEOUT_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--startup-grace-seconds",
-        default=env(STARTUP_GRACE_ENV, f"{DEFAULT_STARTUP_GRACE_SECONDS:g}"),
-        help=f"time a worker gets to publish its status and make its first step (env {STARTUP_GRACE_ENV}, "
-        f"default {DEFAULT_STARTUP_GRACE_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--job",
-        default=env(JOB_NAME_ENV, DEFAULT_JOB_NAME),
-        help=f"value of the job label on metrics (env {JOB_NAME_ENV}, default {DEFAULT_JOB_NAME})",
-    )
-    parser.add_argument(
-        "--namespace",
-        default=env(NAMESPACE_ENV, DEFAULT_NAMESPACE),
-        help=f"value of the namespace label on metrics (env {NAMESPACE_ENV}, default {DEFAULT_NAMESPACE})",
-    )
+    for name, (flag, env) in SETTING_SOURCES.items():
+        info = SidecarSettings.model_fields[name]
+        default = "required" if info.is_required() else f"default {info.default}"
+        parser.add_argument(flag, dest=name, default=None, help=f"{info.description} (env {env}; {default})")
     return parser
-
-
-def _options(args: argparse.Namespace) -> _Options:
-    status_file = str(args.status_file).strip()
-    if not status_file:
-        raise _UsageError(f"--status-file (or ${STATUS_FILE_ENV}) is required")
-    port = _number(str(args.port), "--port", PORT_ENV, integer=True)
-    if port > 65535:
-        raise _UsageError(f"--port (or ${PORT_ENV}): must be at most 65535, got {args.port!r}")
-    host = str(args.host).strip()
-    if not host:
-        raise _UsageError(f"--host (or ${HOST_ENV}) must not be empty")
-    hang = _number(str(args.hang_timeout_seconds), "--hang-timeout-seconds", HANG_TIMEOUT_ENV)
-    if hang <= 0:
-        raise _UsageError(f"--hang-timeout-seconds (or ${HANG_TIMEOUT_ENV}): must be positive, got {hang:g}")
-    grace = _number(str(args.startup_grace_seconds), "--startup-grace-seconds", STARTUP_GRACE_ENV)
-    return _Options(
-        status_file=Path(status_file),
-        host=host,
-        port=int(port),
-        hang_timeout_seconds=hang,
-        startup_grace_seconds=grace,
-        job=str(args.job),
-        namespace=str(args.namespace),
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -580,39 +584,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     listening it prints ``trainguard-sidecar listening on http://HOST:PORT`` to stdout (flushed), so a
     parent that passed ``--port 0`` learns the port.
     """
-    parser = _parser(os.environ)
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or argparse's own usage errors (already printed)
         return exc.code if isinstance(exc.code, int) else int(ExitCode.CONFIG_ERROR)
     try:
-        options = _options(args)
-    except _UsageError as exc:
+        settings = load_settings(vars(args), os.environ)
+    except SettingsError as exc:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
     try:
-        server = SidecarServer(
-            options.status_file,
-            host=options.host,
-            port=options.port,
-            hang_timeout_seconds=options.hang_timeout_seconds,
-            startup_grace_seconds=options.startup_grace_seconds,
-            job=options.job,
-            namespace=options.namespace,
-        )
+        server = SidecarServer.from_settings(settings)
     except OSError as exc:
         print(
-            f"{parser.prog}: error: cannot listen on {options.host}:{options.port} "
+            f"{parser.prog}: error: cannot listen on {settings.host}:{settings.port} "
             f"(--host/${HOST_ENV}, --port/${PORT_ENV}): {exc}",
             file=sys.stderr,
         )
         return int(ExitCode.CONFIG_ERROR)
+    _serve_until_signalled(server)
+    logger.info("trainguard-sidecar stopped")
+    return int(ExitCode.SUCCEEDED)
 
+
+def _serve_until_signalled(server: SidecarServer) -> None:
+    """Serve until SIGTERM or SIGINT, then stop the server and restore the previous signal handlers."""
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -629,8 +630,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    logger.info("trainguard-sidecar stopped")
-    return int(ExitCode.SUCCEEDED)
 
 
 if __name__ == "__main__":
