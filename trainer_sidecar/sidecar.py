@@ -366,7 +366,9 @@ class _Handler(BaseHTTPRequestHandler):
         if good:
             self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
         else:
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"{reason}\n".encode(), "text/plain; charset=utf-8")
+            # A path from the command line may hold bytes that are not UTF-8 (surrogates in str).
+            body = f"{reason}\n".encode(errors="backslashreplace")
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain; charset=utf-8")
 
     def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
         self.send_response(code)

@@ -459,6 +459,15 @@ def test_a_huge_status_file_is_refused_unread(
     assert f"is {64 * 2**20} bytes, more than the 65536 allowed" in body
 
 
+def test_a_status_path_that_is_not_utf8_still_gets_its_reason(tmp_path: Path) -> None:
+    status_file = tmp_path / os.fsdecode(b"st\xffatus.json")
+    with SidecarServer(status_file, host="127.0.0.1", port=0, startup_grace_seconds=0) as server:
+        code, body = get(f"{server.url}/healthz")
+        assert code == 503
+        assert "st\\udcffatus.json does not exist yet" in body
+        assert get_json(f"{server.url}/status")["read_error"].endswith("does not exist yet")
+
+
 # --- command line ----------------------------------------------------------------------------------------
 
 
