@@ -237,6 +237,7 @@ def _gauge(name: str, doc: str, labels: list[str], value: float | None) -> Itera
 
 
 def _health_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    """The alive and ready gauges of the verdict."""
     yield from _gauge(
         "trainguard_worker_alive",
         "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
@@ -252,6 +253,7 @@ def _health_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
 
 
 def _status_families(reading: Reading, status: WorkerStatus, labels: list[str]) -> Iterable[Metric]:
+    """The phase family and the gauges of a status that could be read."""
     phase = GaugeMetricFamily(
         "trainguard_worker_phase",
         "The worker's phase: 1 for the current one, 0 for the others.",
@@ -260,6 +262,12 @@ def _status_families(reading: Reading, status: WorkerStatus, labels: list[str]) 
     for each in Phase:
         phase.add_metric([*labels, each.value], float(status.phase is each))
     yield phase
+    for name, doc, value in _status_gauges(reading, status):
+        yield from _gauge(name, doc, labels, value)
+
+
+def _status_gauges(reading: Reading, status: WorkerStatus) -> list[tuple[str, str, float | None]]:
+    """(name, help, value) of every gauge taken from the worker's status; a None value is omitted."""
     gauges: list[tuple[str, str, float | None]] = [
         ("trainguard_worker_step", "The worker's current training step.", status.step),
         ("trainguard_worker_loss", "Loss of the last finite step.", status.loss),
@@ -307,11 +315,11 @@ def _status_families(reading: Reading, status: WorkerStatus, labels: list[str]) 
                 checkpoint.time if checkpoint.time > 0 else None,
             ),
         ]
-    for name, doc, value in gauges:
-        yield from _gauge(name, doc, labels, value)
+    return gauges
 
 
 def _counter_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    """The monotonic counters, also without a status (they keep their totals)."""
     for name, metric_name in COUNTER_FIELDS.items():
         counter = CounterMetricFamily(
             metric_name,
