@@ -874,9 +874,10 @@ def _report_config_error(config: GuardianConfig | None, error: ConfigError) -> N
     else:
         status_path, message_path = failure_paths()
     now = time.time()
-    rank = os.environ.get("RANK", "")
+    gang = Gang.current()
     status = WorkerStatus(
-        rank=int(rank) if rank.isdigit() else 0,
+        rank=gang.rank,
+        world_size=gang.world_size,
         pid=os.getpid(),
         phase=Phase.FAILED,
         started_at=now,

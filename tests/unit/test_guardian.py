@@ -621,3 +621,33 @@ def test_run_trains_on_after_a_poisoned_final_state_until_it_is_clean(tmp_path: 
     assert finite_state(model, optimizer)
     assert guardian.store is not None
     assert guardian.store.newest_valid() == 5
+
+
+def test_a_configuration_error_is_the_final_status_and_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status_file, message_file = tmp_path / "status.json", tmp_path / "termination-log"
+    monkeypatch.setenv("TRAINGUARD_STATUS_FILE", str(status_file))
+    monkeypatch.setenv("TRAINGUARD_TERMINATION_MESSAGE_PATH", str(message_file))
+    monkeypatch.setenv("TRAINGUARD_SETTINGS", '{"guard": {"maxGradNorm": -1}}')
+    model = tiny_model()
+    with pytest.raises(ConfigError):
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for path in (status_file, message_file):
+        status, reason = read_status(path)
+        assert status is not None, reason
+        assert status.phase is Phase.FAILED
+        assert "TRAINGUARD_SETTINGS" in status.message
+        assert "guard.maxGradNorm" in status.message
+
+
+def test_an_explicit_checkpoint_dir_that_contradicts_the_orchestrator_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_DIR", str(tmp_path / "mounted"))
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="TRAINGUARD_CHECKPOINT_DIR") as caught:
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "mine")
+    assert "checkpoint_dir" in str(caught.value)
+    same = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "mounted")
+    assert same.checkpoint_dir == tmp_path / "mounted"
