@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
 from trainer_sidecar.config import (
@@ -41,7 +40,6 @@ from trainer_sidecar.counters import CountersError, GuardCounters
 from trainer_sidecar.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.exitcodes import ExitCode
 from trainer_sidecar.faults import FaultInjector
-from trainer_sidecar.finite import nonfinite_flag
 from trainer_sidecar.forensics import Anomaly, BatchRef, write_bundle
 from trainer_sidecar.gang import Gang
 from trainer_sidecar.judge import (
@@ -65,6 +63,7 @@ from trainer_sidecar.status import (
     write_status,
     write_termination_message,
 )
+from trainer_sidecar.training import StateMismatch, TrainingObjects
 
 log = logging.getLogger("trainguard")
 
@@ -169,14 +168,10 @@ class Guardian:
         self.config = config
         self.settings = config.settings
         self.gang = Gang.current()
-        self.model = model
-        self.module = model.module if isinstance(model, DistributedDataParallel) else model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.scaler = scaler
+        self.training = TrainingObjects(model, optimizer, scheduler, scaler)
+        self.model, self.module, self.optimizer = model, self.training.module, optimizer
         self.accumulation_steps = accumulation_steps
         self.validate = validate
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
         self.phase = Phase.STARTING
         self.message = ""
@@ -366,8 +361,7 @@ class Guardian:
         """
         if self._micro == 0 and self._faults.active:
             loss = self._faults.loss_hook(loss, self.counters.step)
-        micro_loss = loss / self.accumulation_steps if self.accumulation_steps > 1 else loss
-        torch.autograd.backward(self.scaler.scale(micro_loss) if self.scaler is not None else micro_loss)
+        self.training.backward(loss / self.accumulation_steps if self.accumulation_steps > 1 else loss)
         detached = loss.detach().float()
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
@@ -388,10 +382,9 @@ class Guardian:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
         and whether this rank's own loss was non-finite."""
         if self._faults.active:
-            self._faults.grad_hook(self.params, self.counters.step)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        self._with_grad = [p for p in self.params if p.grad is not None]
+            self._faults.grad_hook(self.training.params, self.counters.step)
+        self.training.unscale()
+        self._with_grad = [p for p in self.training.params if p.grad is not None]
         grads = [g for p in self._with_grad if (g := p.grad) is not None]
         # One fused reduction; the clipping multiply waits for the host sync below and is skipped when
         # the norm is already within bounds (or the step is skipped anyway).
@@ -416,23 +409,15 @@ class Guardian:
         """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
         is below 1, where a non-finite gradient cannot be blamed on the scale. (Asked only for a
         non-finite norm: reading the scale is a host sync.)"""
-        if math.isfinite(norm) or self.scaler is None or not self.scaler.is_enabled():
+        scaler = self.training.scaler
+        if math.isfinite(norm) or scaler is None or not scaler.is_enabled():
             return False
-        return self.scaler.get_scale() >= 1.0
+        return scaler.get_scale() >= 1.0
 
     def _apply(self, verdict: Verdict, reading: StepReading, batches: list[BatchRef]) -> StepOutcome:
-        if reading.grad_norm > self.counters.max_grad_norm:
-            torch.nn.utils.clip_grads_with_norm_(
-                self._with_grad, self.counters.max_grad_norm, self._norm, foreach=True
-            )
-        # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
-        # not needed: step the optimizer directly and let the scaler grow its scale.
-        self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.training.apply_update(
+            reading.grad_norm, self.counters.max_grad_norm, self._with_grad, self._norm
+        )
         counters = self.counters
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1
@@ -458,9 +443,7 @@ class Guardian:
         locally_nonfinite: bool,
     ) -> StepOutcome:
         """A bad step: nothing reaches the weights; then skip, roll back or diverge as the judge says."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None and self.scaler.is_enabled():
-            self.scaler.update()  # lets the scaler back off after an overflow
+        self.training.drop_update()
         counters = self.counters
         counters.history = verdict.history
         counters.skipped_steps += 1
@@ -520,9 +503,7 @@ class Guardian:
 
         When it is not, the judge decides (roll back at once, or diverge when the budget is spent), the
         verdict is carried out and returned."""
-        flag = nonfinite_flag(
-            self.module.state_dict(), self.optimizer.state_dict()["state"], self._small_state()
-        )
+        flag = self.training.nonfinite_flag()
         finite = not bool(self.gang.all_reduce(flag.reshape(1), _MAX).item())
         verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
         if verdict.action is Action.APPLY:
@@ -533,18 +514,12 @@ class Guardian:
         self._carry_out(verdict)
         return verdict
 
-    def _small_state(self) -> dict[str, Any]:
-        return {
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
-
     def _take_snapshot(self) -> None:
         self._snapshot.capture(
             self.counters.step,
             self.module,
             self.optimizer,
-            self._small_state(),
+            self.training.small_state(),
             {"counters": self.counters.copy()},
         )
         self._window_batches.clear()
@@ -554,12 +529,7 @@ class Guardian:
         if self._loader is not None:
             state["data"] = self._loader.state_dict()
         if self.rank == 0:
-            state.update(
-                model=self.module.state_dict(),
-                optimizer=self.optimizer.state_dict(),
-                guardian=self.counters.to_state(),
-                **self._small_state(),
-            )
+            state.update(guardian=self.counters.to_state(), **self.training.state())
         return state
 
     def _save_checkpoint(self) -> None:
@@ -587,11 +557,7 @@ class Guardian:
         self.busy_since = time.time()
         self._publish(force=True)
         from_step = self.counters.step
-        small = self._snapshot.restore(self.module, self.optimizer)
-        if self.scheduler is not None and small["scheduler"] is not None:
-            self.scheduler.load_state_dict(small["scheduler"])
-        if self.scaler is not None and small["scaler"] is not None:
-            self.scaler.load_state_dict(small["scaler"])
+        self.training.load_small_state(self._snapshot.restore(self.module, self.optimizer))
         self.counters.rewind_to(self._snapshot.extra["counters"])
         # The data does not rewind: the window that led here is skipped, and remembered for replays.
         for batch in self._window_batches:
@@ -614,14 +580,8 @@ class Guardian:
         self._publish(force=True)
 
     def _remediate(self, remediation: Remediation) -> None:
-        factor = remediation.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-            if "initial_lr" in group:
-                group["initial_lr"] = group["initial_lr"] * factor
-        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-        self.counters.lr_scale *= factor
+        self.training.remediate(remediation)
+        self.counters.lr_scale *= remediation.lr_scale
         if remediation.max_grad_norm is not None:
             self.counters.max_grad_norm = min(self.counters.max_grad_norm, remediation.max_grad_norm)
 
@@ -745,7 +705,10 @@ class Guardian:
         except (CheckpointError, CountersError, RngStateError) as exc:
             log.error("checkpoint at step %d cannot be restored, trying an older one: %s", step, exc)
             return False
-        self._load_into_model(step, state)
+        try:
+            self.training.load(state)
+        except StateMismatch as exc:
+            raise ConfigError(f"checkpoint at step {step} under {self.checkpoint_dir} {exc}") from exc
         self.counters = counters
         if "data" in state:
             if self._loader is not None:
@@ -753,21 +716,6 @@ class Guardian:
             else:
                 self._pending_data_state = state["data"]
         return True
-
-    def _load_into_model(self, step: int, state: dict[str, Any]) -> None:
-        where = f"checkpoint at step {step} under {self.checkpoint_dir}"
-        try:
-            self.module.load_state_dict(state["model"])
-        except (RuntimeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{where} does not fit this model: {exc}") from exc
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{where} does not fit this optimizer: {exc}") from exc
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
 
     def _agree_resume_step(self, bound: int | None) -> int | None:
         """The newest checkpoint at or below ``bound`` every rank can load (agreed collectively)."""

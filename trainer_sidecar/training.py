@@ -1,0 +1,119 @@
+"""The objects a training loop steps (model, optimizer, scheduler, grad scaler) and what the guardian does
+to them as a whole: apply or drop an update, remediate, check that they are finite, save and restore them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer_sidecar.finite import nonfinite_flag
+from trainer_sidecar.settings import Remediation
+
+
+class StateMismatch(ValueError):
+    """A saved state does not fit the live model or optimizer (another model, another configuration)."""
+
+
+class TrainingObjects:
+    """The model (``module``: unwrapped from DistributedDataParallel), the optimizer, and the optional
+    scheduler and GradScaler of one worker."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        scaler: torch.amp.GradScaler | None,
+    ) -> None:
+        self.model = model
+        self.module = model.module if isinstance(model, DistributedDataParallel) else model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward ``loss`` (scaled by the GradScaler when there is one)."""
+        torch.autograd.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
+
+    def unscale(self) -> None:
+        """Unscale the gradients in place (a no-op without a GradScaler)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+
+    def apply_update(
+        self, norm: float, max_norm: float, grads_of: Sequence[torch.nn.Parameter], norm_tensor: torch.Tensor
+    ) -> None:
+        """Clip (only when ``norm`` exceeds ``max_norm``), step the optimizer, the scaler and the scheduler,
+        and zero the gradients."""
+        if norm > max_norm:
+            torch.nn.utils.clip_grads_with_norm_(grads_of, max_norm, norm_tensor, foreach=True)
+        # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
+        # not needed: step the optimizer directly and let the scaler grow its scale.
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def drop_update(self) -> None:
+        """Zero the gradients without stepping; the GradScaler backs off after an overflow."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None and self.scaler.is_enabled():
+            self.scaler.update()
+
+    def remediate(self, remediation: Remediation) -> None:
+        """Scale every learning rate (the scheduler's base rates too) by ``remediation.lr_scale``."""
+        factor = remediation.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+
+    def small_state(self) -> dict[str, Any]:
+        """The scheduler's and the scaler's state (None for the missing ones)."""
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def load_small_state(self, small: dict[str, Any]) -> None:
+        """Put back ``small_state``'s output (a part that is None is left alone)."""
+        if self.scheduler is not None and small.get("scheduler") is not None:
+            self.scheduler.load_state_dict(small["scheduler"])
+        if self.scaler is not None and small.get("scaler") is not None:
+            self.scaler.load_state_dict(small["scaler"])
+
+    def nonfinite_flag(self) -> torch.Tensor:
+        """1.0 when any value of the whole state (parameters, buffers, optimizer state, scheduler and
+        scaler) is NaN or infinite, else 0.0: one fused reduction per device (``finite.nonfinite_flag``)."""
+        return nonfinite_flag(
+            self.module.state_dict(), self.optimizer.state_dict()["state"], self.small_state()
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler and scaler state, for a checkpoint."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            **self.small_state(),
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's ``state()``. Raises StateMismatch saying which part does not fit."""
+        try:
+            self.module.load_state_dict(state["model"])
+        except (RuntimeError, KeyError, TypeError) as exc:
+            raise StateMismatch(f"does not fit this model: {exc}") from exc
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StateMismatch(f"does not fit this optimizer: {exc}") from exc
+        self.load_small_state(state)
