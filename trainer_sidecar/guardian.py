@@ -191,6 +191,9 @@ class Guardian:
         self._step_batches: list[BatchRef] = []
         self._window_batches: list[BatchRef] = []
         self._snapshot = Snapshot()
+        # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
+        # each rank's store has seen complete, so decisions taken on it need no agreement.
+        self._checkpointed_step: int | None = None
         self._locator = NaNLocator(self.module)
         self._locator_budget = 0
         self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
@@ -445,6 +448,7 @@ class Guardian:
         """A bad step: nothing reaches the weights; then skip, roll back or diverge as the judge says."""
         self.training.drop_update()
         counters = self.counters
+        in_a_row = counters.history.consecutive_bad + int(verdict.counts_as_bad)
         counters.history = verdict.history
         counters.skipped_steps += 1
         counters.step += 1
@@ -455,7 +459,7 @@ class Guardian:
         log.warning(
             "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
             counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
-            verdict.history.consecutive_bad, f", pattern {verdict.pattern}" if verdict.pattern else "",
+            in_a_row, f", pattern {verdict.pattern}" if verdict.pattern else "",
         )  # fmt: skip
         if verdict.cause in (NON_FINITE_LOSS, NON_FINITE_GRADIENTS):
             for batch in batches:
@@ -536,6 +540,7 @@ class Guardian:
         assert self.store is not None
         meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
         self.store.save_async(self.counters.step, self._checkpoint_state(), meta)
+        self._checkpointed_step = self.counters.step
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.
@@ -688,7 +693,7 @@ class Guardian:
             if self.gang.agree_min([int(loaded)])[0] == 1:
                 break
             bound = step - 1
-        self.resumed_step = step
+        self.resumed_step = self._checkpointed_step = step
         self._take_snapshot()
         log.warning("resumed from the clean checkpoint at step %d (%s)", step, self.store.root)
         self._check_validation("resume")
@@ -776,8 +781,8 @@ class Guardian:
         """
         if self.store is not None:
             self.store.wait()  # a save of this very step may still be in flight
-            last, final = self.store.last_clean, self.counters.step
-            if (last is None or last.step != final) and not self.save_checkpoint():
+            final = self.counters.step
+            if self._checkpointed_step != final and not self.save_checkpoint():
                 raise UncleanState(
                     f"the final state at step {final} holds non-finite values; rolled back to step "
                     f"{self.counters.step}"
