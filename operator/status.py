@@ -290,7 +290,10 @@ def checkpoint_status(raw: Mapping[str, Any]) -> CheckpointStatus | None:
     when = raw.get("time")
     stamp = ""
     if isinstance(when, int | float) and when > 0:
-        stamp = iso(datetime.fromtimestamp(float(when), UTC))
+        try:
+            stamp = iso(datetime.fromtimestamp(float(when), UTC))
+        except (OverflowError, ValueError, OSError):
+            stamp = ""  # beyond the calendar: a worker's clock is not trusted
     return CheckpointStatus(
         step=step, path=str(raw.get("path", "")), sha256=str(raw.get("sha256", "")), time=stamp
     )

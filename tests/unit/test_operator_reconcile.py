@@ -18,16 +18,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
+from trainguard_operator.pods import final_status, pod_rank, pods_to_poll
 from trainguard_operator.reconcile import (
     MIN_REQUEUE_SECONDS,
     Plan,
     PlanAction,
-    SidecarReport,
     World,
-    final_status,
     pin,
-    pod_rank,
-    pods_to_poll,
     reconcile,
     spec_change,
     without_nulls,
@@ -44,6 +41,8 @@ from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso
 
 from tests.support.manifests import gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.status import WorkerStatus
+from trainguard.observation import SidecarReport
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 GTJ_CRD = REPO_ROOT / "crds/guardedtrainingjobs.trainguard.dev.yaml"
@@ -118,7 +117,9 @@ def pod(
 def report(alive: bool = True, reason: str = "running", **status: Any) -> SidecarReport:
     """A sidecar's /status answer."""
     worker = {"phase": "running", "step": 100, "started_at": 1.0, "last_step_time": 2.0, **status}
-    return SidecarReport(reachable=True, alive=alive, reason=reason, status=worker)
+    return SidecarReport(
+        reachable=True, alive=alive, reason=reason, status=WorkerStatus.model_validate(worker)
+    )
 
 
 @dataclass
@@ -489,6 +490,75 @@ def test_a_termination_message_that_is_no_status_is_ignored(message: str | None)
     assert final_status(pod(1, 0)) is None  # still running
 
 
+def terminated_with(attempt: int, rank: int, exit_code: int, message: str) -> dict[str, Any]:
+    """A pod whose worker ended with ``exit_code`` and left ``message`` as its termination message."""
+    ended = pod(attempt, rank, exit_code=exit_code)
+    ended["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    return ended
+
+
+def test_a_configuration_error_names_the_field_and_reason_in_the_condition_and_the_event() -> None:
+    cluster = started_cluster()
+    why = "TRAINGUARD_SETTINGS: guard.lossSpikeFactor: Input should be greater than 1"
+    final = {"phase": "failed", "step": 0, "started_at": 1.0, "message": why}
+    cluster.set_pod(terminated_with(1, 1, 2, json.dumps(final)))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.FAIL
+    failed = cluster.status.condition("Failed")
+    assert failed is not None
+    assert (failed.status, failed.reason) == ("True", "ConfigError")
+    assert (
+        failed.message
+        == f"rank 1 configerror: configuration error (permanent): {why} (a restart cannot fix it)"
+    )
+    events = {e.reason: e.message for e in plan.events}
+    assert why in events["ConfigError"]
+    assert cluster.status.last_failure is not None
+    assert why in cluster.status.last_failure.message
+
+
+def test_a_plain_text_termination_message_is_quoted_in_the_reason() -> None:
+    # Python's own error (the guardian never ran), kept by the kubelet from the log's tail.
+    cluster = started_cluster()
+    text = "Traceback...\npython: can't open file '/app/train.py': [Errno 2] No such file or directory\n"
+    cluster.set_pod(terminated_with(1, 0, 2, text))
+    cluster.step(T0 + timedelta(seconds=60))
+    assert cluster.status.last_failure is not None
+    assert "can't open file '/app/train.py'" in cluster.status.last_failure.message
+    assert "Traceback" not in cluster.status.last_failure.message  # the last line only
+
+
+def test_a_diverged_final_status_counts_before_an_exit_code_of_the_teardown() -> None:
+    # The worker diverged (its final status says so) but died of SIGABRT in the collective's teardown
+    # before it could exit 200: a divergence, restarted with the remediation, not a crash.
+    cluster = started_cluster()
+    final = {"phase": "diverged", "step": 61, "started_at": 1.0, "message": "5 rollbacks within 2000 steps"}
+    cluster.set_pod(terminated_with(1, 1, 134, json.dumps(final)))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.reason, failure.rank, failure.exit_code) == ("Diverged", 1, 134)
+    assert failure.message == "rank 1 diverged: 5 rollbacks within 2000 steps"
+    assert cluster.status.remediation is not None
+
+
+def test_the_gangs_step_is_its_slowest_ranks() -> None:
+    cluster = started_cluster()
+    sidecars = {"tiny-lm-1-master-0": report(step=2101), "tiny-lm-1-worker-0": report(step=2100)}
+    cluster.step(T0 + timedelta(seconds=30), sidecars)
+    assert cluster.status.step == 2100  # a step is done when every rank did it
+
+
+def test_a_checkpoint_time_beyond_the_calendar_is_no_crash() -> None:
+    cluster = started_cluster()
+    checkpoint = {"step": 100, "path": "/ckpt/step-100", "sha256": "ab", "time": 1e20}
+    plan = cluster.step(T0 + timedelta(seconds=30), master(1, 120, last_clean_checkpoint=checkpoint))
+    assert plan.action is PlanAction.NOTHING
+    assert cluster.status.last_clean_checkpoint is not None
+    assert (cluster.status.last_clean_checkpoint.step, cluster.status.last_clean_checkpoint.time) == (100, "")
+
+
 def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
     cluster = Cluster.of(gtj_manifest(recovery={"maxRestarts": 1, "backoffSeconds": [1]}))
     cluster.step(T0)
@@ -842,6 +912,36 @@ def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_res
     cluster.step(at(170), master(2, 150, resumed=104))
     # Attempt 1 reached 104 at ~t=104 (its own rate), attempt 2 went 104..150 in 46 s: 150 s of 170.
     assert cluster.status.goodput == round(150 / 170, 4)
+
+
+def test_goodput_after_a_hang_that_followed_a_checkpoint_matches_the_hand_computation() -> None:
+    # Attempt 1 is created at t=0 and steps at 1 step/s; the operator looks every 10 s. Its status is
+    # last seen at step 80 (t=80): it wrote the clean checkpoint at 90 (t=90) and hung at step 92
+    # before its status said more. The sidecar declares the hang at t=130.
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    for t in range(10, 81, 10):
+        cluster.step(at(t), master(1, t))
+    for t in range(90, 121, 10):
+        cluster.step(at(t), master(1, 80))
+    hung = report(alive=False, reason="no step for 38 s (hang timeout 30 s), last step 80", step=80)
+    assert cluster.step(at(130), {"tiny-lm-1-master-0": hung}).action is PlanAction.RESTART
+    assert cluster.step(at(140)).action is PlanAction.CREATE  # after the 10 s backoff
+    # Attempt 2 resumed from 90; seen at step 100 (t=150) and 150 (t=250): 2 s a step after a quick
+    # start, so at that rate step 90 would be at t=130 -- before attempt 2 was created.
+    cluster.run_pods(2)
+    plan = cluster.step(at(150), master(2, 100, resumed=90))
+    recovered = [e.message for e in plan.events if e.reason == "Recovered"]
+    assert recovered == [
+        "attempt 2 is training again at step 100, resumed from step 90 (attempt 1 was last seen at "
+        "step 80: 0 step(s) redone), 20 s after the failure"
+    ]
+    cluster.step(at(250), master(2, 150, resumed=90))
+    # By hand: steps 0..90 took 90 s in attempt 1 (its rate, carried on from 80 to the checkpoint
+    # attempt 2 resumed from); steps 90..150 took 110 s in attempt 2, from its creation at t=140 at the
+    # earliest. Kept 200 s of 250 s.
+    assert cluster.status.goodput == 0.8
 
 
 def test_goodput_discards_steps_undone_by_a_rollback() -> None:
