@@ -219,6 +219,8 @@ class RunRecord:
         notes: list[Note] = []
         if view.stepped:
             notes += self._stepped(attempt, view, now)
+        if view.resumed_step is None:
+            return notes  # still starting: the counters its checkpoint holds are not restored yet
         return notes + self._counted(view)
 
     def _resumed(self, attempt: int, step: int) -> None:

@@ -181,6 +181,10 @@ def test_the_run_record_notes_counter_changes_but_not_counters_restored_by_a_res
     notes = record.see(1, 0.0, gang(25, rollbacks=1, skipped_steps=2, last_clean_checkpoint=ref), 20.0)
     assert [(n.kind, n.step) for n in notes] == [("skip", 25), ("rollback", 25), ("checkpoint", 20)]
     assert notes[0].message == "2 step(s) skipped (non-finite or spike)"
-    # Attempt 2 resumes with the counters of its checkpoint: nothing new happened.
-    assert record.see(2, 30.0, gang(20, resumed=20, rollbacks=1, skipped_steps=2), 40.0) == []
+    # Attempt 2 starts (nothing restored yet), then resumes with the counters and the checkpoint it
+    # resumed from: nothing new happened.
+    starting = gang(0, stepped=False, phase=Phase.STARTING)
+    assert record.see(2, 30.0, starting, 35.0) == []
+    restored = gang(20, resumed=20, rollbacks=1, skipped_steps=2, last_clean_checkpoint=ref)
+    assert record.see(2, 30.0, restored, 40.0) == []
     assert record.figures(50.0, 0.0)["rollbacks"] == 1
