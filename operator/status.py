@@ -294,9 +294,9 @@ def checkpoint_status(raw: Mapping[str, Any]) -> CheckpointStatus | None:
             stamp = iso(datetime.fromtimestamp(float(when), UTC))
         except (OverflowError, ValueError, OSError):
             stamp = ""  # beyond the calendar: a worker's clock is not trusted
-    return CheckpointStatus(
-        step=step, path=str(raw.get("path", "")), sha256=str(raw.get("sha256", "")), time=stamp
-    )
+    # Clipped to the CRD's limits: a status the API server refuses would stop every later write.
+    path, sha256 = clip(str(raw.get("path", ""))), clip(str(raw.get("sha256", "")))
+    return CheckpointStatus(step=step, path=path, sha256=sha256, time=stamp)
 
 
 def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

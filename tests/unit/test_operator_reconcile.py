@@ -550,6 +550,17 @@ def test_the_gangs_step_is_its_slowest_ranks() -> None:
     assert cluster.status.step == 2100  # a step is done when every rank did it
 
 
+def test_a_checkpoint_reference_longer_than_the_crd_allows_is_clipped() -> None:
+    # The API server refuses a status beyond the CRD's limits, and then every later write with it.
+    cluster = started_cluster()
+    checkpoint = {"step": 100, "path": "/ckpt/" + "x" * 2000, "sha256": "ab" * 600}
+    cluster.step(T0 + timedelta(seconds=30), master(1, 120, last_clean_checkpoint=checkpoint))
+    stored = cluster.status.last_clean_checkpoint  # write_status checked it against the CRD's schema
+    assert stored is not None
+    assert stored.step == 100
+    assert stored.path.startswith("/ckpt/xxx")
+
+
 def test_a_checkpoint_time_beyond_the_calendar_is_no_crash() -> None:
     cluster = started_cluster()
     checkpoint = {"step": 100, "path": "/ckpt/step-100", "sha256": "ab", "time": 1e20}
@@ -1088,3 +1099,50 @@ def test_any_object_content_gives_a_plan_never_an_exception_nor_a_hot_loop(
     assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
     if plan.create is not None:
         assert schema_errors(plan.create) == []
+
+
+STATUS_FIELDS = st.fixed_dictionaries(
+    {"started_at": st.floats(-1e30, 1e30)},
+    optional={
+        "phase": st.sampled_from(["starting", "running", "rolling-back", "diverged", "finished", "failed"]),
+        "step": st.integers(-(2**70), 2**70),
+        "resumed_step": st.integers(-(2**70), 2**70),
+        "last_step_time": st.floats(-1e30, 1e30) | st.none(),
+        "rollbacks": st.integers(-(2**40), 2**40),
+        "skipped_steps": st.integers(-(2**40), 2**40),
+        "samples_seen": st.integers(-(2**40), 2**40),
+        "samples_dropped": st.integers(-(2**40), 2**40),
+        "message": st.text(max_size=5000),
+        "last_clean_checkpoint": st.fixed_dictionaries(
+            {"step": st.integers(-(2**70), 2**70), "path": st.text(max_size=9) | st.text(min_size=1025)},
+            optional={"time": st.floats(allow_nan=False)},
+        ),
+    },
+)
+MESSAGES = st.text(max_size=300) | JSON.map(json.dumps) | STATUS_FIELDS.map(json.dumps)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from([None, 0, 1, 2, 134, 137, 200]), MESSAGES), max_size=4
+    ),
+    st.none() | STATUS_FIELDS,
+)
+def test_any_termination_message_or_sidecar_status_gives_a_plan_never_an_exception(
+    ends: list[tuple[int, int | None, str]], live: dict[str, Any] | None
+) -> None:
+    """Whatever the workers leave as their termination messages (text, JSON, statuses with absurd
+    numbers) and whatever a sidecar serves, a step gives a plan and writes a status the CRD accepts."""
+    cluster = started_cluster()
+    for rank, code, message in ends:
+        ended = pod(1, rank, exit_code=code) if code is not None else pod(1, rank)
+        if code is not None:
+            ended["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+        cluster.pods.append(ended)  # beside the running pod of the same rank: two pods, one rank
+    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document({"status": live, "health": {}})}
+    plan = cluster.plan(T0 + timedelta(seconds=30), sidecars)
+    assert plan.requeue_seconds >= MIN_REQUEUE_SECONDS
+    json.dumps(plan.patch)
+    assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
+    assert all(len(e.message) < 10_000 for e in plan.events)
