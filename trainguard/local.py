@@ -29,9 +29,9 @@ from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.settings import Remediation
 from trainer_sidecar.status import WorkerStatus
 from trainguard.observation import GangView, ProcessState, SidecarReport, observe_gang
-from trainguard.policy import Action, Decision, FailureKind, Observation, decide
+from trainguard.policy import Action, Decision, Observation, decide
 from trainguard.spec import GuardedTrainingJob, SpecError
-from trainguard.summary import Incident, RunRecord
+from trainguard.summary import Incident, RunRecord, fault_time
 
 log = logging.getLogger("trainguard.run")
 
@@ -384,12 +384,8 @@ class LocalRunner:
         self.stop_gang()
 
     def _fault_time(self, decision: Decision) -> float:
-        # A hang began when the rank last made progress; anything else when it was seen.
-        if decision.failure is FailureKind.HANG and decision.rank is not None:
-            state = self.gang_view().rank(decision.rank)
-            if state is not None and state.last_step_time is not None:
-                return state.last_step_time
-        return time.time()
+        view = self.gang_view()
+        return fault_time(decision, view, attempt_started=self.attempt_started, now=time.time())
 
     # ---------------------------------------------------------------------------------- summary ---
     def summary(self) -> dict[str, Any]:

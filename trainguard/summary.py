@@ -13,11 +13,13 @@ went backwards (an in-process rollback): time spent on steps that were thrown aw
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard.observation import GangView
+from trainguard.policy import Decision, FailureKind
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,19 @@ def goodput(kept_seconds: float, wall_seconds: float, excluded_seconds: float = 
     """Kept time over wall time (optionally with some wall time, such as backoff, excluded)."""
     denominator = wall_seconds - excluded_seconds
     return 0.0 if denominator <= 0 else min(1.0, kept_seconds / denominator)
+
+
+def fault_time(decision: Decision, view: GangView, *, attempt_started: float, now: float) -> float:
+    """When the fault behind ``decision`` happened: a hang began when the hung rank last made progress
+    (by its own clock, kept within this attempt and the present: a worker's clock is not trusted);
+    anything else when it was seen (``now``)."""
+    if decision.failure is not FailureKind.HANG or decision.rank is None:
+        return now
+    state = view.rank(decision.rank)
+    last = state.last_step_time if state is not None else None
+    if last is None or not math.isfinite(last):
+        return now
+    return min(max(last, attempt_started), now)
 
 
 @dataclass(frozen=True)

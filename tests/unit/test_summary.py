@@ -10,7 +10,18 @@ from hypothesis import strategies as st
 
 from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus
 from trainguard.observation import GangView, observe_gang
-from trainguard.summary import Incident, Note, RunRecord, Sample, Stretch, goodput, kept_time, stretches
+from trainguard.policy import Action, Decision, FailureKind
+from trainguard.summary import (
+    Incident,
+    Note,
+    RunRecord,
+    Sample,
+    Stretch,
+    fault_time,
+    goodput,
+    kept_time,
+    stretches,
+)
 
 
 def progress(attempt: int, t0: float, s0: int, s1: int, seconds_per_step: float = 1.0) -> list[Sample]:
@@ -188,3 +199,22 @@ def test_the_run_record_notes_counter_changes_but_not_counters_restored_by_a_res
     restored = gang(20, resumed=20, rollbacks=1, skipped_steps=2, last_clean_checkpoint=ref)
     assert record.see(2, 30.0, restored, 40.0) == []
     assert record.figures(50.0, 0.0)["rollbacks"] == 1
+
+
+def test_a_hang_began_at_the_hung_ranks_last_step_within_the_attempt_and_the_present() -> None:
+    def hung_at(last_step_time: float | None) -> float:
+        # Unvalidated: the rule must hold even for a clock the status contract would refuse.
+        status = WorkerStatus.model_construct(
+            phase=Phase.RUNNING, step=9, started_at=1.0, last_step_time=last_step_time
+        )
+        view = observe_gang({1: status}, 2)
+        decision = Decision(Action.RESTART, failure=FailureKind.HANG, rank=1)
+        return fault_time(decision, view, attempt_started=100.0, now=200.0)
+
+    assert hung_at(150.0) == 150.0
+    assert hung_at(None) == 200.0  # never stepped: seen now
+    assert hung_at(50.0) == 100.0  # a previous process's step: not before this attempt
+    assert hung_at(1e300) == 200.0  # a clock in the future: not after now
+    assert hung_at(float("nan")) == 200.0
+    crash = Decision(Action.RESTART, failure=FailureKind.CRASH, rank=1)
+    assert fault_time(crash, observe_gang({}, 2), attempt_started=100.0, now=200.0) == 200.0
