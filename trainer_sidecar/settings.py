@@ -17,7 +17,10 @@ SETTINGS_ENV = "TRAINGUARD_SETTINGS"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    # Non-finite numbers are refused: the worker publishes these values in its status, which must be finite.
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, allow_inf_nan=False
+    )
 
 
 class GuardThresholds(_Section):

@@ -10,8 +10,10 @@ Endpoints (one port):
   200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
 * ``GET /metrics`` - Prometheus text exposition from a private registry.
 
-The status file is re-read on every request (it is a few hundred bytes). A missing, half-written or garbage
-file is a reason in the answer, never an exception: the sidecar itself must not be what fails.
+The status file is re-read on every request (it is a few hundred bytes; only a regular file of at most
+``MAX_STATUS_BYTES`` is read). A missing, half-written, oversized, special or garbage file is a reason in the
+answer, never an exception or a hang: the sidecar itself must not be what fails. Health is judged on the
+sidecar's own clock (``trainer_sidecar.health``); the configuration is one model (``SidecarSettings``).
 """
 
 from __future__ import annotations
@@ -33,15 +35,33 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Annotated, Any, cast
 from urllib.parse import urlsplit
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainer_sidecar.exitcodes import ExitCode
-from trainer_sidecar.status import STATUS_FILE_ENV, Phase, WorkerStatus, read_status
+from trainer_sidecar.health import (
+    DEFAULT_CLOCK_SKEW_SECONDS,
+    Clocks,
+    Health,
+    HealthPolicy,
+    Tracking,
+    assess_health,
+    implausible_timestamps,
+)
+from trainer_sidecar.status import (
+    STATUS_FILE_ENV,
+    HealthReport,
+    Phase,
+    SidecarInfo,
+    SidecarStatusDocument,
+    WorkerStatus,
+    read_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,124 +103,47 @@ _COUNTER_HELP: Mapping[str, str] = {
 
 
 @dataclass(frozen=True)
-class Health:
-    """A verdict on a worker: ``alive`` drives liveness, ``ready`` readiness; ``reason`` says why."""
+class Reading:
+    """One read of the status file: what was read (or why nothing was), the sidecar's clocks at the time,
+    the verdict, the sidecar's age of the worker's last step, and the counter totals after it."""
 
-    alive: bool
-    ready: bool
-    reason: str
-
-
-def assess_health(
-    now: float,
-    status: WorkerStatus | None,
-    read_error: str,
-    sidecar_started: float,
-    hang_timeout_seconds: float,
-    startup_grace_seconds: float,
-) -> Health:
-    """Judge a worker from its status at wall-clock time ``now``. Pure: no I/O, no clock.
-
-    Promises, in order of precedence:
-
-    * no status (missing, unreadable, garbage): alive but not ready during the startup grace counted from
-      ``sidecar_started``; not alive after it. The reason carries ``read_error``.
-    * phase diverged or failed: not alive; the reason names the phase and the worker's message.
-    * phase finished: alive and ready.
-    * phase rolling-back with ``busy_since`` set: alive but not ready while the rollback (restore and
-      held-out validation) has taken less than the startup grace; not alive after it. A rollback makes
-      no steps, and its validation may take far longer than the hang timeout.
-    * no step in this run of the worker (``last_step_time`` is None, or older than ``started_at``, which a
-      worker restarted inside the pod rewrites): alive but not ready during the startup grace counted from
-      ``status.started_at``; not alive after it. So a freshly (re)started worker always gets its grace,
-      even if its status carries the last step time of the run before.
-    * otherwise: not alive when the last step is more than ``hang_timeout_seconds`` old; else alive and ready.
-    """
-    grace = startup_grace_seconds
-    if status is None:
-        waited = now - sidecar_started
-        if waited < grace:
-            return Health(
-                alive=True,
-                ready=False,
-                reason=f"waiting for the worker status ({waited:.0f} s into the startup grace "
-                f"of {grace:g} s): {read_error}",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"no readable worker status after the startup grace of {grace:g} s: {read_error}",
-        )
-    if status.phase in (Phase.DIVERGED, Phase.FAILED):
-        detail = f": {status.message}" if status.message else ""
-        return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
-    if status.phase is Phase.FINISHED:
-        return Health(alive=True, ready=True, reason=f"worker finished at step {status.step}")
-    if status.phase is Phase.ROLLING_BACK and status.busy_since is not None:
-        busy = now - status.busy_since
-        if busy < grace:
-            return Health(
-                alive=True,
-                ready=False,
-                reason=f"rolling back at step {status.step}: restoring and validating for {busy:.0f} s "
-                f"(allowed: the startup grace of {grace:g} s)",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"rollback at step {status.step} not done within the startup grace of {grace:g} s "
-            f"({busy:.0f} s)",
-        )
-    last = status.last_step_time
-    if last is None or last < status.started_at:
-        since_start = now - status.started_at
-        if since_start < grace:
-            return Health(
-                alive=True,
-                ready=False,
-                reason=f"starting: no step yet, {since_start:.0f} s into the startup grace of {grace:g} s",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"no step within startup grace of {grace:g} s (worker started {since_start:.0f} s ago)",
-        )
-    age = now - last
-    if age > hang_timeout_seconds:
-        return Health(
-            alive=False,
-            ready=False,
-            reason=f"no step for {age:.1f} s (hang timeout {hang_timeout_seconds:g} s), "
-            f"last step {status.step}",
-        )
-    return Health(
-        alive=True,
-        ready=True,
-        reason=f"{status.phase.value}: step {status.step}, last step {max(age, 0.0):.1f} s ago",
-    )
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One read of the status file: what was read, when, the verdict, and the counter totals after it."""
-
-    now: float
+    clocks: Clocks
     status: WorkerStatus | None
     read_error: str
     health: Health
+    seconds_since_step: float | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
 
 
-def _safe_read_status(path: Path) -> tuple[WorkerStatus | None, str]:
-    """``read_status`` that cannot raise: undecodable bytes and other surprises become a reason."""
-    try:
-        return read_status(path)
-    except Exception as exc:  # a reader never trusts the file, nor the parser's error paths
-        return None, f"status file {path} cannot be read: {type(exc).__name__}: {exc}"
+def fold_counters(
+    last_seen: Mapping[str, int], totals: Mapping[str, float], status: WorkerStatus
+) -> tuple[dict[str, int], dict[str, float]]:
+    """The monotonic totals after reading ``status``: each counter grows by what the worker's count rose
+    since ``last_seen``; a decrease (a resume from an older checkpoint) only moves the baseline."""
+    seen = dict(last_seen)
+    grown = dict(totals)
+    for name in COUNTER_FIELDS:
+        value: int = getattr(status, name)
+        grown[name] += max(0, value - seen[name])
+        seen[name] = value
+    return seen, grown
+
+
+def _seconds_since_step(
+    tracking: Tracking, status: WorkerStatus | None, clocks: Clocks, policy: HealthPolicy
+) -> float | None:
+    """Seconds since the worker's last step of this run: since its progress last changed on the sidecar's
+    clock, or since its claimed ``last_step_time`` if longer. None without a plausible step of this run."""
+    if status is None or status.last_step_time is None or status.last_step_time < status.started_at:
+        return None
+    if implausible_timestamps(status, clocks.wall, policy.clock_skew_seconds):
+        return None  # no age to tell; the verdict reports the timestamps
+    return max(0.0, clocks.monotonic - tracking.progress_since, clocks.wall - status.last_step_time)
 
 
 class WorkerStatusCollector(Collector):
-    """Reads the status file on every scrape (and every probe) and exposes it as ``trainguard_*`` metrics.
+    """Reads the status file on every scrape (and every probe), judges the worker's health on the sidecar's
+    own clock (``trainer_sidecar.health``), and exposes both as ``trainguard_*`` metrics.
 
     Counters stay monotonic for the collector's lifetime. The worker's counts are cumulative over the job,
     but they go *down* when the worker resumes from a checkpoint older than its last status (the steps after
@@ -211,6 +154,7 @@ class WorkerStatusCollector(Collector):
     and a restarted sidecar picks up where the worker is rather than at zero.
 
     Gauges whose value is unknown (no status, no step yet, no loss) are omitted rather than exported as NaN.
+    Reads are serialised: the health tracking must see the file's versions in the order they were read.
     """
 
     def __init__(
@@ -221,40 +165,39 @@ class WorkerStatusCollector(Collector):
         startup_grace_seconds: float,
         job: str,
         namespace: str,
-        started_at: float | None = None,
-        clock: Callable[[], float] = time.time,
+        clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.status_file = status_file
-        self.hang_timeout_seconds = hang_timeout_seconds
-        self.startup_grace_seconds = startup_grace_seconds
+        self.policy = HealthPolicy(hang_timeout_seconds, startup_grace_seconds, clock_skew_seconds)
         self.job = job
         self.namespace = namespace
-        self._clock = clock
-        self.started_at = clock() if started_at is None else started_at
+        self._monotonic = monotonic
+        self._wall = wall
+        self.started_at = wall()
         self._lock = threading.Lock()
+        self._tracking = Tracking.begin(monotonic())
         self._last_seen: dict[str, int] = dict.fromkeys(COUNTER_FIELDS, 0)
         self._totals: dict[str, float] = dict.fromkeys(COUNTER_FIELDS, 0.0)
 
-    def snapshot(self) -> Snapshot:
-        """Read the status file, assess health, fold its counts into the monotonic totals. Never raises."""
-        status, read_error = _safe_read_status(self.status_file)
-        now = self._clock()
-        health = assess_health(
-            now,
-            status,
-            read_error,
-            self.started_at,
-            self.hang_timeout_seconds,
-            self.startup_grace_seconds,
-        )
+    def read(self) -> Reading:
+        """Read the status file, judge health, fold its counts into the monotonic totals. Never raises, and
+        never blocks on the file (``read_status`` reads regular files only, boundedly)."""
         with self._lock:
+            status, read_error = read_status(self.status_file)
+            clocks = Clocks(monotonic=self._monotonic(), wall=self._wall())
+            health, self._tracking = assess_health(self._tracking, status, read_error, clocks, self.policy)
             if status is not None:
-                for name in COUNTER_FIELDS:
-                    value: int = getattr(status, name)
-                    self._totals[name] += max(0, value - self._last_seen[name])
-                    self._last_seen[name] = value
-            counters = dict(self._totals)
-        return Snapshot(now=now, status=status, read_error=read_error, health=health, counters=counters)
+                self._last_seen, self._totals = fold_counters(self._last_seen, self._totals, status)
+            return Reading(
+                clocks=clocks,
+                status=status,
+                read_error=read_error,
+                health=health,
+                seconds_since_step=_seconds_since_step(self._tracking, status, clocks, self.policy),
+                counters=dict(self._totals),
+            )
 
     def describe(self) -> Iterable[Metric]:
         """Nothing declared up front: the registry is private, and describing must not read the file."""
@@ -262,103 +205,129 @@ class WorkerStatusCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         """The metric families for one fresh read of the status file."""
-        snap = self.snapshot()
+        reading = self.read()
         labels = [self.job, self.namespace]
-        status = snap.status
+        yield from _health_families(reading, labels)
+        if reading.status is not None:
+            yield from _status_families(reading, reading.status, labels)
+        yield from _counter_families(reading, labels)
 
-        def gauge(name: str, doc: str, value: float | None) -> Iterable[Metric]:
-            if value is None or not math.isfinite(value):
-                return []
-            family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
-            family.add_metric(labels, value)
-            return [family]
-
-        yield from gauge(
-            "trainguard_worker_alive",
-            "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
-            float(snap.health.alive),
+    def document(self, reading: Reading) -> SidecarStatusDocument:
+        """The ``/status`` body for ``reading``: the status or why none, health, the sidecar's settings."""
+        return SidecarStatusDocument(
+            status=reading.status,
+            read_error=reading.read_error,
+            health=HealthReport(**asdict(reading.health)),
+            time=reading.clocks.wall,
+            sidecar=SidecarInfo(
+                started_at=self.started_at,
+                hang_timeout_seconds=self.policy.hang_timeout_seconds,
+                startup_grace_seconds=self.policy.startup_grace_seconds,
+            ),
         )
-        yield from gauge(
-            "trainguard_worker_ready",
-            "1 while the worker is stepping or finished (its readiness probe passes), else 0.",
-            float(snap.health.ready),
+
+
+def _gauge(name: str, doc: str, labels: list[str], value: float | None) -> Iterable[Metric]:
+    """A one-sample gauge family, or nothing when the value is unknown or not finite."""
+    if value is None or not math.isfinite(value):
+        return []
+    family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
+    family.add_metric(labels, value)
+    return [family]
+
+
+def _health_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    """The alive and ready gauges of the verdict."""
+    yield from _gauge(
+        "trainguard_worker_alive",
+        "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
+        labels,
+        float(reading.health.alive),
+    )
+    yield from _gauge(
+        "trainguard_worker_ready",
+        "1 while the worker is stepping or finished (its readiness probe passes), else 0.",
+        labels,
+        float(reading.health.ready),
+    )
+
+
+def _status_families(reading: Reading, status: WorkerStatus, labels: list[str]) -> Iterable[Metric]:
+    """The phase family and the gauges of a status that could be read."""
+    phase = GaugeMetricFamily(
+        "trainguard_worker_phase",
+        "The worker's phase: 1 for the current one, 0 for the others.",
+        labels=[*LABEL_NAMES, "phase"],
+    )
+    for each in Phase:
+        phase.add_metric([*labels, each.value], float(status.phase is each))
+    yield phase
+    for name, doc, value in _status_gauges(reading, status):
+        yield from _gauge(name, doc, labels, value)
+
+
+def _status_gauges(reading: Reading, status: WorkerStatus) -> list[tuple[str, str, float | None]]:
+    """(name, help, value) of every gauge taken from the worker's status; a None value is omitted."""
+    gauges: list[tuple[str, str, float | None]] = [
+        ("trainguard_worker_step", "The worker's current training step.", status.step),
+        ("trainguard_worker_loss", "Loss of the last finite step.", status.loss),
+        (
+            "trainguard_worker_grad_norm",
+            "Total L2 gradient norm of the last step, before clipping.",
+            status.grad_norm,
+        ),
+        (
+            "trainguard_worker_drop_ratio",
+            "Dropped samples over samples seen, over the job.",
+            status.drop_rate,
+        ),
+        (
+            "trainguard_worker_lr_scale",
+            "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
+            status.lr_scale,
+        ),
+    ]
+    if reading.seconds_since_step is not None:
+        gauges += [
+            (
+                "trainguard_worker_last_step_timestamp_seconds",
+                "Wall-clock time of the worker's last step (unix seconds).",
+                status.last_step_time,
+            ),
+            (
+                "trainguard_worker_seconds_since_last_step",
+                "Seconds since the worker's last step, as of this scrape (on the sidecar's own clock; the "
+                "worker's timestamp only when it is older).",
+                reading.seconds_since_step,
+            ),
+        ]
+    checkpoint = status.last_clean_checkpoint
+    if checkpoint is not None:
+        gauges += [
+            (
+                "trainguard_worker_last_clean_checkpoint_step",
+                "Step of the newest clean checkpoint on the checkpoint volume.",
+                checkpoint.step,
+            ),
+            (
+                "trainguard_worker_last_clean_checkpoint_timestamp_seconds",
+                "Wall-clock time the newest clean checkpoint was written (unix seconds).",
+                checkpoint.time if checkpoint.time > 0 else None,
+            ),
+        ]
+    return gauges
+
+
+def _counter_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    """The monotonic counters, also without a status (they keep their totals)."""
+    for name, metric_name in COUNTER_FIELDS.items():
+        counter = CounterMetricFamily(
+            metric_name,
+            f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
+            labels=LABEL_NAMES,
         )
-        if status is not None:
-            phase = GaugeMetricFamily(
-                "trainguard_worker_phase",
-                "The worker's phase: 1 for the current one, 0 for the others.",
-                labels=[*LABEL_NAMES, "phase"],
-            )
-            for value in Phase:
-                phase.add_metric([*labels, value.value], float(status.phase is value))
-            yield phase
-            yield from gauge("trainguard_worker_step", "The worker's current training step.", status.step)
-            yield from gauge("trainguard_worker_loss", "Loss of the last finite step.", status.loss)
-            yield from gauge(
-                "trainguard_worker_grad_norm",
-                "Total L2 gradient norm of the last step, before clipping.",
-                status.grad_norm,
-            )
-            yield from gauge(
-                "trainguard_worker_drop_ratio",
-                "Dropped samples over samples seen, over the job.",
-                status.drop_rate,
-            )
-            yield from gauge(
-                "trainguard_worker_lr_scale",
-                "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
-                status.lr_scale,
-            )
-            if status.last_step_time is not None:
-                yield from gauge(
-                    "trainguard_worker_last_step_timestamp_seconds",
-                    "Wall-clock time of the worker's last step (unix seconds).",
-                    status.last_step_time,
-                )
-                yield from gauge(
-                    "trainguard_worker_seconds_since_last_step",
-                    "Seconds since the worker's last step, as of this scrape.",
-                    max(0.0, snap.now - status.last_step_time),
-                )
-            checkpoint = status.last_clean_checkpoint
-            if checkpoint is not None:
-                yield from gauge(
-                    "trainguard_worker_last_clean_checkpoint_step",
-                    "Step of the newest clean checkpoint on the checkpoint volume.",
-                    checkpoint.step,
-                )
-                yield from gauge(
-                    "trainguard_worker_last_clean_checkpoint_timestamp_seconds",
-                    "Wall-clock time the newest clean checkpoint was written (unix seconds).",
-                    checkpoint.time if checkpoint.time > 0 else None,
-                )
-        for name, metric_name in COUNTER_FIELDS.items():
-            counter = CounterMetricFamily(
-                metric_name,
-                f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
-                labels=LABEL_NAMES,
-            )
-            counter.add_metric(labels, snap.counters[name])
-            yield counter
-
-
-def status_document(snap: Snapshot, collector: WorkerStatusCollector) -> dict[str, Any]:
-    """The ``/status`` JSON body: status fields (plus ``drop_rate``) or null, health, sidecar settings."""
-    status: dict[str, Any] | None = None
-    if snap.status is not None:
-        status = snap.status.model_dump(mode="json")
-        status["drop_rate"] = snap.status.drop_rate
-    return {
-        "status": status,
-        "read_error": snap.read_error,
-        "health": asdict(snap.health),
-        "time": snap.now,
-        "sidecar": {
-            "started_at": collector.started_at,
-            "hang_timeout_seconds": collector.hang_timeout_seconds,
-            "startup_grace_seconds": collector.startup_grace_seconds,
-        },
-    }
+        counter.add_metric(labels, reading.counters[name])
+        yield counter
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -386,13 +355,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, path: str) -> None:
         collector = self._sidecar().collector
         if path == "/healthz":
-            health = collector.snapshot().health
+            health = collector.read().health
             self._send_verdict(health.alive, health.reason)
         elif path == "/readyz":
-            health = collector.snapshot().health
+            health = collector.read().health
             self._send_verdict(health.ready, health.reason)
         elif path == "/status":
-            body = json.dumps(status_document(collector.snapshot(), collector), indent=2) + "\n"
+            document = collector.document(collector.read()).to_document()
+            body = json.dumps(document, indent=2) + "\n"
             self._send(HTTPStatus.OK, body.encode(), "application/json")
         elif path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
@@ -404,7 +374,9 @@ class _Handler(BaseHTTPRequestHandler):
         if good:
             self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
         else:
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"{reason}\n".encode(), "text/plain; charset=utf-8")
+            # A path from the command line may hold bytes that are not UTF-8 (surrogates in str).
+            body = f"{reason}\n".encode(errors="backslashreplace")
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain; charset=utf-8")
 
     def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
         self.send_response(code)
@@ -456,19 +428,33 @@ class SidecarServer:
         job: str = DEFAULT_JOB_NAME,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        self.host = host
-        self.collector = WorkerStatusCollector(
-            Path(status_file),
+        settings = SidecarSettings(
+            status_file=Path(status_file),
+            host=host,
+            port=port,
             hang_timeout_seconds=hang_timeout_seconds,
             startup_grace_seconds=startup_grace_seconds,
             job=job,
             namespace=namespace,
         )
+        self.host = settings.host
+        self.collector = WorkerStatusCollector(
+            settings.status_file,
+            hang_timeout_seconds=settings.hang_timeout_seconds,
+            startup_grace_seconds=settings.startup_grace_seconds,
+            job=settings.job,
+            namespace=settings.namespace,
+        )
         self.registry = CollectorRegistry()
         self.registry.register(self.collector)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._httpd = _SidecarHTTPServer((host, port), self.collector, self.registry, family)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._httpd = _SidecarHTTPServer((self.host, settings.port), self.collector, self.registry, family)
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, settings: SidecarSettings) -> SidecarServer:
+        """A server configured by validated ``settings`` (bound, not yet serving)."""
+        return cls(**settings.model_dump())
 
     @property
     def port(self) -> int:
@@ -512,103 +498,92 @@ class SidecarServer:
         self.stop()
 
 
-class _UsageError(ValueError):
-    """A command-line or environment value is invalid; the message names the flag and the variable."""
+#: Longest hang timeout or startup grace accepted: a week. Limits are measured on a float monotonic clock
+#: that stays exact far beyond; a week bounds what a probe can sensibly wait for and refuses absurd values.
+MAX_DURATION_SECONDS = 7 * 24 * 3600.0
+
+Seconds = Annotated[float, Field(allow_inf_nan=False, le=MAX_DURATION_SECONDS)]
 
 
-def _number(raw: str, flag: str, env: str, *, integer: bool = False) -> float:
-    kind = "an integer" if integer else "a number"
+class SidecarSettings(BaseModel):
+    """The sidecar's configuration, validated in one place: every flag defaults from its environment
+    variable (``SETTING_SOURCES``), then from the field's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    status_file: Path = Field(description="The worker's status file (required).")
+    host: str = Field(DEFAULT_HOST, min_length=1, max_length=255, description="Address to listen on.")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Port to listen on; 0 picks a free one.")
+    hang_timeout_seconds: Seconds = Field(
+        DEFAULT_HANG_TIMEOUT_SECONDS,
+        gt=0,
+        description="A worker without progress for this long is not alive.",
+    )
+    startup_grace_seconds: Seconds = Field(
+        DEFAULT_STARTUP_GRACE_SECONDS,
+        ge=0,
+        description="Time a worker gets to publish its status and make its first step (and a rollback).",
+    )
+    job: str = Field(DEFAULT_JOB_NAME, min_length=1, max_length=253, description="The job label on metrics.")
+    namespace: str = Field(
+        DEFAULT_NAMESPACE, min_length=1, max_length=253, description="The namespace label on metrics."
+    )
+
+    @field_validator("status_file", mode="before")
+    @classmethod
+    def _required_path(cls, value: object) -> object:
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            raise ValueError("must be a path (not empty, no NUL byte)")
+        return value
+
+
+#: Field name -> (flag, environment variable) it is set from.
+SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
+    "status_file": ("--status-file", STATUS_FILE_ENV),
+    "host": ("--host", HOST_ENV),
+    "port": ("--port", PORT_ENV),
+    "hang_timeout_seconds": ("--hang-timeout-seconds", HANG_TIMEOUT_ENV),
+    "startup_grace_seconds": ("--startup-grace-seconds", STARTUP_GRACE_ENV),
+    "job": ("--job", JOB_NAME_ENV),
+    "namespace": ("--namespace", NAMESPACE_ENV),
+}
+
+
+class SettingsError(ValueError):
+    """A flag or environment value is invalid; the message names the flag and the variable."""
+
+
+def load_settings(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> SidecarSettings:
+    """The settings from ``flags`` (field name -> the flag's value, None when not given) over ``environ``
+    over the defaults. Raises ``SettingsError`` naming the flag and the variable of the first bad value."""
+    raw: dict[str, str] = {}
+    for name, (_, env) in SETTING_SOURCES.items():
+        value = flags.get(name)
+        if value is None:
+            value = environ.get(env)
+        if value is not None:
+            raw[name] = value
     try:
-        value = float(int(raw)) if integer else float(raw)
-    except ValueError:
-        raise _UsageError(f"{flag} (or ${env}): {raw!r} is not {kind}") from None
-    if not math.isfinite(value):
-        raise _UsageError(f"{flag} (or ${env}): {raw!r} is not a finite number")
-    if value < 0:
-        raise _UsageError(f"{flag} (or ${env}): must not be negative, got {raw!r}")
-    return value
+        return SidecarSettings.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        name = str(error["loc"][0]) if error["loc"] else ""
+        flag, env = SETTING_SOURCES.get(name, ("--status-file", STATUS_FILE_ENV))
+        given = f", got {raw[name]!r}" if name in raw else ""
+        problem = "is required" if error["type"] == "missing" else error["msg"]
+        raise SettingsError(f"{flag} (or ${env}): {problem}{given}") from None
 
 
-@dataclass(frozen=True)
-class _Options:
-    status_file: Path
-    host: str
-    port: int
-    hang_timeout_seconds: float
-    startup_grace_seconds: float
-    job: str
-    namespace: str
-
-
-def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainguard-sidecar",
         description="Serve a training worker's status file as liveness/readiness probes, JSON and metrics.",
     )
-    env = environ.get
-    parser.add_argument(
-        "--status-file",
-        default=env(STATUS_FILE_ENV, ""),
-        help=f"the worker's status file (env {STATUS_FILE_ENV}; required)",
-    )
-    parser.add_argument(
-        "--port",
-        default=env(PORT_ENV, str(DEFAULT_PORT)),
-        help=f"port to listen on, 0 picks a free one (env {PORT_ENV}, default {DEFAULT_PORT})",
-    )
-    parser.add_argument(
-        "--host",
-        default=env(HOST_ENV, DEFAULT_HOST),
-        help=f"address to listen on (env {HOST_ENV}, default {DEFAULT_HOST})",
-    )
-    parser.add_argument(
-        "--hang-timeout-seconds",
-        default=env(HANG_TIMEOUT_ENV, f"{DEFAULT_HANG_TIMEOUT_SECONDS:g}"),
-        help=f"a worker without a step for this long is not alive (env {HANG_TIMEOUT_ENV}, "
-        f"default {DEFAULT_HANG_TIMEOUT_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--startup-grace-seconds",
-        default=env(STARTUP_GRACE_ENV, f"{DEFAULT_STARTUP_GRACE_SECONDS:g}"),
-        help=f"time a worker gets to publish its status and make its first step (env {STARTUP_GRACE_ENV}, "
-        f"default {DEFAULT_STARTUP_GRACE_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--job",
-        default=env(JOB_NAME_ENV, DEFAULT_JOB_NAME),
-        help=f"value of the job label on metrics (env {JOB_NAME_ENV}, default {DEFAULT_JOB_NAME})",
-    )
-    parser.add_argument(
-        "--namespace",
-        default=env(NAMESPACE_ENV, DEFAULT_NAMESPACE),
-        help=f"value of the namespace label on metrics (env {NAMESPACE_ENV}, default {DEFAULT_NAMESPACE})",
-    )
+    for name, (flag, env) in SETTING_SOURCES.items():
+        info = SidecarSettings.model_fields[name]
+        default = "required" if info.is_required() else f"default {info.default}"
+        parser.add_argument(flag, dest=name, default=None, help=f"{info.description} (env {env}; {default})")
     return parser
-
-
-def _options(args: argparse.Namespace) -> _Options:
-    status_file = str(args.status_file).strip()
-    if not status_file:
-        raise _UsageError(f"--status-file (or ${STATUS_FILE_ENV}) is required")
-    port = _number(str(args.port), "--port", PORT_ENV, integer=True)
-    if port > 65535:
-        raise _UsageError(f"--port (or ${PORT_ENV}): must be at most 65535, got {args.port!r}")
-    host = str(args.host).strip()
-    if not host:
-        raise _UsageError(f"--host (or ${HOST_ENV}) must not be empty")
-    hang = _number(str(args.hang_timeout_seconds), "--hang-timeout-seconds", HANG_TIMEOUT_ENV)
-    if hang <= 0:
-        raise _UsageError(f"--hang-timeout-seconds (or ${HANG_TIMEOUT_ENV}): must be positive, got {hang:g}")
-    grace = _number(str(args.startup_grace_seconds), "--startup-grace-seconds", STARTUP_GRACE_ENV)
-    return _Options(
-        status_file=Path(status_file),
-        host=host,
-        port=int(port),
-        hang_timeout_seconds=hang,
-        startup_grace_seconds=grace,
-        job=str(args.job),
-        namespace=str(args.namespace),
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -619,39 +594,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     listening it prints ``trainguard-sidecar listening on http://HOST:PORT`` to stdout (flushed), so a
     parent that passed ``--port 0`` learns the port.
     """
-    parser = _parser(os.environ)
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or argparse's own usage errors (already printed)
         return exc.code if isinstance(exc.code, int) else int(ExitCode.CONFIG_ERROR)
     try:
-        options = _options(args)
-    except _UsageError as exc:
+        settings = load_settings(vars(args), os.environ)
+    except SettingsError as exc:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
     try:
-        server = SidecarServer(
-            options.status_file,
-            host=options.host,
-            port=options.port,
-            hang_timeout_seconds=options.hang_timeout_seconds,
-            startup_grace_seconds=options.startup_grace_seconds,
-            job=options.job,
-            namespace=options.namespace,
-        )
+        server = SidecarServer.from_settings(settings)
     except OSError as exc:
         print(
-            f"{parser.prog}: error: cannot listen on {options.host}:{options.port} "
+            f"{parser.prog}: error: cannot listen on {settings.host}:{settings.port} "
             f"(--host/${HOST_ENV}, --port/${PORT_ENV}): {exc}",
             file=sys.stderr,
         )
         return int(ExitCode.CONFIG_ERROR)
+    _serve_until_signalled(server)
+    logger.info("trainguard-sidecar stopped")
+    return int(ExitCode.SUCCEEDED)
 
+
+def _serve_until_signalled(server: SidecarServer) -> None:
+    """Serve until SIGTERM or SIGINT, then stop the server and restore the previous signal handlers."""
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -668,8 +640,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    logger.info("trainguard-sidecar stopped")
-    return int(ExitCode.SUCCEEDED)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,34 @@
-"""The status channel from a worker's guardian to its sidecar: one small JSON file, written atomically.
+"""The status channel from a worker's guardian to its sidecar: one small JSON file, written atomically, and
+the one contract every reader of it validates against.
 
-The guardian rewrites the file at most every ``status_interval_seconds`` (and at once on a phase
-change); the sidecar and the local runner read it. A reader never trusts the file: a missing,
-half-written or garbage file reads as ``None`` with a reason, never as an exception.
+The guardian rewrites the file at most every ``status_interval_seconds`` (and at once on a phase change);
+the sidecar reads it, and the operator and the local runner receive it again as JSON (the sidecar's
+``/status`` body, a container's termination message). Every reader goes through ``read_status`` (a file)
+or ``parse_status`` / ``parse_status_document`` (JSON from elsewhere), which validate with
+``WorkerStatus`` and never raise: a missing, half-written, oversized, special or garbage input reads as
+``None`` with a reason.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
+from typing import Annotated, NamedTuple, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    model_validator,
+)
 
 STATUS_FILE_ENV = "TRAINGUARD_STATUS_FILE"
 #: Where the guardian writes its final status when the worker ends (a container's terminationMessagePath).
@@ -21,6 +36,37 @@ TERMINATION_MESSAGE_ENV = "TRAINGUARD_TERMINATION_MESSAGE_PATH"
 #: The kubelet keeps at most this much of a container's termination message.
 TERMINATION_MESSAGE_LIMIT = 4096
 SCHEMA_VERSION = 1
+
+#: A status is a few hundred bytes; a reader refuses (without reading them) inputs larger than this.
+MAX_STATUS_BYTES = 64 * 1024
+#: The worker's free-text message is cut to this many characters (it is a reason, not a log).
+MAX_MESSAGE_CHARS = 1024
+#: Longest checkpoint path accepted (Linux's PATH_MAX).
+MAX_PATH_CHARS = 4096
+#: Largest counter or step accepted: every such value stays exact as a JSON number and a float sample.
+MAX_COUNT = 2**53
+#: Largest process id (pid_t is a signed 32-bit integer).
+MAX_PID = 2**31 - 1
+#: Largest gang accepted (well above what the operator's spec allows).
+MAX_WORLD_SIZE = 2**20
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _shorten(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+# Integers are strict (no bools, no numeric strings, no floats); floats are finite (the models set
+# allow_inf_nan=False) and strict (no bools or strings; integers are fine).
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
+Timestamp = Annotated[float, Strict(), Field(ge=0.0)]
+FiniteFloat = Annotated[float, Strict()]
+NonNegativeFloat = Annotated[float, Strict(), Field(ge=0.0)]
+Message = Annotated[str, AfterValidator(_shorten)]
 
 
 class Phase(StrEnum):
@@ -35,65 +81,256 @@ class Phase(StrEnum):
 
 
 class CheckpointRef(BaseModel):
-    """A clean checkpoint on the shared volume."""
+    """A clean checkpoint on the shared volume: its step, folder, rank 0's file hash and write time."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    step: int
-    path: str
-    sha256: str = ""
-    time: float = 0.0
+    step: Count
+    path: str = Field(max_length=MAX_PATH_CHARS)
+    sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="Lower-case hex, or empty: unknown.")
+    time: Timestamp = 0.0
 
 
 class WorkerStatus(BaseModel):
-    """One worker's published state. Counters are cumulative over the job (restored on resume)."""
+    """One worker's published state. Counters are cumulative over the job (restored on resume).
 
-    model_config = ConfigDict(extra="ignore")
+    Validation is strict where a reader relies on it: integers are integers (not bools, strings or
+    floats) and non-negative counters, floats are finite, timestamps are non-negative, the phase is a known
+    one, the rank is below the world size, and strings are bounded (``message`` is shortened to
+    ``MAX_MESSAGE_CHARS``; an over-long checkpoint path is refused). Whether timestamps are *plausible*
+    (not in the future) is for the reader to judge against its own clock. Unknown fields are ignored, so a
+    newer writer's additions do not make a status unreadable.
+    """
 
-    schema_version: int = SCHEMA_VERSION
-    rank: int = 0
-    world_size: int = 1
-    pid: int = 0
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    schema_version: Annotated[int, Strict(), Field(ge=1)] = SCHEMA_VERSION
+    rank: Annotated[int, Strict(), Field(ge=0, lt=MAX_WORLD_SIZE)] = 0
+    world_size: Annotated[int, Strict(), Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    pid: Annotated[int, Strict(), Field(ge=0, le=MAX_PID)] = 0
     phase: Phase = Phase.STARTING
-    started_at: float = Field(description="Wall-clock time the guardian was created (unix seconds).")
-    updated_at: float = 0.0
-    step: int = 0
-    resumed_step: int = Field(
+    started_at: Timestamp = Field(description="Wall-clock time the guardian was created (unix seconds).")
+    updated_at: Timestamp = 0.0
+    step: Count = 0
+    resumed_step: Count = Field(
         0, description="The checkpoint step this process resumed from (0: a fresh start)."
     )
-    last_step_time: float | None = None
-    busy_since: float | None = Field(
+    last_step_time: Timestamp | None = None
+    busy_since: Timestamp | None = Field(
         None,
         description="While the phase is rolling-back (restoring the snapshot, then validating it): when "
         "that began (unix seconds). None otherwise.",
     )
-    loss: float | None = None
-    grad_norm: float | None = None
-    lr_scale: float = 1.0
-    max_grad_norm: float = 0.0
-    steps_total: int = 0
-    skipped_steps: int = 0
-    consecutive_bad_steps: int = 0
-    rollbacks: int = 0
-    spikes: int = 0
-    samples_seen: int = 0
-    samples_dropped: int = 0
-    explosion_pattern: str | None = None
+    loss: FiniteFloat | None = None
+    grad_norm: NonNegativeFloat | None = None
+    lr_scale: NonNegativeFloat = 1.0
+    max_grad_norm: NonNegativeFloat = 0.0
+    steps_total: Count = 0
+    skipped_steps: Count = 0
+    consecutive_bad_steps: Count = 0
+    rollbacks: Count = 0
+    spikes: Count = 0
+    samples_seen: Count = 0
+    samples_dropped: Count = 0
+    explosion_pattern: str | None = Field(None, max_length=64)
     last_clean_checkpoint: CheckpointRef | None = None
-    message: str = ""
+    message: Message = ""
+
+    @model_validator(mode="after")
+    def _rank_in_gang(self) -> Self:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        return self
 
     @property
     def drop_rate(self) -> float:
         """Dropped samples over samples seen (0 before any sample)."""
         return self.samples_dropped / self.samples_seen if self.samples_seen else 0.0
 
+    def to_document(self) -> dict[str, object]:
+        """The JSON object every writer publishes: the fields, plus the derived ``drop_rate``."""
+        payload: dict[str, object] = self.model_dump(mode="json")
+        payload["drop_rate"] = self.drop_rate
+        return payload
+
+
+class StatusRead(NamedTuple):
+    """The outcome of reading or parsing a status: ``(status, "")`` or ``(None, why not)``."""
+
+    status: WorkerStatus | None
+    reason: str
+
+
+def _validate(
+    model: type[_Model], data: object, source: str, what: str, limit: int
+) -> tuple[_Model | None, str]:
+    """``data`` (JSON text or bytes of at most ``limit`` bytes, or a decoded object) validated as ``model``,
+    or None and a reason naming ``source`` and the first offending field. Never raises."""
+    try:
+        if isinstance(data, (str, bytes)):
+            size = len(data.encode() if isinstance(data, str) else data)
+            if size > limit:
+                return None, f"{source} is {size} bytes, more than the {limit} allowed"
+            return model.model_validate_json(data), ""
+        if not isinstance(data, Mapping):
+            return None, f"{source} is not a JSON object"
+        return model.model_validate(data), ""
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(document)"
+        return None, f"{source} is not a valid {what} ({where}: {first['msg']})"
+    except Exception as exc:  # a reader never trusts its input, nor the parser's error paths
+        return None, f"{source} cannot be parsed: {type(exc).__name__}"
+
+
+def parse_status(data: object, source: str = "the status") -> StatusRead:
+    """Validate a worker status that arrived as JSON text or bytes, or as an already decoded JSON object
+    (a ``/status`` body's ``status``, a termination message). Never raises; ``source`` names the input in
+    the reason. Text beyond ``MAX_STATUS_BYTES`` is refused unparsed."""
+    return StatusRead(*_validate(WorkerStatus, data, source, "worker status", MAX_STATUS_BYTES))
+
+
+def _read_bounded(fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes from ``fd`` (fewer at end of file)."""
+    chunks: list[bytes] = []
+    remaining = limit
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, 65536))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
+def _read_status_bytes(path: Path) -> bytes | str:
+    """The bytes of the regular file at ``path`` (symlinks followed), or the reason they cannot be had.
+
+    A special file is refused before it is opened where ``stat`` can tell (opening a device may have side
+    effects), and again after, by ``fstat`` on what was opened (the path may have been swapped between).
+    ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a writer."""
+    source = f"status file {path}"
+    try:
+        before = os.stat(path)
+        if not stat.S_ISREG(before.st_mode):
+            return f"{source} is {_file_kind(before.st_mode)}, not a regular file"
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        return f"{source} does not exist yet"
+    except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
+        return f"{source} cannot be read: {exc}"
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            return f"{source} is {_file_kind(opened.st_mode)}, not a regular file"
+        if opened.st_size > MAX_STATUS_BYTES:
+            return f"{source} is {opened.st_size} bytes, more than the {MAX_STATUS_BYTES} allowed"
+        data = _read_bounded(fd, MAX_STATUS_BYTES + 1)
+    except OSError as exc:
+        return f"{source} cannot be read: {exc}"
+    finally:
+        os.close(fd)
+    if len(data) > MAX_STATUS_BYTES:
+        return f"{source} is more than the {MAX_STATUS_BYTES} bytes allowed"
+    return data
+
+
+def read_status(path: Path) -> StatusRead:
+    """Read and validate a worker's status file. Never raises and never blocks on a special file: only a
+    regular file (a symlink to one is fine) of at most ``MAX_STATUS_BYTES`` is read, and no more than
+    that. Returns ``(status, "")`` or ``(None, why it could not be read)``; the reason names the path."""
+    data = _read_status_bytes(Path(path))
+    if isinstance(data, str):
+        return StatusRead(None, data)
+    return parse_status(data, f"status file {path}")
+
+
+#: The sidecar's reasons (health, read errors) are cut to this many characters.
+MAX_REASON_CHARS = 8192
+
+
+def _shorten_reason(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+Reason = Annotated[str, AfterValidator(_shorten_reason)]
+
+
+class HealthReport(BaseModel):
+    """The sidecar's verdict on its worker: ``alive`` is what ``/healthz`` answers, ``ready`` what
+    ``/readyz`` answers, ``reason`` why (also when both are true)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    alive: Annotated[bool, Strict()]
+    ready: Annotated[bool, Strict()]
+    reason: Reason = ""
+
+
+class SidecarInfo(BaseModel):
+    """The settings a sidecar judges with: when it started (unix seconds) and its two time limits."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    started_at: Timestamp
+    hang_timeout_seconds: NonNegativeFloat
+    startup_grace_seconds: NonNegativeFloat
+
+
+class SidecarStatusDocument(BaseModel):
+    """The body of a sidecar's ``GET /status``: the worker's status as the sidecar read it (None when it
+    could not, then ``read_error`` says why), the health verdict, the sidecar's time (unix seconds) and
+    settings. The sidecar builds its answer with this model, and the operator and the local runner parse
+    it with ``parse_status_document``."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    status: WorkerStatus | None
+    read_error: Reason = ""
+    health: HealthReport
+    time: Timestamp
+    sidecar: SidecarInfo
+
+    def to_document(self) -> dict[str, object]:
+        """The JSON object served: the fields, with ``status.drop_rate`` added when there is a status."""
+        payload: dict[str, object] = self.model_dump(mode="json")
+        if self.status is not None:
+            payload["status"] = self.status.to_document()
+        return payload
+
+
+class DocumentRead(NamedTuple):
+    """The outcome of parsing a sidecar's ``/status`` body: ``(document, "")`` or ``(None, why not)``."""
+
+    document: SidecarStatusDocument | None
+    reason: str
+
+
+def parse_status_document(data: object, source: str = "the sidecar's /status") -> DocumentRead:
+    """Validate a sidecar's ``/status`` body (JSON text or bytes, or an already decoded object) with the
+    same ``WorkerStatus`` the sidecar read. Never raises; anything malformed is ``(None, reason)``, the
+    reason naming ``source`` and the first offending field. Text beyond ``MAX_STATUS_BYTES`` plus room for
+    the reasons is refused unparsed."""
+    limit = MAX_STATUS_BYTES + 4 * MAX_REASON_CHARS
+    return DocumentRead(*_validate(SidecarStatusDocument, data, source, "sidecar status", limit))
+
 
 def write_termination_message(path: Path, status: WorkerStatus) -> None:
     """Write ``status`` as compact JSON, within the kubelet's 4096-byte limit, to a container's
     termination message file, so that the final state outlives the pod's sidecar (it lands in the pod's
     ``state.terminated.message``). The free-text message is shortened first if the limit requires it."""
-    payload = status.model_dump(mode="json")
-    payload["drop_rate"] = status.drop_rate
+    payload = status.to_document()
     text = json.dumps(payload, separators=(",", ":"))
     overflow = len(text.encode()) - TERMINATION_MESSAGE_LIMIT
     if overflow > 0:
@@ -105,27 +342,9 @@ def write_termination_message(path: Path, status: WorkerStatus) -> None:
 
 def write_status(path: Path, status: WorkerStatus) -> None:
     """Replace the status file atomically (temp file and rename), so a reader sees old or new, never half."""
-    payload = status.model_dump(mode="json")
-    payload["drop_rate"] = status.drop_rate
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, separators=(",", ":")))
+    tmp.write_text(json.dumps(status.to_document(), separators=(",", ":")))
     os.replace(tmp, path)
-
-
-def read_status(path: Path) -> tuple[WorkerStatus | None, str]:
-    """Read a status file. Returns (status, "") or (None, why it could not be read)."""
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        return None, f"status file {path} does not exist yet"
-    except OSError as exc:
-        return None, f"status file {path} cannot be read: {exc}"
-    try:
-        return WorkerStatus.model_validate_json(text), ""
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(document)"
-        return None, f"status file {path} is not a valid status ({where}: {first['msg']})"
 
 
 class StatusPublisher:

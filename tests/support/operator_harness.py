@@ -121,6 +121,7 @@ class Sidecars:
             "phase": Phase.RUNNING,
             "last_step_time": now,
             "rank": rank,
+            "world_size": len(self.files),
         }
         values |= fields
         write_status(self.files[rank], WorkerStatus(**values))

@@ -12,6 +12,7 @@ import torch
 
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.data import GuardedLoader, sample_is_bad
+from trainer_sidecar.guardian import UncleanState
 from trainer_sidecar.status import read_status
 
 
@@ -491,3 +492,162 @@ def test_bf16_autocast_steps_are_guarded_like_fp32() -> None:
     before = clone_state(model)
     assert guardian.step(bad).reason == "non-finite loss"
     assert_same(before, clone_state(model))
+
+
+# --- the whole state must be finite to be saved ----------------------------------------------------------
+
+
+class Poisonable(torch.nn.Module):
+    """An embedding, a linear layer and a BatchNorm: state that no gradient check sees (buffers, rows
+    no batch looks up, optimizer moments) can be poisoned from outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.norm(self.embed(ids)))
+        return out
+
+
+def poisonable_loss(model: Poisonable) -> torch.Tensor:
+    ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])  # rows 4-9 are never looked up
+    loss: torch.Tensor = model(ids).pow(2).mean()
+    return loss
+
+
+def buffer(module: torch.nn.Module, name: str) -> torch.Tensor:
+    found = getattr(module, name)
+    assert isinstance(found, torch.Tensor)
+    return found
+
+
+def finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    tensors = [*model.state_dict().values()]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+POISONS: dict[str, Any] = {
+    "batchnorm running mean": lambda m, o: m.norm.running_mean.fill_(math.nan),
+    "embedding row never looked up": lambda m, o: m.embed.weight.data[7].fill_(math.nan),
+    "adam exp_avg_sq": lambda m, o: o.state[m.head.weight]["exp_avg_sq"].fill_(math.inf),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_a_poisoned_state_is_never_saved_as_clean_and_rolls_back(tmp_path: Path, poison: str) -> None:
+    model = Poisonable()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    config = settings(checkpoint={"snapshotEverySteps": 2, "everySteps": 4})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+    for _ in range(4):
+        assert guardian.step(poisonable_loss(model)).applied
+    assert guardian.store is not None
+    guardian.store.wait()
+    assert guardian.store.newest_valid() == 4
+    for _ in range(2):
+        assert guardian.step(poisonable_loss(model)).applied
+    with torch.no_grad():
+        POISONS[poison](model, optimizer)
+    outcomes = [guardian.step(poisonable_loss(model)) for _ in range(2)]  # step 8: snapshot and checkpoint
+    assert outcomes[-1].rolled_back
+    assert not outcomes[-1].applied
+    assert outcomes[-1].reason == "non-finite training state"
+    assert guardian.rollbacks == 1
+    assert guardian.step_count == 6  # the snapshot at step 6 was clean
+    assert finite_state(model, optimizer)
+    guardian.store.wait()
+    assert guardian.store.newest_valid() == 4  # nothing was written from the poisoned state
+
+
+def test_a_state_that_stays_poisoned_diverges_instead_of_finishing(tmp_path: Path) -> None:
+    model = Poisonable()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def poison(*_: Any) -> None:
+        with torch.no_grad():
+            buffer(model.norm, "running_var").fill_(math.nan)  # a broken update: every step poisons a buffer
+
+    optimizer.register_step_post_hook(poison)
+    config = settings(checkpoint={"snapshotEverySteps": 1, "everySteps": 1}, guard={"maxRollbacks": 2})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+
+    def train() -> None:
+        for _ in range(10):
+            guardian.step(poisonable_loss(model))
+
+    with pytest.raises(Diverged, match="non-finite training state"):
+        train()
+    assert guardian.rollbacks == 2
+    assert guardian.phase is Phase.DIVERGED
+    assert guardian.store is not None
+    assert guardian.store.newest_valid() is None
+
+
+def test_finish_never_reports_success_over_a_poisoned_final_state(tmp_path: Path) -> None:
+    model = Poisonable()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=settings())
+    for _ in range(3):
+        guardian.step(poisonable_loss(model))
+    with torch.no_grad():
+        buffer(model.norm, "running_mean").fill_(math.nan)
+    with pytest.raises(UncleanState, match="step 3"):
+        guardian.finish()
+    assert guardian.phase is not Phase.FINISHED
+    assert guardian.step_count == 0  # rolled back to the starting snapshot
+    assert finite_state(model, optimizer)
+
+
+def test_run_trains_on_after_a_poisoned_final_state_until_it_is_clean(tmp_path: Path) -> None:
+    model = Poisonable()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=settings())
+    dataset = [torch.tensor(i % 4) for i in range(64)]
+    poisoned = False
+    for ids in guardian.run(guardian.loader(dataset, batch_size=8), max_steps=5):
+        guardian.step(model(ids).pow(2).mean())
+        if guardian.step_count == 5 and not poisoned:
+            poisoned = True
+            with torch.no_grad():
+                buffer(model.norm, "running_mean").fill_(math.nan)
+    assert guardian.phase is Phase.FINISHED
+    assert guardian.rollbacks == 1
+    assert guardian.step_count == 5
+    assert finite_state(model, optimizer)
+    assert guardian.store is not None
+    assert guardian.store.newest_valid() == 5
+
+
+def test_a_configuration_error_is_the_final_status_and_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status_file, message_file = tmp_path / "status.json", tmp_path / "termination-log"
+    monkeypatch.setenv("TRAINGUARD_STATUS_FILE", str(status_file))
+    monkeypatch.setenv("TRAINGUARD_TERMINATION_MESSAGE_PATH", str(message_file))
+    monkeypatch.setenv("TRAINGUARD_SETTINGS", '{"guard": {"maxGradNorm": -1}}')
+    model = tiny_model()
+    with pytest.raises(ConfigError):
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for path in (status_file, message_file):
+        status, reason = read_status(path)
+        assert status is not None, reason
+        assert status.phase is Phase.FAILED
+        assert "TRAINGUARD_SETTINGS" in status.message
+        assert "guard.maxGradNorm" in status.message
+
+
+def test_an_explicit_checkpoint_dir_that_contradicts_the_orchestrator_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_DIR", str(tmp_path / "mounted"))
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="TRAINGUARD_CHECKPOINT_DIR") as caught:
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "mine")
+    assert "checkpoint_dir" in str(caught.value)
+    same = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "mounted")
+    assert same.checkpoint_dir == tmp_path / "mounted"

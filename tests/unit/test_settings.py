@@ -97,6 +97,8 @@ def test_settings_are_frozen() -> None:
         ({"guard": {"lossSpikeFactor": 0.5}}, "guard.lossSpikeFactor"),
         ({"guard": {"gradNormSpikeFactor": 1}}, "guard.gradNormSpikeFactor"),
         ({"guard": {"maxGradNorm": 0}}, "guard.maxGradNorm"),
+        ({"guard": {"maxGradNorm": float("inf")}}, "guard.maxGradNorm"),
+        ({"remediation": {"maxGradNorm": float("nan")}}, "remediation.maxGradNorm"),
         ({"guard": {"maxConsecutiveBadSteps": 0}}, "guard.maxConsecutiveBadSteps"),
         ({"guard": {"maxRollbacks": "many"}}, "guard.maxRollbacks"),
         ({"guard": {"lossSpikeWindw": 100}}, "guard.lossSpikeWindw"),

@@ -1,0 +1,65 @@
+"""This process's place in its torch.distributed job, and the few collectives the guardian uses.
+
+Every decision the guardian takes (skip, roll back, which checkpoint to resume) must be the same on
+every rank, or the ranks fall out of step and the next all-reduce hangs. The guardian therefore agrees on
+its numbers through these collectives. Without a process group the gang is one process and every
+collective is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Gang:
+    """The rank, the world size, and the device collectives run on (CUDA under NCCL, else the CPU)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = CPU
+
+    @classmethod
+    def current(cls) -> Gang:
+        """The gang of the default process group, or a gang of one when there is none."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        device = CPU
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        return cls(dist.get_rank(), dist.get_world_size(), device)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether there are other ranks to agree with."""
+        return self.world_size > 1
+
+    def all_reduce(
+        self, values: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """``values`` reduced over the gang (a copy on the collective device; the input is untouched)."""
+        reduced = values.to(self.device, copy=True)
+        if self.distributed:
+            dist.all_reduce(reduced, op=op)
+        return reduced
+
+    def agree_min(self, values: Sequence[int]) -> list[int]:
+        """The element-wise minimum of ``values`` over every rank (one collective, one host sync)."""
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        return [int(v) for v in self.all_reduce(tensor, dist.ReduceOp.MIN).tolist()]
+
+    def agree_max(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over every rank (one collective, one host sync)."""
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        return [int(v) for v in self.all_reduce(tensor, dist.ReduceOp.MAX).tolist()]
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op without other ranks)."""
+        if self.distributed:
+            dist.barrier()
