@@ -18,14 +18,13 @@ from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_L
 from trainguard_operator.status import TERMINAL_PHASES, JobStatus
 
 from trainer_sidecar.exitcodes import describe_exit
-from trainer_sidecar.status import WorkerStatus
+from trainer_sidecar.status import WorkerStatus, parse_status
 from trainguard.observation import (
     GangView,
     ProcessState,
     RankState,
     SidecarReport,
     observe_gang,
-    parse_status_text,
     rank_observation,
 )
 from trainguard.policy import RankObservation, classify
@@ -115,7 +114,7 @@ def final_status(pod: Mapping[str, Any]) -> WorkerStatus | None:
     message = _termination_message(pod)
     if not message.lstrip().startswith("{"):
         return None
-    return parse_status_text(message)
+    return parse_status(message, f"the termination message of pod {meta(pod).get('name')}").status
 
 
 def _quoted_message(pod: Mapping[str, Any]) -> str:

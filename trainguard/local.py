@@ -283,10 +283,7 @@ class LocalRunner:
         code, body = _http_get(rank.sidecar_url + "/status", 2.0)
         if code != 200:
             return
-        try:
-            report = SidecarReport.from_document(json.loads(body))
-        except (ValueError, RecursionError):
-            return
+        report = SidecarReport.from_document(body)
         if report.status is not None:
             rank.status = report.status
 

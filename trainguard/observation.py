@@ -23,34 +23,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from trainer_sidecar.exitcodes import ExitCode, describe_exit
-from trainer_sidecar.status import Phase, WorkerStatus
+from trainer_sidecar.status import Phase, WorkerStatus, parse_status_document
 from trainguard.policy import RankObservation
 
 #: Phases in which a rank has failed by its own account.
 FAILING_PHASES = frozenset({Phase.DIVERGED, Phase.FAILED})
-
-
-def parse_status(document: Any) -> WorkerStatus | None:
-    """A status that arrived as a JSON object from elsewhere (a sidecar's ``/status`` body), validated by
-    the contract's model; None when it is not a valid status (never raises)."""
-    if not isinstance(document, Mapping):
-        return None
-    try:
-        return WorkerStatus.model_validate(document)
-    except (ValidationError, ValueError, TypeError):
-        return None
-
-
-def parse_status_text(text: str | bytes) -> WorkerStatus | None:
-    """A status that arrived as JSON text (a container's termination message), validated by the
-    contract's model; None when it is not a valid status (never raises)."""
-    try:
-        return WorkerStatus.model_validate_json(text)
-    except (ValidationError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -65,19 +43,13 @@ class SidecarReport:
 
     @classmethod
     def from_document(cls, document: Any) -> SidecarReport:
-        """Read a ``/status`` JSON document. Anything but an object reads as an unreachable sidecar; a
-        ``status`` that is not a valid worker status reads as no status (never raises)."""
-        if not isinstance(document, Mapping):
-            return cls(reachable=False, reason="the sidecar's /status is not a JSON object")
-        health = document.get("health")
-        alive = health.get("alive") if isinstance(health, Mapping) else None
-        reason = health.get("reason", "") if isinstance(health, Mapping) else ""
-        return cls(
-            reachable=True,
-            alive=alive if isinstance(alive, bool) else None,
-            reason=str(reason),
-            status=parse_status(document.get("status")),
-        )
+        """Read a ``/status`` body (JSON text or bytes, or a decoded object) with the status contract's
+        parser; anything it refuses reads as an unreachable sidecar, with its reason (never raises)."""
+        parsed, why = parse_status_document(document)
+        if parsed is None:
+            return cls(reachable=False, reason=why)
+        health = parsed.health
+        return cls(reachable=True, alive=health.alive, reason=health.reason, status=parsed.status)
 
 
 @dataclass(frozen=True)

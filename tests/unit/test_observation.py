@@ -12,13 +12,7 @@ from hypothesis import strategies as st
 
 from trainer_sidecar.exitcodes import ExitCode
 from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus
-from trainguard.observation import (
-    ProcessState,
-    SidecarReport,
-    observe_gang,
-    parse_status,
-    parse_status_text,
-)
+from trainguard.observation import ProcessState, SidecarReport, observe_gang
 from trainguard.policy import FailureKind, classify
 
 
@@ -71,7 +65,7 @@ def test_a_rank_has_stepped_when_its_last_step_is_not_older_than_its_process() -
 
 
 def test_collective_counters_take_the_newest_and_samples_are_summed() -> None:
-    ref = CheckpointRef(step=300, path="/ckpt/step-300", sha256="ab", time=5.0)
+    ref = CheckpointRef(step=300, path="/ckpt/step-300", sha256="ab" * 32, time=5.0)
     older = CheckpointRef(step=200, path="/ckpt/step-200")
     view = observe_gang(
         {
@@ -86,7 +80,8 @@ def test_collective_counters_take_the_newest_and_samples_are_summed() -> None:
     assert (view.samples_seen, view.samples_dropped) == (2000, 4)
     assert view.drop_rate == pytest.approx(0.002)
     assert view.checkpoint is not None
-    assert view.checkpoint.as_dict() == {"step": 300, "path": "/ckpt/step-300", "sha256": "ab", "time": 5.0}
+    expected = {"step": 300, "path": "/ckpt/step-300", "sha256": "ab" * 32, "time": 5.0}
+    assert view.checkpoint.as_dict() == expected
     assert observe_gang({0: status(0)}, 1).drop_rate == 0.0  # no sample yet: no drop
 
 
@@ -212,18 +207,37 @@ def test_a_failed_exit_carries_the_workers_own_reason() -> None:
     assert crash.reason == "x"
 
 
-# ------------------------------------------------------------------------------------------ parsing ---
-def test_statuses_from_elsewhere_are_validated_by_the_contract() -> None:
-    good = {"started_at": 1.0, "step": 3, "phase": "running", "drop_rate": 0.0}
-    parsed = parse_status(good)
-    assert parsed is not None
-    assert parsed.step == 3
-    assert parse_status_text(json.dumps(good)) == parsed
-    bad: list[Any] = [None, [], "text", {"step": 3}, {"started_at": 1.0, "step": "x"}]
-    for document in [*bad, {"started_at": 1, "phase": "?"}]:
-        assert parse_status(document) is None
-    for text in ("", "{", "[1]", '{"step": 1}', "\xff", b"\xff\xfe"):
-        assert parse_status_text(text) is None
+# ------------------------------------------------------------------------------------ sidecar reports ---
+def sidecar_document(worker: Any, alive: Any = True, reason: Any = "running") -> dict[str, Any]:
+    """A sidecar's ``/status`` body around ``worker`` (the status part) and a health verdict."""
+    return {
+        "status": worker,
+        "read_error": "",
+        "health": {"alive": alive, "ready": alive, "reason": reason},
+        "time": 10.0,
+        "sidecar": {"started_at": 1.0, "hang_timeout_seconds": 30.0, "startup_grace_seconds": 60.0},
+    }
+
+
+def test_a_status_document_reads_typed_through_the_contracts_parser() -> None:
+    worker = {"started_at": 1.0, "step": 9, "phase": "diverged", "drop_rate": 0.0}
+    report = SidecarReport.from_document(sidecar_document(worker, False, "worker phase is diverged"))
+    assert (report.reachable, report.alive, report.reason) == (True, False, "worker phase is diverged")
+    assert report.status is not None
+    assert (report.status.phase, report.status.step) == (Phase.DIVERGED, 9)
+    # The same as JSON text or bytes, as a runner receives it.
+    text = json.dumps(sidecar_document(worker, False, "worker phase is diverged"))
+    assert SidecarReport.from_document(text) == report
+    assert SidecarReport.from_document(text.encode()) == report
+    unread = SidecarReport.from_document(sidecar_document(None, True, "no status yet"))
+    assert (unread.reachable, unread.alive, unread.status) == (True, True, None)
+
+
+def test_a_document_the_contract_refuses_is_an_unreachable_sidecar_with_the_reason() -> None:
+    for document in ([1], "{", b"\xff", {"status": {"step": 1}}, sidecar_document({"step": "x"})):
+        report = SidecarReport.from_document(document)
+        assert (report.reachable, report.alive, report.status) == (False, None, None)
+        assert report.reason  # says why
 
 
 JSON = st.recursive(
@@ -239,21 +253,11 @@ STATUS_KEYS = st.sampled_from(["started_at", "step", "phase", "last_step_time", 
 def test_any_status_document_reads_as_a_report_never_an_exception(
     document: Any, fields: dict[str, Any], health: Any
 ) -> None:
-    for candidate in (document, {"status": fields, "health": health}):
+    for candidate in (document, sidecar_document(fields, health, "x"), json.dumps(document)):
         report = SidecarReport.from_document(candidate)
-        assert report.reachable == isinstance(candidate, dict)
         assert report.alive in (None, True, False)
         assert report.status is None or isinstance(report.status, WorkerStatus)
+        if not report.reachable:
+            assert (report.alive, report.status) == (None, None)
         if report.status is not None:
-            observe_gang({0: report.status}, 1)  # and any valid status makes a view
-
-
-def test_a_status_document_reads_typed() -> None:
-    report = SidecarReport.from_document(
-        {"status": {"started_at": 1.0, "step": 9, "phase": "diverged"}, "health": {"alive": False,
-         "reason": "worker phase is diverged"}}
-    )  # fmt: skip
-    assert (report.reachable, report.alive, report.reason) == (True, False, "worker phase is diverged")
-    assert report.status is not None
-    assert report.status.phase is Phase.DIVERGED
-    assert SidecarReport.from_document({"status": "{}"}).status is None  # a string is no status object
+            observe_gang({0: report.status}, 1)  # and any status the contract accepts makes a view

@@ -468,7 +468,7 @@ def test_the_final_step_comes_from_the_workers_termination_messages() -> None:
         final = pod(1, rank, exit_code=0)
         terminated = final["status"]["containerStatuses"][0]["state"]["terminated"]
         message = {"phase": "finished", "step": 120, "started_at": 1.0, "last_step_time": 3.0, "rollbacks": 1}
-        message["last_clean_checkpoint"] = {"step": 120, "path": "/ckpt/step-0000000120", "sha256": "ab"}
+        message["last_clean_checkpoint"] = {"step": 120, "path": "/ckpt/step-0000000120", "sha256": "ab" * 32}
         terminated["message"] = json.dumps(message)
         cluster.set_pod(final)
     assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.SUCCEED
@@ -550,31 +550,47 @@ def test_the_gangs_step_is_its_slowest_ranks() -> None:
     assert cluster.status.step == 2100  # a step is done when every rank did it
 
 
+def sidecar_body(worker: Any, alive: bool = True, reason: str = "running") -> dict[str, Any]:
+    """A sidecar's ``/status`` body around ``worker``, as it comes over the wire."""
+    return {
+        "status": worker,
+        "read_error": "",
+        "health": {"alive": alive, "ready": alive, "reason": reason},
+        "time": 10.0,
+        "sidecar": {"started_at": 1.0, "hang_timeout_seconds": 30.0, "startup_grace_seconds": 60.0},
+    }
+
+
 def served(step: int, **fields: Any) -> dict[str, SidecarReport]:
-    """Rank 0's sidecar serving a status as it comes over the wire (read by the contract's parser)."""
+    """Rank 0's sidecar serving a status, read by the status contract's parser."""
     worker = {"phase": "running", "step": step, "started_at": 1.0, "last_step_time": 2.0, **fields}
-    document = {"status": worker, "health": {"alive": True, "reason": "running"}}
-    return {"tiny-lm-1-master-0": SidecarReport.from_document(document)}
+    report = SidecarReport.from_document(json.dumps(sidecar_body(worker)))
+    assert report.status is not None, report.reason
+    return {"tiny-lm-1-master-0": report}
 
 
 def test_a_checkpoint_reference_longer_than_the_crd_allows_is_clipped() -> None:
-    # The API server refuses a status beyond the CRD's limits, and then every later write with it.
+    # The status contract allows a path up to PATH_MAX; the CRD allows 1024 characters. The API server
+    # refuses a status beyond the CRD's limits, and then every later write with it.
     cluster = started_cluster()
-    checkpoint = {"step": 100, "path": "/ckpt/" + "x" * 2000, "sha256": "ab" * 600}
+    checkpoint = {"step": 100, "path": "/ckpt/" + "x" * 2000, "sha256": "ab" * 32}
     plan = cluster.step(T0 + timedelta(seconds=30), served(120, last_clean_checkpoint=checkpoint))
     assert plan.action is PlanAction.NOTHING  # and write_status checked the status against the CRD
     stored = cluster.status.last_clean_checkpoint
-    # Unless the status contract refuses such a status outright, the reference is kept, clipped.
-    assert stored is None or (stored.step == 100 and stored.path.startswith("/ckpt/xxx"))
+    assert stored is not None
+    assert stored.step == 100
+    assert stored.path.startswith("/ckpt/xxx")
+    assert len(stored.path) == 1024
 
 
 def test_a_checkpoint_time_beyond_the_calendar_is_no_crash() -> None:
     cluster = started_cluster()
-    checkpoint = {"step": 100, "path": "/ckpt/step-100", "sha256": "ab", "time": 1e20}
+    checkpoint = {"step": 100, "path": "/ckpt/step-100", "sha256": "ab" * 32, "time": 1e20}
     plan = cluster.step(T0 + timedelta(seconds=30), served(120, last_clean_checkpoint=checkpoint))
     assert plan.action is PlanAction.NOTHING
     stored = cluster.status.last_clean_checkpoint
-    assert stored is None or (stored.step, stored.time) == (100, "")
+    assert stored is not None
+    assert (stored.step, stored.time) == (100, "")
 
 
 def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
@@ -1108,21 +1124,24 @@ def test_any_object_content_gives_a_plan_never_an_exception_nor_a_hot_loop(
         assert schema_errors(plan.create) == []
 
 
+# Mostly within the status contract (so that statuses get through), sometimes beyond it.
+COUNTS = st.integers(0, 2**53) | st.integers(-(2**70), 2**70)
+TIMES = st.floats(0, 1e12) | st.floats(-1e30, 1e30)
 STATUS_FIELDS = st.fixed_dictionaries(
-    {"started_at": st.floats(-1e30, 1e30)},
+    {"started_at": TIMES},
     optional={
         "phase": st.sampled_from(["starting", "running", "rolling-back", "diverged", "finished", "failed"]),
-        "step": st.integers(-(2**70), 2**70),
-        "resumed_step": st.integers(-(2**70), 2**70),
-        "last_step_time": st.floats(-1e30, 1e30) | st.none(),
-        "rollbacks": st.integers(-(2**40), 2**40),
-        "skipped_steps": st.integers(-(2**40), 2**40),
-        "samples_seen": st.integers(-(2**40), 2**40),
-        "samples_dropped": st.integers(-(2**40), 2**40),
+        "step": COUNTS,
+        "resumed_step": COUNTS,
+        "last_step_time": TIMES | st.none(),
+        "rollbacks": COUNTS,
+        "skipped_steps": COUNTS,
+        "samples_seen": COUNTS,
+        "samples_dropped": COUNTS,
         "message": st.text(max_size=5000),
         "last_clean_checkpoint": st.fixed_dictionaries(
-            {"step": st.integers(-(2**70), 2**70), "path": st.text(max_size=9) | st.text(min_size=1025)},
-            optional={"time": st.floats(allow_nan=False)},
+            {"step": COUNTS, "path": st.text(max_size=9) | st.text(min_size=1025, max_size=1100)},
+            optional={"time": TIMES, "sha256": st.just("ab" * 32)},
         ),
     },
 )
@@ -1147,7 +1166,7 @@ def test_any_termination_message_or_sidecar_status_gives_a_plan_never_an_excepti
         if code is not None:
             ended["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
         cluster.pods.append(ended)  # beside the running pod of the same rank: two pods, one rank
-    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document({"status": live, "health": {}})}
+    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document(sidecar_body(live))}
     plan = cluster.plan(T0 + timedelta(seconds=30), sidecars)
     assert plan.requeue_seconds >= MIN_REQUEUE_SECONDS
     json.dumps(plan.patch)
