@@ -210,7 +210,7 @@ def rank_observation(rank: int, state: RankState | None, process: ProcessState) 
     if code is not None:
         reason = process.exit_reason or describe_exit(code)
         says_why = state is not None and (state.phase is Phase.FAILED or code == ExitCode.CONFIG_ERROR)
-        if says_why and state is not None and state.message:
+        if says_why and state is not None and state.message and state.message not in reason:
             reason = f"{reason}: {state.message}"
         return RankObservation(rank=rank, exit_code=code, alive=None, reason=reason)
     return RankObservation(rank=rank, alive=alive, reason=process.health_reason if alive is False else "")

@@ -201,6 +201,9 @@ def test_a_failed_exit_carries_the_workers_own_reason() -> None:
     assert (
         seen.reason == "configuration error (permanent): TRAINGUARD_SETTINGS: guard.maxGradNorm: must be > 0"
     )
+    # An executor that already read the reason (from the termination message) does not get it twice.
+    told = ProcessState(exit_code=2, exit_reason=f"configuration error (permanent): {config.message}")
+    assert observe_gang({0: config}, 1).rank_observation(0, told).reason == told.exit_reason
     # A running worker's passing remark is no exit reason.
     remark = status(7, message="held-out loss after rollback: 2.3")
     crash = observe_gang({0: remark}, 1).rank_observation(0, ProcessState(exit_code=137, exit_reason="x"))
