@@ -86,7 +86,7 @@ def small_state(value: float) -> dict[str, Any]:
 def step_files(root: Path, step: int) -> tuple[Path, Path]:
     """Rank 0's data file and manifest of ``step``."""
     directory = root / step_dir_name(step)
-    return directory / "rank-0.pt", directory / "rank-0.json"
+    return directory / "rank-0.safetensors", directory / "rank-0.json"
 
 
 def flip_one_bit(path: Path, offset: int | None = None) -> None:
@@ -104,27 +104,29 @@ def serialize(state: Any) -> bytes:
     return b"".join(bytes(view) for piece in pieces for view in piece.views)
 
 
-PREFIX = len(checkpoint_format.MAGIC) + 12  # magic, uint32 version, uint64 header length
-
-
 def split_file(data: bytes) -> tuple[dict[str, Any], bytes]:
-    """A checkpoint file's JSON header and its data section."""
-    assert data.startswith(checkpoint_format.MAGIC)
-    version, length = struct.unpack_from("<IQ", data, len(checkpoint_format.MAGIC))
-    assert version == checkpoint_format.FORMAT_VERSION
-    header = json.loads(data[PREFIX : PREFIX + length])
-    data_start = -(-(PREFIX + length) // 64) * 64
-    assert data[PREFIX + length : data_start] == bytes(data_start - PREFIX - length)
-    return header, data[data_start:]
+    """A checkpoint file's JSON header (trailing padding stripped) and its data section."""
+    (length,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8 : 8 + length])
+    assert (8 + length) % 64 == 0, "the data does not start at a multiple of 64 bytes"
+    return header, data[8 + length :]
 
 
-def join_file(
-    header: Any, data_section: bytes, *, raw_header: bytes | None = None, version: int = 2
-) -> bytes:
-    """A checkpoint file from a header (any JSON value, or raw bytes) and a data section."""
+def join_file(header: Any, data_section: bytes, *, raw_header: bytes | None = None) -> bytes:
+    """A checkpoint file from a header (any JSON value, or raw bytes, padded to 64) and a data section."""
     text = json.dumps(header).encode() if raw_header is None else raw_header
-    prefix = checkpoint_format.MAGIC + struct.pack("<IQ", version, len(text)) + text
-    return prefix + bytes(-len(prefix) % 64) + data_section
+    text += b" " * (-(8 + len(text)) % 64)
+    return struct.pack("<Q", len(text)) + text + data_section
+
+
+def header_state(header: dict[str, Any]) -> Any:
+    """The state tree a header's metadata holds."""
+    return json.loads(header["__metadata__"]["state"])
+
+
+def with_state(header: dict[str, Any], node: Any) -> dict[str, Any]:
+    """``header`` with its metadata's state tree replaced by ``node``."""
+    return {**header, "__metadata__": {**header["__metadata__"], "state": json.dumps(node)}}
 
 
 def same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:

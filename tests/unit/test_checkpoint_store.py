@@ -85,14 +85,14 @@ def test_manifest_records_step_time_world_size_and_the_files_size_and_sha256(tmp
     assert before <= manifest["time"] <= after
     assert manifest["loss"] == 1.5
     assert manifest["clean"] is True
-    entry = manifest["files"]["rank-0.pt"]
+    entry = manifest["files"]["rank-0.safetensors"]
     assert entry["size"] == data_path.stat().st_size > 0
     assert entry["sha256"] == hashlib.sha256(data_path.read_bytes()).hexdigest()
     assert ref is not None
     assert ref.sha256 == entry["sha256"]
     assert ref.time == manifest["time"]
     # Nothing but the two published files is left behind (no temp files).
-    assert sorted(p.name for p in data_path.parent.iterdir()) == ["rank-0.json", "rank-0.pt"]
+    assert sorted(p.name for p in data_path.parent.iterdir()) == ["rank-0.json", "rank-0.safetensors"]
 
 
 # --- corruption and fallback ---------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_incomplete_checkpoint_is_neither_complete_nor_chosen(tmp_path: Path) ->
         assert "rng" not in rank0.load(20)
 
         # Rank 1 also checks rank 0's file, which holds the model it loads.
-        flip_one_bit(tmp_path / step_dir_name(20) / "rank-0.pt")
+        flip_one_bit(tmp_path / step_dir_name(20) / "rank-0.safetensors")
         assert not rank1.verify(20).valid
         assert rank1.newest_valid() == 10
     finally:
@@ -312,10 +312,10 @@ class _RunsCodeWhenUnpickled:
 
 
 def _publish_crafted(store: CheckpointStore, step: int, payload: bytes) -> Path:
-    """Place ``payload`` as rank-0.pt of ``step`` with a manifest that matches it (size and SHA-256)."""
+    """Place ``payload`` as rank 0's data file of ``step`` with a manifest that matches it (size, SHA-256)."""
     directory = store.root / step_dir_name(step)
     directory.mkdir()
-    data_path = directory / "rank-0.pt"
+    data_path = directory / "rank-0.safetensors"
     data_path.write_bytes(payload)
     manifest = {
         "format": checkpoint_format.FORMAT_VERSION,
@@ -323,7 +323,7 @@ def _publish_crafted(store: CheckpointStore, step: int, payload: bytes) -> Path:
         "rank": 0,
         "world_size": 1,
         "time": time.time(),
-        "files": {"rank-0.pt": {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}},
+        "files": {data_path.name: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}},
     }
     (directory / "rank-0.json").write_text(json.dumps(manifest))
     return data_path
@@ -353,7 +353,7 @@ def test_load_refuses_a_manifested_file_whose_pickle_would_run_code(
 
     # Control: the same bytes loaded by pickle really do run the code.
     if kind == "torch.save":
-        torch.load(data_path, weights_only=False)
+        torch.load(io.BytesIO(payload), weights_only=False)
     else:
         pickle.loads(payload)  # the point of the control
     assert marker.exists()
@@ -374,10 +374,10 @@ def test_load_refuses_a_pickle_behind_valid_magic_and_header(store: CheckpointSt
 def test_load_rejects_a_file_that_is_not_a_checkpoint_dict(store: CheckpointStore) -> None:
     directory = store.root / step_dir_name(4)
     directory.mkdir()
-    torch.save(torch.zeros(3), directory / "rank-0.pt")
+    torch.save(torch.zeros(3), directory / "rank-0.safetensors")
     with pytest.raises(CheckpointError, match="not a trainguard checkpoint"):
         store.load(4)
-    (directory / "rank-0.pt").write_bytes(serialize([torch.zeros(3), 1]))  # a v2 file, but a list
+    (directory / "rank-0.safetensors").write_bytes(serialize([torch.zeros(3), 1]))  # a v2 file, but a list
     with pytest.raises(CheckpointError, match=r"not a trainguard checkpoint \(top level is list\)"):
         store.load(4)
 
@@ -388,14 +388,14 @@ def test_a_format_1_checkpoint_is_skipped_as_an_unknown_format(store: Checkpoint
     directory.mkdir()
     buffer = io.BytesIO()
     torch.save(small_state(20.0), buffer)
-    (directory / "rank-0.pt").write_bytes(buffer.getvalue())
+    (directory / "rank-0.safetensors").write_bytes(buffer.getvalue())
     manifest = {
         "format": 1,
         "step": 20,
         "world_size": 1,
         "time": time.time(),
         "files": {
-            "rank-0.pt": {
+            "rank-0.safetensors": {
                 "size": len(buffer.getvalue()),
                 "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
             }
@@ -478,7 +478,7 @@ def _build(root: Path, plan: dict[int, str]) -> None:
                 else:  # a crash mid-write: a data file, no manifest
                     directory = root / step_dir_name(step)
                     directory.mkdir()
-                    (directory / "rank-0.pt").write_bytes(b"half a checkpoint")
+                    (directory / "rank-0.safetensors").write_bytes(b"half a checkpoint")
         finally:
             single.close()
             partial.close()

@@ -9,7 +9,7 @@
 
 from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.checkpoint.format import DTYPES, FORMAT_VERSION, read_state
-from trainer_sidecar.checkpoint.store import CheckpointStore, Verdict, step_dir_name
+from trainer_sidecar.checkpoint.store import CheckpointStore, Verdict, data_file_name, step_dir_name
 
 __all__ = [
     "DTYPES",
@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "Verdict",
+    "data_file_name",
     "read_state",
     "step_dir_name",
 ]

@@ -3,9 +3,9 @@
 Layout under the checkpoint directory::
 
     step-0000002000/
-        rank-0.pt        model, optimizer, scheduler, scaler, guardian counters, RNG and data position
-        rank-0.json      manifest: step, time, world size, and each file's size and SHA-256
-        rank-1.pt        (other ranks) RNG and data position only; the model is replicated under DDP
+        rank-0.safetensors  model, optimizer, scheduler, scaler, guardian counters, RNG and data position
+        rank-0.json         manifest: step, time, world size, and each file's size and SHA-256
+        rank-1.safetensors  (other ranks) RNG and data position only; the model is replicated under DDP
         rank-1.json
 
 A checkpoint is *complete* when every rank's manifest exists, and *valid* for a rank when the files
@@ -14,7 +14,8 @@ fsync, rename, directory fsync; the manifest last, so a manifest never describes
 Only complete checkpoints count towards ``keep_clean``; the newest complete one is never deleted, and
 nothing is ever overwritten: a step that already has a valid checkpoint is not written again.
 
-Old (format 1, ``torch.save``) checkpoints are reported as an unknown format and skipped, never loaded.
+Checkpoints of older formats (1: ``torch.save``; 2: trainguard's own raw format) are reported as an unknown
+format and skipped, never loaded.
 
 A save copies the state into reusable host buffers (``save_async``: the only part the training loop
 waits for); then a writer thread writes the file (see ``writer``), then the manifest. Rank 0's pruning
@@ -57,6 +58,11 @@ class Verdict:
     step: int
     valid: bool
     reason: str = ""
+
+
+def data_file_name(rank: int) -> str:
+    """The name of a rank's data file inside a checkpoint directory."""
+    return f"rank-{rank}.safetensors"
 
 
 def step_dir_name(step: int) -> str:
@@ -192,7 +198,7 @@ class CheckpointStore:
     ) -> tuple[CheckpointRef | None, bool]:
         """Write one step's files unless it already holds a valid one: (its reference, whether written)."""
         directory = self.root / step_dir_name(step)
-        data_path = directory / f"rank-{self.rank}.pt"
+        data_path = directory / data_file_name(self.rank)
         manifest_path = directory / f"rank-{self.rank}.json"
         try:
             serialized = serialize(skeleton, tensors)
@@ -236,7 +242,7 @@ class CheckpointStore:
         manifest = self._read_manifest(directory / "rank-0.json")
         if manifest is None:
             return None
-        entry = manifest["files"].get("rank-0.pt", {})
+        entry = manifest["files"].get(data_file_name(0), {})
         return CheckpointRef(
             step=step, path=str(directory), sha256=str(entry.get("sha256", "")), time=float(manifest["time"])
         )
@@ -344,9 +350,9 @@ class CheckpointStore:
         code here; one that is not a well-formed checkpoint raises CheckpointError naming it.
         """
         directory = self.root / step_dir_name(step)
-        state = read_state(directory / "rank-0.pt")
+        state = read_state(directory / data_file_name(0))
         if self.rank != 0:
-            own = directory / f"rank-{self.rank}.pt"
+            own = directory / data_file_name(self.rank)
             if own.exists():
                 state.update(read_state(own))
             else:
