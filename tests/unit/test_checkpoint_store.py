@@ -31,7 +31,7 @@ from tests.support.checkpoints import (
     train,
     training_state,
 )
-from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore, step_dir_name
+from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, step_dir_name
 from trainer_sidecar.checkpoint import format as checkpoint_format
 from trainer_sidecar.checkpoint import store as checkpoint_store
 from trainer_sidecar.checkpoint import writer as checkpoint_writer
@@ -343,8 +343,11 @@ def test_load_refuses_a_manifested_file_whose_pickle_would_run_code(
     hostile = _RunsCodeWhenUnpickled(marker)
     payload = _hostile_torch_save(marker) if kind == "torch.save" else pickle.dumps({"model": hostile})
     data_path = _publish_crafted(store, 3, payload)
-    # The manifest matches, so the checkpoint verifies: only the parser stands between it and the loader.
-    assert store.verify(3).valid
+    # The manifest matches it, yet verification parses the data file's header: not a checkpoint.
+    verdict = store.verify(3)
+    assert not verdict.valid
+    assert str(data_path) in verdict.reason
+    assert "not a trainguard checkpoint" in verdict.reason
 
     with pytest.raises(CheckpointError, match="not a trainguard checkpoint") as caught:
         store.load(3)
@@ -514,7 +517,7 @@ def test_prune_keeps_exactly_the_newest_complete_checkpoints(plan: dict[int, str
                 assert deleted == []
                 assert remaining == sorted(plan)
                 assert store.newest_valid() is None
-            assert sorted(deleted) == sorted(set(plan) - set(remaining))
+            assert sorted(c.step for c in deleted) == sorted(set(plan) - set(remaining))
             assert store.prune() == []  # idempotent
         finally:
             store.close()
@@ -548,7 +551,7 @@ def _gate_prune(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threa
     entered, release = threading.Event(), threading.Event()
     original = CheckpointStore.prune
 
-    def gated(self: CheckpointStore) -> list[int]:
+    def gated(self: CheckpointStore) -> list[CheckpointId]:
         entered.set()
         assert release.wait(timeout=30), "the prune was never released"
         return original(self)
@@ -586,7 +589,7 @@ def test_pruning_is_off_the_path_wait_waits_on_and_close_waits_for_it(
 def test_a_failing_prune_is_logged_and_the_store_keeps_working(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def failing(self: CheckpointStore) -> list[int]:
+    def failing(self: CheckpointStore) -> list[CheckpointId]:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(CheckpointStore, "prune", failing)

@@ -329,7 +329,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _loads(text: str | bytes) -> Any:
+def loads_strict(text: str | bytes) -> Any:
     """Strict JSON: no NaN/Infinity literals, no duplicate keys."""
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
 
@@ -406,7 +406,7 @@ def _stored_as(metadata: dict[str, Any], where: str) -> dict[str, torch.dtype]:
     if "dtypes" not in metadata:
         return {}
     try:
-        table = _loads(metadata["dtypes"])
+        table = loads_strict(metadata["dtypes"])
     except (ValueError, RecursionError) as exc:
         raise _malformed(where, f"metadata dtypes: {exc}") from exc
     if not isinstance(table, dict) or not all(isinstance(v, str) and v in _STORED_AS for v in table.values()):
@@ -485,9 +485,9 @@ def parse_header(raw: bytes, size: int, where: str) -> Layout:
     if not raw.startswith(b"{"):
         raise _malformed(where, "the header is not a JSON object")
     try:
-        header = _loads(raw.decode("utf-8"))
+        header = loads_strict(raw.decode("utf-8"))
         metadata = _metadata(header, where) if isinstance(header, dict) else None
-        state = _loads(metadata["state"]) if metadata is not None else None
+        state = loads_strict(metadata["state"]) if metadata is not None else None
     except (ValueError, RecursionError) as exc:
         raise _malformed(where, str(exc)) from exc
     if metadata is None:

@@ -1,9 +1,10 @@
 """Writing checkpoint files durably: a writer thread and a hashing thread over the same bytes.
 
-A data file is written to a temp file, fsynced, renamed into place and its directory fsynced, while a
-second thread computes its SHA-256 from the same in-memory pieces (``hashlib`` releases the GIL while it
-hashes a large buffer, and the kernel copy of ``writev`` runs without it too, so on two cores the two
-passes overlap). Small files (manifests) are written the same way, without the second thread.
+A data file is written to a new temp file (a random name, created exclusively, never through a link),
+fsynced, renamed into place and its directory fsynced, while a second thread computes its SHA-256 from
+the same in-memory pieces (``hashlib`` releases the GIL while it hashes a large buffer, and the kernel
+copy of ``writev`` runs without it too, so on two cores the two passes overlap). Small files
+(manifests, epoch claims) are written the same way, without the second thread.
 """
 
 from __future__ import annotations
@@ -12,42 +13,9 @@ import hashlib
 import os
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
+from trainer_sidecar.checkpoint import fs
 from trainer_sidecar.checkpoint.format import MAX_GATHER, Piece, Serialized
-
-_CHUNK = 8 << 20  # the unit of reading when hashing a file
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or creation inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` through a temp file, fsync and rename, then fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in large chunks into one reused buffer."""
-    digest = hashlib.sha256()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while count := handle.readinto(view):
-            digest.update(view[:count])
-    return digest.hexdigest()
 
 
 def write_all(fd: int, views: Sequence[memoryview]) -> None:
@@ -118,25 +86,43 @@ def default_parallel_hash() -> bool:
         return (os.cpu_count() or 1) > 1
 
 
-def write_data(data_path: Path, serialized: Serialized, *, parallel_hash: bool) -> str:
-    """Temp file, write (hashing beside it), fsync, rename, directory fsync; returns the SHA-256."""
-    tmp = data_path.with_name(f".{data_path.name}.tmp-{os.getpid()}")
+def write_file(dir_fd: int, name: str, serialized: Serialized, *, parallel_hash: bool) -> str:
+    """Write ``name`` in ``dir_fd``: temp file, write (hashing beside it), fsync, rename, directory fsync.
+
+    Returns the file's SHA-256. On any error the temp file is removed and the hashing thread stopped.
+    """
     hasher = Hasher(serialized.pieces, threaded=parallel_hash)
-    renamed = False
+    tmp: str | None = None
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        fd, tmp = fs.create_temp(dir_fd, name)
         try:
             for piece in serialized.pieces:
                 write_all(fd, piece.views)
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, data_path)
-        renamed = True
-        fsync_dir(data_path.parent)
+        fs.rename(dir_fd, tmp, name)
+        tmp = None
+        fs.fsync(dir_fd)
         return hasher.hexdigest()
     except BaseException:
         hasher.cancel()
-        if not renamed:
-            tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            fs.unlink(dir_fd, tmp)
         raise
+
+
+def write_small(dir_fd: int, name: str, payload: bytes) -> None:
+    """Write ``name`` in ``dir_fd`` through a temp file, fsync and rename, then fsync the directory."""
+    fd, tmp = fs.create_temp(dir_fd, name)
+    try:
+        try:
+            write_all(fd, [memoryview(payload)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fs.rename(dir_fd, tmp, name)
+    except BaseException:
+        fs.unlink(dir_fd, tmp)
+        raise
+    fs.fsync(dir_fd)
