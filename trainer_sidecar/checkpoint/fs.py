@@ -57,6 +57,8 @@ def open_dir(parent_fd: int, name: str, where: str) -> Iterator[int]:
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
+        if exc.errno == errno.ENOTDIR and kind(parent_fd, name) == "link":  # O_DIRECTORY checks first
+            raise CheckpointError(f"{where}: is a symbolic link (never followed)") from exc
         raise _refusal(exc, where) from exc
     try:
         yield fd
