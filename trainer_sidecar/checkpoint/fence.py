@@ -92,7 +92,7 @@ class EpochRecord(BaseModel):
 
     epoch: int = Field(ge=1, lt=EPOCH_LIMIT)
     owner: EpochOwner
-    inherits: tuple[Annotated[str, AfterValidator(_checkpoint_name)], ...] = ()
+    inherits: list[Annotated[str, AfterValidator(_checkpoint_name)]] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -166,13 +166,13 @@ def check_fence(root_fd: int, root: Path, epoch: int) -> None:
     raise FencedError(message, epoch=epoch, newer=fence.record)
 
 
-def _inheritance(root_fd: int, root: Path, fence: Fence) -> tuple[str, ...]:
+def _inheritance(root_fd: int, root: Path, fence: Fence) -> list[str]:
     """The complete checkpoints ``fence`` trusts now: what the next epoch inherits."""
-    return tuple(
+    return [
         checkpoint.dir_name
         for checkpoint in scan_checkpoints(root_fd)
         if fence.trusts(checkpoint) and is_complete(root_fd, checkpoint, f"{root}/{checkpoint.dir_name}")
-    )
+    ]
 
 
 def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> EpochRecord | None:
