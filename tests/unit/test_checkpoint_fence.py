@@ -4,7 +4,9 @@ checkpoint a fenced writer committed after the fence."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,3 +248,22 @@ def test_directory_names_round_trip_and_only_canonical_names_parse(step: int, ep
     assert parse_dir_name(f"step-{step:010d}-e000000") is None  # epoch 0 has no suffix
     if epoch < 10**6:
         assert parse_dir_name(f"step-{step:010d}-e{epoch:07d}") is None  # padded too far
+
+
+def test_claims_work_on_a_file_system_without_hard_links(
+    tmp_path: Path, stores: list[CheckpointStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert [claim_epoch(tmp_path).epoch for _ in range(3)] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "epochs").iterdir()) == [
+        "epoch-000001.json",
+        "epoch-000002.json",
+        "epoch-000003.json",
+    ]
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    assert reader.fence().highest == 3
+    assert reader.fence().record is not None

@@ -25,6 +25,7 @@ on that. Anyone who can write to the directory can claim an epoch, and so fence 
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -175,24 +176,54 @@ def _inheritance(root_fd: int, root: Path, fence: Fence) -> list[str]:
     ]
 
 
-def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> EpochRecord | None:
-    """One attempt at claiming the epoch after the highest; None if another claimer took that number."""
-    fence = read_fence(root_fd, root)
-    record = EpochRecord(epoch=fence.highest + 1, owner=owner, inherits=_inheritance(root_fd, root, fence))
-    fd, tmp = fs.create_temp(epochs_fd, epoch_file_name(record.epoch))
+def _publish_claim(epochs_fd: int, name: str, payload: bytes) -> bool:
+    """Make ``name`` exist with ``payload``, atomically and only if it does not exist yet; False if it did.
+
+    A complete temp file is hard-linked to the name (linkat fails if the name exists). On a file system
+    without hard links the name is created exclusively and written in place instead: a reader that
+    sees it half-written treats the claim as unreadable (it trusts that epoch's own checkpoints only).
+    """
+    fd, tmp = fs.create_temp(epochs_fd, name)
     try:
         try:
-            writer.write_all(fd, [memoryview(record.model_dump_json(indent=1).encode())])
+            writer.write_all(fd, [memoryview(payload)])
             os.fsync(fd)
             try:
-                os.link(tmp, epoch_file_name(record.epoch), src_dir_fd=epochs_fd, dst_dir_fd=epochs_fd)
+                os.link(tmp, name, src_dir_fd=epochs_fd, dst_dir_fd=epochs_fd)
             except FileExistsError:
-                if os.fstat(fd).st_nlink < 2:  # a lost reply on NFS can report EEXIST for our own link
-                    return None
+                return os.fstat(fd).st_nlink >= 2  # a lost reply on NFS can report EEXIST for our own link
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                return _create_claim(epochs_fd, name, payload)
         finally:
             os.close(fd)
     finally:
         fs.unlink(epochs_fd, tmp)
+    return True
+
+
+def _create_claim(epochs_fd: int, name: str, payload: bytes) -> bool:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, 0o666, dir_fd=epochs_fd)
+    except FileExistsError:
+        return False
+    try:
+        writer.write_all(fd, [memoryview(payload)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> EpochRecord | None:
+    """One attempt at claiming the epoch after the highest; None if another claimer took that number."""
+    fence = read_fence(root_fd, root)
+    record = EpochRecord(epoch=fence.highest + 1, owner=owner, inherits=_inheritance(root_fd, root, fence))
+    payload = record.model_dump_json(indent=1).encode()
+    if not _publish_claim(epochs_fd, epoch_file_name(record.epoch), payload):
+        return None
     fs.fsync(epochs_fd)
     return record
 
