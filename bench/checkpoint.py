@@ -16,7 +16,8 @@ of the disk measurements rotated every repetition, medians reported:
   safetensors file) against trainguard's format 2 (``bench/checkpoint_v2.py``), side by side, timed
   as seconds (>1: format 3 is slower). A save is the layout, the write through the store's writer
   (writev of views, hashing beside it, fsync, rename); a load is ``read_state`` of the file just
-  written (from the page cache). Goal: <= 1.05 each.
+  written (from the page cache). Goal: <= 1.05 each. The same ratios in process CPU seconds
+  (``..._cpu_over_format2``) are steadier when other processes compete for the cores.
 
 A write to the page cache on this VM now and then stalls for half a second or more, whichever writer
 it hits (raw or store alike), so the medians take 9 rounds and the JSON also gives
@@ -138,17 +139,24 @@ def store_save(store: CheckpointStore, step: int, state: dict[str, Any]) -> tupl
     return stall, total, time.perf_counter() - start - total
 
 
-def format_save(folder: Path, name: str, state: dict[str, Any], codec: Any) -> float:
-    """Seconds to lay out ``state`` with ``codec`` (a format module) and write it through the store's
-    writer (hash beside the write, fsync, rename, directory fsync) as ``folder/name``."""
+def format_save(folder: Path, name: str, state: dict[str, Any], codec: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds to lay out ``state`` with ``codec`` (a format module) and write it through the
+    store's writer (hash beside the write, fsync, rename, directory fsync) as ``folder/name``."""
     skeleton, tensors = flatten(state)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         checkpoint_writer.write_file(fd, name, codec.serialize(skeleton, tensors), parallel_hash=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
     finally:
         os.close(fd)
+
+
+def format_load(path: Path, codec: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``codec.read_state(path)``."""
+    start, cpu = time.perf_counter(), time.process_time()
+    codec.read_state(path)
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def timed(action: Callable[[], object]) -> float:
@@ -224,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         copy_dst.copy_(copy_src)
 
         names = ("sync", "stall", "save", "serial", "prune", "raw", "restore", "copy", "sha256", "unlink")
-        names_formats = ("v2_save", "v3_save", "v2_load", "v3_load")
+        names_formats = [
+            f"v{v}_{what}{cpu}" for v in (2, 3) for what in ("save", "load") for cpu in ("", "_cpu")
+        ]
         times: dict[str, list[float]] = {name: [] for name in (*names, *names_formats)}
         for rep in range(args.repetitions):
             step = 2 + rep  # never an existing step: the store would keep, not rewrite, a valid one
@@ -250,12 +260,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
                 codecs: list[tuple[str, Any]] = [("v2", checkpoint_v2), ("v3", checkpoint_format)]
                 ordered = codecs if rep % 2 else codecs[::-1]
                 for label, codec in ordered:
-                    times[f"{label}_save"].append(format_save(formats, label, state, codec))
+                    wall, cpu = format_save(formats, label, state, codec)
+                    times[f"{label}_save"].append(wall)
+                    times[f"{label}_save_cpu"].append(cpu)
                 for label, codec in ordered:
-                    path = formats / label
-                    start = time.perf_counter()
-                    codec.read_state(path)
-                    times[f"{label}_load"].append(time.perf_counter() - start)
+                    wall, cpu = format_load(formats / label, codec)
+                    times[f"{label}_load"].append(wall)
+                    times[f"{label}_load_cpu"].append(cpu)
 
             disk = [run_sync, run_store, run_raw, run_serial, run_formats]
             shift = rep % len(disk)
@@ -313,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     restore_ratio = med["restore"] / med["copy"]
     format_save_ratio = med["v3_save"] / med["v2_save"]
     format_load_ratio = med["v3_load"] / med["v2_load"]
+    format_save_cpu_ratio = med["v3_save_cpu"] / med["v2_save_cpu"]
+    format_load_cpu_ratio = med["v3_load_cpu"] / med["v2_load_cpu"]
     print(
         "  the store's save: host copy, then in the background a JSON header and the raw tensor bytes"
         " written while another thread hashes them, fsync, rename, manifest; pruning runs after, apart"
@@ -335,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         f" goal <= 1.05; fastest vs fastest: save {min(times['v3_save']) / min(times['v2_save']):.4f},"
         f" load {min(times['v3_load']) / min(times['v2_load']):.4f})"
     )
+    print(
+        f"  format 3 / format 2 (CPU) save {format_save_cpu_ratio:.4f}, load {format_load_cpu_ratio:.4f}"
+        "  (process CPU seconds, both threads: steadier than wall time on a busy machine)"
+    )
 
     result: dict[str, float | int] = {
         "async_stall_over_sync_save": round(stall_ratio, 4),
@@ -345,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         "format3_load_over_format2": round(format_load_ratio, 4),
         "format3_save_over_format2_min": round(min(times["v3_save"]) / min(times["v2_save"]), 4),
         "format3_load_over_format2_min": round(min(times["v3_load"]) / min(times["v2_load"]), 4),
+        "format3_save_cpu_over_format2": round(format_save_cpu_ratio, 4),
+        "format3_load_cpu_over_format2": round(format_load_cpu_ratio, 4),
         "async_stall_s": round(med["stall"], 6),
         "sync_save_s": round(med["sync"], 6),
         "save_s": round(med["save"], 6),
