@@ -638,3 +638,10 @@ def test_pruning_never_deletes_a_step_while_this_store_writes_it(
         assert store.newest_valid() == 20
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("step", [-1, True, 2.0])
+def test_a_step_that_is_not_a_non_negative_integer_is_refused(store: CheckpointStore, step: Any) -> None:
+    with pytest.raises(CheckpointError, match="non-negative integer"):
+        store.save(step, small_state(1.0), {})
+    assert store.ids() == []

@@ -24,7 +24,7 @@ from trainer_sidecar.checkpoint.layout import CheckpointId, data_file_name, mani
 MANIFEST_LIMIT = 1 << 20
 """The largest manifest a reader accepts, in bytes."""
 
-MAX_WORLD_SIZE = 1 << 20
+MAX_WORLD_SIZE = 1 << 16
 """The largest world size a manifest may record."""
 
 FileName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]

@@ -173,6 +173,8 @@ class CheckpointStore:
         self.wait()
         if self._fenced is not None:
             raise self._fenced
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative integer, not {step!r}")
         skeleton, tensors = flatten(state)
         self._buffers.capture(tensors)
         checkpoint = CheckpointId(step, self.epoch)
