@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
 from trainer_sidecar.config import (
     CHECKPOINT_DIR_ENV,
     ConfigError,
@@ -52,6 +52,7 @@ from trainer_sidecar.judge import (
     judge_step,
 )
 from trainer_sidecar.localize import NaNLocator
+from trainer_sidecar.resume import claim_gang_epoch, restore_newest
 from trainer_sidecar.rng import RngStateError, rng_state, set_rng_state
 from trainer_sidecar.settings import GuardianSettings, Remediation
 from trainer_sidecar.snapshot import Snapshot
@@ -67,7 +68,7 @@ from trainer_sidecar.training import StateMismatch, TrainingObjects
 
 log = logging.getLogger("trainguard")
 
-__all__ = ["ConfigError", "Diverged", "Guardian", "StepOutcome"]
+__all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
 
 
 class Diverged(SystemExit):
@@ -78,6 +79,17 @@ class Diverged(SystemExit):
 
     def __init__(self, message: str) -> None:
         super().__init__(ExitCode.DIVERGED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Fenced(SystemExit):
+    """A newer writer claimed the checkpoint directory; the worker exits with ExitCode.FENCED."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.FENCED)
         self.message = message
 
     def __str__(self) -> str:
@@ -210,12 +222,15 @@ class Guardian:
                 "no checkpoint directory (argument or %s): nothing survives a restart", CHECKPOINT_DIR_ENV
             )
             return
+        owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
         try:
+            epoch = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
             self.store = CheckpointStore(
                 self.checkpoint_dir,
                 rank=self.gang.rank,
                 world_size=self.gang.world_size,
                 keep_clean=self.settings.checkpoint.keep_clean,
+                epoch=epoch,
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from exc
@@ -373,6 +388,8 @@ class Guardian:
         if self._micro < self.accumulation_steps:
             return StepOutcome(boundary=False)
         self._micro = 0
+        if self.store is not None and self.store.fenced is not None:
+            self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
         reading, locally_nonfinite = self._measure(self._loss_sum / self.accumulation_steps)
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
@@ -539,7 +556,10 @@ class Guardian:
     def _save_checkpoint(self) -> None:
         assert self.store is not None
         meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
-        self.store.save_async(self.counters.step, self._checkpoint_state(), meta)
+        try:
+            self.store.save_async(self.counters.step, self._checkpoint_state(), meta)
+        except FencedError as exc:
+            self._fenced(exc)
         self._checkpointed_step = self.counters.step
 
     def save_checkpoint(self) -> bool:
@@ -609,18 +629,31 @@ class Guardian:
                 self.store.close()
             except CheckpointError as exc:
                 log.error("%s", exc)
+        # Every rank diverges at the same step (the decision is collective) and ends here, now.
+        self._exit_now(ExitCode.DIVERGED, Diverged(message))
+
+    def _fenced(self, error: FencedError) -> None:
+        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
+        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
+        self.phase = Phase.FAILED
+        self.message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", self.message, ExitCode.FENCED)
+        self._publish(force=True)
+        self._write_termination_message()
+        self._exit_now(ExitCode.FENCED, Fenced(self.message))
+
+    def _exit_now(self, code: ExitCode, error: SystemExit) -> None:
+        """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
+        the interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its worker threads
+        still hold DDP's work) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to
+        40 under load (destroy_process_group first did not change that); the orchestrator needs the code.
+        With one process, ``error`` (a SystemExit carrying the code) is raised."""
         if self.gang.distributed:
-            # Every rank diverges at the same step (the decision is collective) and its process ends
-            # here, now. Left to interpreter exit, PyTorch's gloo teardown (its worker threads still hold
-            # DDP's work) ends in std::terminate, SIGABRT instead of exit code 200, in about 1 run of 12
-            # to 40 under load (destroy_process_group first did not change that). The orchestrator
-            # needs the 200 to choose the remediation, so the exit skips the interpreter's teardown;
-            # the checkpoints are closed, the status and termination message written, logs flushed.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(ExitCode.DIVERGED)
-        raise Diverged(message)
+            os._exit(code)
+        raise error
 
     def _check_validation(self, when: str) -> None:
         if self.validate is None:
@@ -675,45 +708,36 @@ class Guardian:
         data position, counters); returns its step, or None for a fresh start.
 
         A checkpoint that turns out not to load (damaged after it was verified, counters or RNG state
-        malformed) is skipped for the next older one, on every rank alike. A checkpoint of another model
-        or optimizer is a configuration error (nothing is deleted).
+        malformed) is skipped for the next older one, on every rank alike (``trainer_sidecar.resume``). A
+        checkpoint of another model or optimizer is a configuration error (nothing is deleted).
         """
         if self.store is None:
             return None
-        bound: int | None = None
-        while True:
-            step = self._agree_resume_step(bound)
-            if step is None:
-                if self.store.steps():
-                    log.error(
-                        "checkpoints exist under %s but none is valid: starting from scratch", self.store.root
-                    )
-                return None
-            loaded = self._try_restore(step)
-            if self.gang.agree_min([int(loaded)])[0] == 1:
-                break
-            bound = step - 1
-        self.resumed_step = self._checkpointed_step = step
+        checkpoint = restore_newest(self.store, self.gang, self._try_restore)
+        if checkpoint is None:
+            return None
+        self.resumed_step = self._checkpointed_step = checkpoint.step
         self._take_snapshot()
-        log.warning("resumed from the clean checkpoint at step %d (%s)", step, self.store.root)
+        log.warning("resumed from the clean checkpoint at step %d (%s)", checkpoint.step, self.store.root)
         self._check_validation("resume")
-        return step
+        return checkpoint.step
 
-    def _try_restore(self, step: int) -> bool:
+    def _try_restore(self, checkpoint: CheckpointId) -> bool:
         """Load and apply one checkpoint; False (with the reason logged) when its content is unusable."""
         assert self.store is not None
         try:
-            state = self.store.load(step)
+            state = self.store.load(checkpoint)
             counters = GuardCounters.from_state(state.get("guardian"), self.settings.guard.loss_spike_window)
             if "rng" in state:
                 set_rng_state(state["rng"])
         except (CheckpointError, CountersError, RngStateError) as exc:
-            log.error("checkpoint at step %d cannot be restored, trying an older one: %s", step, exc)
+            log.error("checkpoint %s cannot be restored, trying an older one: %s", checkpoint.dir_name, exc)
             return False
         try:
             self.training.load(state)
         except StateMismatch as exc:
-            raise ConfigError(f"checkpoint at step {step} under {self.checkpoint_dir} {exc}") from exc
+            where = f"checkpoint {checkpoint.dir_name} under {self.checkpoint_dir}"
+            raise ConfigError(f"{where} {exc}") from exc
         self.counters = counters
         if "data" in state:
             if self._loader is not None:
@@ -721,19 +745,6 @@ class Guardian:
             else:
                 self._pending_data_state = state["data"]
         return True
-
-    def _agree_resume_step(self, bound: int | None) -> int | None:
-        """The newest checkpoint at or below ``bound`` every rank can load (agreed collectively)."""
-        assert self.store is not None
-        while True:
-            mine = self.store.newest_valid(at_most=bound)
-            (step,) = self.gang.agree_min([-1 if mine is None else mine])
-            if step < 0:
-                return None
-            (ok,) = self.gang.agree_min([int(self.store.verify(step).valid)])
-            if ok == 1:
-                return step
-            bound = step - 1
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
@@ -789,8 +800,9 @@ class Guardian:
                 )
             try:
                 self.store.wait()
-            finally:
                 self.store.close()
+            except FencedError as exc:
+                self._fenced(exc)
         # No rank reports success before every rank's final checkpoint is durable, and ranks leave
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()

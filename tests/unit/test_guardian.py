@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.data import GuardedLoader, sample_is_bad
-from trainer_sidecar.guardian import UncleanState
+from trainer_sidecar.guardian import Fenced, UncleanState
 from trainer_sidecar.status import read_status
 
 
@@ -651,3 +652,41 @@ def test_an_explicit_checkpoint_dir_that_contradicts_the_orchestrator_is_refused
     assert "checkpoint_dir" in str(caught.value)
     same = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "mounted")
     assert same.checkpoint_dir == tmp_path / "mounted"
+
+
+def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_path: Path) -> None:
+    config = settings(checkpoint={"everySteps": 2, "snapshotEverySteps": 2})
+    old_model, new_model = tiny_model(seed=1), tiny_model(seed=2)
+    old = Guardian(
+        old_model, torch.optim.SGD(old_model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
+    )
+    for _ in range(2):
+        old.step(loss_of(old_model))
+    assert old.store is not None
+    old.store.wait()
+    new = Guardian(
+        new_model, torch.optim.SGD(new_model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
+    )
+    assert new.step_count == 2  # it resumed the old writer's clean checkpoint, then claimed a newer epoch
+    for _ in range(2):
+        old.step(loss_of(old_model))  # step 4: its save starts, and meets the fence in the background
+    while old.store.busy:
+        time.sleep(0.01)
+    with pytest.raises(Fenced) as caught:
+        old.step(loss_of(old_model))
+    assert caught.value.code == ExitCode.FENCED
+    assert "epoch 2" in str(caught.value)
+    assert old.phase is Phase.FAILED
+    for _ in range(4):
+        new.step(loss_of(new_model))
+    new.finish()
+    assert new.store is not None
+    weights = {k: v.clone() for k, v in new_model.state_dict().items()}
+    reader = Guardian(
+        tiny_model(seed=3),
+        torch.optim.SGD(tiny_model().parameters(), lr=0.1),
+        checkpoint_dir=tmp_path,
+        settings=config,
+    )
+    assert reader.step_count == 6
+    assert_same(weights, clone_state(reader.module))

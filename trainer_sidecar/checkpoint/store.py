@@ -223,7 +223,13 @@ class CheckpointStore:
 
     @property
     def fenced(self) -> FencedError | None:
-        """The error a save met when a newer epoch fenced this store (None while it has not)."""
+        """The error a save met when a newer epoch fenced this store (None while it has not); also seen
+        from a save that ended in the background and was not waited for. Never blocks."""
+        future = self._inflight
+        if self._fenced is None and future is not None and future.done():
+            error = future.exception()
+            if isinstance(error, FencedError):
+                self._fenced = error
         return self._fenced
 
     def check_fence(self) -> None:
