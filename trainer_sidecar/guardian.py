@@ -371,34 +371,50 @@ class Guardian:
                 raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
 
     # ---------------------------------------------------------------------------------------- step ---
-    def step(self, loss: torch.Tensor, replay: Callable[[], Any] | None = None) -> StepOutcome:
-        """Backward ``loss`` and, at an accumulation boundary, check, clip and step (or skip, or roll back).
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch's ``loss``: exactly what the loop would call ``.backward()`` on.
 
-        ``replay`` optionally re-runs this step's forward pass; on the first non-finite loss it is
-        used to name the module whose output went non-finite first.
+        The guardian never rescales a loss: under gradient accumulation, divide by the number of
+        micro-batches where the loop already does (or not, as it does not), and the gradients are the
+        ones the loop had without the guardian. The loss is scaled by the GradScaler when there is one.
+        Call ``step()`` at the accumulation boundary.
         """
         if self._micro == 0 and self._faults.active:
             loss = self._faults.loss_hook(loss, self.counters.step)
-        self.training.backward(loss / self.accumulation_steps if self.accumulation_steps > 1 else loss)
+        self.training.backward(loss)
         detached = loss.detach().float()
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
             self._step_batches.append(self._current_batch)
         self._micro += 1
-        if self._micro < self.accumulation_steps:
-            return StepOutcome(boundary=False)
+
+    def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
+        """Check, clip and step the optimizer (or skip the update, or roll back) at a step boundary.
+
+        With a ``loss``, it is first given to ``backward``, and with ``accumulation_steps=k`` only every
+        k-th call is a boundary. Without one, the micro-batches given to ``backward`` since the last step
+        make the step (a loop keeps its own accumulation). The step's loss, as reported and judged, is the
+        sum of those micro-batch losses. ``replay`` optionally re-runs this step's forward pass; on the
+        first non-finite loss it is used to name the module whose output went non-finite first.
+        """
+        if loss is not None:
+            self.backward(loss)
+            if self._micro < self.accumulation_steps:
+                return StepOutcome(boundary=False)
+        elif self._micro == 0:
+            raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
         self._micro = 0
         if self.store is not None and self.store.fenced is not None:
             self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
-        reading, locally_nonfinite = self._measure(self._loss_sum / self.accumulation_steps)
+        reading, locally_nonfinite = self._measure(self._loss_sum)
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
             return self._apply(verdict, reading, batches)
         return self._reject(verdict, reading, batches, replay, locally_nonfinite)
 
-    def _measure(self, mean_loss: torch.Tensor) -> tuple[StepReading, bool]:
+    def _measure(self, step_loss: torch.Tensor) -> tuple[StepReading, bool]:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
         and whether this rank's own loss was non-finite."""
         if self._faults.active:
@@ -410,8 +426,8 @@ class Guardian:
         # the norm is already within bounds (or the step is skipped anyway).
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self._norm = norm
-        loss_flag = (~torch.isfinite(mean_loss)).float()
-        local = torch.stack([mean_loss, loss_flag, norm.float().to(mean_loss.device)])
+        loss_flag = (~torch.isfinite(step_loss)).float()
+        local = torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device)])
         if self.gang.distributed:
             reduced = self.gang.all_reduce(local)
             # One host sync for both the agreed values and this rank's own loss flag.
@@ -435,10 +451,10 @@ class Guardian:
         return scaler.get_scale() >= 1.0
 
     def _apply(self, verdict: Verdict, reading: StepReading, batches: list[BatchRef]) -> StepOutcome:
-        self.training.apply_update(
-            reading.grad_norm, self.counters.max_grad_norm, self._with_grad, self._norm
-        )
         counters = self.counters
+        self.training.apply_update(
+            reading.grad_norm, counters.max_grad_norm, self._with_grad, self._norm, lr_scale=counters.lr_scale
+        )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1
         counters.step += 1
@@ -605,7 +621,8 @@ class Guardian:
         self._publish(force=True)
 
     def _remediate(self, remediation: Remediation) -> None:
-        self.training.remediate(remediation)
+        # The learning rates are scaled when the optimizer steps (``TrainingObjects.apply_update``), so a
+        # loop that sets its own learning rate every iteration cannot undo the remediation.
         self.counters.lr_scale *= remediation.lr_scale
         if remediation.max_grad_norm is not None:
             self.counters.max_grad_norm = min(self.counters.max_grad_norm, remediation.max_grad_norm)

@@ -4,14 +4,14 @@ to them as a whole: apply or drop an update, remediate, check that they are fini
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_sidecar.finite import nonfinite_flag
-from trainer_sidecar.settings import Remediation
 
 
 class StateMismatch(ValueError):
@@ -46,15 +46,27 @@ class TrainingObjects:
             self.scaler.unscale_(self.optimizer)
 
     def apply_update(
-        self, norm: float, max_norm: float, grads_of: Sequence[torch.nn.Parameter], norm_tensor: torch.Tensor
+        self,
+        norm: float,
+        max_norm: float,
+        grads_of: Sequence[torch.nn.Parameter],
+        norm_tensor: torch.Tensor,
+        *,
+        lr_scale: float = 1.0,
     ) -> None:
-        """Clip (only when ``norm`` exceeds ``max_norm``), step the optimizer, the scaler and the scheduler,
-        and zero the gradients."""
+        """Clip (only when ``norm`` exceeds ``max_norm``), step the optimizer with every learning rate
+        scaled by ``lr_scale``, step the scaler and the scheduler, and zero the gradients.
+
+        The scale applies for the optimizer step only: the param groups keep the learning rates the loop
+        or its scheduler set, so a loop that writes ``param_group["lr"]`` every iteration keeps the
+        remediation, and a scheduler computes from the unscaled rates.
+        """
         if norm > max_norm:
             torch.nn.utils.clip_grads_with_norm_(grads_of, max_norm, norm_tensor, foreach=True)
         # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
         # not needed: step the optimizer directly and let the scaler grow its scale.
-        self.optimizer.step()
+        with _scaled_learning_rates(self.optimizer, lr_scale):
+            self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
         if self.scheduler is not None:
@@ -66,16 +78,6 @@ class TrainingObjects:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.update()
-
-    def remediate(self, remediation: Remediation) -> None:
-        """Scale every learning rate (the scheduler's base rates too) by ``remediation.lr_scale``."""
-        factor = remediation.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-            if "initial_lr" in group:
-                group["initial_lr"] = group["initial_lr"] * factor
-        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
 
     def small_state(self) -> dict[str, Any]:
         """The scheduler's and the scaler's state (None for the missing ones)."""
@@ -117,3 +119,24 @@ class TrainingObjects:
         except (ValueError, KeyError, TypeError) as exc:
             raise StateMismatch(f"does not fit this optimizer: {exc}") from exc
         self.load_small_state(state)
+
+
+@contextmanager
+def _scaled_learning_rates(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """Every param group's ``lr`` times ``scale`` inside the block, the group's own value after it (a
+    tensor learning rate is scaled in place and restored exactly)."""
+    if scale == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        if isinstance(lr, torch.Tensor):
+            group["lr"] = lr.clone()  # the group's own tensor is left untouched
+            group["lr"].mul_(scale)
+        else:
+            group["lr"] = lr * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr

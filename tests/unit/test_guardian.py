@@ -47,6 +47,13 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def stepping_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    """The learning rate of the first param group each time the optimizer steps (what the update used)."""
+    seen: list[float] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(float(opt.param_groups[0]["lr"])))
+    return seen
+
+
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key in a:
@@ -188,7 +195,10 @@ def test_repeated_bad_steps_roll_back_to_the_snapshot_and_remediate(tmp_path: Pa
     restored = optimizer.state[next(iter(model.parameters()))]
     for key, value in adam_state.items():
         assert torch.equal(restored[key], value), key
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    lrs = stepping_lrs(optimizer)
+    assert guardian.step(loss_of(model)).applied
+    assert lrs == [pytest.approx(0.05)]  # the remediation halves the learning rate the update uses
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # the loop's own value is untouched
     assert guardian.max_grad_norm == pytest.approx(0.5)
     assert guardian.lr_scale == pytest.approx(0.5)
     forensics = sorted((tmp_path / "forensics").glob("*.json"))
@@ -272,7 +282,9 @@ def test_a_second_rollback_from_the_same_snapshot_compounds_the_remediation() ->
         for _ in range(3):
             guardian.step(loss_of(model) * math.nan)
     assert guardian.rollbacks == 2
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    lrs = stepping_lrs(optimizer)
+    guardian.step(loss_of(model))
+    assert lrs == [pytest.approx(0.025)]
 
 
 def test_too_many_rollbacks_diverge_with_the_documented_exit_code(tmp_path: Path) -> None:
@@ -315,10 +327,11 @@ def test_gradient_accumulation_steps_once_per_boundary_with_the_mean_gradient() 
     )
     x, y = batch()
     ref_guard.step(torch.nn.functional.mse_loss(reference(x), y))
-    first = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[:8]), y[:8]))
+    # The guardian never rescales a loss: the loop divides by its micro-batches, as it would without it.
+    first = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[:8]), y[:8]) / 2)
     assert not first.boundary
     assert acc_guard.step_count == 0
-    second = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[8:]), y[8:]))
+    second = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[8:]), y[8:]) / 2)
     assert second.boundary
     assert second.applied
     for a, b in zip(reference.parameters(), accumulated.parameters(), strict=True):
@@ -381,14 +394,15 @@ def test_checkpoint_of_another_model_is_a_config_error_and_deletes_nothing(tmp_p
     guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
     guardian.step(loss_of(model))
     guardian.finish()
-    before = sorted(p.name for p in tmp_path.rglob("*"))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
     with pytest.raises(ConfigError) as caught:
         Guardian(other, torch.optim.SGD(other.parameters(), lr=0.1), checkpoint_dir=tmp_path)
     assert caught.value.code == ExitCode.CONFIG_ERROR
     assert "does not fit this model" in str(caught.value)
     assert str(tmp_path) in str(caught.value)
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    # Nothing was deleted or changed (the attempt only claimed an epoch of its own, beside the others).
+    assert {p: p.read_bytes() for p in before} == before
 
 
 @pytest.mark.parametrize(
@@ -428,14 +442,18 @@ def test_remediation_from_the_orchestrator_applies_once(
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert guardian.lr_scale == pytest.approx(0.5)
     assert guardian.max_grad_norm == pytest.approx(0.25)
+    lrs = stepping_lrs(optimizer)
     guardian.step(loss_of(model))
+    assert lrs == [pytest.approx(0.05)]
     guardian.finish()
     again = torch.optim.SGD(model.parameters(), lr=0.1)
     resumed = Guardian(model, again, checkpoint_dir=tmp_path)  # same attempt restarted after a crash
-    assert again.param_groups[0]["lr"] == pytest.approx(0.05)
-    assert resumed.lr_scale == pytest.approx(0.5)
+    assert resumed.lr_scale == pytest.approx(0.5)  # not halved a second time
+    lrs = stepping_lrs(again)
+    resumed.step(loss_of(model))
+    assert lrs == [pytest.approx(0.05)]
 
 
 def test_data_guard_drops_bad_samples_and_counts_them() -> None:
@@ -690,3 +708,48 @@ def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_pat
     )
     assert reader.step_count == 6
     assert_same(weights, clone_state(reader.module))
+
+
+def test_a_loop_that_sets_its_own_learning_rate_keeps_the_remediation() -> None:
+    # A loop that writes param_group["lr"] every iteration (a hand-written schedule) used to undo the
+    # guardian's lr x 0.5 after a rollback while the status still said 0.5.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guardian = Guardian(model, optimizer, settings=settings())
+    lrs = stepping_lrs(optimizer)
+    for iteration in range(8):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 / (1 + iteration)
+        guardian.step(loss_of(model) * (math.nan if 2 <= iteration <= 4 else 1.0))
+    assert guardian.rollbacks == 1
+    assert guardian.lr_scale == pytest.approx(0.5)
+    assert lrs == [pytest.approx(x) for x in (0.1, 0.05, 0.1 / 6 * 0.5, 0.1 / 7 * 0.5, 0.1 / 8 * 0.5)]
+
+
+def test_a_nested_accumulation_loop_keeps_its_shape_and_its_gradients() -> None:
+    # The loop's own micro-batch loop and division, with backward() per micro-batch and step() at the
+    # boundary, give the same update as the same loop without the guardian.
+    reference, guarded = tiny_model(), tiny_model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(guarded.parameters(), lr=0.1)
+    guardian = Guardian(guarded, optimizer, settings=settings(guard={"maxGradNorm": 1e6}))
+    x, y = batch()
+    expected_loss = float(torch.nn.functional.mse_loss(reference(x), y).detach())
+    for model, step in ((reference, None), (guarded, guardian)):
+        for micro in range(4):
+            loss = torch.nn.functional.mse_loss(
+                model(x[micro * 4 : micro * 4 + 4]), y[micro * 4 : micro * 4 + 4]
+            )
+            if step is None:
+                torch.autograd.backward(loss / 4)
+            else:
+                step.backward(loss / 4)
+    plain.step()
+    outcome = guardian.step()
+    assert outcome.boundary
+    assert outcome.applied
+    assert outcome.loss == pytest.approx(expected_loss)  # the sum of the micro-batch losses given
+    for a, b in zip(reference.parameters(), guarded.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="backward"):
+        guardian.step()
