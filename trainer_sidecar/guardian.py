@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,11 +55,14 @@ from trainer_sidecar.judge import (
     judge_step,
 )
 from trainer_sidecar.localize import NaNLocator
+from trainer_sidecar.peers import WATCH_SECONDS, PeerBoard, PeerBusy, PeerWatch, default_store
 from trainer_sidecar.resume import claim_gang_epoch, restore_newest
 from trainer_sidecar.rng import RngStateError, rng_state, set_rng_state
 from trainer_sidecar.settings import GuardianSettings, Remediation
 from trainer_sidecar.snapshot import Snapshot
 from trainer_sidecar.status import (
+    MAX_BUSY_REASON_CHARS,
+    MAX_BUSY_SECONDS,
     CheckpointRef,
     Phase,
     StatusPublisher,
@@ -64,6 +70,7 @@ from trainer_sidecar.status import (
     write_status,
     write_termination_message,
 )
+from trainer_sidecar.stopping import STOP
 from trainer_sidecar.training import StateMismatch, TrainingObjects
 
 log = logging.getLogger("trainguard")
@@ -102,6 +109,15 @@ class UncleanState(RuntimeError):
     The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
     on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
     gang from the last clean checkpoint)."""
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """A step's numbers as agreed by every rank, and what this rank alone saw."""
+
+    reading: StepReading
+    locally_nonfinite: bool
+    stop: bool
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,15 @@ class Guardian:
         self._locator = NaNLocator(self.module)
         self._locator_budget = 0
         self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
+        self._publishing = threading.Lock()  # the main thread and the peer watch both publish
+        self._busy: list[tuple[str, float | None]] = []  # nested busy sections, innermost last
+        self._peer_busy: PeerBusy | None = None
+        self._peer_busy_noticed = 0.0
+        self._last_progress = time.monotonic()
+        self._peers: PeerBoard | None = None
+        self._watch: PeerWatch | None = None
+        self._stop = STOP
+        self._holding_stop = False
         self.checkpoint_dir = config.checkpoint_dir
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
@@ -240,8 +265,52 @@ class Guardian:
         if not self._snapshot.taken:
             self._take_snapshot()  # the starting weights are the first thing a rollback can return to
         self._apply_orchestrator_remediation()
+        self._stop.acquire()
+        self._holding_stop = True
+        self._watch_peers()
         self.phase = Phase.RUNNING
         self._publish(force=True)
+
+    def _watch_peers(self) -> None:
+        store = default_store() if self.gang.distributed else None
+        if store is None:
+            return
+        self._peers = PeerBoard(store, self.rank)
+        idle = lambda: time.monotonic() - self._last_progress > WATCH_SECONDS  # noqa: E731
+        self._watch = PeerWatch(self._peers, idle, self._on_peer_busy)
+        self._watch.start()
+
+    def _on_peer_busy(self, peer: PeerBusy | None) -> None:
+        self._peer_busy, self._peer_busy_noticed = peer, time.time()
+        if peer is not None:
+            log.info("waiting for rank %d, busy with %s", peer.rank, peer.reason)
+        self._publish(force=True)
+
+    # ---------------------------------------------------------------------------------------- busy ---
+    @contextmanager
+    def busy(self, reason: str, seconds: float | None = None) -> Iterator[None]:
+        """Mark a section that makes no training step (an evaluation, a save of the loop's own) as busy,
+        so that it is not mistaken for a hang: the sidecar allows it ``seconds`` (at most its startup
+        grace; the grace when not given) instead of the hang timeout, so a real hang inside it is still
+        caught. Peers that wait for this rank meanwhile (in their next collective) report themselves
+        busy too. Sections nest; each rank enters its own (``with guardian.busy("eval"):`` around the
+        evaluation only rank 0 runs is enough)."""
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_BUSY_SECONDS):
+            raise ValueError(f"busy seconds must be a positive number of at most {MAX_BUSY_SECONDS:g}")
+        self._busy.append((reason[:MAX_BUSY_REASON_CHARS], seconds))
+        since, self.busy_since = self.busy_since, self.busy_since or time.time()
+        if self._peers is not None:
+            self._peers.announce(reason, seconds)
+        self._publish(force=True)
+        try:
+            yield
+        finally:
+            self._busy.pop()
+            if self._peers is not None:
+                self._peers.withdraw()
+            self.busy_since = since
+            self._last_progress = time.monotonic()  # the hang clock restarts after the section
+            self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
     @property
@@ -407,16 +476,22 @@ class Guardian:
         if self.store is not None and self.store.fenced is not None:
             self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
-        reading, locally_nonfinite = self._measure(self._loss_sum)
+        agreed = self._measure(self._loss_sum)
+        reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
-            return self._apply(verdict, reading, batches)
-        return self._reject(verdict, reading, batches, replay, locally_nonfinite)
+            outcome = self._apply(verdict, reading, batches)
+        else:
+            outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
+        self._last_progress = time.monotonic()
+        if agreed.stop:
+            self._stop_now()
+        return outcome
 
-    def _measure(self, step_loss: torch.Tensor) -> tuple[StepReading, bool]:
+    def _measure(self, step_loss: torch.Tensor) -> _Agreed:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
-        and whether this rank's own loss was non-finite."""
+        whether this rank's own loss was non-finite, and whether any rank was told to stop."""
         if self._faults.active:
             self._faults.grad_hook(self.training.params, self.counters.step)
         self.training.unscale()
@@ -427,19 +502,47 @@ class Guardian:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self._norm = norm
         loss_flag = (~torch.isfinite(step_loss)).float()
-        local = torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device)])
+        stop = torch.full((), float(self._stop.requested), device=step_loss.device)
+        local = torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device), stop])
         if self.gang.distributed:
             reduced = self.gang.all_reduce(local)
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, norm_sum, local_bad = torch.cat(
+            loss_sum, bad_ranks, norm_sum, stops, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             size = self.gang.world_size
             loss_v, norm_v, locally_nonfinite = loss_sum / size, norm_sum / size, local_bad > 0
         else:
-            loss_v, bad_ranks, norm_v = local.tolist()  # the one host sync of the step
+            loss_v, bad_ranks, norm_v, stops = local.tolist()  # the one host sync of the step
             locally_nonfinite = bad_ranks > 0
-        return StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v)), locally_nonfinite
+        reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
+        return _Agreed(reading, locally_nonfinite, stops > 0)
+
+    def _stop_now(self) -> None:
+        """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
+        last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
+        received = self._stop.signal or signal.SIGTERM
+        saved = self._checkpointed_step == self.counters.step
+        if not saved and self.store is not None and self.counters.history.consecutive_bad == 0:
+            saved = self.save_checkpoint()
+        if self.store is not None:
+            try:
+                self.store.wait()
+                self.store.close()
+            except FencedError as exc:
+                self._fenced(exc)
+        self.gang.barrier()
+        what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
+        if self.store is None:
+            what = "no checkpoint directory"
+        self.phase = Phase.STOPPED
+        self.message = f"stopped by {received.name} at step {self.counters.step}; {what}"
+        log.warning("%s", self.message)
+        self._publish(force=True)
+        self._write_termination_message()
+        self._release()
+        code = 128 + int(received)
+        self._exit_now(code, SystemExit(code))
 
     def _benign_overflow(self, norm: float) -> bool:
         """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
@@ -659,7 +762,7 @@ class Guardian:
         self._write_termination_message()
         self._exit_now(ExitCode.FENCED, Fenced(self.message))
 
-    def _exit_now(self, code: ExitCode, error: SystemExit) -> None:
+    def _exit_now(self, code: int, error: SystemExit) -> None:
         """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
         the interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its worker threads
         still hold DDP's work) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to
@@ -768,16 +871,19 @@ class Guardian:
         """The worker's current status, as published to the sidecar."""
         data = self._loader.counters if self._loader is not None else None
         counters = self.counters
+        phase, busy_since, busy_reason, busy_seconds = self._busy_view()
         return WorkerStatus(
             rank=self.rank,
             world_size=self.world_size,
             pid=os.getpid(),
-            phase=self.phase,
+            phase=phase,
             started_at=self.started_at,
             step=counters.step,
             resumed_step=self.resumed_step,
             last_step_time=self.last_step_time,
-            busy_since=self.busy_since,
+            busy_since=busy_since,
+            busy_reason=busy_reason,
+            busy_seconds=busy_seconds,
             loss=_json_float(counters.last_loss),
             grad_norm=_json_float(self.last_grad_norm),
             lr_scale=counters.lr_scale,
@@ -794,12 +900,28 @@ class Guardian:
             message=self.message,
         )
 
+    def _busy_view(self) -> tuple[Phase, float | None, str, float | None]:
+        """(phase, busy since, what, for how long): the guardian's own phase unless it is running and busy,
+        or running and waiting for a busy peer."""
+        if self.phase is not Phase.RUNNING:
+            return self.phase, self.busy_since, "", None
+        if self._busy:
+            reason, seconds = self._busy[-1]
+            return Phase.BUSY, self.busy_since, reason, seconds
+        peer = self._peer_busy
+        if peer is None:
+            return self.phase, None, "", None
+        left = None if peer.seconds is None else max(1.0, peer.seconds - (time.time() - peer.since))
+        left = None if left is None else min(left, MAX_BUSY_SECONDS)
+        return Phase.BUSY, self._peer_busy_noticed, f"waiting for rank {peer.rank}: {peer.reason}", left
+
     def _last_clean(self) -> CheckpointRef | None:
         return self.store.last_clean if self.store is not None else None
 
     def _publish(self, force: bool = False) -> None:
-        if force or self._status.due(self.phase):
-            self._status.publish(self.status(), force=True)
+        with self._publishing:
+            if force or self._status.due(self.phase):
+                self._status.publish(self.status(), force=True)
 
     def finish(self) -> None:
         """Write a final checkpoint (if not already written and the state is clean), wait for every
@@ -823,6 +945,7 @@ class Guardian:
         # No rank reports success before every rank's final checkpoint is durable, and ranks leave
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()
+        self._release()
         self.phase = Phase.FINISHED
         self._publish(force=True)
         self._write_termination_message()
@@ -841,8 +964,17 @@ class Guardian:
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
+        self._release()
         if self.store is not None:
             self.store.close()
+
+    def _release(self) -> None:
+        """Stop watching peers and put back the signal handlers (the guardian's work is over)."""
+        if self._holding_stop:
+            self._holding_stop = False
+            self._stop.release()
+        if self._watch is not None:
+            self._watch.stop()
 
 
 _MAX = torch.distributed.ReduceOp.MAX

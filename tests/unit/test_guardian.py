@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,11 @@ import pytest
 import torch
 
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
+from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.data import GuardedLoader, sample_is_bad
 from trainer_sidecar.guardian import Fenced, UncleanState
 from trainer_sidecar.status import read_status
+from trainer_sidecar.stopping import STOP, StopRequest
 
 
 def settings(**sections: Any) -> GuardianSettings:
@@ -71,6 +75,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TRAINGUARD_REMEDIATION", raising=False)
+    # A stop signal concerns the process: one a test sent must not stop the next test's guardian.
+    monkeypatch.setattr(STOP, "signal", None)
 
 
 def test_finite_step_clips_to_max_grad_norm_and_steps_scheduler() -> None:
@@ -753,3 +759,85 @@ def test_a_nested_accumulation_loop_keeps_its_shape_and_its_gradients() -> None:
         torch.testing.assert_close(a, b)
     with pytest.raises(RuntimeError, match="backward"):
         guardian.step()
+
+
+# --- busy sections and being told to stop -------------------------------------------------------------
+
+
+def test_a_busy_section_is_published_with_its_reason_and_bound(tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file)
+    guardian.step(loss_of(model))
+    with guardian.busy("eval", seconds=900):
+        inside, _ = read_status(status_file)
+        with guardian.busy("save"):
+            nested, _ = read_status(status_file)
+        back, _ = read_status(status_file)
+    after, _ = read_status(status_file)
+    assert inside is not None
+    assert inside.phase is Phase.BUSY
+    assert inside.busy_reason == "eval"
+    assert inside.busy_seconds == 900
+    assert inside.busy_since is not None
+    assert nested is not None
+    assert nested.busy_reason == "save"
+    assert nested.busy_seconds is None
+    assert nested.busy_since == inside.busy_since  # one busy stretch
+    assert back is not None
+    assert back.busy_reason == "eval"
+    assert after is not None
+    assert after.phase is Phase.RUNNING
+    assert after.busy_since is None
+    with pytest.raises(ValueError, match="busy seconds"), guardian.busy("eval", seconds=math.inf):
+        pass
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_sigterm_checkpoints_at_the_next_boundary_and_exits_143(tmp_path: Path, clean: bool) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    config = settings(checkpoint={"everySteps": 1000, "snapshotEverySteps": 1000})
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "ckpt",
+        status_file=status_file, settings=config,
+    )  # fmt: skip
+    for _ in range(3):
+        guardian.step(loss_of(model))
+    os.kill(os.getpid(), signal.SIGTERM)  # delivered at once; the guardian only takes note
+    with pytest.raises(SystemExit) as caught:
+        guardian.step(loss_of(model) * (1.0 if clean else math.nan))  # the boundary it stops at
+    assert caught.value.code == 128 + signal.SIGTERM
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.phase is Phase.STOPPED
+    assert "SIGTERM" in status.message
+    reader = CheckpointStore(tmp_path / "ckpt")
+    if clean:
+        assert reader.newest_valid() == 4
+        assert "checkpoint is written" in status.message
+    else:
+        assert reader.newest_valid() is None  # a bad step was the last: nothing saved
+        assert "not clean" in status.message
+
+
+def test_the_stop_handlers_are_held_while_a_guardian_trains_and_handed_back_after() -> None:
+    previous = {  # other tests' guardians may hold the process's own request
+        signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
+    try:
+        request = StopRequest()
+        request.acquire()
+        request.acquire()
+        assert signal.getsignal(signal.SIGTERM) == request._on_signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert request.signal is signal.SIGTERM
+        request.release()
+        assert signal.getsignal(signal.SIGTERM) == request._on_signal  # still held by the other
+        request.release()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
