@@ -18,6 +18,68 @@ class StateMismatch(ValueError):
     """A saved state does not fit the live model or optimizer (another model, another configuration)."""
 
 
+#: Prefixes that wrappers add to state-dict keys without changing the model: torch.compile's
+#: ``_orig_mod.`` and DistributedDataParallel's ``module.``.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+_SHOWN = 5
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DistributedDataParallel and torch.compile wrappers (in any order): the one whose
+    state-dict keys name the model's own parameters, as checkpoints store them."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        else:
+            inner = getattr(model, "_orig_mod", None)
+            if not isinstance(inner, torch.nn.Module):
+                return model
+            model = inner
+
+
+def _strip_wrappers(key: str) -> str:
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if key.startswith(prefix):
+                key, stripped = key[len(prefix) :], True
+    return key
+
+
+def fit_keys(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with the wrapper prefixes of its keys removed where the live model does not have them (a
+    checkpoint written through a compiled or DDP-wrapped model loads into the bare one)."""
+    if set(saved) <= set(live):
+        return saved
+    return {(_strip_wrappers(key) if key not in live else key): value for key, value in saved.items()}
+
+
+def describe_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
+    """The keys missing from the checkpoint, the unexpected ones, and those of another shape, with a hint;
+    empty when the two fit."""
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    shapes = sorted(
+        f"{key} (checkpoint {tuple(saved[key].shape)}, model {tuple(live[key].shape)})"
+        for key in set(saved) & set(live)
+        if isinstance(saved[key], torch.Tensor)
+        and isinstance(live[key], torch.Tensor)
+        and saved[key].shape != live[key].shape
+    )
+    parts = [
+        f"{what} ({len(keys)}): {', '.join(keys[:_SHOWN])}{', ...' if len(keys) > _SHOWN else ''}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("another shape", shapes))
+        if keys
+    ]
+    if not parts:
+        return ""
+    return "; ".join(parts) + (
+        ". The checkpoint is of another model or configuration: was the model changed (its width, depth, "
+        "vocabulary, or a layer renamed)? Start a new checkpoint directory for a new model."
+    )
+
+
 class TrainingObjects:
     """The model (``module``: unwrapped from DistributedDataParallel), the optimizer, and the optional
     scheduler and GradScaler of one worker."""
@@ -30,7 +92,7 @@ class TrainingObjects:
         scaler: torch.amp.GradScaler | None,
     ) -> None:
         self.model = model
-        self.module = model.module if isinstance(model, DistributedDataParallel) else model
+        self.module = unwrap(model)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
@@ -110,8 +172,16 @@ class TrainingObjects:
 
     def load(self, state: dict[str, Any]) -> None:
         """Load a checkpoint's ``state()``. Raises StateMismatch saying which part does not fit."""
+        saved = state.get("model")
+        if not isinstance(saved, dict):
+            raise StateMismatch("holds no model state")
+        live = self.module.state_dict()
+        fitted = fit_keys(saved, live)
+        mismatch = describe_mismatch(fitted, live)
+        if mismatch:
+            raise StateMismatch(f"does not fit this model: {mismatch}")
         try:
-            self.module.load_state_dict(state["model"])
+            self.module.load_state_dict(fitted)
         except (RuntimeError, KeyError, TypeError) as exc:
             raise StateMismatch(f"does not fit this model: {exc}") from exc
         try:

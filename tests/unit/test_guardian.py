@@ -19,6 +19,7 @@ from trainer_sidecar.data import GuardedLoader, sample_is_bad
 from trainer_sidecar.guardian import Fenced, UncleanState
 from trainer_sidecar.status import read_status
 from trainer_sidecar.stopping import STOP, StopRequest
+from trainer_sidecar.training import fit_keys
 
 
 def settings(**sections: Any) -> GuardianSettings:
@@ -841,3 +842,56 @@ def test_the_stop_handlers_are_held_while_a_guardian_trains_and_handed_back_afte
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# --- checkpoints across wrappers and changed models -----------------------------------------------------
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    compiled = torch.compile(model)
+    assert isinstance(compiled, torch.nn.Module)
+    return compiled
+
+
+def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_path: Path) -> None:
+    plain = tiny_model(seed=4)
+    compiled = compile_model(plain)  # no forward is run through it: only its state-dict keys matter
+    guardian = Guardian(compiled, torch.optim.SGD(plain.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    for _ in range(2):
+        guardian.step(loss_of(plain))
+    guardian.finish()
+    saved = clone_state(plain)
+    fresh = tiny_model(seed=5)
+    resumed = Guardian(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    assert resumed.step_count == 2
+    assert_same(saved, clone_state(fresh))
+    again = tiny_model(seed=6)
+    back = Guardian(
+        torch.compile(again), torch.optim.SGD(again.parameters(), lr=0.1), checkpoint_dir=tmp_path
+    )
+    assert back.step_count == 2
+    assert_same(saved, clone_state(again))
+
+
+def test_keys_saved_through_wrappers_are_fitted_to_the_bare_model() -> None:
+    live = {"0.weight": torch.zeros(2), "0.bias": torch.zeros(1)}
+    saved = {"_orig_mod.module.0.weight": torch.ones(2), "module.0.bias": torch.ones(1)}
+    assert set(fit_keys(saved, live)) == set(live)
+    assert fit_keys(live, live) is live
+
+
+def test_a_changed_model_names_the_missing_unexpected_and_reshaped_keys(tmp_path: Path) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    guardian.step(loss_of(model))
+    guardian.finish()
+    extra = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1), torch.nn.Linear(1, 1)
+    )
+    with pytest.raises(ConfigError) as caught:
+        Guardian(extra, torch.optim.SGD(extra.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    message = str(caught.value)
+    assert "another shape (3): 0.bias (checkpoint (8,), model (16,))" in message
+    assert "missing (2): 3.bias, 3.weight" in message
+    assert "was the model changed" in message
+    assert "unexpected" not in message
