@@ -867,7 +867,7 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_
     assert_same(saved, clone_state(fresh))
     again = tiny_model(seed=6)
     back = Guardian(
-        torch.compile(again), torch.optim.SGD(again.parameters(), lr=0.1), checkpoint_dir=tmp_path
+        compile_model(again), torch.optim.SGD(again.parameters(), lr=0.1), checkpoint_dir=tmp_path
     )
     assert back.step_count == 2
     assert_same(saved, clone_state(again))
