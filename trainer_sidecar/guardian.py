@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
+from trainer_sidecar.checkpoint.format import serialize
 from trainer_sidecar.config import (
     CHECKPOINT_DIR_ENV,
     ConfigError,
@@ -71,6 +73,7 @@ from trainer_sidecar.status import (
     write_termination_message,
 )
 from trainer_sidecar.stopping import STOP
+from trainer_sidecar.tensorstate import flatten
 from trainer_sidecar.training import StateMismatch, TrainingObjects
 
 log = logging.getLogger("trainguard")
@@ -215,6 +218,8 @@ class Guardian:
         self._norm = torch.zeros(())
         self._loader: GuardedLoader | None = None
         self._pending_data_state: dict[str, int] | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._pending_tracked: dict[str, Any] = {}
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
         self._window_batches: list[BatchRef] = []
@@ -376,15 +381,26 @@ class Guardian:
     # ---------------------------------------------------------------------------------------- data ---
     def loader(
         self,
-        dataset: SizedDataset,
+        dataset: SizedDataset | DataLoader[Any],
         *,
-        batch_size: int,
+        batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
     ) -> GuardedLoader:
-        """A GuardedLoader for this worker's rank, positioned where the resumed checkpoint left off."""
+        """A GuardedLoader for this worker's rank, positioned where the resumed checkpoint left off.
+
+        ``dataset`` is a map-style dataset, or a ``torch.utils.data.DataLoader`` over one, whose batch size,
+        shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``).
+        """
+        if isinstance(dataset, DataLoader):
+            dataset, batch_size, shuffle, collate_fn, num_workers = _taken_over(dataset)
+        assert not isinstance(dataset, DataLoader)
+        if batch_size is None:
+            raise TypeError(
+                "Guardian.loader() needs batch_size for a dataset (it takes it from a DataLoader)"
+            )
         loader = GuardedLoader(
             dataset,
             batch_size=batch_size,
@@ -401,6 +417,22 @@ class Guardian:
         )
         self.attach_loader(loader)
         return loader
+
+    def track(self, name: str, stateful: Stateful) -> None:
+        """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
+        StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
+        rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
+        Raises TypeError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
+        int, float, bool, None and tensors can)."""
+        try:
+            serialize(*flatten({name: stateful.state_dict()}))
+        except CheckpointError as exc:
+            raise TypeError(
+                f"Guardian.track({name!r}): its state_dict cannot be checkpointed: {exc}"
+            ) from exc
+        self._tracked[name] = stateful
+        if name in self._pending_tracked:
+            stateful.load_state_dict(self._pending_tracked.pop(name))
 
     def attach_loader(self, loader: GuardedLoader) -> None:
         """Track ``loader``'s position in checkpoints (and restore a resumed position into it)."""
@@ -537,7 +569,7 @@ class Guardian:
             what = "no checkpoint directory"
         self.phase = Phase.STOPPED
         self.message = f"stopped by {received.name} at step {self.counters.step}; {what}"
-        log.warning("%s", self.message)
+        self._log_gang(logging.WARNING, "%s", self.message)
         self._publish(force=True)
         self._write_termination_message()
         self._release()
@@ -592,7 +624,8 @@ class Guardian:
         counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
         self.last_grad_norm = reading.grad_norm
         self.last_step_time = time.time()
-        log.warning(
+        self._log_gang(
+            logging.WARNING,
             "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
             counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
             in_a_row, f", pattern {verdict.pattern}" if verdict.pattern else "",
@@ -648,7 +681,11 @@ class Guardian:
         verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
         if verdict.action is Action.APPLY:
             return None
-        log.error("step %d: the training state holds non-finite values; it is not saved", self.counters.step)
+        self._log_gang(
+            logging.ERROR,
+            "step %d: the training state holds non-finite values; it is not saved",
+            self.counters.step,
+        )
         self.counters.history = verdict.history
         self.message = verdict.reason
         self._carry_out(verdict)
@@ -668,6 +705,8 @@ class Guardian:
         state: dict[str, Any] = {"rng": rng_state()}
         if self._loader is not None:
             state["data"] = self._loader.state_dict()
+        if self._tracked:
+            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
         if self.rank == 0:
             state.update(guardian=self.counters.to_state(), **self.training.state())
         return state
@@ -710,7 +749,8 @@ class Guardian:
         self._remediate(self.settings.remediation)
         # The restored state is clean; re-snapshot it so a further rollback compounds the remediation.
         self._take_snapshot()
-        log.warning(
+        self._log_gang(
+            logging.WARNING,
             "rolled back from step %d to step %d after %s; lr scale now %.4g, max grad norm %.4g",
             from_step, self.counters.step, reason, self.counters.lr_scale, self.counters.max_grad_norm,
         )  # fmt: skip
@@ -736,7 +776,12 @@ class Guardian:
             return
         self._remediate(order)
         self.counters.remediations_applied.append(order.id)
-        log.warning("applied remediation %s from the orchestrator: lr scale %.4g", order.id, self.lr_scale)
+        self._log_gang(
+            logging.WARNING,
+            "applied remediation %s from the orchestrator: lr scale %.4g",
+            order.id,
+            self.lr_scale,
+        )
 
     def _diverge(self, message: str) -> None:
         self.phase = Phase.DIVERGED
@@ -751,6 +796,10 @@ class Guardian:
                 log.error("%s", exc)
         # Every rank diverges at the same step (the decision is collective) and ends here, now.
         self._exit_now(ExitCode.DIVERGED, Diverged(message))
+
+    def _log_gang(self, level: int, message: str, *args: object) -> None:
+        """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
+        log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
 
     def _fenced(self, error: FencedError) -> None:
         """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
@@ -838,7 +887,12 @@ class Guardian:
             return None
         self.resumed_step = self._checkpointed_step = checkpoint.step
         self._take_snapshot()
-        log.warning("resumed from the clean checkpoint at step %d (%s)", checkpoint.step, self.store.root)
+        self._log_gang(
+            logging.WARNING,
+            "resumed from the clean checkpoint at step %d (%s)",
+            checkpoint.step,
+            self.store.root,
+        )
         self._check_validation("resume")
         return checkpoint.step
 
@@ -864,6 +918,12 @@ class Guardian:
                 self._loader.load_state_dict(state["data"])
             else:
                 self._pending_data_state = state["data"]
+        tracked = state.get("tracked")
+        for name, saved in tracked.items() if isinstance(tracked, dict) else ():
+            if name in self._tracked:
+                self._tracked[name].load_state_dict(saved)
+            else:
+                self._pending_tracked[name] = saved
         return True
 
     # ------------------------------------------------------------------------------------- status ---
@@ -978,6 +1038,27 @@ class Guardian:
 
 
 _MAX = torch.distributed.ReduceOp.MAX
+
+
+class Stateful(Protocol):
+    """What ``Guardian.track`` keeps in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
+    """(dataset, batch size, shuffle, collate function, workers) of a DataLoader the guardian replaces."""
+    if isinstance(source.dataset, IterableDataset):
+        raise TypeError(
+            "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
+            "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
+        )
+    if source.batch_size is None:
+        raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
+    shuffle = isinstance(source.sampler, RandomSampler)
+    return source.dataset, source.batch_size, shuffle, source.collate_fn, source.num_workers
 
 
 def _report_config_error(config: GuardianConfig | None, error: ConfigError) -> None:

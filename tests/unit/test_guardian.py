@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -895,3 +896,65 @@ def test_a_changed_model_names_the_missing_unexpected_and_reshaped_keys(tmp_path
     assert "missing (2): 3.bias, 3.weight" in message
     assert "was the model changed" in message
     assert "unexpected" not in message
+
+
+# --- the loop's own data ------------------------------------------------------------------------------
+
+
+class Cursor:
+    """A data stream of the loop's own: where it is, as state."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.seed = torch.tensor([7, 8])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.seed = state["seed"]
+
+
+def test_tracked_state_of_the_loop_is_checkpointed_per_rank_and_restored(tmp_path: Path) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    cursor = Cursor()
+    guardian.track("stream", cursor)
+    for _ in range(3):
+        cursor.position += 10
+        guardian.step(loss_of(model))
+    guardian.finish()
+    again = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    restored = Cursor()
+    again.track("stream", restored)  # tracked after the resume: restored when it is tracked
+    assert restored.position == 30
+    assert torch.equal(restored.seed, torch.tensor([7, 8]))
+
+
+def test_tracking_something_that_cannot_be_checkpointed_fails_at_once() -> None:
+    class Opaque(Cursor):
+        def state_dict(self) -> dict[str, Any]:
+            return {"handle": object()}
+
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"'stream'.*cannot be checkpointed"):
+        guardian.track("stream", Opaque())
+
+
+def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
+    dataset = [(torch.randn(4), torch.randn(1)) for _ in range(40)]
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = guardian.loader(torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True))
+    assert loader.batch_size == 8
+    assert loader.shuffle
+    assert loader.batches_per_epoch == 5
+
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="StatefulDataLoader"):
+        guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
