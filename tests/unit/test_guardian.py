@@ -944,7 +944,7 @@ def test_tracking_something_that_cannot_be_checkpointed_fails_at_once() -> None:
 
 
 def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
-    dataset = [(torch.randn(4), torch.randn(1)) for _ in range(40)]
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
     model = tiny_model()
     guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
     loader = guardian.loader(torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True))
