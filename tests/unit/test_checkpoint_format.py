@@ -603,7 +603,8 @@ def _outcome_of(entries: dict[str, Any], data_size: int, tree: Any, metadata_ext
     if tree is None:  # the state names every entry: only the entries' own defects remain
         tree = {"dict": [[name, {"tensor": name}] for name in entries]}
     metadata = {"trainguard": "3", "state": json.dumps(tree), **metadata_extra}
-    payload = join_file({**entries, "__metadata__": metadata}, (bytes(range(256)) * 4)[:data_size])
+    filler = bytes(range(256)) * (data_size // 256 + 1)  # exactly data_size bytes of data, whatever it is
+    payload = join_file({**entries, "__metadata__": metadata}, filler[:data_size])
     meter = _AllocationMeter()
     fd = _in_memory_file(payload)
     try:
