@@ -219,6 +219,7 @@ class Guardian:
         self._loader: GuardedLoader | None = None
         self._pending_data_state: dict[str, int] | None = None
         self._tracked: dict[str, Stateful] = {}
+        self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
         self._pending_tracked: dict[str, Any] = {}
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
@@ -265,6 +266,14 @@ class Guardian:
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from exc
         self.dead_letters.load()
+        # Where a loop draws its own batches from the random generators, a resumed run draws the same
+        # ones only if the generators are saved as they were before the next step's batch was drawn. A
+        # loop that prefetches (draws the next batch after the forward pass, before the step ends) has
+        # drawn it by the step boundary; after the last forward pass it has not: save them as of then.
+        self.model.register_forward_hook(self._capture_rng)
+
+    def _capture_rng(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        self._rng_after_forward = rng_state()
 
     def _begin(self) -> None:
         if not self._snapshot.taken:
@@ -441,12 +450,15 @@ class Guardian:
             loader.load_state_dict(self._pending_data_state)
             self._pending_data_state = None
 
-    def run(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
+    def run(self, loader: GuardedLoader | DataLoader[Any], max_steps: int) -> Iterator[Any]:
         """Yield batches (one per micro-step) until ``max_steps`` steps are kept, then ``finish``.
 
-        Epochs follow one another; a resumed job starts at the exact next batch. Should the final state
-        not be clean, the guardian rolls back and training goes on until it is.
+        Epochs follow one another; a resumed job starts at the exact next batch. A DataLoader is taken
+        over first (``loader``). Should the final state not be clean, the guardian rolls back and
+        training goes on until it is.
         """
+        if isinstance(loader, DataLoader):
+            loader = self.loader(loader)
         if self._loader is not loader:
             self.attach_loader(loader)
         while True:
@@ -702,11 +714,12 @@ class Guardian:
         self._window_batches.clear()
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": rng_state()}
+        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state()}
         if self._loader is not None:
             state["data"] = self._loader.state_dict()
         if self._tracked:
             state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
+
         if self.rank == 0:
             state.update(guardian=self.counters.to_state(), **self.training.state())
         return state

@@ -103,9 +103,14 @@ class TrainingObjects:
         torch.autograd.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale(self) -> None:
-        """Unscale the gradients in place (a no-op without a GradScaler)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        """Unscale the gradients in place (a no-op without a GradScaler, or when the loop already did, to
+        clip them itself)."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        stage = self.scaler._per_optimizer_states[id(self.optimizer)].get("stage")
+        if getattr(stage, "name", "") == "UNSCALED":
+            return
+        self.scaler.unscale_(self.optimizer)
 
     def apply_update(
         self,
