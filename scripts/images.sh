@@ -4,7 +4,7 @@
 # $TRAINGUARD_CACHE), named by a hash of everything it is made from, so an unchanged input is never built
 # twice and a warm run takes seconds:
 #
-#   base          Debian bookworm with python3 and its venv module (mmdebstrap, from the machine's own
+#   base          Debian bookworm with python3, its venv module and libstdc++ (mmdebstrap, from the machine's own
 #                 apt sources); the FROM of the others, in place of the public python:3.11-slim
 #   pause         the base, sleeping: containerd's pod sandbox image
 #   trainguard    images/trainguard.Dockerfile: the operator and the sidecar, no torch
@@ -13,6 +13,8 @@
 #   worker        images/worker.Dockerfile on pytorch: the guardian library added
 #   tiny-lm       images/tiny-lm.Dockerfile on worker: the example's image
 #   coredns       images/coredns.Dockerfile: CoreDNS as scripts/control-plane.sh builds it
+#   pytorch-init  images/pytorch-init.Dockerfile: Debian's static busybox, for the training operator's
+#                 worker init container (sh, seq, nslookup)
 #
 # Usage:
 #   bash scripts/images.sh [build]          build what is missing; print the manifest's path on stdout
@@ -22,12 +24,13 @@
 #
 # The manifest (images/manifest-<key>.json) maps each name to its reference (trainguard.local/NAME:KEY)
 # and archive. Everything but the final path goes to stderr, with the time each phase took. Needs root
-# (buildah's storage and mounts); apt-get installs buildah and mmdebstrap when missing. Safe to run
+# (buildah's storage and mounts); apt-get installs buildah, mmdebstrap and busybox-static when missing. Safe to run
 # concurrently (a lock serialises the builds).
 set -euo pipefail
 
 SUITE=bookworm
-BASE_PACKAGES=python3,python3-venv
+# libstdc++6: the Python images people build FROM have it, and torch needs it.
+BASE_PACKAGES=python3,python3-venv,libstdc++6
 # Bump to rebuild every image (a change of this script's recipe that no input hash would see).
 RECIPE=1
 
@@ -46,6 +49,26 @@ hash_files() {
   (cd "$root" && find "$@" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z |
     xargs -0 sha256sum) | hash
 }
+
+# Building needs root and three Debian packages, installed before the keys are computed (one of them
+# hashes the busybox binary).
+if [ "$mode" = build ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "error: building the images needs root (buildah's storage mounts overlays)"
+    exit 1
+  fi
+  missing=""
+  command -v buildah >/dev/null || missing+=" buildah"
+  command -v mmdebstrap >/dev/null || missing+=" mmdebstrap"
+  dpkg -s busybox-static >/dev/null 2>&1 || missing+=" busybox-static"
+  if [ -n "$missing" ]; then
+    started=$(now)
+    log "installing Debian's packages:$missing"
+    # shellcheck disable=SC2086 # one word per package
+    apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends $missing >&2
+    log "installed in $(since "$started")"
+  fi
+fi
 
 python=${PYTHON:-$root/.venv/bin/python}
 coredns_bin="$(bash "$root/scripts/control-plane.sh" --bin-dir)/coredns"
@@ -104,12 +127,15 @@ tiny_lm_key=$( (echo "worker $worker_key examples $(hash_files examples/tiny_lm)
   cat "$root/images/tiny-lm.Dockerfile") | hash)
 coredns_key=$( (echo "coredns $coredns_sum"
   cat "$root/images/coredns.Dockerfile") | hash)
-NAMES="base pause trainguard pytorch worker tiny-lm coredns"
+BUSYBOX=/bin/busybox # Debian's busybox-static
+busybox_sum=$(sha256sum <"$BUSYBOX" 2>/dev/null || echo missing)
+init_key=$( (echo "busybox $busybox_sum"; cat "$root/images/pytorch-init.Dockerfile") | hash)
+NAMES="base pause trainguard pytorch worker tiny-lm coredns pytorch-init"
 # The images the node runs, saved as archives and imported (the base too: the tests' image that runs as
 # root); the others are only built FROM, and stay in buildah's storage.
-IMPORTED="base pause trainguard tiny-lm coredns"
+IMPORTED="base pause trainguard tiny-lm coredns pytorch-init"
 declare -A KEY=([base]=$base_key [pause]=$pause_key [trainguard]=$trainguard_key [pytorch]=$pytorch_key
-  [worker]=$worker_key [tiny-lm]=$tiny_lm_key [coredns]=$coredns_key)
+  [worker]=$worker_key [tiny-lm]=$tiny_lm_key [coredns]=$coredns_key [pytorch-init]=$init_key)
 ref() { echo "trainguard.local/$1:${KEY[$1]}"; }
 archive() { echo "$out/$1-${KEY[$1]}.oci.tar"; }
 manifest="$out/manifest-$(for n in $IMPORTED; do echo "$n ${KEY[$n]}"; done | hash).json"
@@ -145,20 +171,6 @@ if [ "$mode" = import ]; then
   exit 0
 fi
 
-if [ "$(id -u)" != 0 ]; then
-  log "error: building the images needs root (buildah's storage mounts overlays)"
-  exit 1
-fi
-missing=""
-command -v buildah >/dev/null || missing+=" buildah"
-command -v mmdebstrap >/dev/null || missing+=" mmdebstrap"
-if [ -n "$missing" ]; then
-  started=$(now)
-  log "installing Debian's packages:$missing"
-  # shellcheck disable=SC2086 # one word per package
-  apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends $missing >&2
-  log "installed in $(since "$started")"
-fi
 [ "$torch_versions" != unknown ] || { log "error: no torch in $python: run bash scripts/bootstrap.sh"; exit 1; }
 
 mkdir -p "$out"
@@ -227,7 +239,8 @@ build_base() {
     "$SUITE" "$work/base.tar" $sources >&2
   container=$(buildah_ from scratch)
   buildah_ add --quiet "$container" "$work/base.tar" / >/dev/null
-  buildah_ config --env PYTHONUNBUFFERED=1 --cmd '["python3"]' "$container"
+  buildah_ config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --env PYTHONUNBUFFERED=1 --cmd '["python3"]' "$container"
   buildah_ commit --quiet --rm "$container" "$(ref base)" >/dev/null
   rm -f "$work/base.tar"
   save base
@@ -240,7 +253,7 @@ build_pause() {
   started=$(now)
   build_base
   container=$(buildah_ from --pull=never "$(ref base)")
-  buildah_ config --cmd '["sleep", "infinity"]' --user 65535:65535 "$container"
+  buildah_ config --cmd '["/bin/sleep", "infinity"]' --user 65535:65535 "$container"
   buildah_ commit --quiet --rm "$container" "$(ref pause)" >/dev/null
   save pause
   log "pause: built in $(since "$started")"
@@ -350,11 +363,20 @@ build_coredns() {
   bud coredns "$root/images/coredns.Dockerfile" "$dir"
 }
 
+build_pytorch_init() {
+  cached pytorch-init && return 0
+  local dir="$work/context-pytorch-init"
+  mkdir -p "$dir"
+  cp "$BUSYBOX" "$dir/busybox"
+  bud pytorch-init "$root/images/pytorch-init.Dockerfile" "$dir"
+}
+
 build_base
 build_pause
 build_trainguard
-build_tiny_lm
 build_coredns
+build_pytorch_init
+build_tiny_lm
 
 "$python" - "$manifest" <<PY
 import json, sys

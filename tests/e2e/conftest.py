@@ -49,7 +49,7 @@ def e2e_cluster(
     """
     missing = controlplane.missing_binaries(control_plane.bin_dir, components=True)
     reason = f"{', '.join(missing)} not built: run bash scripts/control-plane.sh" if missing else None
-    reason = reason or cluster.why_not_runnable()
+    reason = reason or cluster.why_not_runnable(control_plane.bin_dir)
     if reason:
         if os.environ.get("CI"):
             pytest.fail(reason)

@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from tests.support import images
 from tests.support.paths import REPO_ROOT, SHARED
 from tests.support.ports import free_ports
 
@@ -784,6 +785,9 @@ def start_training_operator(
     plane.kubectl("apply", "--server-side", "--filename=-", stdin=yaml.safe_dump_all(setup))
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBEFLOW_NAMESPACE")}
     env["MY_POD_NAMESPACE"] = namespace  # where the rotator looks for its Secret
+    # The worker init container's image: the test node's (no registry serves the default, alpine).
+    init_ref = images.references().get("pytorch-init")
+    init_image = [f"--pytorch-init-container-image={init_ref}"] if init_ref else []
 
     def argv(ports: list[int]) -> list[str]:
         metrics, probe, webhook = ports
@@ -797,6 +801,7 @@ def start_training_operator(
             "--enable-scheme=pytorchjob",
             # Worker pods admissible in a namespace enforcing Pod Security "restricted" (see the file).
             f"--pytorch-init-container-template-file={PYTORCH_INIT_CONTAINER}",
+            *init_image,
             "--leader-elect=false",
             "--zap-log-level=info",
         ]

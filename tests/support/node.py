@@ -47,9 +47,8 @@ from typing import Any
 
 import yaml
 
-from tests.support import controlplane
+from tests.support import controlplane, images
 from tests.support.controlplane import ControlPlane, ControlPlaneError, Process
-from tests.support.paths import REPO_ROOT
 from tests.support.ports import free_ports
 
 NODE_NAME = "trainguard-node"
@@ -60,7 +59,6 @@ CLUSTER_DNS_IP = "10.0.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 DNS_PORT = 1053  # CoreDNS's port on the node: non-root, so not 53; the kube-dns Service maps 53 to it
 CNI_BIN_DIR = Path("/usr/lib/cni")
-IMAGES_SCRIPT = REPO_ROOT / "scripts" / "images.sh"
 NODE_LOCK = Path("/run/trainguard-node.lock")
 # containerd's state and sockets: a fixed place, so a start finds what a killed run left (its shims).
 RUNTIME_DIR = Path("/run/trainguard-node")
@@ -91,24 +89,9 @@ def why_not_runnable(bin_dir: Path) -> str | None:
     absent = [name for name in NODE_BINARIES if not os.access(bin_dir / name, os.X_OK)]
     if absent:
         return f"{', '.join(absent)} not built in {bin_dir}: run bash scripts/control-plane.sh"
-    manifest = images_manifest()
-    if not manifest.exists():
-        return f"the images are not built ({manifest}): run bash scripts/images.sh"
+    if not images.references():
+        return f"the images are not built ({images.manifest_path()}): run bash scripts/images.sh"
     return None
-
-
-def images_manifest() -> Path:
-    """The manifest of ``scripts/images.sh`` for this checkout (it builds nothing for this)."""
-    out = subprocess.run(
-        ["bash", str(IMAGES_SCRIPT), "--manifest"], check=True, capture_output=True, text=True
-    )
-    return Path(out.stdout.strip())
-
-
-def images() -> dict[str, str]:
-    """The node's images by name (``pause``, ``trainguard``, ``tiny-lm``, ``coredns``): their references."""
-    manifest: dict[str, dict[str, str]] = json.loads(images_manifest().read_text())
-    return {name: entry["ref"] for name, entry in manifest.items()}
 
 
 def _run(*argv: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -142,7 +125,7 @@ class Node:
 
     plane: ControlPlane
     state_dir: Path
-    images: dict[str, str]
+    images: dict[str, str]  # name: reference (tests.support.images)
     containerd: Process
     kubelet: Process
     kube_proxy: Process
@@ -580,7 +563,7 @@ def start(
     reason = why_not_runnable(plane.bin_dir)
     if reason:
         raise NodeError(reason)
-    refs = images()
+    refs = images.references()
     lock = _take_lock(lock_timeout)
     state_dir.mkdir(parents=True, exist_ok=True)
     # What a killed run left: its containers' shims, mounts and containerd state.
@@ -636,7 +619,7 @@ def _start(node: Node, refs: dict[str, str], timeout: float) -> None:
     node.startup_seconds["containerd"] = time.monotonic() - started
 
     started = time.monotonic()
-    _run("bash", str(IMAGES_SCRIPT), "import", str(node.socket), timeout=900)
+    _run("bash", str(images.IMAGES_SCRIPT), "import", str(node.socket), timeout=900)
     node.startup_seconds["images"] = time.monotonic() - started
 
     started = time.monotonic()
