@@ -250,7 +250,7 @@ def test_a_service_reaches_its_pod_by_cluster_ip_and_by_dns_name(ns: Namespace, 
         import http.server, socketserver
         class Hello(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                body = f"hello from {self.server.server_address[0]}".encode()
+                body = f"hello from {self.connection.getsockname()[0]}".encode()
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(body)

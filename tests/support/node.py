@@ -132,7 +132,6 @@ class Node:
     startup_seconds: dict[str, float] = field(default_factory=dict)
     _lock: Any = None
     _forwarding: str = "0"
-    _netns_before: set[str] = field(default_factory=set)
 
     @property
     def socket(self) -> Path:
@@ -169,7 +168,7 @@ class Node:
             _unmount_below(self.state_dir)
             _unmount_below(RUNTIME_DIR)
             _unmount_below(containerd_root())
-            _teardown_network(self.plane.bin_dir, self._forwarding, self._netns_before)
+            _teardown_network(self.plane.bin_dir, self._forwarding)
             if self._lock is not None:
                 self._lock.close()
                 self._lock = None
@@ -272,7 +271,7 @@ def _remove_kube_chains() -> None:
                 subprocess.run(["iptables", "-w", "-t", table, flag, chain], capture_output=True)
 
 
-def _teardown_network(bin_dir: Path, forwarding: str, netns_before: set[str]) -> None:
+def _teardown_network(bin_dir: Path, forwarding: str) -> None:
     """Undo ``_setup_network`` and the kubelet's and kube-proxy's rules; remove the pods' network
     namespaces left behind."""
     subprocess.run([str(bin_dir / "kube-proxy"), "--cleanup"], capture_output=True)
@@ -281,17 +280,16 @@ def _teardown_network(bin_dir: Path, forwarding: str, netns_before: set[str]) ->
         pass
     subprocess.run(["ip", "route", "del", controlplane.SERVICE_CIDR, "dev", BRIDGE], capture_output=True)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
-    for name in _cni_netns() - netns_before:
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    _delete_cni_netns()
     with contextlib.suppress(OSError):
         Path("/proc/sys/net/ipv4/ip_forward").write_text(forwarding)
 
 
-def _cni_netns() -> set[str]:
-    """The network namespaces containerd's CRI made for sandboxes (``/var/run/netns/cni-*``)."""
-    return (
-        {p.name for p in Path("/var/run/netns").glob("cni-*")} if Path("/var/run/netns").exists() else set()
-    )
+def _delete_cni_netns() -> None:
+    """Delete the network namespaces containerd's CRI made for sandboxes (``/var/run/netns/cni-*``): only
+    the node holding NODE_LOCK makes them on this machine."""
+    for path in Path("/var/run/netns").glob("cni-*"):
+        subprocess.run(["ip", "netns", "delete", path.name], capture_output=True)
 
 
 def _take_lock(timeout: float) -> Any:
@@ -570,6 +568,7 @@ def start(
     _kill_shims()
     _unmount_below(RUNTIME_DIR)
     _unmount_below(containerd_root())
+    _delete_cni_netns()
     shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
     for sub in ("cni", "manifests", "pod-logs", "kubelet", "coredns", "cni-ipam"):
         (state_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -582,7 +581,6 @@ def start(
         kubelet=Process("kubelet", [], state_dir / "kubelet.log"),
         kube_proxy=Process("kube-proxy", [], state_dir / "kube-proxy.log"),
         _lock=lock,
-        _netns_before=_cni_netns(),
     )
     try:
         _start(node, refs, timeout)
