@@ -29,10 +29,11 @@
 # Usage:
 #   bash scripts/control-plane.sh [build]       build what is missing; print the bin directory on stdout
 #   bash scripts/control-plane.sh --bin-dir     print the bin directory only (builds nothing)
-#   bash scripts/control-plane.sh start [DIR]   build if needed, then run the whole test cluster
-#                                               (tests/support/cluster.py: the control plane on free 127.0.0.1
-#                                               ports, the node agent, the trainguard operator; state in
-#                                               DIR, default a temp dir) until Ctrl-C; needs root; prints
+#   bash scripts/control-plane.sh start [DIR]   build if needed (and the images: scripts/images.sh),
+#                                               then run the whole test cluster (tests/support/cluster.py:
+#                                               the control plane on free 127.0.0.1 ports, a real node,
+#                                               the trainguard operator; state in DIR, default a temp
+#                                               dir) until Ctrl-C; needs root; prints
 #                                               the kubeconfig path, e.g.
 #                                               export KUBECONFIG=<that path>; kubectl get gtj
 #
@@ -270,11 +271,10 @@ kubectl_fits() {
 # Debian packages the tests need: openssl (tests/support/controlplane.py makes the certificates), and the
 # test node's runtime and network (tests/support/node.py): containerd (its CRI plugin serves the kubelet),
 # runc, containernetworking-plugins (bridge, host-local, loopback in /usr/lib/cni), iptables and conntrack
-# (kube-proxy), iproute2 (the node's address and routes). util-linux (nsenter) and bind9-dnsutils
-# (nslookup) serve the node agent. Only openssl is required: the node runs as root anyway, so elsewhere
-# its tests are skipped (and fail under CI).
+# (kube-proxy), iproute2 (the node's bridge, address and routes). Only openssl is required: the node runs
+# as root anyway, so elsewhere its tests are skipped (and fail under CI).
 missing_packages="" required_missing=""
-for entry in openssl:openssl:required ip:iproute2 nsenter:util-linux nslookup:bind9-dnsutils \
+for entry in openssl:openssl:required ip:iproute2 \
   containerd:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
   iptables:iptables conntrack:conntrack; do
   IFS=: read -r tool package need <<<"$entry"
@@ -338,6 +338,7 @@ log "linked in $(since "$started"); control plane binaries ready in $(since "$to
 
 if [ "$mode" = start ]; then
   exec 9>&- # release the build lock while the control plane runs
+  bash "$root/scripts/images.sh" >/dev/null
   python=${PYTHON:-$root/.venv/bin/python}
   cd "$root" && exec "$python" -m tests.support.cluster --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
 fi

@@ -5,8 +5,9 @@ accounts, volume binding, endpoint slices), kube-scheduler and the Kubeflow trai
 from the Go module proxy; a node (``tests/support/node.py``: containerd, the kubelet, kube-proxy, CoreDNS)
 that runs the pods from the images of ``scripts/images.sh``; and the trainguard operator as a local
 process. The workers train the example model (``examples/tiny_lm``, its image) with real torch and gloo,
-and their checkpoints go to a ReadWriteMany PersistentVolume (a host directory) shared by the gang. Each test's namespace enforces the
-Pod Security "restricted" profile, so every pod of the gang also passes the real PodSecurity admission.
+and their checkpoints go to a ReadWriteMany PersistentVolume (a host directory) shared by the gang. Each
+test's namespace enforces the Pod Security "restricted" profile, so every pod of the gang also passes the
+real PodSecurity admission.
 
 The scenarios are those of ``examples/k8s/job.yaml``, made short: 60 steps instead of 20 000, and a
 hang timeout of seconds rather than minutes.
