@@ -77,7 +77,8 @@ coredns_sum=$(sha256sum <"$coredns_bin" 2>/dev/null || echo missing)
 # The keys: each image's inputs, and the key of the image it is built FROM.
 base_key=$(printf 'recipe %s\nsuite %s\npackages %s\n' "$RECIPE" "$SUITE" "$BASE_PACKAGES" | hash)
 pause_key=$(printf 'base %s\n' "$base_key" | hash)
-wheel_key=$(hash_files pyproject.toml README.md operator trainer_sidecar trainguard)
+# README.md is only the wheel's long description: editing it rebuilds nothing.
+wheel_key=$(hash_files pyproject.toml operator trainer_sidecar trainguard)
 trainguard_key=$( (echo "base $base_key wheel $wheel_key"; cd "$root" &&
   cat images/trainguard.Dockerfile images/trainguard-requirements.txt requirements.lock) | hash)
 # torch and every distribution it requires (with the extras it asks for), as installed in the project's
@@ -166,6 +167,13 @@ if [ "$mode" = import ]; then
     # The archive's index names the image by its full reference (buildah's org.opencontainers.image.ref.name).
     ctr --address "$address" --namespace k8s.io images import "$(archive "$name")" >&2
     log "$name: imported $(ref "$name") in $(since "$started")"
+  done
+  # Images of other keys (an earlier build) go: containerd's garbage collector then frees their layers
+  # (several GB for each tiny-lm), which the kubelet, told never to collect images, would keep forever.
+  wanted=$(for name in $IMPORTED; do ref "$name"; done)
+  for stale in $(grep '^trainguard\.local/' <<<"$present" | grep -vxF "$wanted" || true); do
+    ctr --address "$address" --namespace k8s.io images remove "$stale" >/dev/null
+    log "removed $stale"
   done
   log "all images in $address in $(since "$total")"
   exit 0
@@ -385,5 +393,9 @@ with open(sys.argv[1] + ".tmp", "w") as f:
     json.dump(images, f, indent=2)
 PY
 mv "$manifest.tmp" "$manifest"
+# Archives and manifests of other keys not used for two days go (a clone on another commit keeps its own).
+keep=$(for n in $IMPORTED; do archive "$n"; done; echo "$manifest")
+find "$out" -maxdepth 1 \( -name '*.oci.tar' -o -name 'manifest-*.json' \) -mtime +2 -print |
+  grep -vxF "$keep" | xargs -r rm -f
 log "all images ready in $(since "$total")"
 echo "$manifest"
