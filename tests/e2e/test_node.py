@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.support.cluster import Cluster, wait_for
+from tests.support.controlplane import PYTORCH_INIT_CONTAINER
 
 TIMEOUT = 120.0  # for anything that involves scheduling and starting a pod on a busy 2-core machine
 
@@ -343,3 +345,29 @@ def test_a_read_write_many_claim_is_shared_by_two_pods(ns: Namespace, image: str
     finally:
         ns.cluster.kubectl("delete", "namespace", ns.name, "--wait=true", "--timeout=120s", check=False)
         ns.cluster.kubectl("delete", "pv", f"{ns.name}-shared", "--wait=false", check=False)
+
+
+def test_the_training_operators_init_container_finds_a_headless_service_by_its_short_name(
+    ns: Namespace, e2e_cluster: Cluster, image: str
+) -> None:
+    """examples/k8s/pytorch-init-container.yaml, as the training operator fills it in, with the node's
+    init image: it waits for the master's headless Service to resolve, and then succeeds."""
+    filled = (
+        PYTORCH_INIT_CONTAINER.read_text()
+        .replace("{{.InitContainerImage}}", e2e_cluster.node.images["pytorch-init"])
+        .replace("{{.MaxTries}}", "30")
+        .replace("{{.MasterAddr}}", "master-0")
+    )
+    init = {**yaml.safe_load(filled)[0], "imagePullPolicy": "Never"}
+    master = restricted_container(
+        "main", image, "import time; time.sleep(600)", readinessProbe={"exec": {"command": ["true"]}}
+    )
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "master-0"},
+        "spec": {"clusterIP": "None", "selector": {"app": "master"}, "ports": [{"port": 23456}]},
+    }
+    ns.apply(pod("master", master), headless, pod("waiter", init))
+    state = ns.terminated("waiter")
+    assert state["exitCode"] == 0, f"{state}\n{ns.logs('waiter')}"
