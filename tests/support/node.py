@@ -60,7 +60,8 @@ CLUSTER_DOMAIN = "cluster.local"
 DNS_PORT = 1053  # CoreDNS's port on the node: non-root, so not 53; the kube-dns Service maps 53 to it
 CNI_BIN_DIR = Path("/usr/lib/cni")
 NODE_LOCK = Path("/run/trainguard-node.lock")
-# containerd's state and sockets: a fixed place, so a start finds what a killed run left (its shims).
+# containerd's state and sockets and the kubelet's root: a fixed place, so a start finds what a killed run
+# left (its shims, its mounts).
 RUNTIME_DIR = Path("/run/trainguard-node")
 NODE_BINARIES = ("kubelet", "kube-proxy")
 PACKAGES = {
@@ -637,7 +638,9 @@ def _start(node: Node, refs: dict[str, str], timeout: float) -> None:
         str(plane.bin_dir / "kubelet"),
         f"--config={config}",
         f"--kubeconfig={kubelet_kubeconfig}",
-        f"--root-dir={state / 'kubelet' / 'root'}",
+        # Under RUNTIME_DIR: the volumes a killed run's kubelet mounted are found and unmounted at the next
+        # start.
+        f"--root-dir={RUNTIME_DIR / 'kubelet'}",
         f"--hostname-override={NODE_NAME}",
         f"--node-ip={NODE_IP}",
         "--v=1",
