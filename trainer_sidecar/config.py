@@ -28,7 +28,12 @@ from trainer_sidecar.settings import (
     describe_validation_error,
     load_settings,
 )
-from trainer_sidecar.status import STATUS_FILE_ENV, TERMINATION_MESSAGE_ENV
+from trainer_sidecar.status import (
+    MAX_LOCAL_RANKS,
+    STATUS_FILE_ENV,
+    TERMINATION_MESSAGE_ENV,
+    local_status_file,
+)
 
 CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
 REMEDIATION_ENV = "TRAINGUARD_REMEDIATION"
@@ -102,7 +107,7 @@ class GuardianConfig(BaseModel):
         return cls(
             settings=_settings(env, settings),
             checkpoint_dir=_agreed_path(env, CHECKPOINT_DIR_ENV, checkpoint_dir, "checkpoint_dir"),
-            status_file=_agreed_path(env, STATUS_FILE_ENV, status_file, "status_file"),
+            status_file=_local(env, _agreed_path(env, STATUS_FILE_ENV, status_file, "status_file")),
             termination_message_path=_path(env.get(TERMINATION_MESSAGE_ENV)),
             faults=_faults(env),
             remediation=_remediation(env),
@@ -117,6 +122,22 @@ def failure_paths(environ: Mapping[str, str] | None = None) -> tuple[Path | None
     error is reported when the configuration itself cannot be resolved."""
     env = os.environ if environ is None else environ
     return _path(env.get(STATUS_FILE_ENV)), _path(env.get(TERMINATION_MESSAGE_ENV))
+
+
+def _local(env: Mapping[str, str], status_file: Path | None) -> Path | None:
+    """This process's own status file when several share a pod (torchrun sets LOCAL_RANK and
+    LOCAL_WORLD_SIZE): ``status_file`` with the local rank in its name, as the pod's sidecar reads it."""
+    if status_file is None:
+        return None
+    try:
+        local_rank, local_ranks = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(
+            "LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (as torchrun sets them)"
+        ) from None
+    if not 0 <= local_rank < max(local_ranks, 1) <= MAX_LOCAL_RANKS:
+        raise ConfigError(f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_ranks} is out of range")
+    return local_status_file(status_file, local_rank, local_ranks)
 
 
 def _path(value: str | os.PathLike[str] | None) -> Path | None:

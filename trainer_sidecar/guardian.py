@@ -206,6 +206,7 @@ class Guardian:
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
         self.phase = Phase.STARTING
         self.message = ""
+        self.exit_code: int | None = None
         self.busy_since: float | None = None
         self.last_step_time: float | None = None
         self.last_grad_norm: float | None = None
@@ -579,13 +580,11 @@ class Guardian:
         what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
         if self.store is None:
             what = "no checkpoint directory"
-        self.phase = Phase.STOPPED
-        self.message = f"stopped by {received.name} at step {self.counters.step}; {what}"
-        self._log_gang(logging.WARNING, "%s", self.message)
-        self._publish(force=True)
-        self._write_termination_message()
-        self._release()
+        message = f"stopped by {received.name} at step {self.counters.step}; {what}"
+        self._log_gang(logging.WARNING, "%s", message)
         code = 128 + int(received)
+        self._report_end(Phase.STOPPED, message, code)
+        self._release()
         self._exit_now(code, SystemExit(code))
 
     def _benign_overflow(self, norm: float) -> bool:
@@ -797,11 +796,8 @@ class Guardian:
         )
 
     def _diverge(self, message: str) -> None:
-        self.phase = Phase.DIVERGED
-        self.message = message
         log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
-        self._publish(force=True)
-        self._write_termination_message()
+        self._report_end(Phase.DIVERGED, message, ExitCode.DIVERGED)
         if self.store is not None:
             try:
                 self.store.close()
@@ -817,12 +813,17 @@ class Guardian:
     def _fenced(self, error: FencedError) -> None:
         """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
         with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
-        self.phase = Phase.FAILED
-        self.message = f"fenced out of the checkpoint directory: {error}"
-        log.error("%s; exiting with code %d", self.message, ExitCode.FENCED)
+        message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
+        self._report_end(Phase.FAILED, message, ExitCode.FENCED)
+        self._exit_now(ExitCode.FENCED, Fenced(message))
+
+    def _report_end(self, phase: Phase, message: str, code: int) -> None:
+        """Publish the worker's final phase, message and exit code, in the status and the termination
+        message (which outlives the sidecar)."""
+        self.phase, self.message, self.exit_code = phase, message, code
         self._publish(force=True)
         self._write_termination_message()
-        self._exit_now(ExitCode.FENCED, Fenced(self.message))
 
     def _exit_now(self, code: int, error: SystemExit) -> None:
         """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
@@ -971,6 +972,7 @@ class Guardian:
             explosion_pattern=counters.explosion_pattern,
             last_clean_checkpoint=self._last_clean(),
             message=self.message,
+            exit_code=self.exit_code,
         )
 
     def _busy_view(self) -> tuple[Phase, float | None, str, float | None]:
@@ -1019,9 +1021,7 @@ class Guardian:
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()
         self._release()
-        self.phase = Phase.FINISHED
-        self._publish(force=True)
-        self._write_termination_message()
+        self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
 
     def _write_termination_message(self) -> None:
         """The final status into the container's termination message (``TRAINGUARD_TERMINATION_MESSAGE_PATH``,
@@ -1091,6 +1091,7 @@ def _report_config_error(config: GuardianConfig | None, error: ConfigError) -> N
         started_at=now,
         updated_at=now,
         message=f"configuration error: {error.message}",
+        exit_code=ExitCode.CONFIG_ERROR,
     )
     for path, write in ((status_path, write_status), (message_path, write_termination_message)):
         if path is None:

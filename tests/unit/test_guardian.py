@@ -16,6 +16,7 @@ import torch
 
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.config import GuardianConfig
 from trainer_sidecar.data import GuardedLoader, sample_is_bad
 from trainer_sidecar.guardian import Fenced, UncleanState
 from trainer_sidecar.status import read_status
@@ -958,3 +959,17 @@ def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
 
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
+
+
+def test_each_local_rank_of_a_pod_writes_a_status_file_of_its_own(tmp_path: Path) -> None:
+    env = {
+        "TRAINGUARD_STATUS_FILE": str(tmp_path / "status.json"),
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    assert GuardianConfig.from_env(env).status_file == tmp_path / "status-1.json"
+    assert GuardianConfig.from_env({**env, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}).status_file == (
+        tmp_path / "status.json"
+    )
+    with pytest.raises(ConfigError, match="LOCAL_RANK 2 of LOCAL_WORLD_SIZE 2"):
+        GuardianConfig.from_env({**env, "LOCAL_RANK": "2"})
