@@ -11,8 +11,10 @@ mounted the volume and looks for checkpoints.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trainer_sidecar.exitcodes import ExitCode
 from trainer_sidecar.faults import FAULTS_ENV, FaultSchedule, FaultSpecError, parse_faults
+from trainer_sidecar.gang import Gang
 from trainer_sidecar.settings import (
     GuardianSettings,
     Remediation,
@@ -32,8 +35,14 @@ from trainer_sidecar.status import (
     MAX_LOCAL_RANKS,
     STATUS_FILE_ENV,
     TERMINATION_MESSAGE_ENV,
+    Phase,
+    WorkerStatus,
     local_status_file,
+    write_status,
+    write_termination_message,
 )
+
+log = logging.getLogger("trainguard")
 
 CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
 REMEDIATION_ENV = "TRAINGUARD_REMEDIATION"
@@ -206,3 +215,32 @@ def _attempt(env: Mapping[str, str]) -> int:
     if not 0 <= value < 1 << 62:
         raise ConfigError(f"{ATTEMPT_ENV}: {value} is out of range")
     return value
+
+
+def report_config_error(config: GuardianConfig | None, error: ConfigError) -> None:
+    """Publish a configuration error as the worker's final status (phase failed, the message naming the
+    setting), to the status file and the termination message, so that the orchestrator can show it."""
+    if config is not None:
+        status_path, message_path = config.status_file, config.termination_message_path
+    else:
+        status_path, message_path = failure_paths()
+    now = time.time()
+    gang = Gang.current()
+    status = WorkerStatus(
+        rank=gang.rank,
+        world_size=gang.world_size,
+        pid=os.getpid(),
+        phase=Phase.FAILED,
+        started_at=now,
+        updated_at=now,
+        message=f"configuration error: {error.message}",
+        exit_code=ExitCode.CONFIG_ERROR,
+    )
+    for path, write in ((status_path, write_status), (message_path, write_termination_message)):
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(Path(path), status)
+        except OSError as exc:
+            log.warning("could not report the configuration error to %s: %s", path, exc)
