@@ -134,17 +134,17 @@ def failure_paths(environ: Mapping[str, str] | None = None) -> tuple[Path | None
 
 
 def _local(env: Mapping[str, str], status_file: Path | None) -> Path | None:
-    """This process's own status file when several share a pod (torchrun sets LOCAL_RANK and
-    LOCAL_WORLD_SIZE): ``status_file`` with the local rank in its name, as the pod's sidecar reads it."""
-    if status_file is None:
-        return None
+    """This process's own status file when several share a pod (torchrun sets LOCAL_WORLD_SIZE and
+    LOCAL_RANK): ``status_file`` with the local rank in its name, as the pod's sidecar reads it. A launcher
+    that sets LOCAL_RANK alone runs one process per pod."""
+    text = env.get("LOCAL_WORLD_SIZE", "").strip()
+    if status_file is None or not text or text == "1":
+        return status_file
     try:
-        local_rank, local_ranks = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+        local_rank, local_ranks = int(env.get("LOCAL_RANK", "0")), int(text)
     except ValueError:
-        raise ConfigError(
-            "LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (as torchrun sets them)"
-        ) from None
-    if not 0 <= local_rank < max(local_ranks, 1) <= MAX_LOCAL_RANKS:
+        raise ConfigError("LOCAL_RANK and LOCAL_WORLD_SIZE must be integers, as torchrun sets them") from None
+    if not 0 <= local_rank < local_ranks <= MAX_LOCAL_RANKS:
         raise ConfigError(f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_ranks} is out of range")
     return local_status_file(status_file, local_rank, local_ranks)
 

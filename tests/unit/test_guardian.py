@@ -973,3 +973,6 @@ def test_each_local_rank_of_a_pod_writes_a_status_file_of_its_own(tmp_path: Path
     )
     with pytest.raises(ConfigError, match="LOCAL_RANK 2 of LOCAL_WORLD_SIZE 2"):
         GuardianConfig.from_env({**env, "LOCAL_RANK": "2"})
+    # A launcher that sets LOCAL_RANK alone (one process per pod) keeps the file as it is.
+    alone = {"TRAINGUARD_STATUS_FILE": str(tmp_path / "status.json"), "LOCAL_RANK": "3"}
+    assert GuardianConfig.from_env(alone).status_file == tmp_path / "status.json"
