@@ -312,7 +312,8 @@ class LocalRunner:
                 worker.wait()
             signal_group(worker, signal.SIGKILL)  # stray children (data loader workers)
         for sidecar in sidecars:
-            signal_group(sidecar, signal.SIGTERM)
+            if sidecar.poll() is None:  # a restarted sidecar's predecessor is gone (its pid may be reused)
+                signal_group(sidecar, signal.SIGTERM)
         for sidecar in sidecars:
             try:
                 sidecar.wait(timeout=5)
