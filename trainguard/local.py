@@ -228,8 +228,9 @@ class LocalRunner:
     def prepare(self) -> None:
         """Create and lock the checkpoint directory, then this run's own folder (RunRefused if another
         run holds the lock or a path leads outside its root). No process is started."""
-        claim = "spec.checkpoint.claimName"
-        self.checkpoint_dir = make_dir_inside(self.checkpoint_root, self.checkpoint_dir, claim)
+        self.checkpoint_dir = make_dir_inside(
+            self.checkpoint_root, self.checkpoint_dir, "spec.checkpoint.claimName", "--checkpoint-root"
+        )
         self.lock.acquire(job=f"{self.job.metadata.namespace}/{self.job.metadata.name}")
         self.run_folder = new_run_folder(self.run_root)
 

@@ -42,15 +42,16 @@ def plain_name(name: str, what: str) -> str:
     return name
 
 
-def make_dir_inside(root: Path, path: Path, what: str) -> Path:
-    """Create ``path`` (and ``root``) and return it absolute; RunRefused if it resolves outside ``root``."""
+def make_dir_inside(root: Path, path: Path, what: str, root_what: str | None = None) -> Path:
+    """Create ``root`` and ``path`` and return ``path`` absolute; RunRefused if it resolves outside
+    ``root``. ``what`` and ``root_what`` (default ``what``) name where each came from."""
     root = root.absolute()
     path = path.absolute()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RunRefused(f"{what}: cannot create {path}: {exc}") from exc
+    for folder, named in ((root, root_what or what), (path, what)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunRefused(f"{named}: cannot create {folder}: {exc}") from exc
     real_root, real = root.resolve(), path.resolve()
     if not real.is_relative_to(real_root):
         raise RunRefused(f"{what}: {path} leads outside {root} (to {real}); refusing to write there")

@@ -321,7 +321,9 @@ def test_a_hung_worker_whose_sidecar_was_killed_is_still_detected(tmp_path: Path
     assert runner.returncode == 0, output
     summary = summary_of(tmp_path)
     [restart] = summary["restarts"]
-    assert "rank 1 hung" in restart["reason"]
+    # Rank 0 waits for rank 1 in the collective, so it may be reported hung at the same probe.
+    who, _, _ = restart["reason"].partition(" hung: ")
+    assert who in ("rank 1", "ranks 0, 1"), restart["reason"]
     assert summary["final_step"] == 30
 
 

@@ -41,6 +41,14 @@ def test_a_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_a_root_that_cannot_be_created_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RunRefused, match=r"^--checkpoint-root: cannot create"):
+        make_dir_inside(tmp_path / "file" / "v", tmp_path / "file" / "v" / "c", "claim", "--checkpoint-root")
+    with pytest.raises(RunRefused, match=r"^claim: cannot create"):
+        make_dir_inside(tmp_path, tmp_path / "file", "claim", "--checkpoint-root")
+
+
 def test_a_root_that_is_itself_a_link_is_followed(tmp_path: Path) -> None:
     (tmp_path / "big-disk").mkdir()
     (tmp_path / "root").symlink_to(tmp_path / "big-disk")
