@@ -26,10 +26,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from pydantic import ValidationError
-
 from trainer_sidecar.exitcodes import describe_exit
-from trainer_sidecar.status import WorkerStatus
+from trainer_sidecar.status import parse_status
 
 #: Signals that stop a run like Ctrl-C; the exit code is 128 + the signal's number (130, 143, 129).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -250,11 +248,8 @@ def termination_message(path: Path) -> str:
     data = _read_regular(path, tail=False)
     if not data:
         return ""
-    try:
-        status = WorkerStatus.model_validate_json(data)
-    except (ValidationError, ValueError):
-        return ""
-    return printable(status.message)
+    status, _ = parse_status(data, str(path))
+    return printable(status.message) if status is not None else ""
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
