@@ -76,6 +76,7 @@ class RankProcesses:
     alive: bool | None = None
     health_reason: str = ""
     probe_failures: int = 0
+    failed_since: float | None = None
     exit_reason: str | None = None
     status: dict[str, Any] = field(default_factory=dict)
 
@@ -340,11 +341,21 @@ class LocalRunner:
             happened = rank.sidecar.keep_running()
             if happened:
                 self.event("sidecar", f"rank {rank.rank}: {happened}")
+            self.read_status(rank)
             code, body = rank.sidecar.healthz(timeout)
             rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
-            rank.alive = liveness(rank.probe_failures)
+            rank.alive = self._liveness(rank)
             rank.health_reason = "" if probe_passed(code) else self._probe_failure(rank, code, body)
-            self.read_status(rank)
+
+    def _liveness(self, rank: RankProcesses) -> bool | None:
+        """The kubelet's verdict, except that a worker that published its final status ("failed") gets
+        the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
+        if rank.status.get("phase") != "failed":
+            rank.failed_since = None
+            return liveness(rank.probe_failures)
+        now = time.monotonic()
+        rank.failed_since = rank.failed_since if rank.failed_since is not None else now
+        return liveness(rank.probe_failures, now - rank.failed_since, self.stop_grace_seconds)
 
     @staticmethod
     def _probe_failure(rank: RankProcesses, code: int, body: bytes) -> str:

@@ -46,12 +46,21 @@ def probe_passed(code: int) -> bool:
     return 200 <= code < 400
 
 
-def liveness(consecutive_failures: int) -> bool | None:
+def liveness(
+    consecutive_failures: int, failed_for: float | None = None, exit_grace: float = 0.0
+) -> bool | None:
     """A rank's liveness after this many failed probes in a row: True (the last probe passed), None
-    (failing, but below the threshold), False (not alive)."""
+    (failing, but below the threshold), False (not alive).
+
+    A worker that published its final status "failed" ``failed_for`` seconds ago is about to exit with
+    the code that says why (a configuration error): for ``exit_grace`` seconds it is not declared dead
+    (None), so the exit code, not a hang, becomes the failure. After that it is judged as any other.
+    """
     if consecutive_failures <= 0:
         return True
-    return False if consecutive_failures >= LIVENESS_FAILURE_THRESHOLD else None
+    if consecutive_failures < LIVENESS_FAILURE_THRESHOLD:
+        return None
+    return None if failed_for is not None and failed_for < exit_grace else False
 
 
 def http_get(url: str, timeout: float) -> tuple[int, bytes]:

@@ -306,15 +306,8 @@ def test_a_hung_worker_whose_sidecar_was_killed_is_still_detected(tmp_path: Path
     job_file = tmp_path / "hung.yaml"
     job_file.write_text(yaml.safe_dump(document))
     runner = start_runner(tmp_path, job_file)
-    status_file = tmp_path / "run" / "latest" / "attempt-1" / "rank-1" / "status.json"
-
-    def hanging() -> bool:
-        try:
-            return int(json.loads(status_file.read_text())["step"]) >= 14
-        except (OSError, ValueError, KeyError):
-            return False
-
-    wait_for(hanging, timeout=180, what="rank 1 to hang")
+    log = tmp_path / "run" / "latest" / "logs" / "attempt-1-rank-1.log"
+    wait_for(lambda: log.exists() and b"fault injection: hang" in log.read_bytes(), 180, "rank 1 to hang")
     victim = wait_for(lambda: sidecar_of(tmp_path, 1), what="rank 1's sidecar")
     os.kill(victim, signal.SIGKILL)
     output, _ = runner.communicate(timeout=240)

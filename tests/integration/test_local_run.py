@@ -203,7 +203,12 @@ def test_a_stop_signal_stops_the_gang_and_leaves_the_checkpoints_intact(
     )  # fmt: skip
     store_dir = tmp_path / "run" / "volumes" / "ckpt"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(store_dir.glob("step-*/rank-1.json")):
+    # A complete checkpoint first (both ranks' manifests), so that there is something to keep intact.
+    while time.monotonic() < deadline and not [
+        step
+        for step in store_dir.glob("step-*")
+        if (step / "rank-0.json").exists() and (step / "rank-1.json").exists()
+    ]:
         time.sleep(0.2)
     proc.send_signal(stop)
     output, _ = proc.communicate(timeout=60)

@@ -17,6 +17,15 @@ def test_liveness_fails_only_at_the_threshold() -> None:
     assert [sidecars.liveness(n) for n in range(5)] == [True, None, None, False, False]
 
 
+def test_a_worker_that_reported_failed_gets_the_grace_to_exit_with_its_code() -> None:
+    threshold = sidecars.LIVENESS_FAILURE_THRESHOLD
+    assert sidecars.liveness(threshold, failed_for=2.0, exit_grace=10.0) is None
+    assert sidecars.liveness(threshold + 20, failed_for=9.9, exit_grace=10.0) is None
+    assert sidecars.liveness(threshold, failed_for=10.0, exit_grace=10.0) is False  # it never exited
+    assert sidecars.liveness(threshold - 1, failed_for=30.0, exit_grace=10.0) is None
+    assert sidecars.liveness(0, failed_for=2.0, exit_grace=10.0) is True
+
+
 @given(st.lists(st.sampled_from([0, 200, 204, 301, 404, 500, 503]), max_size=40))
 def test_any_run_of_probes_is_judged_by_the_failures_at_its_end(codes: list[int]) -> None:
     failures = 0

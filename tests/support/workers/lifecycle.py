@@ -47,12 +47,14 @@ def main() -> int:
     parser.add_argument("--fork-holder", action="store_true")
     parser.add_argument("--fail", default="")
     args = parser.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.fork_holder and os.fork() == 0:
         hold(args.pid_dir, rank)
     record(args.pid_dir, "worker", rank)
     if args.fail:
-        status = WorkerStatus(started_at=time.time(), phase=Phase.FAILED, message=args.fail)
+        status = WorkerStatus(
+            rank=rank, world_size=world_size, started_at=time.time(), phase=Phase.FAILED, message=args.fail
+        )
         write_termination_message(Path(os.environ["TRAINGUARD_TERMINATION_MESSAGE_PATH"]), status)
         print("an unrelated last line of the log", flush=True)
         return 2
@@ -64,12 +66,17 @@ def main() -> int:
         write_status(
             status_file,
             WorkerStatus(
-                rank=rank, pid=os.getpid(), phase=Phase.RUNNING, started_at=started, updated_at=now,
-                step=step, steps_total=step, last_step_time=now,
+                rank=rank, world_size=world_size, pid=os.getpid(), phase=Phase.RUNNING,
+                started_at=started, updated_at=now, step=step, steps_total=step, last_step_time=now,
             ),
         )  # fmt: skip
     final = WorkerStatus(
-        rank=rank, pid=os.getpid(), phase=Phase.FINISHED, started_at=started, step=args.steps
+        rank=rank,
+        world_size=world_size,
+        pid=os.getpid(),
+        phase=Phase.FINISHED,
+        started_at=started,
+        step=args.steps,
     )
     write_status(status_file, final)
     sys.stdout.flush()
