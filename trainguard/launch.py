@@ -119,14 +119,22 @@ def _load_prctl() -> Callable[..., int] | None:
     return prctl
 
 
-# Looked up once in the parent: between fork and exec the child only calls it.
+# Looked up, and its arguments built, once in the parent: between fork and exec the child only makes
+# the call (no import, no allocation that could wait on a lock another thread of the parent held).
 _PRCTL = _load_prctl()
+_PDEATHSIG_KILL = (
+    ctypes.c_int(_PR_SET_PDEATHSIG),
+    ctypes.c_ulong(int(signal.SIGKILL)),
+    ctypes.c_ulong(0),
+    ctypes.c_ulong(0),
+    ctypes.c_ulong(0),
+)
 
 
 def _die_with(parent: int) -> Callable[[], None]:
     def child_setup() -> None:
         if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            _PRCTL(*_PDEATHSIG_KILL)
         if os.getppid() != parent:  # the parent died before the death signal was armed
             os._exit(1)
 

@@ -26,7 +26,10 @@ def record(pid_dir: Path, role: str, rank: int) -> None:
     """Write this process's record into ``pid_dir``."""
     pid_dir.mkdir(parents=True, exist_ok=True)
     entry = {"pid": os.getpid(), "cwd": os.getcwd(), "omp": os.environ.get("OMP_NUM_THREADS")}
-    (pid_dir / f"{role}-{rank}-{os.getpid()}.json").write_text(json.dumps(entry))
+    final = pid_dir / f"{role}-{rank}-{os.getpid()}.json"
+    temporary = final.with_suffix(".tmp")  # a reader never sees half a record
+    temporary.write_text(json.dumps(entry))
+    os.replace(temporary, final)
 
 
 def hold(pid_dir: Path, rank: int) -> None:
