@@ -12,6 +12,12 @@ of the disk measurements rotated every repetition, medians reported:
   store's janitor thread, off the path ``wait`` waits on; it is timed apart (``prune_s``).
 * ``restore_over_memcpy``: ``Snapshot.restore`` of model and optimizer (in place) over one
   ``copy_`` of as many bytes between preallocated tensors. Goal <= 1.5.
+* ``format3_save_over_format2`` and ``format3_load_over_format2``: the data file of format 3 (a
+  safetensors file) against trainguard's format 2 (``bench/checkpoint_v2.py``), side by side, timed
+  as seconds (>1: format 3 is slower). A save is the layout, the write through the store's writer
+  (writev of views, hashing beside it, fsync, rename); a load is ``read_state`` of the file just
+  written (from the page cache). Goal: <= 1.05 each. The same ratios in process CPU seconds
+  (``..._cpu_over_format2``) are steadier when other processes compete for the cores.
 
 A write to the page cache on this VM now and then stalls for half a second or more, whichever writer
 it hits (raw or store alike), so the medians take 9 rounds and the JSON also gives
@@ -43,9 +49,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench import checkpoint_v2
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.checkpoint import CheckpointStore, data_file_name, step_dir_name
+from trainer_sidecar.checkpoint import format as checkpoint_format
+from trainer_sidecar.checkpoint import writer as checkpoint_writer
 from trainer_sidecar.snapshot import Snapshot
+from trainer_sidecar.tensorstate import flatten
 
 _CHUNK = 8 << 20  # the raw write's chunk (the store writes and hashes large tensors in 8 MiB pieces)
 _LAYERS = 8
@@ -129,6 +139,26 @@ def store_save(store: CheckpointStore, step: int, state: dict[str, Any]) -> tupl
     return stall, total, time.perf_counter() - start - total
 
 
+def format_save(folder: Path, name: str, state: dict[str, Any], codec: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds to lay out ``state`` with ``codec`` (a format module) and write it through the
+    store's writer (hash beside the write, fsync, rename, directory fsync) as ``folder/name``."""
+    skeleton, tensors = flatten(state)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        checkpoint_writer.write_file(fd, name, codec.serialize(skeleton, tensors), parallel_hash=True)
+        return time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        os.close(fd)
+
+
+def format_load(path: Path, codec: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``codec.read_state(path)``."""
+    start, cpu = time.perf_counter(), time.process_time()
+    codec.read_state(path)
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
 def timed(action: Callable[[], object]) -> float:
     """Seconds taken by ``action()``."""
     start = time.perf_counter()
@@ -188,7 +218,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         # Warm-up: allocates the store's host buffers, learns the checkpoint file's size.
         store_save(store, 1, state)
         store_save(serial, 1, state)
-        file_bytes = (root / "ckpt" / "step-0000000001" / "rank-0.pt").stat().st_size
+        file_bytes = (root / "ckpt" / step_dir_name(1) / data_file_name(0)).stat().st_size
+        formats = root / "formats"
+        formats.mkdir()
         source = torch.randint(0, 256, (file_bytes,), dtype=torch.uint8, generator=torch.Generator())
         payload = source.numpy().data.cast("B")
 
@@ -200,7 +232,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         copy_dst.copy_(copy_src)
 
         names = ("sync", "stall", "save", "serial", "prune", "raw", "restore", "copy", "sha256", "unlink")
-        times: dict[str, list[float]] = {name: [] for name in names}
+        names_formats = [
+            f"v{v}_{what}{cpu}" for v in (2, 3) for what in ("save", "load") for cpu in ("", "_cpu")
+        ]
+        times: dict[str, list[float]] = {name: [] for name in (*names, *names_formats)}
         for rep in range(args.repetitions):
             step = 2 + rep  # never an existing step: the store would keep, not rewrite, a valid one
 
@@ -221,7 +256,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
                 times["raw"].append(write)
                 times["unlink"].append(delete)
 
-            disk = [run_sync, run_store, run_raw, run_serial]
+            def run_formats(rep: int = rep) -> None:
+                codecs: list[tuple[str, Any]] = [("v2", checkpoint_v2), ("v3", checkpoint_format)]
+                ordered = codecs if rep % 2 else codecs[::-1]
+                for label, codec in ordered:
+                    wall, cpu = format_save(formats, label, state, codec)
+                    times[f"{label}_save"].append(wall)
+                    times[f"{label}_save_cpu"].append(cpu)
+                for label, codec in ordered:
+                    wall, cpu = format_load(formats / label, codec)
+                    times[f"{label}_load"].append(wall)
+                    times[f"{label}_load_cpu"].append(cpu)
+
+            disk = [run_sync, run_store, run_raw, run_serial, run_formats]
             shift = rep % len(disk)
             for action in [*disk[shift:], *disk[:shift]]:
                 action()
@@ -254,10 +301,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         "copy": "one copy_ of the same bytes",
         "sha256": "SHA-256 of the file's bytes (memory)",
         "unlink": "delete one file of that size",
+        "v2_save": "format 2 file: layout, write, hash",
+        "v3_save": "format 3 (safetensors): the same",
+        "v2_load": "format 2 file: read_state",
+        "v3_load": "format 3 (safetensors): read_state",
     }
     for name, label in labels.items():
         values = times[name]
-        size = file_bytes if name in ("sync", "save", "serial", "raw", "sha256") else nbytes
+        size = (
+            file_bytes
+            if name in ("sync", "save", "serial", "raw", "sha256", "v2_save", "v3_save")
+            else nbytes
+        )
         rate = f"  {size / med[name] / 1e9:6.2f} GB/s" if name not in ("unlink", "prune") else ""
         print(
             f"  {label:37s} {med[name] * 1e3:8.1f} ms"
@@ -267,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     write_ratio = med["raw"] / med["save"]
     write_ratio_min = min(times["raw"]) / min(times["save"])
     restore_ratio = med["restore"] / med["copy"]
+    format_save_ratio = med["v3_save"] / med["v2_save"]
+    format_load_ratio = med["v3_load"] / med["v2_load"]
+    format_save_cpu_ratio = med["v3_save_cpu"] / med["v2_save_cpu"]
+    format_load_cpu_ratio = med["v3_load_cpu"] / med["v2_load_cpu"]
     print(
         "  the store's save: host copy, then in the background a JSON header and the raw tensor bytes"
         " written while another thread hashes them, fsync, rename, manifest; pruning runs after, apart"
@@ -284,12 +343,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         f" fastest vs fastest {write_ratio_min:.4f})"
     )
     print(f"  restore / memcpy          {restore_ratio:.4f}  (goal <= 1.5)")
+    print(
+        f"  format 3 / format 2       save {format_save_ratio:.4f}, load {format_load_ratio:.4f}  (seconds;"
+        f" goal <= 1.05; fastest vs fastest: save {min(times['v3_save']) / min(times['v2_save']):.4f},"
+        f" load {min(times['v3_load']) / min(times['v2_load']):.4f})"
+    )
+    print(
+        f"  format 3 / format 2 (CPU) save {format_save_cpu_ratio:.4f}, load {format_load_cpu_ratio:.4f}"
+        "  (process CPU seconds, both threads: steadier than wall time on a busy machine)"
+    )
 
     result: dict[str, float | int] = {
         "async_stall_over_sync_save": round(stall_ratio, 4),
         "save_over_raw_write": round(write_ratio, 4),
         "save_over_raw_write_min": round(write_ratio_min, 4),
         "restore_over_memcpy": round(restore_ratio, 4),
+        "format3_save_over_format2": round(format_save_ratio, 4),
+        "format3_load_over_format2": round(format_load_ratio, 4),
+        "format3_save_over_format2_min": round(min(times["v3_save"]) / min(times["v2_save"]), 4),
+        "format3_load_over_format2_min": round(min(times["v3_load"]) / min(times["v2_load"]), 4),
+        "format3_save_cpu_over_format2": round(format_save_cpu_ratio, 4),
+        "format3_load_cpu_over_format2": round(format_load_cpu_ratio, 4),
         "async_stall_s": round(med["stall"], 6),
         "sync_save_s": round(med["sync"], 6),
         "save_s": round(med["save"], 6),

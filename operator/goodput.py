@@ -10,12 +10,13 @@ What the status keeps, per stretch of forward progress the operator saw (``statu
 attempt, when the attempt was created, the checkpoint step it resumed from (as its workers report it),
 the first and the last step seen and when they were first seen (the operator's clock, one look every
 ``probePeriodSeconds``). A new record starts with each attempt, and within an attempt when the step went
-backwards (a rollback). Each record becomes up to three samples for ``trainguard.summary.stretches``:
-the first step, the last step, and -- when the next attempt resumed from a step beyond the last one
-seen -- that step, extrapolated at the record's own rate (bounded by the next attempt's creation), so
-progress made after the last look is not lost. The first stretch of an attempt is extrapolated back
-to its resume step, as ``trainguard run`` does. A record seen at one step only (its rate unknown) counts
-no time but keeps the chain of kept steps connected.
+backwards (a rollback). Each record becomes the samples of its first and last step for
+``trainguard.summary.stretches``, which ``trainguard run`` uses too: when the next attempt resumed from a
+step beyond the last one seen, the record is carried on to that step at its own rate (bounded by the
+next attempt's creation), so progress made after the last look is not lost; the first stretch of an
+attempt is extrapolated back to its resume step (bounded by the attempt's creation, so no time is
+counted twice). A record seen at one step only (its rate unknown) counts no time but keeps the chain of
+kept steps connected.
 
 Bounded: at most ``MAX_RECORDS`` (20) records. When a 21st arrives, the oldest is folded into
 ``status.stepHistoryFolded`` (``fromStep``, ``toStep``, ``keptSeconds``: the kept history up to that
@@ -86,37 +87,27 @@ def record_progress(
 
 
 def _record_runs(record: StepRecord, following: StepRecord | None) -> list[Stretch]:
-    """The stretches of one record (see the module docstring)."""
+    """The stretches of one record (see the module docstring), by ``trainguard.summary.stretches``:
+    extrapolated back to the attempt's resume step (not before the attempt's creation), and on to the
+    next attempt's resume step (not past that attempt's creation)."""
     first_t = _seconds(record.first_step_at) or 0.0
     last_t = _seconds(record.last_step_at) or first_t
-    top, top_t = record.last_step, last_t
-    if (
-        following is not None
-        and following.attempt != record.attempt
-        and following.resumed_step is not None
-        and following.resumed_step > record.last_step
-    ):
-        # The next attempt resumed from a checkpoint written after the last look at this one.
-        span = record.last_step - record.first_step
-        rate = (last_t - first_t) / span if span > 0 else 0.0
-        top = following.resumed_step
-        top_t = last_t + rate * (top - record.last_step)
-        bound = _seconds(following.started_at) or _seconds(following.first_step_at)
-        if bound is not None:
-            top_t = min(top_t, max(bound, last_t))
     samples = [Sample(first_t, record.attempt, record.first_step)]
     if record.last_step > record.first_step:
         samples.append(Sample(last_t, record.attempt, record.last_step))
-    if top > record.last_step:
-        samples.append(Sample(top_t, record.attempt, top))
-    resumed = record.resumed_step
-    runs = stretches(samples, {record.attempt: resumed} if resumed is not None else {})
-    if not runs:
-        # Seen at one step only: no rate, so no time, but the steps it stands for stay connected.
-        start = resumed if resumed is not None and resumed < record.first_step else record.first_step
-        if top > start:
-            runs = [Stretch(record.attempt, first_t, start, first_t, top)]
-    return runs
+    resume_steps: dict[int, int] = {}
+    started: dict[int, float] = {}
+    if record.resumed_step is not None:
+        resume_steps[record.attempt] = record.resumed_step
+    created = _seconds(record.started_at)
+    if created is not None:
+        started[record.attempt] = created
+    if following is not None and following.attempt > record.attempt and following.resumed_step is not None:
+        resume_steps[following.attempt] = following.resumed_step
+        bound = _seconds(following.started_at) or _seconds(following.first_step_at)
+        if bound is not None:
+            started[following.attempt] = bound
+    return stretches(samples, resume_steps, started=started)
 
 
 def _folded_run(folded: FoldedHistory | None) -> list[Stretch]:

@@ -28,6 +28,7 @@ import kubernetes
 import urllib3
 from trainguard_operator.kube import KubeApi, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import OperatorMetrics
+from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.poll import SidecarPoller
 from trainguard_operator.reconcile import (
     IMMUTABLE_FIELDS,
@@ -35,7 +36,6 @@ from trainguard_operator.reconcile import (
     PlanAction,
     World,
     changed_paths,
-    pods_to_poll,
     reconcile,
 )
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError

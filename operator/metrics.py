@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -23,79 +24,71 @@ class OperatorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.restarts = Counter(
-            "trainguard_job_restarts", "Whole-gang restarts started by this operator.", LABELS, registry=r
+        self.restarts = self._counter(
+            "trainguard_job_restarts", "Whole-gang restarts started by this operator."
         )
-        self.failures = Counter(
+        self.failures = self._counter(
             "trainguard_job_failures",
             "Gang failures acted on (restart or give-up), by the policy's failure kind.",
-            [*LABELS, "kind"],
-            registry=r,
+            (*LABELS, "kind"),
         )
-        self.reconcile_errors = Counter(
+        self.reconcile_errors = self._counter(
             "trainguard_job_reconcile_errors",
             "Reconcile steps that failed (API errors, conflicts) and were retried.",
-            LABELS,
-            registry=r,
         )
-        self.attempt = Gauge("trainguard_job_attempt", "Current gang attempt (1-based).", LABELS, registry=r)
-        self.step = Gauge("trainguard_job_step", "Newest training step seen on any rank.", LABELS, registry=r)
-        self.rollbacks = Gauge(
-            "trainguard_job_rollbacks", "In-process rollbacks reported by the guardian.", LABELS, registry=r
+        self.attempt = self._gauge("trainguard_job_attempt", "Current gang attempt (1-based).")
+        self.step = self._gauge(
+            "trainguard_job_step", "The gang's training step: the slowest rank's (every rank did it)."
         )
-        self.skipped_steps = Gauge(
-            "trainguard_job_skipped_steps", "Steps the guardian skipped.", LABELS, registry=r
+        self.rollbacks = self._gauge(
+            "trainguard_job_rollbacks", "In-process rollbacks reported by the guardian."
         )
-        self.dropped_samples = Gauge(
-            "trainguard_job_dropped_samples",
-            "Samples the data guard dropped, over all ranks.",
-            LABELS,
-            registry=r,
+        self.skipped_steps = self._gauge("trainguard_job_skipped_steps", "Steps the guardian skipped.")
+        self.dropped_samples = self._gauge(
+            "trainguard_job_dropped_samples", "Samples the data guard dropped, over all ranks."
         )
-        self.drop_ratio = Gauge(
-            "trainguard_job_drop_ratio", "Dropped over seen samples, over all ranks.", LABELS, registry=r
+        self.drop_ratio = self._gauge(
+            "trainguard_job_drop_ratio", "Dropped over seen samples, over all ranks."
         )
-        self.last_clean_checkpoint_step = Gauge(
-            "trainguard_job_last_clean_checkpoint_step",
-            "Step of the newest clean checkpoint.",
-            LABELS,
-            registry=r,
+        self.last_clean_checkpoint_step = self._gauge(
+            "trainguard_job_last_clean_checkpoint_step", "Step of the newest clean checkpoint."
         )
-        self.goodput = Gauge(
+        self.goodput = self._gauge(
             "trainguard_job_goodput_ratio",
             "Share of wall time since the first attempt spent on steps the final model kept (0..1).",
-            LABELS,
-            registry=r,
         )
-        self.phase = Gauge(
-            "trainguard_job_phase",
-            "1 for the job's current phase, 0 for the others.",
-            [*LABELS, "phase"],
-            registry=r,
+        self.phase = self._gauge(
+            "trainguard_job_phase", "1 for the job's current phase, 0 for the others.", (*LABELS, "phase")
         )
-        self.last_restart = Gauge(
+        self.last_restart = self._gauge(
             "trainguard_job_last_restart_timestamp_seconds",
             "When the last gang restart was decided (unix seconds).",
-            LABELS,
-            registry=r,
         )
-        self.time_to_recover = Histogram(
+        self.time_to_recover = self._histogram(
             "trainguard_job_time_to_recover_seconds",
             "From a gang failure to the first training step of the attempt that replaced it.",
-            LABELS,
-            buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
-            registry=r,
+            (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
         )
-        self.reconcile_seconds = Histogram(
+        self.reconcile_seconds = self._histogram(
             "trainguard_operator_reconcile_duration_seconds",
             "Duration of one reconcile step (API reads, sidecar polls, writes).",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            labels=(),
         )
         self._kinds: dict[tuple[str, str], set[str]] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def _counter(self, name: str, documentation: str, labels: Sequence[str] = LABELS) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def _gauge(self, name: str, documentation: str, labels: Sequence[str] = LABELS) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = LABELS
+    ) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
     def observe_status(self, job: str, namespace: str, status: JobStatus) -> None:
         """Set the gauges from a job's status (unknown values are left as they were)."""

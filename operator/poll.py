@@ -7,7 +7,8 @@ import json
 from collections.abc import Sequence
 
 import aiohttp
-from trainguard_operator.reconcile import SidecarReport
+
+from trainguard.observation import SidecarReport
 
 
 class SidecarPoller:

@@ -4,6 +4,8 @@ show: ``reconcile(World, OperatorSettings) -> Plan``. No I/O, no clock (``World.
 The plan says what to do (create attempt N's PyTorchJob now; delete attempt N's PyTorchJob and schedule
 attempt N+1 at a time, with a remediation; mark the job Succeeded; mark it Failed; wait; nothing), the
 whole new status, and the Events to post. Restarts are decided only by ``trainguard.policy.decide``.
+This module is the state machine; ``pods`` reads the attempt's pods and sidecars into the gang view of
+``trainguard.observation`` (the same view ``trainguard run`` decides from).
 
 Every fact a decision needs is in the object's status (see ``status.JobStatus``), so a reconcile after an
 operator restart, from the status read back, takes the same decision, and never a second restart for the
@@ -22,9 +24,7 @@ so two gangs never write to the checkpoint volume at once.
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -32,11 +32,9 @@ from typing import Any
 
 from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, record_progress
+from trainguard_operator.pods import as_int, labels, meta, read_gang
 from trainguard_operator.render import (
-    ATTEMPT_LABEL,
     JOB_LABEL,
-    REPLICA_INDEX_LABEL,
-    REPLICA_TYPE_LABEL,
     Owner,
     RemediationOrder,
     RenderError,
@@ -49,6 +47,7 @@ from trainguard_operator.status import (
     ConditionType,
     JobStatus,
     Phase,
+    StepRecord,
     checkpoint_status,
     clip,
     iso,
@@ -60,14 +59,9 @@ from trainguard_operator.status import (
     set_condition,
 )
 
-from trainer_sidecar.exitcodes import describe_exit
-from trainguard.policy import Action, Decision, Observation, RankObservation, classify, decide
-from trainguard.spec import (
-    WORKER_CONTAINER,
-    GuardedTrainingJobSpec,
-    SpecError,
-    parse_job,
-)
+from trainguard.observation import GangView, SidecarReport
+from trainguard.policy import Action, Decision, Observation, decide
+from trainguard.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
 #: Spec fields fixed for the life of a job (see ``spec_change``); every other field may change.
 IMMUTABLE_FIELDS = ("replicas", "template", "checkpoint")
@@ -75,8 +69,6 @@ IMMUTABLE_FIELDS = ("replicas", "template", "checkpoint")
 STALE_POLL_SECONDS = 2.0
 #: The shortest requeue: a wait that is nearly over must not become a hot loop.
 MIN_REQUEUE_SECONDS = 0.2
-
-_POD_NAME = re.compile(r"-(master|worker)-(\d+)$")
 
 
 class PlanAction(StrEnum):
@@ -98,32 +90,6 @@ class EventNote:
     type: str  # Normal or Warning
     reason: str
     message: str
-
-
-@dataclass(frozen=True)
-class SidecarReport:
-    """One sidecar's ``/status`` answer, or why it could not be had."""
-
-    reachable: bool
-    alive: bool | None = None
-    reason: str = ""
-    status: Mapping[str, Any] | None = None
-
-    @classmethod
-    def from_document(cls, document: Any) -> SidecarReport:
-        """Read a ``/status`` JSON document; anything malformed reads as an unreachable sidecar."""
-        if not isinstance(document, Mapping):
-            return cls(reachable=False, reason="the sidecar's /status is not a JSON object")
-        health = document.get("health")
-        status = document.get("status")
-        alive = health.get("alive") if isinstance(health, Mapping) else None
-        reason = health.get("reason", "") if isinstance(health, Mapping) else ""
-        return cls(
-            reachable=True,
-            alive=alive if isinstance(alive, bool) else None,
-            reason=str(reason),
-            status=status if isinstance(status, Mapping) else None,
-        )
 
 
 @dataclass(frozen=True)
@@ -162,199 +128,6 @@ class Plan:
     done: bool = False
     decision: Decision | None = None
     recovered_seconds: float | None = None
-
-
-@dataclass
-class _Progress:
-    """Training progress aggregated over the ranks' sidecars."""
-
-    step: int | None = None
-    rollbacks: int | None = None
-    skipped_steps: int | None = None
-    samples_seen: int | None = None
-    samples_dropped: int | None = None
-    drop_rate: float | None = None
-    checkpoint: Mapping[str, Any] | None = None
-    stepping: bool = False
-    resumed_step: int | None = None
-
-
-# ------------------------------------------------------------------------------------ object helpers ---
-def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = obj.get("metadata")
-    return meta if isinstance(meta, Mapping) else {}
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    labels = _meta(obj).get("labels")
-    return labels if isinstance(labels, Mapping) else {}
-
-
-def _status(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    status = obj.get("status")
-    return status if isinstance(status, Mapping) else {}
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def pod_rank(pod: Mapping[str, Any]) -> int | None:
-    """The torch.distributed rank of a training-operator pod: Master 0 is rank 0, Worker i is rank i+1."""
-    labels = _labels(pod)
-    kind = str(labels.get(REPLICA_TYPE_LABEL, "")).lower()
-    index = _int(labels.get(REPLICA_INDEX_LABEL))
-    if kind not in ("master", "worker") or index is None:
-        found = _POD_NAME.search(str(_meta(pod).get("name", "")))
-        if not found:
-            return None
-        kind, index = found.group(1), int(found.group(2))
-    return index if kind == "master" else index + 1
-
-
-def _attempt_pods(pods: Iterable[Mapping[str, Any]], job: str, attempt: int) -> list[Mapping[str, Any]]:
-    # Filtered here too: the label selector of the list call is the API server's job, but nothing is
-    # decided on a pod of another job or attempt even if a list returned one.
-    return [
-        p
-        for p in pods
-        if _labels(p).get(JOB_LABEL) == job and str(_labels(p).get(ATTEMPT_LABEL)) == str(attempt)
-    ]
-
-
-def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
-    for item in _status(pod).get("containerStatuses") or []:
-        if isinstance(item, Mapping) and item.get("name") == name:
-            return item
-    return None
-
-
-def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    container = _container_status(pod, WORKER_CONTAINER)
-    state = container.get("state") if container else None
-    terminated = state.get("terminated") if isinstance(state, Mapping) else None
-    return terminated if isinstance(terminated, Mapping) else None
-
-
-def final_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The worker's final status, from its container's termination message (the guardian writes it when
-    the worker finishes or diverges), or None: no message, or not a status document. The sidecar is gone
-    by then, so this is the only record of the last steps."""
-    terminated = _terminated(pod)
-    message = terminated.get("message") if terminated else None
-    if not isinstance(message, str) or not message.lstrip().startswith("{"):
-        return None
-    try:
-        document = json.loads(message)
-    except ValueError:
-        return None
-    if not isinstance(document, Mapping) or _int(document.get("step")) is None:
-        return None
-    return document
-
-
-def pod_disruption(pod: Mapping[str, Any]) -> str | None:
-    """Why a pod is lost to its gang without an exit code of its own (deleted, evicted, preempted, its
-    node lost), or None."""
-    name = _meta(pod).get("name", "?")
-    status = _status(pod)
-    for condition in status.get("conditions") or []:
-        if (
-            isinstance(condition, Mapping)
-            and condition.get("type") == "DisruptionTarget"
-            and condition.get("status") == "True"
-        ):
-            # DeletionByTaintManager: its node became unreachable/not ready; also preemption, API
-            # eviction, pod GC of a deleted node, kubelet node-pressure termination.
-            why = condition.get("reason") or "DisruptionTarget"
-            return f"pod {name} disrupted ({why}): {condition.get('message') or 'no message'}"
-    reason = status.get("reason")
-    if reason in ("Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated"):
-        return f"pod {name} {str(reason).lower()}: {status.get('message') or 'no message'}"
-    if _meta(pod).get("deletionTimestamp"):
-        return f"pod {name} is being deleted"
-    return None
-
-
-def rank_observation(
-    rank: int, pod: Mapping[str, Any] | None, report: SidecarReport | None
-) -> RankObservation:
-    """One rank as the policy sees it, from its pod (the API server's view) and its sidecar's report."""
-    if pod is None:
-        return RankObservation(rank=rank, alive=None)  # not created yet
-    terminated = _terminated(pod)
-    code = _int(terminated.get("exitCode")) if terminated else None
-    if code == 0:
-        return RankObservation(rank=rank, exit_code=0, alive=None)
-    lost = pod_disruption(pod)
-    if lost:
-        return RankObservation(rank=rank, alive=None, lost=True, reason=lost)
-    if terminated is not None:
-        code = 1 if code is None else code
-        why = str(terminated.get("reason") or "")
-        reason = describe_exit(code) + (f" ({why})" if why and why not in ("Error", "Completed") else "")
-        if report is not None and report.alive is False and report.reason:
-            # E.g. the kubelet's liveness kill: the exit code alone says only "signal 9".
-            reason += f"; its sidecar reported: {report.reason}"
-        return RankObservation(rank=rank, exit_code=code, alive=None, reason=reason)
-    container = _container_status(pod, WORKER_CONTAINER) or {}
-    restarted = _int(container.get("restartCount")) or 0
-    if restarted > 0:
-        previous = ((container.get("lastState") or {}).get("terminated") or {}).get("exitCode")
-        return RankObservation(
-            rank=rank,
-            alive=None,
-            lost=True,
-            reason=f"container {WORKER_CONTAINER} was restarted in place ({restarted}x, last exit "
-            f"{previous}); a lone rank cannot rejoin the gang",
-        )
-    phase = _status(pod).get("phase")
-    if phase == "Succeeded":
-        return RankObservation(rank=rank, exit_code=0, alive=None)
-    if phase == "Failed":
-        status = _status(pod)
-        why = status.get("reason") or "Failed"
-        return RankObservation(
-            rank=rank, alive=None, lost=True, reason=f"pod failed ({why}): {status.get('message') or ''}"
-        )
-    if report is None or not report.reachable:
-        return RankObservation(rank=rank, alive=None)
-    if report.status and report.status.get("phase") == "diverged":
-        # Reported before the worker's exit code 200 arrives; its sidecar's failing liveness is the
-        # divergence, not a hang.
-        message = str(report.status.get("message") or "") or report.reason
-        return RankObservation(rank=rank, alive=report.alive, reason=message, diverged=True)
-    return RankObservation(
-        rank=rank, alive=report.alive, reason=report.reason if report.alive is False else ""
-    )
-
-
-def pods_to_poll(body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(pod name, pod IP) of the current attempt's pods whose worker may be running: the sidecars to ask."""
-    status = JobStatus.from_body(body)
-    name = str(_meta(body).get("name", ""))
-    if status.attempt is None or status.phase in TERMINAL_PHASES:
-        return []
-    result = []
-    for pod in _attempt_pods(pods, name, status.attempt):
-        ip = _status(pod).get("podIP")
-        if ip and _status(pod).get("phase") == "Running" and _terminated(pod) is None:
-            result.append((str(_meta(pod).get("name")), str(ip)))
-    return result
-
-
-def _job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    for condition in _status(job).get("conditions") or []:
-        if (
-            isinstance(condition, Mapping)
-            and condition.get("type") == type_
-            and condition.get("status") == "True"
-        ):
-            return condition
-    return None
 
 
 def without_nulls(value: Any) -> Any:
@@ -408,44 +181,6 @@ def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
 
 
-# ----------------------------------------------------------------------------------------- progress ---
-def _progress(reports: Iterable[SidecarReport]) -> _Progress:
-    """Aggregate the ranks' statuses: step, rollbacks and skipped steps are the same decision on every
-    rank (the largest is taken), samples are sharded (summed), the newest clean checkpoint wins."""
-    progress = _Progress()
-    seen = dropped = 0
-    counted = False
-    for report in reports:
-        status = report.status
-        if not status:
-            continue
-
-        def biggest(current: int | None, key: str, status: Mapping[str, Any] = status) -> int | None:
-            value = _int(status.get(key))
-            return current if value is None else max(value, current or 0)
-
-        progress.step = biggest(progress.step, "step")
-        progress.rollbacks = biggest(progress.rollbacks, "rollbacks")
-        progress.skipped_steps = biggest(progress.skipped_steps, "skipped_steps")
-        # Every rank resumes from the same checkpoint; the largest is taken should they disagree.
-        progress.resumed_step = biggest(progress.resumed_step, "resumed_step")
-        seen += _int(status.get("samples_seen")) or 0
-        dropped += _int(status.get("samples_dropped")) or 0
-        counted = True
-        checkpoint = status.get("last_clean_checkpoint")
-        if isinstance(checkpoint, Mapping) and _int(checkpoint.get("step")) is not None:
-            best = progress.checkpoint
-            if best is None or (_int(checkpoint.get("step")) or 0) > (_int(best.get("step")) or 0):
-                progress.checkpoint = checkpoint
-        last, started = status.get("last_step_time"), status.get("started_at")
-        if isinstance(last, int | float) and isinstance(started, int | float) and last >= started:
-            progress.stepping = True
-    if counted:
-        progress.samples_seen, progress.samples_dropped = seen, dropped
-        progress.drop_rate = dropped / seen if seen else 0.0
-    return progress
-
-
 # ----------------------------------------------------------------------------------------- the step ---
 class _Step:
     """The state of one reconcile step while it is worked out; ``reconcile`` is the public entry."""
@@ -454,11 +189,11 @@ class _Step:
         self.world = world
         self.settings = settings
         self.now = world.now
-        meta = _meta(world.body)
-        self.name = str(meta.get("name", ""))
-        self.namespace = str(meta.get("namespace") or "default")
-        self.uid = str(meta.get("uid", ""))
-        generation = _int(meta.get("generation"))
+        body_meta = meta(world.body)
+        self.name = str(body_meta.get("name", ""))
+        self.namespace = str(body_meta.get("namespace") or "default")
+        self.uid = str(body_meta.get("uid", ""))
+        generation = as_int(body_meta.get("generation"))
         self.generation = generation
         raw = world.body.get("status")
         self.raw_status: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
@@ -474,7 +209,7 @@ class _Step:
         """Whether ``obj`` is owned by this GuardedTrainingJob (by uid; any owner if the uid is unknown)."""
         if not self.uid:
             return True
-        refs = _meta(obj).get("ownerReferences") or []
+        refs = meta(obj).get("ownerReferences") or []
         return any(isinstance(r, Mapping) and r.get("uid") == self.uid for r in refs)
 
     def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
@@ -513,7 +248,7 @@ class _Step:
         st = self.st
         if st.job_started_at is None and st.attempt_created >= 1:
             # A job whose first attempt predates the field: its creation stands for the start.
-            created = parse_time(_meta(self.world.body).get("creationTimestamp"))
+            created = parse_time(meta(self.world.body).get("creationTimestamp"))
             st.job_started_at = iso_precise(created) if created else st.attempt_started_at
         value = job_goodput(st.step_history or [], st.step_history_folded, st.job_started_at, self.now)
         if value is not None:
@@ -558,21 +293,21 @@ class _Step:
         self.restarts = self.st.restarts or 0
         self.measuring = True
         self.job_name = pytorchjob_name(self.name, self.attempt)
-        labelled = [j for j in self.world.jobs if _labels(j).get(JOB_LABEL) == self.name]
+        labelled = [j for j in self.world.jobs if labels(j).get(JOB_LABEL) == self.name]
         # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
         self.current = next(
-            (j for j in labelled if _meta(j).get("name") == self.job_name and self.owns(j)), None
+            (j for j in labelled if meta(j).get("name") == self.job_name and self.owns(j)), None
         )
         stale = [j for j in labelled if j is not self.current]
         self.stale_present = bool(stale)
         self.stale_delete = tuple(
-            str(_meta(j).get("name")) for j in stale if not _meta(j).get("deletionTimestamp")
+            str(meta(j).get("name")) for j in stale if not meta(j).get("deletionTimestamp")
         )
         if self.st.attempt_created < self.attempt:
             if self.current is None:
                 return self.start_attempt()
             # Created before a crash of the operator, which did not get to record it: adopt it.
-            created = parse_time(_meta(self.current).get("creationTimestamp"))
+            created = parse_time(meta(self.current).get("creationTimestamp"))
             self.attempt_started(created or self.now)
         return self.observe()
 
@@ -582,11 +317,11 @@ class _Step:
         if phase is Phase.FAILED and self.world.jobs is not None:
             # The give-up was recorded but the gang may not have been stopped (operator restarted).
             delete = tuple(
-                str(_meta(j).get("name"))
+                str(meta(j).get("name"))
                 for j in self.world.jobs
-                if _labels(j).get(JOB_LABEL) == self.name
+                if labels(j).get(JOB_LABEL) == self.name
                 and self.owns(j)
-                and not _meta(j).get("deletionTimestamp")
+                and not meta(j).get("deletionTimestamp")
             )
         failed = self.st.condition(phase.value)
         message = failed.message if failed else ""
@@ -692,93 +427,93 @@ class _Step:
         step = f", step {self.st.step}" if self.st.step is not None else ""
         return f"attempt {self.attempt}: {running} of {self.job.spec.replicas} pod(s) running{step}"
 
-    def ranks(self) -> tuple[list[RankObservation], list[Mapping[str, Any]]]:
-        replicas = self.job.spec.replicas
-        pods = _attempt_pods(self.world.pods, self.name, self.attempt)
-        if self.current is None or _meta(self.current).get("deletionTimestamp"):
-            why = f"PyTorchJob {self.job_name} was deleted by someone else"
-            return [RankObservation(rank=0, alive=None, lost=True, reason=why)], pods
-        if _job_condition(self.current, "Succeeded") is not None:
-            return [RankObservation(rank=r, exit_code=0, alive=None) for r in range(replicas)], pods
-        by_rank: dict[int, RankObservation] = {}
-        for pod in pods:
-            rank = pod_rank(pod)
-            if rank is None or not 0 <= rank < replicas:
-                continue
-            seen = rank_observation(rank, pod, self.world.sidecars.get(str(_meta(pod).get("name"))))
-            # Two pods for one rank (a replacement beside a terminating one): the failing one counts.
-            if rank not in by_rank or classify(seen) is not None:
-                by_rank[rank] = seen
-        ranks = [by_rank.get(r, RankObservation(rank=r, alive=None)) for r in range(replicas)]
-        failed = _job_condition(self.current, "Failed")
-        if failed is not None and not any(classify(r) for r in ranks):
-            why = f"PyTorchJob {self.job_name} failed: {failed.get('message') or failed.get('reason')}"
-            ranks[0] = RankObservation(rank=0, alive=None, lost=True, reason=why)
-        return ranks, pods
-
-    def track_progress(self, pods: Sequence[Mapping[str, Any]]) -> float | None:
-        names = {str(_meta(p).get("name")) for p in pods}
-        reports = [r for n, r in self.world.sidecars.items() if n in names]
-        finals = (final_status(p) for p in pods)
-        reports += [SidecarReport(reachable=True, status=final) for final in finals if final is not None]
-        progress = _progress(reports)
+    def track_progress(self, view: GangView) -> float | None:
+        """Take the gang's reported progress into the status; the recovery's duration when this step
+        ends one (the new attempt stepped), else None."""
         st = self.st
-        if progress.rollbacks is not None and progress.rollbacks > (self.old.rollbacks or 0):
-            new = progress.rollbacks - (self.old.rollbacks or 0)
+        if view.rollbacks is not None and view.rollbacks > (self.old.rollbacks or 0):
+            new = view.rollbacks - (self.old.rollbacks or 0)
+            at = f" at step {view.progress.step}" if view.progress is not None else ""
             self.event(
                 "Warning",
                 "RollbackSeen",
                 f"the guardian rolled back to its last clean snapshot {new} time(s) "
-                f"(total {progress.rollbacks}) at step {progress.step}",
+                f"(total {view.rollbacks}){at}",
             )
-        for key in ("step", "rollbacks", "skipped_steps", "samples_seen", "samples_dropped", "drop_rate"):
-            value = getattr(progress, key)
+        if view.progress is not None:
+            st.step = view.progress.step
+        for key in ("rollbacks", "skipped_steps", "samples_seen", "samples_dropped", "drop_rate"):
+            value = getattr(view, key)
             if value is not None:
                 setattr(st, key, value)
-        if progress.checkpoint is not None:
-            st.last_clean_checkpoint = checkpoint_status(progress.checkpoint)
-        if progress.stepping and progress.step is not None and progress.step >= 0:
-            resumed = progress.resumed_step
-            st.step_history, st.step_history_folded = record_progress(
-                st.step_history or [],
-                st.step_history_folded,
-                attempt=self.attempt,
-                started_at=st.attempt_started_at,
-                resumed_step=resumed if resumed is not None and resumed >= 0 else None,
-                step=progress.step,
-                now=self.now,
-            )
-        if progress.drop_rate is not None:
-            limit = self.job.spec.data_quality.max_drop_rate
-            high = progress.drop_rate > limit
-            message = f"dropped-sample ratio {progress.drop_rate:.3g} (limit {limit:g})"
-            if high and not self.old.is_true(ConditionType.DROP_RATE_HIGH):
-                self.event("Warning", "DropRateHigh", message)
-            self.condition(
-                ConditionType.DROP_RATE_HIGH,
-                high,
-                "AboveMaxDropRate" if high else "WithinMaxDropRate",
-                message,
-            )
-        since = parse_time(st.recovering_since)
-        if since is not None and progress.stepping:
-            st.recovering_since = None
-            seconds = max(0.0, (self.now - since).total_seconds())
-            self.event(
-                "Normal",
-                "Recovered",
-                f"attempt {self.attempt} is training again at step {progress.step}, "
-                f"{seconds:.0f} s after the failure",
-            )
-            return seconds
-        return None
+        if view.checkpoint is not None:
+            st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
+        if view.drop_rate is not None:
+            self.track_drop_rate(view.drop_rate)
+        if not view.stepped or view.progress is None or view.progress.step < 0:
+            return None
+        previous = st.step_history[-1] if st.step_history else None
+        resumed = view.resumed_step
+        st.step_history, st.step_history_folded = record_progress(
+            st.step_history or [],
+            st.step_history_folded,
+            attempt=self.attempt,
+            started_at=st.attempt_started_at,
+            resumed_step=resumed if resumed is not None and resumed >= 0 else None,
+            step=view.progress.step,
+            now=self.now,
+        )
+        return self.track_recovery(view, previous)
+
+    def track_drop_rate(self, rate: float) -> None:
+        limit = self.job.spec.data_quality.max_drop_rate
+        high = rate > limit
+        message = f"dropped-sample ratio {rate:.3g} (limit {limit:g})"
+        if high and not self.old.is_true(ConditionType.DROP_RATE_HIGH):
+            self.event("Warning", "DropRateHigh", message)
+        self.condition(
+            ConditionType.DROP_RATE_HIGH, high, "AboveMaxDropRate" if high else "WithinMaxDropRate", message
+        )
+
+    def track_recovery(self, view: GangView, previous: StepRecord | None) -> float | None:
+        """End the recovery in progress, if any, now that the gang steps again: the Recovered event says
+        where the new attempt resumed and what of the failed attempt it redid."""
+        since = parse_time(self.st.recovering_since)
+        if since is None or view.progress is None:
+            return None
+        self.st.recovering_since = None
+        seconds = max(0.0, (self.now - since).total_seconds())
+        resumed = ""
+        if view.resumed_step is not None:
+            resumed = f", resumed from step {view.resumed_step}"
+            if previous is not None and previous.attempt != self.attempt:
+                redone = max(0, previous.last_step - view.resumed_step)
+                resumed += (
+                    f" (attempt {previous.attempt} was last seen at step {previous.last_step}: "
+                    f"{redone} step(s) redone)"
+                )
+        self.event(
+            "Normal",
+            "Recovered",
+            f"attempt {self.attempt} is training again at step {view.progress.step}{resumed}, "
+            f"{seconds:.0f} s after the failure",
+        )
+        return seconds
 
     def observe(self) -> Plan:
-        ranks, pods = self.ranks()
-        recovered = self.track_progress(pods)
+        gang = read_gang(
+            self.current,
+            self.world.pods,
+            self.world.sidecars,
+            name=self.name,
+            attempt=self.attempt,
+            replicas=self.job.spec.replicas,
+            job_name=self.job_name,
+        )
+        recovered = self.track_progress(gang.view)
         observation = Observation(
             attempt=self.attempt,
-            ranks=ranks,
+            ranks=gang.ranks,
             restarts=self.restarts,
             handled_attempt=self.st.handled_attempt,
         )
@@ -801,8 +536,7 @@ class _Step:
                 phase_reason="JobSucceeded",
                 phase_message=f"attempt {self.attempt} succeeded: {decision.reason}",
             )
-        running = [p for p in pods if _status(p).get("phase") == "Running"]
-        if running:
+        if gang.running:
             self.st.phase = Phase.RUNNING.value
         return self.plan(
             PlanAction.NOTHING,
@@ -810,8 +544,8 @@ class _Step:
             delete=self.stale_delete,
             decision=decision,
             recovered_seconds=recovered,
-            phase_reason="GangRunning" if running else "WaitingForPods",
-            phase_message=self.pods_running_message(len(running)),
+            phase_reason="GangRunning" if gang.running else "WaitingForPods",
+            phase_message=self.pods_running_message(gang.running),
         )
 
     def record_failure(self, decision: Decision) -> None:

@@ -206,6 +206,60 @@ def _probe(path: str, port: int, period: int, failure_threshold: int, timeout: i
     }
 
 
+def _label_template(template: dict[str, Any], job: str, attempt: int) -> None:
+    meta = template.setdefault("metadata", {})
+    meta["labels"] = {**meta.get("labels", {}), JOB_LABEL: job, ATTEMPT_LABEL: str(attempt)}
+    meta["annotations"] = {
+        **meta.get("annotations", {}),
+        "kubectl.kubernetes.io/default-container": WORKER_CONTAINER,
+    }
+    for key in ("name", "namespace"):
+        meta.pop(key, None)
+
+
+def _add_volumes(pod: dict[str, Any], claim_name: str) -> None:
+    volumes = pod.setdefault("volumes", [])
+    taken = {v.get("name") for v in volumes}
+    for volume in (STATUS_VOLUME, CHECKPOINT_VOLUME):
+        if volume in taken:
+            raise RenderError(f"spec.template.spec.volumes: the name {volume} is reserved by trainguard")
+    volumes.append({"name": STATUS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+    volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": claim_name}})
+
+
+def _add_mounts(worker: dict[str, Any], checkpoint_mount: str) -> None:
+    mounts = worker.setdefault("volumeMounts", [])
+    for path in (STATUS_DIR, checkpoint_mount):
+        if any(m.get("mountPath") == path for m in mounts):
+            raise RenderError(
+                f"spec.template.spec.containers[{WORKER_CONTAINER}].volumeMounts: {path} is where "
+                "trainguard mounts its own volume"
+            )
+    mounts.append({"name": STATUS_VOLUME, "mountPath": STATUS_DIR})
+    mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint_mount})
+
+
+def _owned_env(
+    job: GuardedTrainingJob, attempt: int, remediation: RemediationOrder | None, worker: Mapping[str, Any]
+) -> dict[str, str]:
+    """trainguard's own variables of the worker (they replace any the user set of the same name)."""
+    spec = job.spec
+    owned = {
+        "TRAINGUARD_SETTINGS": spec.guardian_settings().model_dump_json(by_alias=True),
+        "TRAINGUARD_CHECKPOINT_DIR": spec.checkpoint.mount_path,
+        "TRAINGUARD_STATUS_FILE": STATUS_FILE,
+        # The guardian's final status outlives the sidecar in the pod's state.terminated.message.
+        "TRAINGUARD_TERMINATION_MESSAGE_PATH": worker.get("terminationMessagePath")
+        or TERMINATION_MESSAGE_PATH,
+        "TRAINGUARD_JOB_NAME": job.metadata.name,
+        "TRAINGUARD_NAMESPACE": job.metadata.namespace,
+        "TRAINGUARD_ATTEMPT": str(attempt),
+    }
+    if remediation is not None:
+        owned["TRAINGUARD_REMEDIATION"] = json.dumps(remediation.payload(), separators=(",", ":"))
+    return owned
+
+
 def render_pod_template(
     job: GuardedTrainingJob,
     attempt: int,
@@ -214,58 +268,20 @@ def render_pod_template(
 ) -> dict[str, Any]:
     """One replica's pod template: the user's template with trainguard's pieces added (module docstring)."""
     spec = job.spec
-    name = job.metadata.name
     template = spec.template.model_dump(mode="json", exclude_none=True)
     pod = template.setdefault("spec", {})
-    meta = template.setdefault("metadata", {})
-    meta["labels"] = {**meta.get("labels", {}), JOB_LABEL: name, ATTEMPT_LABEL: str(attempt)}
-    meta["annotations"] = {
-        **meta.get("annotations", {}),
-        "kubectl.kubernetes.io/default-container": WORKER_CONTAINER,
-    }
-    for key in ("name", "namespace"):
-        meta.pop(key, None)
+    _label_template(template, job.metadata.name, attempt)
     pod["restartPolicy"] = "Never"
-
-    volumes = pod.setdefault("volumes", [])
-    taken = {v.get("name") for v in volumes}
-    for volume in (STATUS_VOLUME, CHECKPOINT_VOLUME):
-        if volume in taken:
-            raise RenderError(f"spec.template.spec.volumes: the name {volume} is reserved by trainguard")
-    volumes.append({"name": STATUS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
-    volumes.append(
-        {"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}}
-    )
+    _add_volumes(pod, spec.checkpoint.claim_name)
 
     containers = pod["containers"]
-    index = next(i for i, c in enumerate(containers) if c.get("name") == WORKER_CONTAINER)
-    worker = containers[index]
+    worker = next(c for c in containers if c.get("name") == WORKER_CONTAINER)
     if any(c.get("name") == SIDECAR_CONTAINER for c in [*containers, *pod.get("initContainers", [])]):
         raise RenderError(f"spec.template.spec: the container name {SIDECAR_CONTAINER} is reserved")
-    mounts = worker.setdefault("volumeMounts", [])
-    for path in (STATUS_DIR, spec.checkpoint.mount_path):
-        if any(m.get("mountPath") == path for m in mounts):
-            raise RenderError(
-                f"spec.template.spec.containers[{WORKER_CONTAINER}].volumeMounts: {path} is where "
-                "trainguard mounts its own volume"
-            )
-    mounts.append({"name": STATUS_VOLUME, "mountPath": STATUS_DIR})
-    mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.mount_path})
-
-    owned = {
-        "TRAINGUARD_SETTINGS": spec.guardian_settings().model_dump_json(by_alias=True),
-        "TRAINGUARD_CHECKPOINT_DIR": spec.checkpoint.mount_path,
-        "TRAINGUARD_STATUS_FILE": STATUS_FILE,
-        # The guardian's final status outlives the sidecar in the pod's state.terminated.message.
-        "TRAINGUARD_TERMINATION_MESSAGE_PATH": worker.get("terminationMessagePath")
-        or TERMINATION_MESSAGE_PATH,
-        "TRAINGUARD_JOB_NAME": name,
-        "TRAINGUARD_NAMESPACE": job.metadata.namespace,
-        "TRAINGUARD_ATTEMPT": str(attempt),
-    }
-    if remediation is not None:
-        owned["TRAINGUARD_REMEDIATION"] = json.dumps(remediation.payload(), separators=(",", ":"))
-    worker["env"] = _worker_env(worker.get("env"), owned, NCCL_FAIL_FAST)
+    _add_mounts(worker, spec.checkpoint.mount_path)
+    worker["env"] = _worker_env(
+        worker.get("env"), _owned_env(job, attempt, remediation, worker), NCCL_FAIL_FAST
+    )
 
     health = spec.health
     timing = probe_timing(health.probe_period_seconds)

@@ -290,10 +290,13 @@ def checkpoint_status(raw: Mapping[str, Any]) -> CheckpointStatus | None:
     when = raw.get("time")
     stamp = ""
     if isinstance(when, int | float) and when > 0:
-        stamp = iso(datetime.fromtimestamp(float(when), UTC))
-    return CheckpointStatus(
-        step=step, path=str(raw.get("path", "")), sha256=str(raw.get("sha256", "")), time=stamp
-    )
+        try:
+            stamp = iso(datetime.fromtimestamp(float(when), UTC))
+        except (OverflowError, ValueError, OSError):
+            stamp = ""  # beyond the calendar: a worker's clock is not trusted
+    # Clipped to the CRD's limits: a status the API server refuses would stop every later write.
+    path, sha256 = clip(str(raw.get("path", ""))), clip(str(raw.get("sha256", "")))
+    return CheckpointStatus(step=step, path=path, sha256=sha256, time=stamp)
 
 
 def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

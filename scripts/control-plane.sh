@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds (cold) or reuses (warm) a real Kubernetes control plane for the end-to-end tests, and runs it by
-# hand. etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the Kubeflow training operator
-# are built from the Go module proxy with the machine's Go, outside the clone, under ~/.cache/trainguard/
-# (or $TRAINGUARD_CACHE):
+# Builds (cold) or reuses (warm) a real Kubernetes cluster for the end-to-end tests, and runs it by hand.
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the Kubeflow training operator, and the
+# node's kubelet, kube-proxy and CoreDNS are built from the Go module proxy with the machine's Go, outside
+# the clone, under ~/.cache/trainguard/ (or $TRAINGUARD_CACHE); the node's container runtime and network
+# (containerd, runc, the CNI plugins, iptables, conntrack) are Debian's packages, installed when missing:
 #
 #   bin/<component>-<version>/<component>   one directory per component and version: a version bump
 #                                            builds afresh, an unchanged one is reused as is
@@ -16,7 +17,9 @@
 # and scheduler need at the matching version only for 1.33 (1.32.13 lacks k8s.io/endpointslice,
 # 1.31.14 more), so the control plane is Kubernetes 1.33, at its newest patch. Kubernetes 1.31 and later
 # need etcd >= 3.4.29 / 3.5.11, so etcd is built too, from the 3.5 series Kubernetes 1.33 is tested
-# against, at its newest patch.
+# against, at its newest patch. The kubelet and kube-proxy are the API server's release (the kubelet may not
+# be newer than the API server); CoreDNS is the newest release, which has no replace directives and so
+# installs with a plain `go install`.
 #
 # etcd's and Kubernetes' modules carry replace directives (k8s.io/kubernetes for its staging modules, etcd's server for its
 # sibling modules), which `go install pkg@version` refuses. So each is built as a dependency of a small
@@ -26,10 +29,11 @@
 # Usage:
 #   bash scripts/control-plane.sh [build]       build what is missing; print the bin directory on stdout
 #   bash scripts/control-plane.sh --bin-dir     print the bin directory only (builds nothing)
-#   bash scripts/control-plane.sh start [DIR]   build if needed, then run the whole test cluster
-#                                               (tests/support/cluster.py: the control plane on free 127.0.0.1
-#                                               ports, the node agent, the trainguard operator; state in
-#                                               DIR, default a temp dir) until Ctrl-C; needs root; prints
+#   bash scripts/control-plane.sh start [DIR]   build if needed (and the images: scripts/images.sh),
+#                                               then run the whole test cluster (tests/support/cluster.py:
+#                                               the control plane on free 127.0.0.1 ports, a real node,
+#                                               the trainguard operator; state in DIR, default a temp
+#                                               dir) until Ctrl-C; needs root; prints
 #                                               the kubeconfig path, e.g.
 #                                               export KUBECONFIG=<that path>; kubectl get gtj
 #
@@ -46,11 +50,12 @@ ETCD_CLIENT_V2_VERSION=v2.305.${ETCD_VERSION##*.}
 # The Kubeflow training operator v1 (PyTorchJob), at the newest v1.9 patch; its CRD is the v1.9.0 one in
 # ../shared/reference/kubeflow/ (the PyTorchJob schema did not change in the v1.9 patches).
 TRAINING_OPERATOR_VERSION=v1.9.3
+COREDNS_VERSION=v1.15.0
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
-key=$(printf 'kubernetes %s\netcd %s\ntraining-operator %s\n' "$KUBERNETES_VERSION" "$ETCD_VERSION" \
-  "$TRAINING_OPERATOR_VERSION" | sha256sum | cut -c1-12)
+key=$(printf 'kubernetes %s\netcd %s\ntraining-operator %s\ncoredns %s\n' "$KUBERNETES_VERSION" "$ETCD_VERSION" \
+  "$TRAINING_OPERATOR_VERSION" "$COREDNS_VERSION" | sha256sum | cut -c1-12)
 bin_dir="$cache/bin/control-plane-$key"
 
 mode=${1:-build}
@@ -216,30 +221,41 @@ build_kube() {
   build "$name" "$KUBERNETES_VERSION" "k8s.io/kubernetes/cmd/$name" "$KUBERNETES_VERSION" "$(kube_ldflags)"
 }
 
-# The training operator's module has no replace directives, so it installs with plain `go install
-# pkg@version` (into a temp GOBIN, then an atomic rename, as build() does).
-build_training_operator() {
-  local name=training-operator version=$TRAINING_OPERATOR_VERSION
+# go_install NAME VERSION PACKAGE@VERSION BINARY LDFLAGS: for modules without replace directives (the training
+# operator, CoreDNS), a plain `go install` into a temp GOBIN, then an atomic rename, as build() does.
+go_install() {
+  local name=$1 version=$2 target=$3 binary=$4 ldflags=$5
   local dir="$cache/bin/$name-$version" started tmp
   if [ -x "$dir/$name" ]; then
     log "$name $version: cached in $dir"
     return 0
   fi
   started=$(now)
-  log "$name $version: go install github.com/kubeflow/training-operator/cmd/training-operator.v1@$version" \
-    "(cold machine: several minutes)"
+  log "$name $version: go install $target (cold machine: several minutes)"
   tmp=$(mktemp -d "$cache/bin/.$name-$version.XXXXXX")
   chmod 755 "$tmp"
-  if ! (cd "${TMPDIR:-/tmp}" && GOBIN="$tmp" go install -trimpath -ldflags "-s -w" \
-    "github.com/kubeflow/training-operator/cmd/training-operator.v1@$version"); then
+  if ! (cd "${TMPDIR:-/tmp}" && GOBIN="$tmp" go install -trimpath -ldflags "-s -w $ldflags" "$target"); then
     rm -rf "$tmp"
     log "error: building $name $version failed (see above)"
     return 1
   fi
-  mv "$tmp/training-operator.v1" "$tmp/$name"
+  if [ "$binary" != "$name" ]; then mv "$tmp/$binary" "$tmp/$name"; fi
   rm -rf "$dir"
   mv "$tmp" "$dir"
   log "$name $version: built in $(since "$started")"
+}
+
+build_training_operator() {
+  go_install training-operator "$TRAINING_OPERATOR_VERSION" \
+    "github.com/kubeflow/training-operator/cmd/training-operator.v1@$TRAINING_OPERATOR_VERSION" \
+    training-operator.v1 ""
+}
+
+# CoreDNS's main package is its module root; its version is compiled in (coremain.CoreVersion), the commit
+# is stamped as the module version.
+build_coredns() {
+  go_install coredns "$COREDNS_VERSION" "github.com/coredns/coredns@$COREDNS_VERSION" coredns \
+    "-X github.com/coredns/coredns/coremain.GitCommit=module-$COREDNS_VERSION"
 }
 
 # kubectl must be within one minor of the server. The image's kubectl (1.32, which dispatches to the
@@ -252,12 +268,15 @@ kubectl_fits() {
   [ -n "$minor" ] && [ "$minor" -ge $((want - 1)) ] && [ "$minor" -le $((want + 1)) ]
 }
 
-# Debian packages the tests need: openssl (tests/support/controlplane.py makes the certificates), iproute2 (the
-# node agent's network namespaces, veths and bridge), util-linux (nsenter, for exec probes) and
-# bind9-dnsutils (nslookup, which the training operator's worker init container runs). Only openssl is
-# required: the node agent runs as root anyway, so elsewhere its tests are skipped (and fail under CI).
+# Debian packages the tests need: openssl (tests/support/controlplane.py makes the certificates), and the
+# test node's runtime and network (tests/support/node.py): containerd (its CRI plugin serves the kubelet),
+# runc, containernetworking-plugins (bridge, host-local, loopback in /usr/lib/cni), iptables and conntrack
+# (kube-proxy), iproute2 (the node's bridge, address and routes). Only openssl is required: the node runs
+# as root anyway, so elsewhere its tests are skipped (and fail under CI).
 missing_packages="" required_missing=""
-for entry in openssl:openssl:required ip:iproute2 nsenter:util-linux nslookup:bind9-dnsutils; do
+for entry in openssl:openssl:required ip:iproute2 \
+  containerd:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins \
+  iptables:iptables conntrack:conntrack; do
   IFS=: read -r tool package need <<<"$entry"
   if ! command -v "$tool" >/dev/null; then
     missing_packages+=" $package"
@@ -275,7 +294,7 @@ if [ -n "$missing_packages" ]; then
     log "error: missing Debian packages:$required_missing (apt-get install them, as root)"
     exit 1
   else
-    log "warning: missing Debian packages:$missing_packages: the node agent's tests will be skipped"
+    log "warning: missing Debian packages:$missing_packages: the test node's tests will be skipped"
   fi
 fi
 
@@ -284,6 +303,9 @@ build_kube kube-apiserver
 build_kube kube-controller-manager
 build_kube kube-scheduler
 build_training_operator
+build_kube kubelet
+build_kube kube-proxy
+build_coredns
 build_kubectl=false
 if [ "${TRAINGUARD_BUILD_KUBECTL:-}" = 1 ] || ! kubectl_fits; then
   build_kubectl=true
@@ -295,10 +317,11 @@ work=""
 started=$(now)
 mkdir -p "$bin_dir"
 ln -sfn "../etcd-$ETCD_VERSION/etcd" "$bin_dir/etcd"
-for component in kube-apiserver kube-controller-manager kube-scheduler; do
+for component in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
   ln -sfn "../$component-$KUBERNETES_VERSION/$component" "$bin_dir/$component"
 done
 ln -sfn "../training-operator-$TRAINING_OPERATOR_VERSION/training-operator" "$bin_dir/training-operator"
+ln -sfn "../coredns-$COREDNS_VERSION/coredns" "$bin_dir/coredns"
 if [ "$build_kubectl" = true ]; then
   ln -sfn "../kubectl-$KUBERNETES_VERSION/kubectl" "$bin_dir/kubectl"
 else
@@ -306,14 +329,16 @@ else
   log "kubectl: using $(command -v kubectl) ($(kubectl version --client 2>/dev/null | head -n1))"
 fi
 log "etcd: $("$bin_dir/etcd" --version 2>&1 | head -n1)"
-for component in kube-apiserver kube-controller-manager kube-scheduler; do
+for component in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
   log "$component: $("$bin_dir/$component" --version 2>&1)"
 done
 log "training-operator: $TRAINING_OPERATOR_VERSION"
+log "coredns: $("$bin_dir/coredns" -version 2>&1 | head -n1)"
 log "linked in $(since "$started"); control plane binaries ready in $(since "$total")"
 
 if [ "$mode" = start ]; then
   exec 9>&- # release the build lock while the control plane runs
+  bash "$root/scripts/images.sh" >/dev/null
   python=${PYTHON:-$root/.venv/bin/python}
   cd "$root" && exec "$python" -m tests.support.cluster --bin-dir "$bin_dir" ${2:+--state-dir "$2"}
 fi

@@ -1,10 +1,11 @@
 """The data guard: deterministic, resumable batches with bad samples dropped before they reach the model.
 
 ``GuardedLoader`` owns the order of the data so that a resumed job continues at exactly the batch it
-stopped at: each epoch's order is a permutation drawn from ``seed + epoch`` (identical on every rank
-and every restart), rank ``r`` of ``w`` takes every ``w``-th sample, and resuming skips consumed
-batches by index without loading them. Samples that are empty or hold non-finite numbers are dropped
-inside the collate function (so it works with loader worker processes) and counted.
+stopped at: each epoch's order is a permutation drawn from the seed and the epoch (identical on every
+rank and every restart; computed per batch, never stored: ``trainer_sidecar.permutation``), rank ``r``
+of ``w`` takes every ``w``-th sample, and resuming skips consumed batches by index without loading them.
+Samples that are empty or hold non-finite numbers are dropped inside the collate function (so it works
+with loader worker processes) and counted.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from trainer_sidecar.permutation import Permutation
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +113,16 @@ class _FilteringCollate:
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, items: list[tuple[int, Any]]) -> tuple[Any, tuple[int, ...], int, int]:
-        good = [(index, sample) for index, sample in items if not sample_is_bad(sample)]
+    def __call__(self, items: list[tuple[int, int, Any]]) -> tuple[int, Any, tuple[int, ...], int, int]:
+        good = [(index, sample) for _, index, sample in items if not sample_is_bad(sample)]
         dropped = len(items) - len(good)
         data = self.collate([sample for _, sample in good]) if good else None
-        return data, tuple(index for index, _ in good), len(items), dropped
+        return items[0][0], data, tuple(index for index, _ in good), len(items), dropped
 
 
-class _IndexedDataset(Dataset[tuple[int, Any]]):
-    """Yields ``(index, sample)`` so dropped samples and dead letters can name the sample."""
+class _IndexedDataset(Dataset[tuple[int, int, Any]]):
+    """Fetches by ``(batch number, sample index)`` and yields ``(batch number, index, sample)``, so that
+    every batch names itself and its samples (for dead letters and dropped samples)."""
 
     def __init__(self, dataset: SizedDataset) -> None:
         self.dataset = dataset
@@ -125,20 +130,26 @@ class _IndexedDataset(Dataset[tuple[int, Any]]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
-        sample = self.dataset[index]
-        return index, sample
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, Any]:
+        batch, index = key
+        return batch, index, self.dataset[index]
 
 
-class _BatchSampler(Sampler[list[int]]):
-    def __init__(self, batches: Sequence[list[int]]) -> None:
-        self.batches = batches
+class _LazyBatches(Sampler[list[tuple[int, int]]]):
+    """The batches of one epoch from a start batch on, each computed when it is asked for (the order is
+    never stored), skipping dead-lettered ones."""
+
+    def __init__(self, loader: GuardedLoader, epoch: int, start: int) -> None:
+        self.loader, self.epoch, self.start = loader, epoch, start
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return max(0, self.loader.batches_per_epoch - self.start)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        skip = self.loader.dead_letters.skip
+        for batch in range(self.start, self.loader.batches_per_epoch):
+            if (self.epoch, batch) not in skip:
+                yield [(batch, int(i)) for i in self.loader.batch_indices(self.epoch, batch)]
 
 
 @dataclass
@@ -212,6 +223,7 @@ class GuardedLoader:
         #: sample, which must then be caught and counted by the same check as any bad sample.
         self.inject_bad_sample = inject_bad_sample
         self._last_good: GuardedBatch | None = None
+        self._permutation: tuple[int, Permutation] | None = None
         if self.batches_per_epoch == 0:
             raise ValueError(
                 f"dataset of {len(dataset)} samples gives no full batch of {batch_size} per rank "
@@ -223,27 +235,33 @@ class GuardedLoader:
         """Full batches each rank gets per epoch (a partial last batch is dropped to keep ranks in step)."""
         return len(self.dataset) // self.world_size // self.batch_size
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        """This rank's sample indices for ``epoch``: deterministic in (seed, epoch, rank, world size)."""
-        n = len(self.dataset)
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(n, generator=generator).tolist()
-        else:
-            order = list(range(n))
-        return order[self.rank :: self.world_size]
+    def _order(self, epoch: int) -> Permutation | None:
+        if not self.shuffle:
+            return None
+        if self._permutation is None or self._permutation[0] != epoch:
+            self._permutation = (epoch, Permutation(len(self.dataset), self.seed * 1_000_003 + epoch))
+        return self._permutation[1]
 
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        order = self.epoch_order(epoch)
-        return [order[b * self.batch_size : (b + 1) * self.batch_size] for b in range(self.batches_per_epoch)]
+    def batch_indices(self, epoch: int, batch: int) -> list[int]:
+        """The sample indices of this rank's ``batch`` in ``epoch``: position ``p`` of the epoch's order
+        goes to rank ``p % world_size``. Deterministic in (seed, epoch, rank, world size); O(batch) work
+        and memory whatever the dataset's size."""
+        first = batch * self.batch_size
+        positions = (np.arange(first, first + self.batch_size, dtype=np.int64) * self.world_size) + self.rank
+        order = self._order(epoch)
+        return [int(i) for i in (order.at(positions) if order is not None else positions)]
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Every sample index this rank takes in ``epoch``, in order (O(dataset): for tests and tools)."""
+        positions = np.arange(self.rank, len(self.dataset), self.world_size, dtype=np.int64)
+        order = self._order(epoch)
+        return [int(i) for i in (order.at(positions) if order is not None else positions)]
 
     def __iter__(self) -> Iterator[GuardedBatch]:
         epoch, start = self.position.epoch, self.position.batch
-        batches = self._epoch_batches(epoch)
-        wanted = [b for b in range(start, len(batches)) if (epoch, b) not in self.dead_letters.skip]
         loader = DataLoader(
             _IndexedDataset(self.dataset),
-            batch_sampler=_BatchSampler([batches[b] for b in wanted]),
+            batch_sampler=_LazyBatches(self, epoch, start),
             collate_fn=self.collate,
             num_workers=self.num_workers,
             # Without its own generator, creating the iterator draws a seed from the global torch RNG:
@@ -251,9 +269,9 @@ class GuardedLoader:
             # original run, and dropout masks (so the weights) would differ after the resume.
             generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch),
         )
-        for b, (data, ids, seen, dropped) in zip(wanted, loader, strict=True):
+        for b, data, ids, seen, dropped in loader:
             if self.inject_bad_sample is not None and self.inject_bad_sample():
-                poisoned = poison(self.dataset[batches[b][0]])
+                poisoned = poison(self.dataset[self.batch_indices(epoch, b)[0]])
                 seen += 1
                 dropped += int(sample_is_bad(poisoned))
             self.counters.seen += seen

@@ -16,6 +16,9 @@ class ExitCode(IntEnum):
     SUCCEEDED = 0
     #: Bad settings, an unusable checkpoint directory, a checkpoint of another model: retrying cannot help.
     CONFIG_ERROR = 2
+    #: A newer writer claimed the checkpoint directory (another job, or a newer attempt of this one):
+    #: this worker may no longer save there, and retrying it cannot help (permanent).
+    FENCED = 3
     #: Too many rollbacks within the window: restart the gang with remediation (retryable).
     DIVERGED = 200
 
@@ -26,6 +29,8 @@ def describe_exit(code: int) -> str:
         return "succeeded"
     if code == ExitCode.CONFIG_ERROR:
         return "configuration error (permanent)"
+    if code == ExitCode.FENCED:
+        return "fenced: a newer writer claimed the checkpoint directory (permanent)"
     if code == ExitCode.DIVERGED:
         return "diverged: too many rollbacks"
     if code < 0:

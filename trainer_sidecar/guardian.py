@@ -19,16 +19,21 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
+from trainer_sidecar.checkpoint.format import serialize
 from trainer_sidecar.config import (
     CHECKPOINT_DIR_ENV,
     ConfigError,
@@ -52,10 +57,14 @@ from trainer_sidecar.judge import (
     judge_step,
 )
 from trainer_sidecar.localize import NaNLocator
+from trainer_sidecar.peers import WATCH_SECONDS, PeerBoard, PeerBusy, PeerWatch, default_store
+from trainer_sidecar.resume import claim_gang_epoch, restore_newest
 from trainer_sidecar.rng import RngStateError, rng_state, set_rng_state
 from trainer_sidecar.settings import GuardianSettings, Remediation
 from trainer_sidecar.snapshot import Snapshot
 from trainer_sidecar.status import (
+    MAX_BUSY_REASON_CHARS,
+    MAX_BUSY_SECONDS,
     CheckpointRef,
     Phase,
     StatusPublisher,
@@ -63,11 +72,13 @@ from trainer_sidecar.status import (
     write_status,
     write_termination_message,
 )
+from trainer_sidecar.stopping import STOP
+from trainer_sidecar.tensorstate import flatten
 from trainer_sidecar.training import StateMismatch, TrainingObjects
 
 log = logging.getLogger("trainguard")
 
-__all__ = ["ConfigError", "Diverged", "Guardian", "StepOutcome"]
+__all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
 
 
 class Diverged(SystemExit):
@@ -84,12 +95,32 @@ class Diverged(SystemExit):
         return self.message
 
 
+class Fenced(SystemExit):
+    """A newer writer claimed the checkpoint directory; the worker exits with ExitCode.FENCED."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.FENCED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class UncleanState(RuntimeError):
     """``Guardian.finish`` found the final training state not finite: it rolled back instead of saving it.
 
     The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
     on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
     gang from the last clean checkpoint)."""
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """A step's numbers as agreed by every rank, and what this rank alone saw."""
+
+    reading: StepReading
+    locally_nonfinite: bool
+    stop: bool
 
 
 @dataclass(frozen=True)
@@ -187,13 +218,28 @@ class Guardian:
         self._norm = torch.zeros(())
         self._loader: GuardedLoader | None = None
         self._pending_data_state: dict[str, int] | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
+        self._pending_tracked: dict[str, Any] = {}
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
         self._window_batches: list[BatchRef] = []
         self._snapshot = Snapshot()
+        # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
+        # each rank's store has seen complete, so decisions taken on it need no agreement.
+        self._checkpointed_step: int | None = None
         self._locator = NaNLocator(self.module)
         self._locator_budget = 0
         self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
+        self._publishing = threading.Lock()  # the main thread and the peer watch both publish
+        self._busy: list[tuple[str, float | None]] = []  # nested busy sections, innermost last
+        self._peer_busy: PeerBusy | None = None
+        self._peer_busy_noticed = 0.0
+        self._last_progress = time.monotonic()
+        self._peers: PeerBoard | None = None
+        self._watch: PeerWatch | None = None
+        self._stop = STOP
+        self._holding_stop = False
         self.checkpoint_dir = config.checkpoint_dir
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
@@ -207,23 +253,78 @@ class Guardian:
                 "no checkpoint directory (argument or %s): nothing survives a restart", CHECKPOINT_DIR_ENV
             )
             return
+        owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
         try:
+            epoch = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
             self.store = CheckpointStore(
                 self.checkpoint_dir,
                 rank=self.gang.rank,
                 world_size=self.gang.world_size,
                 keep_clean=self.settings.checkpoint.keep_clean,
+                epoch=epoch,
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from exc
         self.dead_letters.load()
+        # Where a loop draws its own batches from the random generators, a resumed run draws the same
+        # ones only if the generators are saved as they were before the next step's batch was drawn. A
+        # loop that prefetches (draws the next batch after the forward pass, before the step ends) has
+        # drawn it by the step boundary; after the last forward pass it has not: save them as of then.
+        self.model.register_forward_hook(self._capture_rng)
+
+    def _capture_rng(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        self._rng_after_forward = rng_state()
 
     def _begin(self) -> None:
         if not self._snapshot.taken:
             self._take_snapshot()  # the starting weights are the first thing a rollback can return to
         self._apply_orchestrator_remediation()
+        self._stop.acquire()
+        self._holding_stop = True
+        self._watch_peers()
         self.phase = Phase.RUNNING
         self._publish(force=True)
+
+    def _watch_peers(self) -> None:
+        store = default_store() if self.gang.distributed else None
+        if store is None:
+            return
+        self._peers = PeerBoard(store, self.rank)
+        idle = lambda: time.monotonic() - self._last_progress > WATCH_SECONDS  # noqa: E731
+        self._watch = PeerWatch(self._peers, idle, self._on_peer_busy)
+        self._watch.start()
+
+    def _on_peer_busy(self, peer: PeerBusy | None) -> None:
+        self._peer_busy, self._peer_busy_noticed = peer, time.time()
+        if peer is not None:
+            log.info("waiting for rank %d, busy with %s", peer.rank, peer.reason)
+        self._publish(force=True)
+
+    # ---------------------------------------------------------------------------------------- busy ---
+    @contextmanager
+    def busy(self, reason: str, seconds: float | None = None) -> Iterator[None]:
+        """Mark a section that makes no training step (an evaluation, a save of the loop's own) as busy,
+        so that it is not mistaken for a hang: the sidecar allows it ``seconds`` (at most its startup
+        grace; the grace when not given) instead of the hang timeout, so a real hang inside it is still
+        caught. Peers that wait for this rank meanwhile (in their next collective) report themselves
+        busy too. Sections nest; each rank enters its own (``with guardian.busy("eval"):`` around the
+        evaluation only rank 0 runs is enough)."""
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_BUSY_SECONDS):
+            raise ValueError(f"busy seconds must be a positive number of at most {MAX_BUSY_SECONDS:g}")
+        self._busy.append((reason[:MAX_BUSY_REASON_CHARS], seconds))
+        since, self.busy_since = self.busy_since, self.busy_since or time.time()
+        if self._peers is not None:
+            self._peers.announce(reason, seconds)
+        self._publish(force=True)
+        try:
+            yield
+        finally:
+            self._busy.pop()
+            if self._peers is not None:
+                self._peers.withdraw()
+            self.busy_since = since
+            self._last_progress = time.monotonic()  # the hang clock restarts after the section
+            self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
     @property
@@ -289,15 +390,26 @@ class Guardian:
     # ---------------------------------------------------------------------------------------- data ---
     def loader(
         self,
-        dataset: SizedDataset,
+        dataset: SizedDataset | DataLoader[Any],
         *,
-        batch_size: int,
+        batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
     ) -> GuardedLoader:
-        """A GuardedLoader for this worker's rank, positioned where the resumed checkpoint left off."""
+        """A GuardedLoader for this worker's rank, positioned where the resumed checkpoint left off.
+
+        ``dataset`` is a map-style dataset, or a ``torch.utils.data.DataLoader`` over one, whose batch size,
+        shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``).
+        """
+        if isinstance(dataset, DataLoader):
+            dataset, batch_size, shuffle, collate_fn, num_workers = _taken_over(dataset)
+        assert not isinstance(dataset, DataLoader)
+        if batch_size is None:
+            raise TypeError(
+                "Guardian.loader() needs batch_size for a dataset (it takes it from a DataLoader)"
+            )
         loader = GuardedLoader(
             dataset,
             batch_size=batch_size,
@@ -315,6 +427,22 @@ class Guardian:
         self.attach_loader(loader)
         return loader
 
+    def track(self, name: str, stateful: Stateful) -> None:
+        """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
+        StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
+        rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
+        Raises TypeError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
+        int, float, bool, None and tensors can)."""
+        try:
+            serialize(*flatten({name: stateful.state_dict()}))
+        except CheckpointError as exc:
+            raise TypeError(
+                f"Guardian.track({name!r}): its state_dict cannot be checkpointed: {exc}"
+            ) from exc
+        self._tracked[name] = stateful
+        if name in self._pending_tracked:
+            stateful.load_state_dict(self._pending_tracked.pop(name))
+
     def attach_loader(self, loader: GuardedLoader) -> None:
         """Track ``loader``'s position in checkpoints (and restore a resumed position into it)."""
         self._loader = loader
@@ -322,12 +450,15 @@ class Guardian:
             loader.load_state_dict(self._pending_data_state)
             self._pending_data_state = None
 
-    def run(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
+    def run(self, loader: GuardedLoader | DataLoader[Any], max_steps: int) -> Iterator[Any]:
         """Yield batches (one per micro-step) until ``max_steps`` steps are kept, then ``finish``.
 
-        Epochs follow one another; a resumed job starts at the exact next batch. Should the final state
-        not be clean, the guardian rolls back and training goes on until it is.
+        Epochs follow one another; a resumed job starts at the exact next batch. A DataLoader is taken
+        over first (``loader``). Should the final state not be clean, the guardian rolls back and
+        training goes on until it is.
         """
+        if isinstance(loader, DataLoader):
+            loader = self.loader(loader)
         if self._loader is not loader:
             self.attach_loader(loader)
         while True:
@@ -353,34 +484,58 @@ class Guardian:
                 raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
 
     # ---------------------------------------------------------------------------------------- step ---
-    def step(self, loss: torch.Tensor, replay: Callable[[], Any] | None = None) -> StepOutcome:
-        """Backward ``loss`` and, at an accumulation boundary, check, clip and step (or skip, or roll back).
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch's ``loss``: exactly what the loop would call ``.backward()`` on.
 
-        ``replay`` optionally re-runs this step's forward pass; on the first non-finite loss it is
-        used to name the module whose output went non-finite first.
+        The guardian never rescales a loss: under gradient accumulation, divide by the number of
+        micro-batches where the loop already does (or not, as it does not), and the gradients are the
+        ones the loop had without the guardian. The loss is scaled by the GradScaler when there is one.
+        Call ``step()`` at the accumulation boundary.
         """
         if self._micro == 0 and self._faults.active:
             loss = self._faults.loss_hook(loss, self.counters.step)
-        self.training.backward(loss / self.accumulation_steps if self.accumulation_steps > 1 else loss)
+        self.training.backward(loss)
         detached = loss.detach().float()
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
             self._step_batches.append(self._current_batch)
         self._micro += 1
-        if self._micro < self.accumulation_steps:
-            return StepOutcome(boundary=False)
+
+    def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
+        """Check, clip and step the optimizer (or skip the update, or roll back) at a step boundary.
+
+        With a ``loss``, it is first given to ``backward``, and with ``accumulation_steps=k`` only every
+        k-th call is a boundary. Without one, the micro-batches given to ``backward`` since the last step
+        make the step (a loop keeps its own accumulation). The step's loss, as reported and judged, is the
+        sum of those micro-batch losses. ``replay`` optionally re-runs this step's forward pass; on the
+        first non-finite loss it is used to name the module whose output went non-finite first.
+        """
+        if loss is not None:
+            self.backward(loss)
+            if self._micro < self.accumulation_steps:
+                return StepOutcome(boundary=False)
+        elif self._micro == 0:
+            raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
         self._micro = 0
+        if self.store is not None and self.store.fenced is not None:
+            self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
-        reading, locally_nonfinite = self._measure(self._loss_sum / self.accumulation_steps)
+        agreed = self._measure(self._loss_sum)
+        reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
-            return self._apply(verdict, reading, batches)
-        return self._reject(verdict, reading, batches, replay, locally_nonfinite)
+            outcome = self._apply(verdict, reading, batches)
+        else:
+            outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
+        self._last_progress = time.monotonic()
+        if agreed.stop:
+            self._stop_now()
+        return outcome
 
-    def _measure(self, mean_loss: torch.Tensor) -> tuple[StepReading, bool]:
+    def _measure(self, step_loss: torch.Tensor) -> _Agreed:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
-        and whether this rank's own loss was non-finite."""
+        whether this rank's own loss was non-finite, and whether any rank was told to stop."""
         if self._faults.active:
             self._faults.grad_hook(self.training.params, self.counters.step)
         self.training.unscale()
@@ -390,20 +545,48 @@ class Guardian:
         # the norm is already within bounds (or the step is skipped anyway).
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self._norm = norm
-        loss_flag = (~torch.isfinite(mean_loss)).float()
-        local = torch.stack([mean_loss, loss_flag, norm.float().to(mean_loss.device)])
+        loss_flag = (~torch.isfinite(step_loss)).float()
+        stop = torch.full((), float(self._stop.requested), device=step_loss.device)
+        local = torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device), stop])
         if self.gang.distributed:
             reduced = self.gang.all_reduce(local)
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, norm_sum, local_bad = torch.cat(
+            loss_sum, bad_ranks, norm_sum, stops, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             size = self.gang.world_size
             loss_v, norm_v, locally_nonfinite = loss_sum / size, norm_sum / size, local_bad > 0
         else:
-            loss_v, bad_ranks, norm_v = local.tolist()  # the one host sync of the step
+            loss_v, bad_ranks, norm_v, stops = local.tolist()  # the one host sync of the step
             locally_nonfinite = bad_ranks > 0
-        return StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v)), locally_nonfinite
+        reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
+        return _Agreed(reading, locally_nonfinite, stops > 0)
+
+    def _stop_now(self) -> None:
+        """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
+        last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
+        received = self._stop.signal or signal.SIGTERM
+        saved = self._checkpointed_step == self.counters.step
+        if not saved and self.store is not None and self.counters.history.consecutive_bad == 0:
+            saved = self.save_checkpoint()
+        if self.store is not None:
+            try:
+                self.store.wait()
+                self.store.close()
+            except FencedError as exc:
+                self._fenced(exc)
+        self.gang.barrier()
+        what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
+        if self.store is None:
+            what = "no checkpoint directory"
+        self.phase = Phase.STOPPED
+        self.message = f"stopped by {received.name} at step {self.counters.step}; {what}"
+        self._log_gang(logging.WARNING, "%s", self.message)
+        self._publish(force=True)
+        self._write_termination_message()
+        self._release()
+        code = 128 + int(received)
+        self._exit_now(code, SystemExit(code))
 
     def _benign_overflow(self, norm: float) -> bool:
         """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
@@ -415,10 +598,10 @@ class Guardian:
         return scaler.get_scale() >= 1.0
 
     def _apply(self, verdict: Verdict, reading: StepReading, batches: list[BatchRef]) -> StepOutcome:
-        self.training.apply_update(
-            reading.grad_norm, self.counters.max_grad_norm, self._with_grad, self._norm
-        )
         counters = self.counters
+        self.training.apply_update(
+            reading.grad_norm, counters.max_grad_norm, self._with_grad, self._norm, lr_scale=counters.lr_scale
+        )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1
         counters.step += 1
@@ -445,6 +628,7 @@ class Guardian:
         """A bad step: nothing reaches the weights; then skip, roll back or diverge as the judge says."""
         self.training.drop_update()
         counters = self.counters
+        in_a_row = counters.history.consecutive_bad + int(verdict.counts_as_bad)
         counters.history = verdict.history
         counters.skipped_steps += 1
         counters.step += 1
@@ -452,10 +636,11 @@ class Guardian:
         counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
         self.last_grad_norm = reading.grad_norm
         self.last_step_time = time.time()
-        log.warning(
+        self._log_gang(
+            logging.WARNING,
             "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
             counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
-            verdict.history.consecutive_bad, f", pattern {verdict.pattern}" if verdict.pattern else "",
+            in_a_row, f", pattern {verdict.pattern}" if verdict.pattern else "",
         )  # fmt: skip
         if verdict.cause in (NON_FINITE_LOSS, NON_FINITE_GRADIENTS):
             for batch in batches:
@@ -508,7 +693,11 @@ class Guardian:
         verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
         if verdict.action is Action.APPLY:
             return None
-        log.error("step %d: the training state holds non-finite values; it is not saved", self.counters.step)
+        self._log_gang(
+            logging.ERROR,
+            "step %d: the training state holds non-finite values; it is not saved",
+            self.counters.step,
+        )
         self.counters.history = verdict.history
         self.message = verdict.reason
         self._carry_out(verdict)
@@ -525,9 +714,12 @@ class Guardian:
         self._window_batches.clear()
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": rng_state()}
+        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state()}
         if self._loader is not None:
             state["data"] = self._loader.state_dict()
+        if self._tracked:
+            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
+
         if self.rank == 0:
             state.update(guardian=self.counters.to_state(), **self.training.state())
         return state
@@ -535,7 +727,11 @@ class Guardian:
     def _save_checkpoint(self) -> None:
         assert self.store is not None
         meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
-        self.store.save_async(self.counters.step, self._checkpoint_state(), meta)
+        try:
+            self.store.save_async(self.counters.step, self._checkpoint_state(), meta)
+        except FencedError as exc:
+            self._fenced(exc)
+        self._checkpointed_step = self.counters.step
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.
@@ -566,7 +762,8 @@ class Guardian:
         self._remediate(self.settings.remediation)
         # The restored state is clean; re-snapshot it so a further rollback compounds the remediation.
         self._take_snapshot()
-        log.warning(
+        self._log_gang(
+            logging.WARNING,
             "rolled back from step %d to step %d after %s; lr scale now %.4g, max grad norm %.4g",
             from_step, self.counters.step, reason, self.counters.lr_scale, self.counters.max_grad_norm,
         )  # fmt: skip
@@ -580,7 +777,8 @@ class Guardian:
         self._publish(force=True)
 
     def _remediate(self, remediation: Remediation) -> None:
-        self.training.remediate(remediation)
+        # The learning rates are scaled when the optimizer steps (``TrainingObjects.apply_update``), so a
+        # loop that sets its own learning rate every iteration cannot undo the remediation.
         self.counters.lr_scale *= remediation.lr_scale
         if remediation.max_grad_norm is not None:
             self.counters.max_grad_norm = min(self.counters.max_grad_norm, remediation.max_grad_norm)
@@ -591,7 +789,12 @@ class Guardian:
             return
         self._remediate(order)
         self.counters.remediations_applied.append(order.id)
-        log.warning("applied remediation %s from the orchestrator: lr scale %.4g", order.id, self.lr_scale)
+        self._log_gang(
+            logging.WARNING,
+            "applied remediation %s from the orchestrator: lr scale %.4g",
+            order.id,
+            self.lr_scale,
+        )
 
     def _diverge(self, message: str) -> None:
         self.phase = Phase.DIVERGED
@@ -604,18 +807,35 @@ class Guardian:
                 self.store.close()
             except CheckpointError as exc:
                 log.error("%s", exc)
+        # Every rank diverges at the same step (the decision is collective) and ends here, now.
+        self._exit_now(ExitCode.DIVERGED, Diverged(message))
+
+    def _log_gang(self, level: int, message: str, *args: object) -> None:
+        """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
+        log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
+
+    def _fenced(self, error: FencedError) -> None:
+        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
+        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
+        self.phase = Phase.FAILED
+        self.message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", self.message, ExitCode.FENCED)
+        self._publish(force=True)
+        self._write_termination_message()
+        self._exit_now(ExitCode.FENCED, Fenced(self.message))
+
+    def _exit_now(self, code: int, error: SystemExit) -> None:
+        """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
+        the interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its worker threads
+        still hold DDP's work) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to
+        40 under load (destroy_process_group first did not change that); the orchestrator needs the code.
+        With one process, ``error`` (a SystemExit carrying the code) is raised."""
         if self.gang.distributed:
-            # Every rank diverges at the same step (the decision is collective) and its process ends
-            # here, now. Left to interpreter exit, PyTorch's gloo teardown (its worker threads still hold
-            # DDP's work) ends in std::terminate, SIGABRT instead of exit code 200, in about 1 run of 12
-            # to 40 under load (destroy_process_group first did not change that). The orchestrator
-            # needs the 200 to choose the remediation, so the exit skips the interpreter's teardown;
-            # the checkpoints are closed, the status and termination message written, logs flushed.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(ExitCode.DIVERGED)
-        raise Diverged(message)
+            os._exit(code)
+        raise error
 
     def _check_validation(self, when: str) -> None:
         if self.validate is None:
@@ -670,81 +890,73 @@ class Guardian:
         data position, counters); returns its step, or None for a fresh start.
 
         A checkpoint that turns out not to load (damaged after it was verified, counters or RNG state
-        malformed) is skipped for the next older one, on every rank alike. A checkpoint of another model
-        or optimizer is a configuration error (nothing is deleted).
+        malformed) is skipped for the next older one, on every rank alike (``trainer_sidecar.resume``). A
+        checkpoint of another model or optimizer is a configuration error (nothing is deleted).
         """
         if self.store is None:
             return None
-        bound: int | None = None
-        while True:
-            step = self._agree_resume_step(bound)
-            if step is None:
-                if self.store.steps():
-                    log.error(
-                        "checkpoints exist under %s but none is valid: starting from scratch", self.store.root
-                    )
-                return None
-            loaded = self._try_restore(step)
-            if self.gang.agree_min([int(loaded)])[0] == 1:
-                break
-            bound = step - 1
-        self.resumed_step = step
+        checkpoint = restore_newest(self.store, self.gang, self._try_restore)
+        if checkpoint is None:
+            return None
+        self.resumed_step = self._checkpointed_step = checkpoint.step
         self._take_snapshot()
-        log.warning("resumed from the clean checkpoint at step %d (%s)", step, self.store.root)
+        self._log_gang(
+            logging.WARNING,
+            "resumed from the clean checkpoint at step %d (%s)",
+            checkpoint.step,
+            self.store.root,
+        )
         self._check_validation("resume")
-        return step
+        return checkpoint.step
 
-    def _try_restore(self, step: int) -> bool:
+    def _try_restore(self, checkpoint: CheckpointId) -> bool:
         """Load and apply one checkpoint; False (with the reason logged) when its content is unusable."""
         assert self.store is not None
         try:
-            state = self.store.load(step)
+            state = self.store.load(checkpoint)
             counters = GuardCounters.from_state(state.get("guardian"), self.settings.guard.loss_spike_window)
             if "rng" in state:
                 set_rng_state(state["rng"])
         except (CheckpointError, CountersError, RngStateError) as exc:
-            log.error("checkpoint at step %d cannot be restored, trying an older one: %s", step, exc)
+            log.error("checkpoint %s cannot be restored, trying an older one: %s", checkpoint.dir_name, exc)
             return False
         try:
             self.training.load(state)
         except StateMismatch as exc:
-            raise ConfigError(f"checkpoint at step {step} under {self.checkpoint_dir} {exc}") from exc
+            where = f"checkpoint {checkpoint.dir_name} under {self.checkpoint_dir}"
+            raise ConfigError(f"{where} {exc}") from exc
         self.counters = counters
         if "data" in state:
             if self._loader is not None:
                 self._loader.load_state_dict(state["data"])
             else:
                 self._pending_data_state = state["data"]
+        tracked = state.get("tracked")
+        for name, saved in tracked.items() if isinstance(tracked, dict) else ():
+            if name in self._tracked:
+                self._tracked[name].load_state_dict(saved)
+            else:
+                self._pending_tracked[name] = saved
         return True
-
-    def _agree_resume_step(self, bound: int | None) -> int | None:
-        """The newest checkpoint at or below ``bound`` every rank can load (agreed collectively)."""
-        assert self.store is not None
-        while True:
-            mine = self.store.newest_valid(at_most=bound)
-            (step,) = self.gang.agree_min([-1 if mine is None else mine])
-            if step < 0:
-                return None
-            (ok,) = self.gang.agree_min([int(self.store.verify(step).valid)])
-            if ok == 1:
-                return step
-            bound = step - 1
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
         """The worker's current status, as published to the sidecar."""
         data = self._loader.counters if self._loader is not None else None
         counters = self.counters
+        phase, busy_since, busy_reason, busy_seconds = self._busy_view()
         return WorkerStatus(
             rank=self.rank,
             world_size=self.world_size,
             pid=os.getpid(),
-            phase=self.phase,
+            phase=phase,
             started_at=self.started_at,
             step=counters.step,
             resumed_step=self.resumed_step,
             last_step_time=self.last_step_time,
-            busy_since=self.busy_since,
+            busy_since=busy_since,
+            busy_reason=busy_reason,
+            busy_seconds=busy_seconds,
             loss=_json_float(counters.last_loss),
             grad_norm=_json_float(self.last_grad_norm),
             lr_scale=counters.lr_scale,
@@ -761,12 +973,28 @@ class Guardian:
             message=self.message,
         )
 
+    def _busy_view(self) -> tuple[Phase, float | None, str, float | None]:
+        """(phase, busy since, what, for how long): the guardian's own phase unless it is running and busy,
+        or running and waiting for a busy peer."""
+        if self.phase is not Phase.RUNNING:
+            return self.phase, self.busy_since, "", None
+        if self._busy:
+            reason, seconds = self._busy[-1]
+            return Phase.BUSY, self.busy_since, reason, seconds
+        peer = self._peer_busy
+        if peer is None:
+            return self.phase, None, "", None
+        left = None if peer.seconds is None else max(1.0, peer.seconds - (time.time() - peer.since))
+        left = None if left is None else min(left, MAX_BUSY_SECONDS)
+        return Phase.BUSY, self._peer_busy_noticed, f"waiting for rank {peer.rank}: {peer.reason}", left
+
     def _last_clean(self) -> CheckpointRef | None:
         return self.store.last_clean if self.store is not None else None
 
     def _publish(self, force: bool = False) -> None:
-        if force or self._status.due(self.phase):
-            self._status.publish(self.status(), force=True)
+        with self._publishing:
+            if force or self._status.due(self.phase):
+                self._status.publish(self.status(), force=True)
 
     def finish(self) -> None:
         """Write a final checkpoint (if not already written and the state is clean), wait for every
@@ -776,19 +1004,21 @@ class Guardian:
         """
         if self.store is not None:
             self.store.wait()  # a save of this very step may still be in flight
-            last, final = self.store.last_clean, self.counters.step
-            if (last is None or last.step != final) and not self.save_checkpoint():
+            final = self.counters.step
+            if self._checkpointed_step != final and not self.save_checkpoint():
                 raise UncleanState(
                     f"the final state at step {final} holds non-finite values; rolled back to step "
                     f"{self.counters.step}"
                 )
             try:
                 self.store.wait()
-            finally:
                 self.store.close()
+            except FencedError as exc:
+                self._fenced(exc)
         # No rank reports success before every rank's final checkpoint is durable, and ranks leave
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()
+        self._release()
         self.phase = Phase.FINISHED
         self._publish(force=True)
         self._write_termination_message()
@@ -807,11 +1037,41 @@ class Guardian:
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
+        self._release()
         if self.store is not None:
             self.store.close()
 
+    def _release(self) -> None:
+        """Stop watching peers and put back the signal handlers (the guardian's work is over)."""
+        if self._holding_stop:
+            self._holding_stop = False
+            self._stop.release()
+        if self._watch is not None:
+            self._watch.stop()
+
 
 _MAX = torch.distributed.ReduceOp.MAX
+
+
+class Stateful(Protocol):
+    """What ``Guardian.track`` keeps in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
+    """(dataset, batch size, shuffle, collate function, workers) of a DataLoader the guardian replaces."""
+    if isinstance(source.dataset, IterableDataset):
+        raise TypeError(
+            "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
+            "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
+        )
+    if source.batch_size is None:
+        raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
+    shuffle = isinstance(source.sampler, RandomSampler)
+    return source.dataset, source.batch_size, shuffle, source.collate_fn, source.num_workers
 
 
 def _report_config_error(config: GuardianConfig | None, error: ConfigError) -> None:

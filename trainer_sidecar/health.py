@@ -167,6 +167,18 @@ def _rolling_back(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grac
     )
 
 
+def _busy(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grace: float) -> Health:
+    busy = _elapsed(tracking.progress_since, clocks, status.busy_since)
+    allowed = min(status.busy_seconds, grace) if status.busy_seconds is not None else grace
+    what = status.busy_reason or "busy"
+    return _graced(
+        busy,
+        allowed,
+        f"busy at step {status.step} ({what}) for {busy:.0f} s (allowed: {allowed:g} s)",
+        f"busy at step {status.step} ({what}) for {busy:.0f} s, longer than the {allowed:g} s allowed",
+    )
+
+
 def _starting(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grace: float) -> Health:
     since_start = _elapsed(tracking.identity_since, clocks, status.started_at)
     return _graced(
@@ -211,13 +223,15 @@ def judge(
       ``read_error``. A worker seen stepping before is not alive as soon as its last progress is older
       than the hang timeout (an unreadable status is no progress).
     * phase diverged or failed: not alive; the reason names the phase and the worker's message.
-    * phase finished: alive and ready.
+    * phase finished: alive and ready. Phase stopped (told to stop, exiting): alive, not ready.
     * a timestamp in the future: alive but not ready for the startup grace, then not alive; the reason
       names the timestamps.
     * phase rolling-back with ``busy_since`` set: alive but not ready while the rollback has taken less
       than the startup grace (since the sidecar saw it begin, or since ``busy_since`` if that is earlier);
       then not alive. A rollback makes no steps, and its validation may take far longer than the hang
       timeout.
+    * phase busy with ``busy_since`` set (``Guardian.busy``, or waiting for a busy peer): the same, for at
+      most ``busy_seconds`` (capped at the startup grace; the grace when not given).
     * no step in this run of the worker (none seen by the sidecar, and ``last_step_time`` is None or older
       than ``started_at``): alive but not ready for the startup grace (counted from ``started_at`` if
       that is earlier), then not alive.
@@ -232,11 +246,16 @@ def judge(
         return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
     if status.phase is Phase.FINISHED:
         return Health(alive=True, ready=True, reason=f"worker finished at step {status.step}")
+    if status.phase is Phase.STOPPED:
+        detail = f": {status.message}" if status.message else ""
+        return Health(alive=True, ready=False, reason=f"worker stopped at step {status.step}{detail}")
     implausible = implausible_timestamps(status, clocks.wall, policy.clock_skew_seconds)
     if implausible:
         return _implausible(tracking, implausible, clocks, grace)
     if status.phase is Phase.ROLLING_BACK and status.busy_since is not None:
         return _rolling_back(tracking, status, clocks, grace)
+    if status.phase is Phase.BUSY and status.busy_since is not None:
+        return _busy(tracking, status, clocks, grace)
     if not tracking.stepped and _step_of_this_run(status) is None:
         return _starting(tracking, status, clocks, grace)
     return _stepping(tracking, status, clocks, policy.hang_timeout_seconds)

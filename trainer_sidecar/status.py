@@ -64,6 +64,9 @@ def _shorten(text: str) -> str:
 # allow_inf_nan=False) and strict (no bools or strings; integers are fine).
 Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
 Timestamp = Annotated[float, Strict(), Field(ge=0.0)]
+#: A busy section's bound is at most a week (the sidecar caps it at its startup grace in any case).
+MAX_BUSY_SECONDS = 7 * 24 * 3600.0
+MAX_BUSY_REASON_CHARS = 200
 FiniteFloat = Annotated[float, Strict()]
 NonNegativeFloat = Annotated[float, Strict(), Field(ge=0.0)]
 Message = Annotated[str, AfterValidator(_shorten)]
@@ -74,9 +77,15 @@ class Phase(StrEnum):
 
     STARTING = "starting"
     RUNNING = "running"
+    #: Restoring the last clean snapshot and validating it: no step for a while (``busy_since``).
     ROLLING_BACK = "rolling-back"
+    #: Inside ``Guardian.busy`` (an evaluation, a save of the loop's own), or waiting for a busy peer:
+    #: no step for a while, at most ``busy_seconds`` (``busy_since``, ``busy_reason``).
+    BUSY = "busy"
     DIVERGED = "diverged"
     FINISHED = "finished"
+    #: Told to stop (SIGTERM, Ctrl-C): the worker wrote its checkpoint (when clean) and is exiting.
+    STOPPED = "stopped"
     FAILED = "failed"
 
 
@@ -118,8 +127,14 @@ class WorkerStatus(BaseModel):
     last_step_time: Timestamp | None = None
     busy_since: Timestamp | None = Field(
         None,
-        description="While the phase is rolling-back (restoring the snapshot, then validating it): when "
-        "that began (unix seconds). None otherwise.",
+        description="While the phase is rolling-back (restoring the snapshot, then validating it) or busy: "
+        "when that began (unix seconds). None otherwise.",
+    )
+    busy_reason: str = Field(
+        "", max_length=MAX_BUSY_REASON_CHARS, description="What the worker is busy with."
+    )
+    busy_seconds: Annotated[float, Strict(), Field(gt=0.0, le=MAX_BUSY_SECONDS)] | None = Field(
+        None, description="While busy: how long the worker asked to be allowed (None: the startup grace)."
     )
     loss: FiniteFloat | None = None
     grad_norm: NonNegativeFloat | None = None

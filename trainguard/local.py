@@ -17,7 +17,6 @@ checked, and the checkpoint directory locked against a second run of the job, be
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,12 +25,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from trainer_sidecar.settings import Remediation
-from trainer_sidecar.status import TERMINATION_MESSAGE_ENV
+from trainer_sidecar.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
 from trainguard.launch import (
     RunRefused,
     Stopped,
@@ -44,11 +43,12 @@ from trainguard.launch import (
     signal_group,
     spawn,
 )
-from trainguard.policy import Action, Decision, Observation, RankObservation, decide
+from trainguard.observation import GangView, ProcessState, SidecarReport, observe_gang
+from trainguard.policy import Action, Decision, Observation, decide
 from trainguard.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.sidecars import SidecarProcess, liveness, probe_passed
 from trainguard.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
-from trainguard.summary import Incident, Sample, goodput, kept_time, stretches
+from trainguard.summary import Incident, RunRecord, fault_time
 
 log = logging.getLogger("trainguard.run")
 
@@ -78,7 +78,8 @@ class RankProcesses:
     probe_failures: int = 0
     failed_since: float | None = None
     exit_reason: str | None = None
-    status: dict[str, Any] = field(default_factory=dict)
+    #: The worker's status as its sidecar last served it (None: not read yet).
+    status: WorkerStatus | None = None
 
     @property
     def sidecar_url(self) -> str:
@@ -157,15 +158,16 @@ class LocalRunner:
         self.remediation_id = ""
         self.ranks: list[RankProcesses] = []
         self.events: list[Event] = []
-        self.samples: list[Sample] = []
-        self.series: list[dict[str, Any]] = []
-        self.incidents: list[Incident] = []
-        self.resume_steps: dict[int, int] = {}
         self.backoff_total = 0.0
         self.started = time.time()
         self.attempt_started = self.started
+        self.record = RunRecord(self.started)
         self.final_decision: Decision | None = None
-        self._last_counts: dict[str, int] = {}
+
+    @property
+    def incidents(self) -> list[Incident]:
+        """The gang restarts so far (appended by the run loop; their recovery is filled in as seen)."""
+        return self.record.incidents
 
     # ---------------------------------------------------------------------------------- template ---
     def _command(self) -> list[str]:
@@ -293,7 +295,6 @@ class LocalRunner:
         remediation = ""
         if self.remediation is not None:
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
-        self._last_counts.clear()  # counters restored from a checkpoint are not new events
         self.event("start", f"started {self.spec.replicas} worker(s){remediation}")
 
     def stop_gang(self) -> None:
@@ -350,7 +351,7 @@ class LocalRunner:
     def _liveness(self, rank: RankProcesses) -> bool | None:
         """The kubelet's verdict, except that a worker that published its final status ("failed") gets
         the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
-        if rank.status.get("phase") != "failed":
+        if rank.status is None or rank.status.phase is not Phase.FAILED:
             rank.failed_since = None
             return liveness(rank.probe_failures)
         now = time.monotonic()
@@ -375,80 +376,46 @@ class LocalRunner:
         return rank.exit_reason
 
     def read_status(self, rank: RankProcesses) -> None:
-        """Refresh one rank's status from its sidecar's /status."""
+        """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had)."""
         code, body = rank.sidecar.get("/status", 2.0)
         if code != 200:
             return
-        with contextlib.suppress(ValueError):
-            document = json.loads(body)
-            if isinstance(document.get("status"), dict):
-                rank.status = document["status"]
+        report = SidecarReport.from_document(body)
+        if report.status is not None:
+            rank.status = report.status
+
+    def read_statuses(self) -> None:
+        """Refresh every rank's status: the gang's step is its slowest rank's, so all are needed."""
+        for rank in self.ranks:
+            self.read_status(rank)
+
+    def gang_view(self) -> GangView:
+        """The current attempt's gang as its ranks last reported."""
+        return observe_gang({r.rank: r.status for r in self.ranks}, self.spec.replicas)
 
     def observe(self) -> Observation:
         """What the policy sees now."""
+        view = self.gang_view()
         ranks = []
         for rank in self.ranks:
             code = rank.worker.poll()
-            # A worker that reported "diverged" is failing by divergence even before its exit code
-            # arrives; its sidecar's failing liveness must not be mistaken for a hang.
-            diverged = rank.status.get("phase") == "diverged"
-            ranks.append(
-                RankObservation(
-                    rank=rank.rank,
-                    exit_code=code,
-                    alive=rank.alive if code is None else None,
-                    reason=rank.health_reason
-                    if code is None and rank.alive is False and not diverged
-                    else self.exit_reason(rank),
-                    diverged=diverged,
-                )
+            process = ProcessState(
+                exit_code=code,
+                alive=rank.alive,
+                health_reason=rank.health_reason,
+                exit_reason=self.exit_reason(rank),
             )
+            ranks.append(view.rank_observation(rank.rank, process))
         return Observation(
             attempt=self.attempt, ranks=ranks, restarts=self.restarts, handled_attempt=self.attempt - 1
         )
 
     def record_progress(self) -> None:
-        """Sample rank 0's progress and turn counter changes into timeline events."""
+        """Take in the gang's progress and turn what changed into timeline events."""
         if not self.ranks:
             return
-        status = self.ranks[0].status
-        if not status or status.get("step") is None or status.get("phase") == "starting":
-            return
-        now = time.time()
-        step = int(status["step"])
-        if self.attempt not in self.resume_steps:
-            self.resume_steps[self.attempt] = int(status.get("resumed_step") or 0)
-        if status.get("last_step_time") and float(status["last_step_time"]) >= self.attempt_started:
-            self.samples.append(Sample(now, self.attempt, step))
-            if self.incidents and self.incidents[-1].first_new_step_time is None:
-                self.incidents[-1] = replace(self.incidents[-1], first_new_step_time=now)
-                self.event("recovered", f"training progressed again at step {step}", step)
-        self.series.append(
-            {
-                "t": round(now - self.started, 3),
-                "attempt": self.attempt,
-                "step": step,
-                "loss": status.get("loss"),
-                "grad_norm": status.get("grad_norm"),
-            }
-        )
-        counts = {
-            "skipped_steps": int(sum(int(r.status.get("skipped_steps", 0)) for r in self.ranks[:1])),
-            "rollbacks": int(status.get("rollbacks", 0)),
-            "checkpoint": int((status.get("last_clean_checkpoint") or {}).get("step", -1)),
-        }
-        for key, value in counts.items():
-            previous = self._last_counts.get(key)
-            if previous is not None and value > previous:
-                if key == "skipped_steps":
-                    self.event("skip", f"{value - previous} step(s) skipped (non-finite or spike)", step)
-                elif key == "rollbacks":
-                    self.event(
-                        "rollback", f"rolled back to the last clean snapshot (rollback #{value})", step
-                    )
-                else:
-                    self.event("checkpoint", f"clean checkpoint at step {value}", value)
-            self._last_counts[key] = value
+        for note in self.record.see(self.attempt, self.attempt_started, self.gang_view(), time.time()):
+            self.event(note.kind, note.message, note.step)
 
     # ------------------------------------------------------------------------------------- main ---
     def run(self) -> int:
@@ -482,8 +449,8 @@ class LocalRunner:
             if now >= next_probe:
                 self.probe()
                 next_probe = now + period
-            elif self.ranks:
-                self.read_status(self.ranks[0])
+            else:
+                self.read_statuses()
             self.record_progress()
             if self.view is not None:
                 self.view.update(self)
@@ -502,7 +469,7 @@ class LocalRunner:
 
     def _recover(self, decision: Decision, signals: StopSignals) -> bool:
         """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False)."""
-        fault_time = self._fault_time(decision)
+        fault_at = self._fault_time(decision)
         detected = time.time()
         self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
         if decision.action is Action.FAIL:
@@ -517,7 +484,7 @@ class LocalRunner:
             self.remediation = decision.remediation
             self.remediation_id = f"attempt-{self.attempt + 1}"
         self.incidents.append(
-            Incident(self.attempt, decision.reason, fault_time, detected, decision.delay_seconds, None)
+            Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
         )
         self.event(
             "restart",
@@ -538,27 +505,15 @@ class LocalRunner:
         self.stop_gang()
 
     def _fault_time(self, decision: Decision) -> float:
-        # A hang began when the rank last made progress; anything else when it was seen.
-        if decision.failure is not None and decision.failure.value == "Hung" and decision.rank is not None:
-            last = self.ranks[decision.rank].status.get("last_step_time")
-            if last:
-                return float(last)
-        return time.time()
+        view = self.gang_view()
+        return fault_time(decision, view, attempt_started=self.attempt_started, now=time.time())
 
     # ---------------------------------------------------------------------------------- summary ---
     def summary(self) -> dict[str, Any]:
         """The run's figures (see the README's summary reference)."""
-        ended = time.time()
-        wall = ended - self.started
-        statuses = [r.status for r in self.ranks if r.status]
-        final = statuses[0] if statuses else {}
-        final_step = int(final.get("step", 0))
-        runs = stretches(self.samples, self.resume_steps)
-        kept = kept_time(runs, final_step)
-        seen = sum(int(s.get("samples_seen", 0)) for s in statuses)
-        dropped = sum(int(s.get("samples_dropped", 0)) for s in statuses)
         from trainer_sidecar.checkpoint import CheckpointStore  # imports torch: only when summarising
 
+        wall = time.time() - self.started
         store = CheckpointStore(self.checkpoint_dir)
         newest = store.newest_valid()
         checkpoint = None
@@ -567,44 +522,17 @@ class LocalRunner:
             if ref is not None:
                 checkpoint = {"step": ref.step, "path": ref.path, "sha256": ref.sha256}
         decision = self.final_decision
+        if decision is None:
+            result = "interrupted"
+        else:
+            result = "succeeded" if decision.action is Action.SUCCEED else "failed"
         return {
             "job": {"name": self.job.metadata.name, "namespace": self.job.metadata.namespace},
-            "result": (
-                "interrupted"
-                if decision is None
-                else "succeeded"
-                if decision.action is Action.SUCCEED
-                else "failed"
-            ),
+            "result": result,
             "reason": decision.reason if decision else "interrupted",
-            "final_step": final_step,
             "attempts": self.attempt,
-            "restarts": [
-                {
-                    "attempt": i.attempt,
-                    "reason": i.reason,
-                    "backoff_seconds": i.backoff_seconds,
-                    "detect_seconds": round(i.detected_time - i.fault_time, 3),
-                    "time_to_recover_seconds": _round(i.time_to_recover),
-                    "time_to_recover_excluding_backoff_seconds": _round(i.time_to_recover_excluding_backoff),
-                }
-                for i in self.incidents
-            ],
-            "rollbacks": int(final.get("rollbacks", 0)),
-            "skipped_steps": int(final.get("skipped_steps", 0)),
-            "samples_seen": seen,
-            "samples_dropped": dropped,
-            "drop_rate": dropped / seen if seen else 0.0,
-            "wall_seconds": round(wall, 3),
-            "backoff_seconds": self.backoff_total,
-            "kept_seconds": round(kept, 3),
-            "goodput": round(goodput(kept, wall), 4),
-            "goodput_excluding_backoff": round(goodput(kept, wall, self.backoff_total), 4),
+            **self.record.figures(wall, self.backoff_total),
             "final_checkpoint": checkpoint,
             "timeline": [e.as_dict(self.started) for e in self.events],
-            "series": self.series,
+            "series": self.record.series,
         }
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)

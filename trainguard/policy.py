@@ -37,6 +37,7 @@ class FailureKind(StrEnum):
     HANG = "Hung"
     DIVERGED = "Diverged"
     CONFIG = "ConfigError"
+    FENCED = "Fenced"
     LOST = "Lost"
 
 
@@ -95,6 +96,8 @@ def classify(rank: RankObservation) -> FailureKind | None:
         return FailureKind.DIVERGED
     if rank.exit_code == ExitCode.CONFIG_ERROR:
         return FailureKind.CONFIG
+    if rank.exit_code == ExitCode.FENCED:
+        return FailureKind.FENCED
     if rank.exit_code not in (None, 0):
         return FailureKind.CRASH
     if rank.lost:
@@ -106,7 +109,14 @@ def classify(rank: RankObservation) -> FailureKind | None:
 
 # Which failure explains a gang's state best, when several ranks fail at once: a diverged or
 # misconfigured rank makes its peers crash or hang in the collective, not the other way round.
-_PRIORITY = [FailureKind.CONFIG, FailureKind.DIVERGED, FailureKind.CRASH, FailureKind.LOST, FailureKind.HANG]
+_PRIORITY = [
+    FailureKind.CONFIG,
+    FailureKind.FENCED,
+    FailureKind.DIVERGED,
+    FailureKind.CRASH,
+    FailureKind.LOST,
+    FailureKind.HANG,
+]
 
 
 def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
@@ -133,7 +143,7 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     failed = Decision(
         Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts
     )
-    if kind is FailureKind.CONFIG:
+    if kind in (FailureKind.CONFIG, FailureKind.FENCED):
         return replace(failed, reason=f"{reason} (a restart cannot fix it)")
     if restarts >= recovery.max_restarts:
         return replace(

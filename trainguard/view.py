@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from trainguard.observation import GangView
 
 if TYPE_CHECKING:
     from trainguard.local import Event, LocalRunner
@@ -23,6 +25,35 @@ _STYLE = {
     "succeeded": "bold green",
     "checkpoint": "cyan",
 }
+
+
+_COLUMNS = ("attempt", "state", "step", "loss", "steps/s", "skipped", "rollbacks", "restarts", "drop rate")
+
+
+def state_text(view: GangView) -> str:
+    """The gang's phase: one word when every reporting rank agrees, else each rank's, the first failing
+    rank first; ranks that have not reported are named."""
+    phases = view.phases
+    if not phases:
+        return "starting"
+    if len(set(phases.values())) == 1:
+        text = next(iter(phases.values())).value
+    else:
+        first = view.first_failing
+        order = sorted(phases, key=lambda r: (r != first, r))
+        text = ", ".join(f"{r}:{phases[r].value}" for r in order)
+    missing = view.missing
+    return text + (f" (no report: rank {', '.join(map(str, missing))})" if missing else "")
+
+
+def step_text(view: GangView) -> str:
+    """The gang's step (its slowest rank's), and the fastest rank's when it is ahead."""
+    progress = view.progress
+    if progress is None:
+        return "0"
+    if progress.fastest_step == progress.step:
+        return str(progress.step)
+    return f"{progress.step} (rank {progress.fastest_ranks[0]} at {progress.fastest_step})"
 
 
 class PlainView:
@@ -65,9 +96,9 @@ class LiveView(PlainView):
         self.console.print(self.line(entry), style=_STYLE.get(entry.kind, ""), highlight=False, markup=False)
 
     def update(self, runner: LocalRunner) -> None:
-        """Redraw the table from the runner's latest status."""
-        status: dict[str, Any] = runner.ranks[0].status if runner.ranks else {}
-        step = int(status.get("step") or 0)
+        """Redraw the table from the runner's view of the gang."""
+        view = runner.gang_view()
+        step = view.progress.step if view.progress is not None else 0
         now = time.time()
         if self._last is not None and now - self._last[0] >= 1.0:
             self._rate = max(0.0, (step - self._last[1]) / (now - self._last[0]))
@@ -75,31 +106,21 @@ class LiveView(PlainView):
         elif self._last is None:
             self._last = (now, step)
         table = Table(title=f"trainguard run: {runner.job.metadata.name}", expand=False)
-        for column in (
-            "attempt",
-            "state",
-            "step",
-            "loss",
-            "steps/s",
-            "skipped",
-            "rollbacks",
-            "restarts",
-            "drop rate",
-        ):
+        for column in _COLUMNS:
             table.add_column(column, justify="right")
-        loss = status.get("loss")
-        seen = int(status.get("samples_seen") or 0)
-        dropped = int(status.get("samples_dropped") or 0)
+        lead = view.lead
+        loss = lead.loss if lead is not None else None
+        rate = view.drop_rate
         table.add_row(
             str(runner.attempt),
-            str(status.get("phase", "starting")),
-            str(step),
-            f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+            state_text(view),
+            step_text(view),
+            f"{loss:.4f}" if loss is not None else "-",
             f"{self._rate:.1f}",
-            str(status.get("skipped_steps", 0)),
-            str(status.get("rollbacks", 0)),
+            str(view.skipped_steps or 0),
+            str(view.rollbacks or 0),
             str(runner.restarts),
-            f"{dropped / seen:.4%}" if seen else "-",
+            f"{rate:.4%}" if rate is not None and view.samples_seen else "-",
         )
         self.live.update(table)
 

@@ -40,16 +40,17 @@ def e2e_cluster(
     control_plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[cluster.Cluster]:
     """The whole test cluster on the session's control plane (``cluster``): kube-controller-manager,
-    kube-scheduler and the Kubeflow training operator, and a node agent running pods as processes.
+    kube-scheduler and the Kubeflow training operator, and a real node (containerd, the kubelet,
+    kube-proxy, CoreDNS) running pods from the images of ``scripts/images.sh``.
 
     The trainguard operator is not running: modules that need it start it
     (``e2e_cluster.start_operator()``) and stop it, so it does not reconcile the objects other tests
-    write by hand. Where the node agent cannot run (not root, no ``ip``/``nslookup``) the tests that use
-    it are skipped on a developer's machine and fail under CI.
+    write by hand. Where the node cannot run (not root, a package, binary or image missing) the tests
+    that use it are skipped on a developer's machine and fail under CI.
     """
     missing = controlplane.missing_binaries(control_plane.bin_dir, components=True)
     reason = f"{', '.join(missing)} not built: run bash scripts/control-plane.sh" if missing else None
-    reason = reason or cluster.why_not_runnable()
+    reason = reason or cluster.why_not_runnable(control_plane.bin_dir)
     if reason:
         if os.environ.get("CI"):
             pytest.fail(reason)

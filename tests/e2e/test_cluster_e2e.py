@@ -1,13 +1,13 @@
 """End to end on a real control plane: ``kubectl apply`` a GuardedTrainingJob and watch it train and recover.
 
-Everything here is real except the container runtime: etcd, kube-apiserver, kube-controller-manager
-(garbage collection, service accounts, volume binding), kube-scheduler and the Kubeflow training operator
-v1.9 built from the Go module proxy; the trainguard operator as a local process; and the node agent
-(``tests/nodeagent.py``), which runs the pods the scheduler binds to its Node as processes, each in its
-own network namespace, with the probes, restarts, volumes, DNS and status a kubelet provides. The workers
-train the example model (``examples/tiny_lm``) with real torch and gloo, and their checkpoints go to a
-ReadWriteMany PersistentVolume (a host directory) shared by the gang. Each test's namespace enforces the
-Pod Security "restricted" profile, so every pod of the gang also passes the real PodSecurity admission.
+Everything here is real: etcd, kube-apiserver, kube-controller-manager (garbage collection, service
+accounts, volume binding, endpoint slices), kube-scheduler and the Kubeflow training operator v1.9 built
+from the Go module proxy; a node (``tests/support/node.py``: containerd, the kubelet, kube-proxy, CoreDNS)
+that runs the pods from the images of ``scripts/images.sh``; and the trainguard operator as a local
+process. The workers train the example model (``examples/tiny_lm``, its image) with real torch and gloo,
+and their checkpoints go to a ReadWriteMany PersistentVolume (a host directory) shared by the gang. Each
+test's namespace enforces the Pod Security "restricted" profile, so every pod of the gang also passes the
+real PodSecurity admission.
 
 The scenarios are those of ``examples/k8s/job.yaml``, made short: 60 steps instead of 20 000, and a
 hang timeout of seconds rather than minutes.
@@ -49,6 +49,8 @@ def example(
     """examples/k8s/job.yaml (its claim and its job), shortened for a test, with ``faults`` injected."""
     claim, job = (copy.deepcopy(d) for d in yaml.safe_load_all(EXAMPLE.read_text()))
     container = job["spec"]["template"]["spec"]["containers"][0]
+    # The example asks for a node of its own (2 CPUs per rank); the test node has 2 CPUs for the gang.
+    container["resources"] = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "4Gi"}}
     command = container["command"]
     command[command.index("--max-steps") + 1] = str(steps)
     command[command.index("--log-every") + 1] = "10"
@@ -89,6 +91,8 @@ def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest, tmp_path: Pa
     # worker) must pass the real PodSecurity admission of the strictest profile.
     cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
     volume = tmp_path / "checkpoints"
+    volume.mkdir()
+    volume.chmod(0o777)  # the workers run as user 1000; a hostPath volume gets no fsGroup
     pv = {
         "apiVersion": "v1",
         "kind": "PersistentVolume",
@@ -98,7 +102,7 @@ def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest, tmp_path: Pa
             "accessModes": ["ReadWriteMany"],
             "storageClassName": "",
             "persistentVolumeReclaimPolicy": "Retain",
-            "hostPath": {"path": str(volume), "type": "DirectoryOrCreate"},
+            "hostPath": {"path": str(volume), "type": "Directory"},
             # Pre-bound to this namespace's claim: the tests' claims share a name.
             "claimRef": {"namespace": name, "name": "tiny-lm-ckpt"},
         },
@@ -112,7 +116,11 @@ def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest, tmp_path: Pa
 
 
 def apply(cluster: Cluster, namespace: str, documents: list[dict[str, Any]], tmp_path: Path) -> None:
-    """``kubectl apply -f`` the documents, as a user would apply the example file."""
+    """``kubectl apply -f`` the documents, as a user would apply the example file with its image (the
+    node's ``tiny-lm``) in place of the placeholder."""
+    for document in documents:
+        if document["kind"] == "GuardedTrainingJob":
+            document["spec"]["template"]["spec"]["containers"][0]["image"] = cluster.node.images["tiny-lm"]
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
     cluster.kubectl("apply", "-n", namespace, "-f", str(path))
@@ -189,7 +197,7 @@ def test_the_example_job_trains_to_success(e2e_cluster: Cluster, namespace: str,
     assert steps, list(volume.iterdir())
     assert {p.name for p in (volume / steps[-1]).glob("rank-*.json")} == {"rank-0.json", "rank-1.json"}
 
-    # kubectl logs reaches the node agent's kubelet API through the API server.
+    # kubectl logs reaches the kubelet's API through the API server.
     logs = cluster.kubectl("logs", f"{JOB}-1-master-0", "-n", namespace, "-c", "pytorch", "--tail=5")
     assert "[rank 0] tiny_lm: done in" in logs, logs
     assert json.loads(logs.strip().splitlines()[-1])["final_step"] == 60, logs
@@ -271,8 +279,8 @@ def test_a_hang_while_the_operator_is_down_is_killed_by_the_liveness_probe(
     e2e_cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """The kubelet's path: the operator (which polls the sidecars and would see the hang first) is paused
-    across the hang, as when it is down; the hung ranks' sidecars fail their liveness probes, the node
-    agent kills the workers, and the operator, back, restarts the gang from the shared checkpoint."""
+    across the hang, as when it is down; the hung ranks' sidecars fail their liveness probes, the kubelet
+    kills the workers, and the operator, back, restarts the gang from the shared checkpoint."""
     cluster = e2e_cluster
     documents = example(
         faults="hang@35:1",

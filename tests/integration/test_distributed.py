@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import run_gang, successful_reports
-from trainer_sidecar.checkpoint import step_dir_name
+from trainer_sidecar.checkpoint import data_file_name, step_dir_name
 from trainer_sidecar.exitcodes import ExitCode
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def test_divergence_ends_every_rank_with_the_diverged_code(tmp_path: Path) -> No
 def test_ranks_agree_on_the_checkpoint_to_resume_when_one_rank_file_is_corrupt(tmp_path: Path) -> None:
     first = run_gang(tmp_path, 2, ["--steps", "20"], settings=SETTINGS)
     assert [code for code, _, _ in first] == [0, 0]
-    newest = tmp_path / step_dir_name(20) / "rank-1.pt"
+    newest = tmp_path / step_dir_name(20) / data_file_name(1)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))

@@ -1,19 +1,19 @@
-"""A whole test cluster on one machine: the control plane, a node agent, and the trainguard operator.
+"""A whole test cluster on one machine: the control plane, a real node, and the trainguard operator.
 
 On top of ``controlplane`` (etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the Kubeflow
 training operator, all real, built from the Go module proxy) this starts:
 
-- the node agent (``tests/nodeagent.py``, run as root), which registers a Node and runs the pods the
-  scheduler binds to it as processes in their own network namespaces;
+- a real node (``node``, run as root): containerd, the kubelet, kube-proxy and CoreDNS, which run the
+  pods the scheduler binds to it from the images of ``scripts/images.sh``;
 - the trainguard CRD and the trainguard operator as a local process (``trainguard-operator -A``), as a
   developer runs it against a cluster.
 
-Everything is a process stopped by PID (the operator, then the agent, which stops its pods and removes
-their namespaces, then the control plane).
+Everything is a process stopped by PID (the operator, then the node, which first has the kubelet stop
+its pods, then the control plane).
 
 Run by hand (``bash scripts/control-plane.sh start`` does this)::
 
-    python tests/cluster.py --bin-dir DIR [--state-dir DIR] [--no-operator]
+    python -m tests.support.cluster --bin-dir DIR [--state-dir DIR] [--no-operator]
 
 prints the kubeconfig path on stdout and runs until Ctrl-C; then ``kubectl apply -f
 examples/k8s/job.yaml`` (with a PersistentVolume for its claim) trains on this machine.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -35,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.support import controlplane
+from tests.support import controlplane, node
 from tests.support.controlplane import ControlPlane, Process
+from tests.support.node import Node
 from tests.support.paths import REPO_ROOT
 
 CRD_FILE = REPO_ROOT / "crds" / "guardedtrainingjobs.trainguard.dev.yaml"
-NODE_NAME = "trainguard-node"
+NODE_NAME = node.NODE_NAME
 
 T = TypeVar("T")
 
@@ -49,18 +49,9 @@ class ClusterError(RuntimeError):
     """The cluster could not be started or did not reach a state in time."""
 
 
-def why_not_runnable() -> str | None:
-    """Why the node agent cannot run on this machine (None if it can)."""
-    if os.geteuid() != 0:
-        return "the node agent needs root (network and mount namespaces, DNS on port 53)"
-    missing = [tool for tool in ("ip", "nsenter", "nslookup") if not _which(tool)]
-    if missing:
-        return f"missing {', '.join(missing)}: apt-get install iproute2 util-linux bind9-dnsutils"
-    return None
-
-
-def _which(tool: str) -> bool:
-    return any(os.access(Path(d) / tool, os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep) if d)
+def why_not_runnable(bin_dir: Path) -> str | None:
+    """Why the test node cannot run on this machine (None if it can)."""
+    return node.why_not_runnable(bin_dir)
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
@@ -80,7 +71,7 @@ class Cluster:
     """A running test cluster and how to reach it."""
 
     plane: ControlPlane
-    agent: Process
+    node: Node
     operator: Process
     state_dir: Path
 
@@ -99,21 +90,23 @@ class Cluster:
         return document
 
     def pod_logs(self, namespace: str) -> str:
-        """Every container log the node agent kept for pods of ``namespace`` (for failure messages)."""
+        """Every container log the kubelet kept for pods of ``namespace`` (for failure messages)."""
         out = []
-        for log in sorted((self.state_dir / "agent" / "pods").glob(f"{namespace}_*/*.log")):
+        for log in sorted(self.node.pod_logs_dir.glob(f"{namespace}_*/*/*.log")):
             text = log.read_text(errors="replace").splitlines()
-            out.append(f"--- {log.parent.name}/{log.name} ---\n" + "\n".join(text[-30:]))
+            out.append(
+                f"--- {log.parent.parent.name}/{log.parent.name}/{log.name} ---\n" + "\n".join(text[-30:])
+            )
         return "\n".join(out)
 
     def diagnostics(self, namespace: str) -> str:
-        """Objects, events and logs of a namespace, plus the operator's and agent's log tails."""
+        """Objects, events and logs of a namespace, plus the operator's and the node's log tails."""
         parts = [
             self.kubectl("get", "gtj,pytorchjobs,pods,pvc", "-n", namespace, "-o", "wide", check=False),
             self.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False),
             self.pod_logs(namespace),
             f"--- trainguard operator ---\n{self.operator.log_tail(40)}",
-            f"--- node agent ---\n{self.agent.log_tail(40)}",
+            self.node.log_tails(40),
         ]
         return "\n".join(parts)
 
@@ -134,42 +127,26 @@ class Cluster:
         self.operator.popen = None
 
     def stop(self) -> None:
-        """Stop the operator and the node agent (the control plane is stopped by its own owner)."""
+        """Stop the operator and the node (the control plane is stopped by its own owner)."""
         self.stop_operator()
-        self.agent.stop(grace=30)
+        self.node.stop()
 
 
-def start(
-    plane: ControlPlane, state_dir: Path, *, backoff_base: float = 1.0, run_operator: bool = True
-) -> Cluster:
-    """Start the control plane's components, a node agent and (``run_operator``) the trainguard operator
-    on ``plane``.
-
-    The node agent's restart back-off starts at ``backoff_base`` seconds (the kubelet's 10 s would only
-    slow the tests; the doubling and the cap are the kubelet's).
-    """
-    reason = why_not_runnable()
+def start(plane: ControlPlane, state_dir: Path, *, run_operator: bool = True) -> Cluster:
+    """Start the control plane's components, a real node and (``run_operator``) the trainguard operator
+    on ``plane``; the operator's sidecar image is the node's ``trainguard`` image."""
+    reason = why_not_runnable(plane.bin_dir)
     if reason:
         raise ClusterError(reason)
     started = time.monotonic()
     controlplane.start_cluster(plane)
     plane.startup_seconds["components"] = time.monotonic() - started
     state_dir.mkdir(parents=True, exist_ok=True)
-    env = plane.environ()
-
-    agent = Process(
-        "node-agent",
-        [
-            sys.executable,
-            "-m",
-            "tests.support.nodeagent",
-            f"--kubeconfig={plane.kubeconfig}",
-            f"--state-dir={state_dir / 'agent'}",
-            f"--node-name={NODE_NAME}",
-            f"--backoff-base={backoff_base}",
-        ],
-        state_dir / "node-agent.log",
-    )
+    started = time.monotonic()
+    running = node.start(plane, state_dir / "node")
+    plane.startup_seconds["node"] = time.monotonic() - started
+    for part, seconds in running.startup_seconds.items():
+        plane.startup_seconds[f"node:{part}"] = seconds
     operator = Process(
         "trainguard-operator",
         [
@@ -178,25 +155,13 @@ def start(
             "--metrics-host=127.0.0.1",
             "--metrics-port=0",
             "--liveness=",
+            f"--sidecar-image={running.images['trainguard']}",
         ],
         state_dir / "trainguard-operator.log",
-        env=env,
+        env=plane.environ(),
     )
-    cluster = Cluster(plane=plane, agent=agent, operator=operator, state_dir=state_dir)
+    cluster = Cluster(plane=plane, node=running, operator=operator, state_dir=state_dir)
     try:
-        started = time.monotonic()
-        agent.start(die_with_parent=True)
-
-        def node_ready() -> bool:
-            if not agent.alive():
-                raise ClusterError(f"the node agent exited:\n{agent.log_tail()}")
-            node = cluster.get("node", NODE_NAME, "default")
-            conditions = (node or {}).get("status", {}).get("conditions", [])
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-        wait_for("the node to be Ready", node_ready, timeout=60)
-        plane.startup_seconds["node-agent"] = time.monotonic() - started
-
         if run_operator:
             cluster.start_operator()
     except BaseException:
@@ -222,11 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-operator", action="store_true", help="do not run the trainguard operator (run your own)"
     )
     args = parser.parse_args(argv)
-    reason = why_not_runnable()
+    bin_dir: Path = args.bin_dir or controlplane.bin_dir_from_script()
+    reason = why_not_runnable(bin_dir)
     if reason:
         print(f"cluster: {reason}", file=sys.stderr)
         return 1
-    bin_dir: Path = args.bin_dir or controlplane.bin_dir_from_script()
     keep = args.state_dir is not None
     state_dir: Path = (args.state_dir or Path(tempfile.mkdtemp(prefix="trainguard-cluster-"))).resolve()
     stop = threading.Event()
@@ -238,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cluster: {exc}", file=sys.stderr)
         return 1
     try:
-        cluster = start(plane, state_dir, backoff_base=10.0, run_operator=not args.no_operator)
+        cluster = start(plane, state_dir, run_operator=not args.no_operator)
     except BaseException as exc:
         plane.stop()
         print(f"cluster: {exc}", file=sys.stderr)
@@ -251,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(plane.kubeconfig, flush=True)
     try:
-        controlplane.run_until_stopped([*plane.processes(), cluster.agent], stop, "cluster")
+        controlplane.run_until_stopped([*plane.processes(), *cluster.node.processes()], stop, "cluster")
     finally:
         cluster.stop()
         plane.stop()

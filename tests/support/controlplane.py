@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from tests.support import images
 from tests.support.paths import REPO_ROOT, SHARED
 from tests.support.ports import free_ports
 
@@ -61,16 +62,13 @@ SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 START_ATTEMPTS = 3
 PR_SET_PDEATHSIG = 1
 # make_pki's marker: a new name whenever the set of certificates grows, so an older state dir regenerates.
-PKI_MARKER = ".complete-components"
+PKI_MARKER = ".complete-node"
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver")
 COMPONENT_BINARIES = ("kube-controller-manager", "kube-scheduler", "training-operator")
-# Pod IPs in this test cluster are loopback addresses, which Endpoints and EndpointSlices refuse: these
-# controllers would only log errors. (Names as `kube-controller-manager --help` lists them in v1.33.)
-DISABLED_CONTROLLERS = (
-    "endpoints-controller",
-    "endpointslice-controller",
-    "endpointslice-mirroring-controller",
-)
+# Controllers left out of kube-controller-manager (names as `kube-controller-manager --help` lists them in
+# v1.33): none. The test node's pods have bridge addresses, which Endpoints and EndpointSlices take, and
+# kube-proxy routes Services to them.
+DISABLED_CONTROLLERS: tuple[str, ...] = ()
 PYTORCHJOB_CRD = SHARED / "reference" / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 TRAINING_OPERATOR_NAMESPACE = "kubeflow"
 # What the training operator's cert rotator (open-policy-agent/cert-controller) keeps its webhook CA and
@@ -203,6 +201,13 @@ def make_pki(pki: Path) -> None:
     # simplicity they are also in system:masters, so no role binding can be missing in a test cluster.
     for component in ("kube-controller-manager", "kube-scheduler"):
         _certificate(pki, component, f"/O=system:masters/CN=system:{component}", _leaf("clientAuth"))
+    # The API server's client certificate for kubelets (kubectl logs, exec): a kubelet trusts our CA.
+    _certificate(
+        pki,
+        "apiserver-kubelet-client",
+        "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        _leaf("clientAuth"),
+    )
     _ec_key(pki / "service-account.key")
     _openssl(
         "pkey", "-in", str(pki / "service-account.key"), "-pubout", "-out", str(pki / "service-account.pub")
@@ -463,8 +468,11 @@ def _apiserver_argv(bin_dir: Path, pki: Path, etcd_url: str, port: int) -> list[
         # a loopback address: the reconciler would log an error every few seconds. Nothing here needs
         # them (in-cluster clients are given the server's address directly).
         "--endpoint-reconciler-type=none",
-        # Node agents register no resolvable hostname: reach their kubelet API (kubectl logs) by IP.
+        # Test nodes register no resolvable hostname: reach their kubelet API (kubectl logs) by IP,
+        # with a client certificate the kubelet checks against our CA.
         "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+        f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
         "--profiling=false",
         "--v=1",
     ]
@@ -669,15 +677,15 @@ def start_controller_manager(
     """Start kube-controller-manager against ``plane``; return it once its ``/healthz`` says ok.
 
     Every on-by-default controller runs (garbage collector, namespace, service account and its tokens,
-    persistent-volume binder, node lifecycle, ...) but the Endpoints/EndpointSlice ones
-    (DISABLED_CONTROLLERS). The caller stops the process (``start_cluster`` hands it to the plane).
+    persistent-volume binder, node lifecycle, endpoint slices, ...) but DISABLED_CONTROLLERS. The caller
+    stops the process (``start_cluster`` hands it to the plane).
     """
     pki = plane.pki
     flags = [
         f"--service-account-private-key-file={pki / 'service-account.key'}",
         f"--root-ca-file={pki / 'ca.crt'}",
         "--use-service-account-credentials=false",
-        f"--controllers=*,{','.join('-' + c for c in DISABLED_CONTROLLERS)}",
+        f"--controllers={','.join(['*', *('-' + c for c in DISABLED_CONTROLLERS)])}",
         # Resync PVs and claims every 5 s rather than 15 s, so a test's claim binds promptly even if it
         # raced its volume.
         "--pvclaimbinder-sync-period=5s",
@@ -777,6 +785,9 @@ def start_training_operator(
     plane.kubectl("apply", "--server-side", "--filename=-", stdin=yaml.safe_dump_all(setup))
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBEFLOW_NAMESPACE")}
     env["MY_POD_NAMESPACE"] = namespace  # where the rotator looks for its Secret
+    # The worker init container's image: the test node's (no registry serves the default, alpine).
+    init_ref = images.references().get("pytorch-init")
+    init_image = [f"--pytorch-init-container-image={init_ref}"] if init_ref else []
 
     def argv(ports: list[int]) -> list[str]:
         metrics, probe, webhook = ports
@@ -790,6 +801,7 @@ def start_training_operator(
             "--enable-scheme=pytorchjob",
             # Worker pods admissible in a namespace enforcing Pod Security "restricted" (see the file).
             f"--pytorch-init-container-template-file={PYTORCH_INIT_CONTAINER}",
+            *init_image,
             "--leader-elect=false",
             "--zap-log-level=info",
         ]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +15,12 @@ import pytest
 import torch
 
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
+from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.data import GuardedLoader, sample_is_bad
-from trainer_sidecar.guardian import UncleanState
+from trainer_sidecar.guardian import Fenced, UncleanState
 from trainer_sidecar.status import read_status
+from trainer_sidecar.stopping import STOP, StopRequest
+from trainer_sidecar.training import fit_keys
 
 
 def settings(**sections: Any) -> GuardianSettings:
@@ -46,6 +53,13 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def stepping_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    """The learning rate of the first param group each time the optimizer steps (what the update used)."""
+    seen: list[float] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(float(opt.param_groups[0]["lr"])))
+    return seen
+
+
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key in a:
@@ -63,6 +77,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TRAINGUARD_REMEDIATION", raising=False)
+    # A stop signal concerns the process: one a test sent must not stop the next test's guardian.
+    monkeypatch.setattr(STOP, "signal", None)
 
 
 def test_finite_step_clips_to_max_grad_norm_and_steps_scheduler() -> None:
@@ -187,7 +203,10 @@ def test_repeated_bad_steps_roll_back_to_the_snapshot_and_remediate(tmp_path: Pa
     restored = optimizer.state[next(iter(model.parameters()))]
     for key, value in adam_state.items():
         assert torch.equal(restored[key], value), key
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    lrs = stepping_lrs(optimizer)
+    assert guardian.step(loss_of(model)).applied
+    assert lrs == [pytest.approx(0.05)]  # the remediation halves the learning rate the update uses
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # the loop's own value is untouched
     assert guardian.max_grad_norm == pytest.approx(0.5)
     assert guardian.lr_scale == pytest.approx(0.5)
     forensics = sorted((tmp_path / "forensics").glob("*.json"))
@@ -271,7 +290,9 @@ def test_a_second_rollback_from_the_same_snapshot_compounds_the_remediation() ->
         for _ in range(3):
             guardian.step(loss_of(model) * math.nan)
     assert guardian.rollbacks == 2
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    lrs = stepping_lrs(optimizer)
+    guardian.step(loss_of(model))
+    assert lrs == [pytest.approx(0.025)]
 
 
 def test_too_many_rollbacks_diverge_with_the_documented_exit_code(tmp_path: Path) -> None:
@@ -314,10 +335,11 @@ def test_gradient_accumulation_steps_once_per_boundary_with_the_mean_gradient() 
     )
     x, y = batch()
     ref_guard.step(torch.nn.functional.mse_loss(reference(x), y))
-    first = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[:8]), y[:8]))
+    # The guardian never rescales a loss: the loop divides by its micro-batches, as it would without it.
+    first = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[:8]), y[:8]) / 2)
     assert not first.boundary
     assert acc_guard.step_count == 0
-    second = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[8:]), y[8:]))
+    second = acc_guard.step(torch.nn.functional.mse_loss(accumulated(x[8:]), y[8:]) / 2)
     assert second.boundary
     assert second.applied
     for a, b in zip(reference.parameters(), accumulated.parameters(), strict=True):
@@ -380,14 +402,15 @@ def test_checkpoint_of_another_model_is_a_config_error_and_deletes_nothing(tmp_p
     guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
     guardian.step(loss_of(model))
     guardian.finish()
-    before = sorted(p.name for p in tmp_path.rglob("*"))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
     with pytest.raises(ConfigError) as caught:
         Guardian(other, torch.optim.SGD(other.parameters(), lr=0.1), checkpoint_dir=tmp_path)
     assert caught.value.code == ExitCode.CONFIG_ERROR
     assert "does not fit this model" in str(caught.value)
     assert str(tmp_path) in str(caught.value)
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    # Nothing was deleted or changed (the attempt only claimed an epoch of its own, beside the others).
+    assert {p: p.read_bytes() for p in before} == before
 
 
 @pytest.mark.parametrize(
@@ -427,14 +450,18 @@ def test_remediation_from_the_orchestrator_applies_once(
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert guardian.lr_scale == pytest.approx(0.5)
     assert guardian.max_grad_norm == pytest.approx(0.25)
+    lrs = stepping_lrs(optimizer)
     guardian.step(loss_of(model))
+    assert lrs == [pytest.approx(0.05)]
     guardian.finish()
     again = torch.optim.SGD(model.parameters(), lr=0.1)
     resumed = Guardian(model, again, checkpoint_dir=tmp_path)  # same attempt restarted after a crash
-    assert again.param_groups[0]["lr"] == pytest.approx(0.05)
-    assert resumed.lr_scale == pytest.approx(0.5)
+    assert resumed.lr_scale == pytest.approx(0.5)  # not halved a second time
+    lrs = stepping_lrs(again)
+    resumed.step(loss_of(model))
+    assert lrs == [pytest.approx(0.05)]
 
 
 def test_data_guard_drops_bad_samples_and_counts_them() -> None:
@@ -651,3 +678,283 @@ def test_an_explicit_checkpoint_dir_that_contradicts_the_orchestrator_is_refused
     assert "checkpoint_dir" in str(caught.value)
     same = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "mounted")
     assert same.checkpoint_dir == tmp_path / "mounted"
+
+
+def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_path: Path) -> None:
+    config = settings(checkpoint={"everySteps": 2, "snapshotEverySteps": 2})
+    old_model, new_model = tiny_model(seed=1), tiny_model(seed=2)
+    old = Guardian(
+        old_model, torch.optim.SGD(old_model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
+    )
+    for _ in range(2):
+        old.step(loss_of(old_model))
+    assert old.store is not None
+    old.store.wait()
+    new = Guardian(
+        new_model, torch.optim.SGD(new_model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
+    )
+    assert new.step_count == 2  # it resumed the old writer's clean checkpoint, then claimed a newer epoch
+    for _ in range(2):
+        old.step(loss_of(old_model))  # step 4: its save starts, and meets the fence in the background
+    while old.store.busy:
+        time.sleep(0.01)
+    with pytest.raises(Fenced) as caught:
+        old.step(loss_of(old_model))
+    assert caught.value.code == ExitCode.FENCED
+    assert "epoch 2" in str(caught.value)
+    assert old.phase is Phase.FAILED
+    for _ in range(4):
+        new.step(loss_of(new_model))
+    new.finish()
+    assert new.store is not None
+    weights = {k: v.clone() for k, v in new_model.state_dict().items()}
+    reader = Guardian(
+        tiny_model(seed=3),
+        torch.optim.SGD(tiny_model().parameters(), lr=0.1),
+        checkpoint_dir=tmp_path,
+        settings=config,
+    )
+    assert reader.step_count == 6
+    assert_same(weights, clone_state(reader.module))
+
+
+def test_a_loop_that_sets_its_own_learning_rate_keeps_the_remediation() -> None:
+    # A loop that writes param_group["lr"] every iteration (a hand-written schedule) used to undo the
+    # guardian's lr x 0.5 after a rollback while the status still said 0.5.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guardian = Guardian(model, optimizer, settings=settings())
+    lrs = stepping_lrs(optimizer)
+    for iteration in range(8):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 / (1 + iteration)
+        guardian.step(loss_of(model) * (math.nan if 2 <= iteration <= 4 else 1.0))
+    assert guardian.rollbacks == 1
+    assert guardian.lr_scale == pytest.approx(0.5)
+    assert lrs == [pytest.approx(x) for x in (0.1, 0.05, 0.1 / 6 * 0.5, 0.1 / 7 * 0.5, 0.1 / 8 * 0.5)]
+
+
+def test_a_nested_accumulation_loop_keeps_its_shape_and_its_gradients() -> None:
+    # The loop's own micro-batch loop and division, with backward() per micro-batch and step() at the
+    # boundary, give the same update as the same loop without the guardian.
+    reference, guarded = tiny_model(), tiny_model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(guarded.parameters(), lr=0.1)
+    guardian = Guardian(guarded, optimizer, settings=settings(guard={"maxGradNorm": 1e6}))
+    x, y = batch()
+    expected_loss = float(torch.nn.functional.mse_loss(reference(x), y).detach())
+    for model, step in ((reference, None), (guarded, guardian)):
+        for micro in range(4):
+            loss = torch.nn.functional.mse_loss(
+                model(x[micro * 4 : micro * 4 + 4]), y[micro * 4 : micro * 4 + 4]
+            )
+            if step is None:
+                torch.autograd.backward(loss / 4)
+            else:
+                step.backward(loss / 4)
+    plain.step()
+    outcome = guardian.step()
+    assert outcome.boundary
+    assert outcome.applied
+    assert outcome.loss == pytest.approx(expected_loss)  # the sum of the micro-batch losses given
+    for a, b in zip(reference.parameters(), guarded.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="backward"):
+        guardian.step()
+
+
+# --- busy sections and being told to stop -------------------------------------------------------------
+
+
+def test_a_busy_section_is_published_with_its_reason_and_bound(tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file)
+    guardian.step(loss_of(model))
+    with guardian.busy("eval", seconds=900):
+        inside, _ = read_status(status_file)
+        with guardian.busy("save"):
+            nested, _ = read_status(status_file)
+        back, _ = read_status(status_file)
+    after, _ = read_status(status_file)
+    assert inside is not None
+    assert inside.phase is Phase.BUSY
+    assert inside.busy_reason == "eval"
+    assert inside.busy_seconds == 900
+    assert inside.busy_since is not None
+    assert nested is not None
+    assert nested.busy_reason == "save"
+    assert nested.busy_seconds is None
+    assert nested.busy_since == inside.busy_since  # one busy stretch
+    assert back is not None
+    assert back.busy_reason == "eval"
+    assert after is not None
+    assert after.phase is Phase.RUNNING
+    assert after.busy_since is None
+    with pytest.raises(ValueError, match="busy seconds"), guardian.busy("eval", seconds=math.inf):
+        pass
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_sigterm_checkpoints_at_the_next_boundary_and_exits_143(tmp_path: Path, clean: bool) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    config = settings(checkpoint={"everySteps": 1000, "snapshotEverySteps": 1000})
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "ckpt",
+        status_file=status_file, settings=config,
+    )  # fmt: skip
+    for _ in range(3):
+        guardian.step(loss_of(model))
+    os.kill(os.getpid(), signal.SIGTERM)  # delivered at once; the guardian only takes note
+    with pytest.raises(SystemExit) as caught:
+        guardian.step(loss_of(model) * (1.0 if clean else math.nan))  # the boundary it stops at
+    assert caught.value.code == 128 + signal.SIGTERM
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.phase is Phase.STOPPED
+    assert "SIGTERM" in status.message
+    reader = CheckpointStore(tmp_path / "ckpt")
+    if clean:
+        assert reader.newest_valid() == 4
+        assert "checkpoint is written" in status.message
+    else:
+        assert reader.newest_valid() is None  # a bad step was the last: nothing saved
+        assert "not clean" in status.message
+
+
+def test_the_stop_handlers_are_held_while_a_guardian_trains_and_handed_back_after() -> None:
+    previous = {  # other tests' guardians may hold the process's own request
+        signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
+    try:
+        request = StopRequest()
+        request.acquire()
+        request.acquire()
+        assert signal.getsignal(signal.SIGTERM) == request._on_signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert request.signal is signal.SIGTERM
+        request.release()
+        assert signal.getsignal(signal.SIGTERM) == request._on_signal  # still held by the other
+        request.release()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# --- checkpoints across wrappers and changed models -----------------------------------------------------
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    compiled = torch.compile(model)
+    assert isinstance(compiled, torch.nn.Module)
+    return compiled
+
+
+def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_path: Path) -> None:
+    plain = tiny_model(seed=4)
+    compiled = compile_model(plain)  # no forward is run through it: only its state-dict keys matter
+    guardian = Guardian(compiled, torch.optim.SGD(plain.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    for _ in range(2):
+        guardian.step(loss_of(plain))
+    guardian.finish()
+    saved = clone_state(plain)
+    fresh = tiny_model(seed=5)
+    resumed = Guardian(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    assert resumed.step_count == 2
+    assert_same(saved, clone_state(fresh))
+    again = tiny_model(seed=6)
+    back = Guardian(
+        compile_model(again), torch.optim.SGD(again.parameters(), lr=0.1), checkpoint_dir=tmp_path
+    )
+    assert back.step_count == 2
+    assert_same(saved, clone_state(again))
+
+
+def test_keys_saved_through_wrappers_are_fitted_to_the_bare_model() -> None:
+    live = {"0.weight": torch.zeros(2), "0.bias": torch.zeros(1)}
+    saved = {"_orig_mod.module.0.weight": torch.ones(2), "module.0.bias": torch.ones(1)}
+    assert set(fit_keys(saved, live)) == set(live)
+    assert fit_keys(live, live) is live
+
+
+def test_a_changed_model_names_the_missing_unexpected_and_reshaped_keys(tmp_path: Path) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    guardian.step(loss_of(model))
+    guardian.finish()
+    extra = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1), torch.nn.Linear(1, 1)
+    )
+    with pytest.raises(ConfigError) as caught:
+        Guardian(extra, torch.optim.SGD(extra.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    message = str(caught.value)
+    assert "another shape (3): 0.bias (checkpoint (8,), model (16,))" in message
+    assert "missing (2): 3.bias, 3.weight" in message
+    assert "was the model changed" in message
+    assert "unexpected" not in message
+
+
+# --- the loop's own data ------------------------------------------------------------------------------
+
+
+class Cursor:
+    """A data stream of the loop's own: where it is, as state."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.seed = torch.tensor([7, 8])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.seed = state["seed"]
+
+
+def test_tracked_state_of_the_loop_is_checkpointed_per_rank_and_restored(tmp_path: Path) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    cursor = Cursor()
+    guardian.track("stream", cursor)
+    for _ in range(3):
+        cursor.position += 10
+        guardian.step(loss_of(model))
+    guardian.finish()
+    again = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path)
+    restored = Cursor()
+    again.track("stream", restored)  # tracked after the resume: restored when it is tracked
+    assert restored.position == 30
+    assert torch.equal(restored.seed, torch.tensor([7, 8]))
+
+
+def test_tracking_something_that_cannot_be_checkpointed_fails_at_once() -> None:
+    class Opaque(Cursor):
+        def state_dict(self) -> dict[str, Any]:
+            return {"handle": object()}
+
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"'stream'.*cannot be checkpointed"):
+        guardian.track("stream", Opaque())
+
+
+def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = guardian.loader(torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True))
+    assert loader.batch_size == 8
+    assert loader.shuffle
+    assert loader.batches_per_epoch == 5
+
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="StatefulDataLoader"):
+        guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))

@@ -18,16 +18,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
+from trainguard_operator.pods import final_status, pod_rank, pods_to_poll
 from trainguard_operator.reconcile import (
     MIN_REQUEUE_SECONDS,
     Plan,
     PlanAction,
-    SidecarReport,
     World,
-    final_status,
     pin,
-    pod_rank,
-    pods_to_poll,
     reconcile,
     spec_change,
     without_nulls,
@@ -44,6 +41,8 @@ from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso
 
 from tests.support.manifests import gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.status import WorkerStatus
+from trainguard.observation import SidecarReport
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 GTJ_CRD = REPO_ROOT / "crds/guardedtrainingjobs.trainguard.dev.yaml"
@@ -118,7 +117,9 @@ def pod(
 def report(alive: bool = True, reason: str = "running", **status: Any) -> SidecarReport:
     """A sidecar's /status answer."""
     worker = {"phase": "running", "step": 100, "started_at": 1.0, "last_step_time": 2.0, **status}
-    return SidecarReport(reachable=True, alive=alive, reason=reason, status=worker)
+    return SidecarReport(
+        reachable=True, alive=alive, reason=reason, status=WorkerStatus.model_validate(worker)
+    )
 
 
 @dataclass
@@ -467,7 +468,7 @@ def test_the_final_step_comes_from_the_workers_termination_messages() -> None:
         final = pod(1, rank, exit_code=0)
         terminated = final["status"]["containerStatuses"][0]["state"]["terminated"]
         message = {"phase": "finished", "step": 120, "started_at": 1.0, "last_step_time": 3.0, "rollbacks": 1}
-        message["last_clean_checkpoint"] = {"step": 120, "path": "/ckpt/step-0000000120", "sha256": "ab"}
+        message["last_clean_checkpoint"] = {"step": 120, "path": "/ckpt/step-0000000120", "sha256": "ab" * 32}
         terminated["message"] = json.dumps(message)
         cluster.set_pod(final)
     assert cluster.step(T0 + timedelta(seconds=70)).action is PlanAction.SUCCEED
@@ -487,6 +488,109 @@ def test_a_termination_message_that_is_no_status_is_ignored(message: str | None)
         final["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
     assert final_status(final) is None
     assert final_status(pod(1, 0)) is None  # still running
+
+
+def terminated_with(attempt: int, rank: int, exit_code: int, message: str) -> dict[str, Any]:
+    """A pod whose worker ended with ``exit_code`` and left ``message`` as its termination message."""
+    ended = pod(attempt, rank, exit_code=exit_code)
+    ended["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    return ended
+
+
+def test_a_configuration_error_names_the_field_and_reason_in_the_condition_and_the_event() -> None:
+    cluster = started_cluster()
+    why = "TRAINGUARD_SETTINGS: guard.lossSpikeFactor: Input should be greater than 1"
+    final = {"phase": "failed", "step": 0, "started_at": 1.0, "message": why}
+    cluster.set_pod(terminated_with(1, 1, 2, json.dumps(final)))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.FAIL
+    failed = cluster.status.condition("Failed")
+    assert failed is not None
+    assert (failed.status, failed.reason) == ("True", "ConfigError")
+    assert (
+        failed.message
+        == f"rank 1 configerror: configuration error (permanent): {why} (a restart cannot fix it)"
+    )
+    events = {e.reason: e.message for e in plan.events}
+    assert why in events["ConfigError"]
+    assert cluster.status.last_failure is not None
+    assert why in cluster.status.last_failure.message
+
+
+def test_a_plain_text_termination_message_is_quoted_in_the_reason() -> None:
+    # Python's own error (the guardian never ran), kept by the kubelet from the log's tail.
+    cluster = started_cluster()
+    text = "Traceback...\npython: can't open file '/app/train.py': [Errno 2] No such file or directory\n"
+    cluster.set_pod(terminated_with(1, 0, 2, text))
+    cluster.step(T0 + timedelta(seconds=60))
+    assert cluster.status.last_failure is not None
+    assert "can't open file '/app/train.py'" in cluster.status.last_failure.message
+    assert "Traceback" not in cluster.status.last_failure.message  # the last line only
+
+
+def test_a_diverged_final_status_counts_before_an_exit_code_of_the_teardown() -> None:
+    # The worker diverged (its final status says so) but died of SIGABRT in the collective's teardown
+    # before it could exit 200: a divergence, restarted with the remediation, not a crash.
+    cluster = started_cluster()
+    final = {"phase": "diverged", "step": 61, "started_at": 1.0, "message": "5 rollbacks within 2000 steps"}
+    cluster.set_pod(terminated_with(1, 1, 134, json.dumps(final)))
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.reason, failure.rank, failure.exit_code) == ("Diverged", 1, 134)
+    assert failure.message == "rank 1 diverged: 5 rollbacks within 2000 steps"
+    assert cluster.status.remediation is not None
+
+
+def test_the_gangs_step_is_its_slowest_ranks() -> None:
+    cluster = started_cluster()
+    sidecars = {"tiny-lm-1-master-0": report(step=2101), "tiny-lm-1-worker-0": report(step=2100)}
+    cluster.step(T0 + timedelta(seconds=30), sidecars)
+    assert cluster.status.step == 2100  # a step is done when every rank did it
+
+
+def sidecar_body(worker: Any, alive: bool = True, reason: str = "running") -> dict[str, Any]:
+    """A sidecar's ``/status`` body around ``worker``, as it comes over the wire."""
+    return {
+        "status": worker,
+        "read_error": "",
+        "health": {"alive": alive, "ready": alive, "reason": reason},
+        "time": 10.0,
+        "sidecar": {"started_at": 1.0, "hang_timeout_seconds": 30.0, "startup_grace_seconds": 60.0},
+    }
+
+
+def served(step: int, **fields: Any) -> dict[str, SidecarReport]:
+    """Rank 0's sidecar serving a status, read by the status contract's parser."""
+    worker = {"phase": "running", "step": step, "started_at": 1.0, "last_step_time": 2.0, **fields}
+    report = SidecarReport.from_document(json.dumps(sidecar_body(worker)))
+    assert report.status is not None, report.reason
+    return {"tiny-lm-1-master-0": report}
+
+
+def test_a_checkpoint_reference_longer_than_the_crd_allows_is_clipped() -> None:
+    # The status contract allows a path up to PATH_MAX; the CRD allows 1024 characters. The API server
+    # refuses a status beyond the CRD's limits, and then every later write with it.
+    cluster = started_cluster()
+    checkpoint = {"step": 100, "path": "/ckpt/" + "x" * 2000, "sha256": "ab" * 32}
+    plan = cluster.step(T0 + timedelta(seconds=30), served(120, last_clean_checkpoint=checkpoint))
+    assert plan.action is PlanAction.NOTHING  # and write_status checked the status against the CRD
+    stored = cluster.status.last_clean_checkpoint
+    assert stored is not None
+    assert stored.step == 100
+    assert stored.path.startswith("/ckpt/xxx")
+    assert len(stored.path) == 1024
+
+
+def test_a_checkpoint_time_beyond_the_calendar_is_no_crash() -> None:
+    cluster = started_cluster()
+    checkpoint = {"step": 100, "path": "/ckpt/step-100", "sha256": "ab" * 32, "time": 1e20}
+    plan = cluster.step(T0 + timedelta(seconds=30), served(120, last_clean_checkpoint=checkpoint))
+    assert plan.action is PlanAction.NOTHING
+    stored = cluster.status.last_clean_checkpoint
+    assert stored is not None
+    assert (stored.step, stored.time) == (100, "")
 
 
 def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
@@ -844,6 +948,36 @@ def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_res
     assert cluster.status.goodput == round(150 / 170, 4)
 
 
+def test_goodput_after_a_hang_that_followed_a_checkpoint_matches_the_hand_computation() -> None:
+    # Attempt 1 is created at t=0 and steps at 1 step/s; the operator looks every 10 s. Its status is
+    # last seen at step 80 (t=80): it wrote the clean checkpoint at 90 (t=90) and hung at step 92
+    # before its status said more. The sidecar declares the hang at t=130.
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    for t in range(10, 81, 10):
+        cluster.step(at(t), master(1, t))
+    for t in range(90, 121, 10):
+        cluster.step(at(t), master(1, 80))
+    hung = report(alive=False, reason="no step for 38 s (hang timeout 30 s), last step 80", step=80)
+    assert cluster.step(at(130), {"tiny-lm-1-master-0": hung}).action is PlanAction.RESTART
+    assert cluster.step(at(140)).action is PlanAction.CREATE  # after the 10 s backoff
+    # Attempt 2 resumed from 90; seen at step 100 (t=150) and 150 (t=250): 2 s a step after a quick
+    # start, so at that rate step 90 would be at t=130 -- before attempt 2 was created.
+    cluster.run_pods(2)
+    plan = cluster.step(at(150), master(2, 100, resumed=90))
+    recovered = [e.message for e in plan.events if e.reason == "Recovered"]
+    assert recovered == [
+        "attempt 2 is training again at step 100, resumed from step 90 (attempt 1 was last seen at "
+        "step 80: 0 step(s) redone), 20 s after the failure"
+    ]
+    cluster.step(at(250), master(2, 150, resumed=90))
+    # By hand: steps 0..90 took 90 s in attempt 1 (its rate, carried on from 80 to the checkpoint
+    # attempt 2 resumed from); steps 90..150 took 110 s in attempt 2, from its creation at t=140 at the
+    # earliest. Kept 200 s of 250 s.
+    assert cluster.status.goodput == 0.8
+
+
 def test_goodput_discards_steps_undone_by_a_rollback() -> None:
     cluster = Cluster.of()
     cluster.step(at(0))
@@ -988,3 +1122,53 @@ def test_any_object_content_gives_a_plan_never_an_exception_nor_a_hot_loop(
     assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
     if plan.create is not None:
         assert schema_errors(plan.create) == []
+
+
+# Mostly within the status contract (so that statuses get through), sometimes beyond it.
+COUNTS = st.integers(0, 2**53) | st.integers(-(2**70), 2**70)
+TIMES = st.floats(0, 1e12) | st.floats(-1e30, 1e30)
+STATUS_FIELDS = st.fixed_dictionaries(
+    {"started_at": TIMES},
+    optional={
+        "phase": st.sampled_from(["starting", "running", "rolling-back", "diverged", "finished", "failed"]),
+        "step": COUNTS,
+        "resumed_step": COUNTS,
+        "last_step_time": TIMES | st.none(),
+        "rollbacks": COUNTS,
+        "skipped_steps": COUNTS,
+        "samples_seen": COUNTS,
+        "samples_dropped": COUNTS,
+        "message": st.text(max_size=5000),
+        "last_clean_checkpoint": st.fixed_dictionaries(
+            {"step": COUNTS, "path": st.text(max_size=9) | st.text(min_size=1025, max_size=1100)},
+            optional={"time": TIMES, "sha256": st.just("ab" * 32)},
+        ),
+    },
+)
+MESSAGES = st.text(max_size=300) | JSON.map(json.dumps) | STATUS_FIELDS.map(json.dumps)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from([None, 0, 1, 2, 134, 137, 200]), MESSAGES), max_size=4
+    ),
+    st.none() | STATUS_FIELDS,
+)
+def test_any_termination_message_or_sidecar_status_gives_a_plan_never_an_exception(
+    ends: list[tuple[int, int | None, str]], live: dict[str, Any] | None
+) -> None:
+    """Whatever the workers leave as their termination messages (text, JSON, statuses with absurd
+    numbers) and whatever a sidecar serves, a step gives a plan and writes a status the CRD accepts."""
+    cluster = started_cluster()
+    for rank, code, message in ends:
+        ended = pod(1, rank, exit_code=code) if code is not None else pod(1, rank)
+        if code is not None:
+            ended["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+        cluster.pods.append(ended)  # beside the running pod of the same rank: two pods, one rank
+    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document(sidecar_body(live))}
+    plan = cluster.plan(T0 + timedelta(seconds=30), sidecars)
+    assert plan.requeue_seconds >= MIN_REQUEUE_SECONDS
+    json.dumps(plan.patch)
+    assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
+    assert all(len(e.message) < 10_000 for e in plan.events)

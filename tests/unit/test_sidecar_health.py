@@ -511,3 +511,46 @@ def test_reasons_name_the_numbers() -> None:
     assert _fresh(2010.5, status, 5.0, 600.0).reason == "no step for 10.5 s (hang timeout 5 s), last step 17"
     late = WorkerStatus(started_at=1000.0)
     assert "no step within startup grace of 600 s" in _fresh(1700.0, late, 5.0, 600.0).reason
+
+
+@pytest.mark.parametrize(
+    ("asked", "allowed"),
+    [(None, GRACE), (50.0, 50.0), (10 * GRACE, GRACE)],  # the grace by default; never more than the grace
+)
+def test_a_busy_section_is_allowed_what_it_asked_on_the_sidecar_clock(
+    asked: float | None, allowed: float
+) -> None:
+    sidecar = Sidecar()
+    assert sidecar.read(worker(last_step_time=sidecar.wall)).ready
+    sidecar.advance(1)
+
+    def busy() -> WorkerStatus:  # busy_since claims "just now" every time: the sidecar counts for itself
+        return worker(
+            phase=Phase.BUSY,
+            busy_since=sidecar.wall,
+            busy_reason="eval",
+            busy_seconds=asked,
+            last_step_time=WALL0,
+        )
+
+    elapsed = 0.0
+    while elapsed + HANG / 2 < allowed:
+        verdict = sidecar.read(busy())
+        assert verdict.alive, verdict.reason
+        assert "eval" in verdict.reason
+        sidecar.advance(HANG / 2)
+        elapsed += HANG / 2
+    sidecar.advance(allowed - elapsed + 1)
+    verdict = sidecar.read(busy())
+    assert not verdict.alive
+    assert f"longer than the {allowed:g} s allowed" in verdict.reason
+
+
+def test_a_stopped_worker_is_alive_while_it_exits() -> None:
+    sidecar = Sidecar()
+    sidecar.read(worker(last_step_time=sidecar.wall))
+    sidecar.advance(10 * GRACE)
+    verdict = sidecar.read(worker(phase=Phase.STOPPED, message="stopped by SIGTERM at step 10"))
+    assert verdict.alive
+    assert not verdict.ready
+    assert "SIGTERM" in verdict.reason

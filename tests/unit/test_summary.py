@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from trainguard.summary import Incident, Sample, goodput, kept_time, stretches
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus
+from trainguard.observation import GangView, observe_gang
+from trainguard.policy import Action, Decision, FailureKind
+from trainguard.summary import (
+    Incident,
+    Note,
+    RunRecord,
+    Sample,
+    Stretch,
+    fault_time,
+    goodput,
+    kept_time,
+    stretches,
+)
 
 
 def progress(attempt: int, t0: float, s0: int, s1: int, seconds_per_step: float = 1.0) -> list[Sample]:
@@ -52,3 +69,152 @@ def test_goodput_excluding_backoff_and_degenerate_cases() -> None:
     assert goodput(90.0, 110.0, excluded_seconds=10.0) == pytest.approx(0.9)
     assert goodput(5.0, 0.0) == 0.0
     assert goodput(200.0, 100.0) == 1.0
+
+
+# ------------------------------------------------------------------- what the job resumed from ---
+def test_a_checkpoint_written_after_the_last_look_is_kept_when_the_next_attempt_resumes_from_it() -> None:
+    # Attempt 1 (started t=0, 1 step/s) was last seen at step 80 (t=80): its status lagged, then it
+    # hung at step 92 after writing the checkpoint at step 90. Attempt 2 starts at t=136, resumes from
+    # 90, is first seen at step 100 (t=150) and ends at step 200 (t=250).
+    samples = progress(1, 10.0, 10, 80) + progress(2, 150.0, 100, 200)
+    runs = stretches(samples, {1: 0, 2: 90}, started={1: 0.0, 2: 136.0})
+    # By hand: steps 0..90 took 90 s in attempt 1 (its own rate carried on from 80 to 90), and steps
+    # 90..200 took 110 s in attempt 2 (back from 100 at t=150 to 90 at t=140): 200 s of 250.
+    assert kept_time(runs, 200) == pytest.approx(200.0)
+    assert goodput(kept_time(runs, 200), 250.0) == pytest.approx(0.8)
+
+
+def test_carrying_an_attempt_on_stops_at_the_next_attempts_start() -> None:
+    # Seen at 10 steps in 100 s, resumed by attempt 2 from step 30: at its rate that is t=300, but
+    # attempt 2 started at t=150, so attempt 1 cannot have worked past t=150.
+    samples = [Sample(0.0, 1, 0), Sample(100.0, 1, 10), Sample(160.0, 2, 40), Sample(170.0, 2, 50)]
+    runs = stretches(samples, {1: 0, 2: 30}, started={1: 0.0, 2: 150.0})
+    assert (runs[0].end_step, runs[0].end_time) == (30, 150.0)
+    assert kept_time(runs, 50) == pytest.approx(150.0 + 20.0)
+
+
+def test_an_attempt_is_never_extrapolated_back_to_before_it_started() -> None:
+    # Attempt 2 started at t=140 and resumed from 90; seen at 100 (t=150) and 150 (t=250): at that rate
+    # step 90 would be at t=130, before the attempt existed (during the backoff, or attempt 1's time).
+    samples = [*progress(1, 0.0, 0, 90), Sample(150.0, 2, 100), Sample(250.0, 2, 150)]
+    runs = stretches(samples, {1: 0, 2: 90}, started={1: 0.0, 2: 140.0})
+    assert (runs[1].start_step, runs[1].start_time) == (90, 140.0)
+    assert kept_time(runs, 150) == pytest.approx(90.0 + 110.0)
+
+
+def test_an_attempt_seen_at_one_step_keeps_the_chain_connected_without_time() -> None:
+    samples = [*progress(1, 0.0, 0, 50), Sample(80.0, 2, 60)]
+    runs = stretches(samples, {2: 40})
+    assert runs[-1] == Stretch(2, 80.0, 40, 80.0, 60)
+    assert kept_time(runs, 60) == pytest.approx(40.0)
+
+
+@st.composite
+def timelines(draw: st.DrawFn) -> tuple[list[Sample], dict[int, int], dict[int, float], float, int]:
+    """Attempts one after the other; each resumes from a step at most a little beyond what the attempt
+    before was seen to reach (a checkpoint after the last look); steps go up, or back (rollbacks)."""
+    samples: list[Sample] = []
+    resumes: dict[int, int] = {}
+    starts: dict[int, float] = {}
+    clock, reached, step = 0.0, 0, 0
+    for attempt in range(1, draw(st.integers(1, 4)) + 1):
+        starts[attempt] = clock
+        step = draw(st.integers(0, reached + 20))
+        resumes[attempt] = step
+        for _ in range(draw(st.integers(0, 6))):
+            clock += draw(st.floats(0.0, 50.0))
+            step = max(0, step + draw(st.integers(-10, 40)))
+            samples.append(Sample(clock, attempt, step))
+            reached = max(reached, step)
+        clock += draw(st.floats(0.0, 30.0))  # until it failed, and the backoff
+    return samples, resumes, starts, clock, step
+
+
+@settings(max_examples=400, deadline=None)
+@given(timelines())
+def test_kept_time_is_never_more_than_wall_time(
+    timeline: tuple[list[Sample], dict[int, int], dict[int, float], float, int],
+) -> None:
+    samples, resumes, starts, wall, final = timeline
+    kept = kept_time(stretches(samples, resumes, started=starts), final)
+    assert 0.0 <= kept <= wall + 1e-6
+
+
+# ------------------------------------------------------------------------------ trainguard run's record ---
+def gang(step: int, *, resumed: int = 0, stepped: bool = True, **fields: Any) -> GangView:
+    """Two ranks at ``step`` (rank 1 one step ahead), resumed from ``resumed``."""
+    common: dict[str, Any] = {"phase": Phase.RUNNING, "resumed_step": resumed, "started_at": 1.0}
+    common["last_step_time"] = 2.0 if stepped else None
+    ranks = {0: WorkerStatus(step=step, **common | fields), 1: WorkerStatus(step=step + 1, **common | fields)}
+    return observe_gang(ranks, 2)
+
+
+def test_the_run_record_of_a_hang_after_a_checkpoint_then_a_resume_matches_the_hand_computation() -> None:
+    record = RunRecord(started=0.0)
+    notes: list[Note] = []
+    # Attempt 1 starts at t=0 and steps at 1 step/s; the runner looks every 10 s up to t=80.
+    for t in range(10, 81, 10):
+        notes += record.see(1, 0.0, gang(t, samples_seen=100 * t), float(t))
+    # It hangs at step 92, after the clean checkpoint at 90; its status still says 80 (it lagged) while
+    # the runner keeps looking, until the hang is detected at t=130.
+    for t in range(90, 131, 10):
+        notes += record.see(1, 0.0, gang(80, samples_seen=8000), float(t))
+    record.incidents.append(Incident(1, "rank 1 hung", 80.0, 130.0, 5.0, None))
+    # Attempt 2 starts at t=136: starting, then resumed from 90 without a step yet, then stepping.
+    starting = gang(0, resumed=0, stepped=False, phase=Phase.STARTING)
+    notes += record.see(2, 136.0, starting, 137.0)
+    notes += record.see(2, 136.0, gang(90, resumed=90, stepped=False), 140.0)
+    for t in range(150, 251, 10):
+        notes += record.see(2, 136.0, gang(t - 50, resumed=90, samples_seen=10 * t), float(t))
+
+    figures = record.figures(250.0, 5.0)
+    # By hand: attempt 1 computed the kept steps 0..90 in 90 s (seen to 80 at 1 step/s, then carried on
+    # to the checkpoint attempt 2 resumed from); attempt 2 computed 90..200 in 110 s (first seen at 100
+    # at t=150, so 90 at t=140). Kept 200 s of 250 s of wall time; 200 of 245 without the backoff.
+    assert figures["final_step"] == 200
+    assert figures["kept_seconds"] == pytest.approx(200.0)
+    assert figures["goodput"] == pytest.approx(0.8)
+    assert figures["goodput_excluding_backoff"] == pytest.approx(round(200 / 245, 4))
+    restart = figures["restarts"][0]
+    assert (restart["last_step"], restart["resumed_step"], restart["redone_steps"]) == (80, 90, 0)
+    assert restart["time_to_recover_seconds"] == pytest.approx(150.0 - 80.0)
+    assert [n.kind for n in notes] == ["recovered"]
+    assert notes[0].message == "training progressed again at step 100, resumed from step 90"
+    # One sample per new step seen: a gang that stands still adds none.
+    assert [s.step for s in record.samples if s.attempt == 1] == list(range(10, 81, 10))
+    assert figures["samples_seen"] == 2 * 2500  # both ranks' shards
+
+
+def test_the_run_record_notes_counter_changes_but_not_counters_restored_by_a_resume() -> None:
+    record = RunRecord(started=0.0)
+    record.see(1, 0.0, gang(10, rollbacks=0, skipped_steps=0), 10.0)
+    ref = CheckpointRef(step=20, path="/ckpt/step-20")
+    notes = record.see(1, 0.0, gang(25, rollbacks=1, skipped_steps=2, last_clean_checkpoint=ref), 20.0)
+    assert [(n.kind, n.step) for n in notes] == [("skip", 25), ("rollback", 25), ("checkpoint", 20)]
+    assert notes[0].message == "2 step(s) skipped (non-finite or spike)"
+    # Attempt 2 starts (nothing restored yet), then resumes with the counters and the checkpoint it
+    # resumed from: nothing new happened.
+    starting = gang(0, stepped=False, phase=Phase.STARTING)
+    assert record.see(2, 30.0, starting, 35.0) == []
+    restored = gang(20, resumed=20, rollbacks=1, skipped_steps=2, last_clean_checkpoint=ref)
+    assert record.see(2, 30.0, restored, 40.0) == []
+    assert record.figures(50.0, 0.0)["rollbacks"] == 1
+
+
+def test_a_hang_began_at_the_hung_ranks_last_step_within_the_attempt_and_the_present() -> None:
+    def hung_at(last_step_time: float | None) -> float:
+        # Unvalidated: the rule must hold even for a clock the status contract would refuse.
+        status = WorkerStatus.model_construct(
+            phase=Phase.RUNNING, step=9, started_at=1.0, last_step_time=last_step_time
+        )
+        view = observe_gang({1: status}, 2)
+        decision = Decision(Action.RESTART, failure=FailureKind.HANG, rank=1)
+        return fault_time(decision, view, attempt_started=100.0, now=200.0)
+
+    assert hung_at(150.0) == 150.0
+    assert hung_at(None) == 200.0  # never stepped: seen now
+    assert hung_at(50.0) == 100.0  # a previous process's step: not before this attempt
+    assert hung_at(1e300) == 200.0  # a clock in the future: not after now
+    assert hung_at(float("nan")) == 200.0
+    crash = Decision(Action.RESTART, failure=FailureKind.CRASH, rank=1)
+    assert fault_time(crash, observe_gang({}, 2), attempt_started=100.0, now=200.0) == 200.0

@@ -9,15 +9,18 @@ from typing import Any
 
 from rich.console import Console
 
+from trainer_sidecar.status import Phase, WorkerStatus
 from trainguard.local import Event
-from trainguard.view import LiveView, PlainView
+from trainguard.observation import observe_gang
+from trainguard.view import LiveView, PlainView, state_text, step_text
 
 
 def fake_runner(step: int) -> Any:
-    status = {"phase": "running", "step": step, "loss": 2.5, "skipped_steps": 3, "rollbacks": 1,
-              "samples_seen": 1000, "samples_dropped": 2}  # fmt: skip
+    status = WorkerStatus(phase=Phase.RUNNING, step=step, loss=2.5, skipped_steps=3, rollbacks=1,
+                          samples_seen=1000, samples_dropped=2, started_at=1.0)  # fmt: skip
+    view = observe_gang({0: status}, 1)
     return SimpleNamespace(
-        ranks=[SimpleNamespace(status=status)], job=SimpleNamespace(metadata=SimpleNamespace(name="demo")),
+        gang_view=lambda: view, job=SimpleNamespace(metadata=SimpleNamespace(name="demo")),
         attempt=2, restarts=1,
     )  # fmt: skip
 
@@ -52,3 +55,17 @@ def test_plain_view_prints_one_line_per_event() -> None:
     view.event(Event(view.origin + 1.5, "failure", "rank 1 hung: no step for 5 s", 1))
     view.update(fake_runner(10))
     assert stream.getvalue() == "[    1.5s] failure    attempt 1: rank 1 hung: no step for 5 s\n"
+
+
+def test_the_table_shows_the_gangs_step_and_each_ranks_phase_when_they_differ() -> None:
+    def ranked(step: int, phase: Phase) -> WorkerStatus:
+        return WorkerStatus(phase=phase, step=step, started_at=1.0)
+
+    agreed = observe_gang({0: ranked(7, Phase.RUNNING), 1: ranked(7, Phase.RUNNING)}, 2)
+    assert (state_text(agreed), step_text(agreed)) == ("running", "7")
+    split = observe_gang(
+        {0: ranked(41, Phase.RUNNING), 1: ranked(40, Phase.DIVERGED), 2: ranked(42, Phase.RUNNING)}, 4
+    )
+    assert state_text(split) == "1:diverged, 0:running, 2:running (no report: rank 3)"
+    assert step_text(split) == "40 (rank 2 at 42)"  # the slowest rank's step is the gang's
+    assert (state_text(observe_gang({}, 2)), step_text(observe_gang({}, 2))) == ("starting", "0")

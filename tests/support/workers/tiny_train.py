@@ -49,6 +49,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    parser.add_argument("--busy-at", type=int, default=-1, help="after this step, rank --busy-rank is busy")
+    parser.add_argument("--busy-rank", type=int, default=0)
+    parser.add_argument("--busy-seconds", type=float, default=0.0, help="how long it is busy (sleeping)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -73,6 +76,9 @@ def main() -> int:
         guardian.step(loss)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if guardian.step_count == args.busy_at and guardian.rank == args.busy_rank:
+            with guardian.busy("eval", seconds=args.busy_seconds + 60):
+                time.sleep(args.busy_seconds)  # an evaluation only this rank runs; the others wait
     report = {
         "rank": guardian.rank,
         "step": guardian.step_count,

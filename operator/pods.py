@@ -1,0 +1,299 @@
+"""Reading an attempt's gang from the API server's objects and the sidecars' answers. Pure.
+
+What the state machine (``reconcile``) needs of the current attempt: which pod is which rank, how each
+rank's process is doing (running, exited and how, lost to a disruption, restarted in place), what each
+rank last reported (its sidecar's ``/status``, or once the worker ended, the final status the guardian
+left in its container's termination message), and which sidecars to ask next. Nothing here decides:
+the ranks are handed to ``trainguard.policy.decide`` as ``trainguard.observation`` builds them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
+from trainguard_operator.status import TERMINAL_PHASES, JobStatus
+
+from trainer_sidecar.exitcodes import describe_exit
+from trainer_sidecar.status import WorkerStatus, parse_status
+from trainguard.observation import (
+    GangView,
+    ProcessState,
+    RankState,
+    SidecarReport,
+    observe_gang,
+    rank_observation,
+)
+from trainguard.policy import RankObservation, classify
+from trainguard.spec import WORKER_CONTAINER
+
+_POD_NAME = re.compile(r"-(master|worker)-(\d+)$")
+#: The longest line of a plain-text termination message quoted in a failure's reason.
+QUOTED_MESSAGE_CHARS = 300
+
+
+# ------------------------------------------------------------------------------------ object helpers ---
+def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object's ``metadata`` (empty if missing or not an object)."""
+    found = obj.get("metadata")
+    return found if isinstance(found, Mapping) else {}
+
+
+def labels(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object's labels (empty if missing or not an object)."""
+    found = meta(obj).get("labels")
+    return found if isinstance(found, Mapping) else {}
+
+
+def status_of(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object's ``status`` (empty if missing or not an object)."""
+    found = obj.get("status")
+    return found if isinstance(found, Mapping) else {}
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as an integer, or None when it is none."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+# -------------------------------------------------------------------------------------------- pods ---
+def pod_rank(pod: Mapping[str, Any]) -> int | None:
+    """The torch.distributed rank of a training-operator pod: Master 0 is rank 0, Worker i is rank i+1."""
+    found_labels = labels(pod)
+    kind = str(found_labels.get(REPLICA_TYPE_LABEL, "")).lower()
+    index = as_int(found_labels.get(REPLICA_INDEX_LABEL))
+    if kind not in ("master", "worker") or index is None:
+        found = _POD_NAME.search(str(meta(pod).get("name", "")))
+        if not found:
+            return None
+        kind, index = found.group(1), int(found.group(2))
+    return index if kind == "master" else index + 1
+
+
+def attempt_pods(pods: Iterable[Mapping[str, Any]], job: str, attempt: int) -> list[Mapping[str, Any]]:
+    """The pods of ``attempt`` of the GuardedTrainingJob ``job``."""
+    # Filtered here too: the label selector of the list call is the API server's job, but nothing is
+    # decided on a pod of another job or attempt even if a list returned one.
+    return [
+        p
+        for p in pods
+        if labels(p).get(JOB_LABEL) == job and str(labels(p).get(ATTEMPT_LABEL)) == str(attempt)
+    ]
+
+
+def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    for item in status_of(pod).get("containerStatuses") or []:
+        if isinstance(item, Mapping) and item.get("name") == name:
+            return item
+    return None
+
+
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    container = _container_status(pod, WORKER_CONTAINER)
+    state = container.get("state") if container else None
+    terminated = state.get("terminated") if isinstance(state, Mapping) else None
+    return terminated if isinstance(terminated, Mapping) else None
+
+
+def _termination_message(pod: Mapping[str, Any]) -> str:
+    terminated = _terminated(pod)
+    message = terminated.get("message") if terminated else None
+    return message if isinstance(message, str) else ""
+
+
+def final_status(pod: Mapping[str, Any]) -> WorkerStatus | None:
+    """The worker's final status, from its container's termination message (the guardian writes it when
+    the worker ends), or None: no message, or not a valid status. The sidecar is gone by then, so this
+    is the only record of the last steps."""
+    message = _termination_message(pod)
+    if not message.lstrip().startswith("{"):
+        return None
+    return parse_status(message, f"the termination message of pod {meta(pod).get('name')}").status
+
+
+def _quoted_message(pod: Mapping[str, Any]) -> str:
+    """The last line of a termination message that is not a status (the user's own, or the log's tail
+    the kubelet keeps under ``FallbackToLogsOnError``), shortened; "" if there is none."""
+    message = _termination_message(pod)
+    if message.lstrip().startswith("{"):
+        return ""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    last = lines[-1]
+    return last if len(last) <= QUOTED_MESSAGE_CHARS else last[: QUOTED_MESSAGE_CHARS - 3] + "..."
+
+
+def pod_disruption(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod is lost to its gang without an exit code of its own (deleted, evicted, preempted, its
+    node lost), or None."""
+    name = meta(pod).get("name", "?")
+    status = status_of(pod)
+    for condition in status.get("conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == "DisruptionTarget"
+            and condition.get("status") == "True"
+        ):
+            # DeletionByTaintManager: its node became unreachable/not ready; also preemption, API
+            # eviction, pod GC of a deleted node, kubelet node-pressure termination.
+            why = condition.get("reason") or "DisruptionTarget"
+            return f"pod {name} disrupted ({why}): {condition.get('message') or 'no message'}"
+    reason = status.get("reason")
+    if reason in ("Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated"):
+        return f"pod {name} {str(reason).lower()}: {status.get('message') or 'no message'}"
+    if meta(pod).get("deletionTimestamp"):
+        return f"pod {name} is being deleted"
+    return None
+
+
+def _exit_reason(pod: Mapping[str, Any], code: int, report: SidecarReport | None) -> str:
+    terminated = _terminated(pod) or {}
+    why = str(terminated.get("reason") or "")
+    reason = describe_exit(code) + (f" ({why})" if why and why not in ("Error", "Completed") else "")
+    quoted = _quoted_message(pod)
+    if quoted:
+        reason += f": {quoted}"
+    if report is not None and report.alive is False and report.reason:
+        # E.g. the kubelet's liveness kill: the exit code alone says only "signal 9".
+        reason += f"; its sidecar reported: {report.reason}"
+    return reason
+
+
+def pod_process(pod: Mapping[str, Any], report: SidecarReport | None) -> ProcessState:
+    """How one rank's worker process is doing, from its pod (the API server's view) and its sidecar."""
+    terminated = _terminated(pod)
+    code = as_int(terminated.get("exitCode")) if terminated else None
+    if code == 0:
+        return ProcessState(exit_code=0)
+    lost = pod_disruption(pod)
+    if lost:
+        return ProcessState(lost=lost)
+    if terminated is not None:
+        code = 1 if code is None else code
+        return ProcessState(exit_code=code, exit_reason=_exit_reason(pod, code, report))
+    container = _container_status(pod, WORKER_CONTAINER) or {}
+    restarted = as_int(container.get("restartCount")) or 0
+    if restarted > 0:
+        last_state = container.get("lastState")
+        previous = last_state.get("terminated") if isinstance(last_state, Mapping) else None
+        code_before = previous.get("exitCode") if isinstance(previous, Mapping) else None
+        return ProcessState(
+            lost=f"container {WORKER_CONTAINER} was restarted in place ({restarted}x, last exit "
+            f"{code_before}); a lone rank cannot rejoin the gang"
+        )
+    phase = status_of(pod).get("phase")
+    if phase == "Succeeded":
+        return ProcessState(exit_code=0)
+    if phase == "Failed":
+        status = status_of(pod)
+        why = status.get("reason") or "Failed"
+        return ProcessState(lost=f"pod failed ({why}): {status.get('message') or ''}")
+    if report is None or not report.reachable:
+        return ProcessState()
+    return ProcessState(alive=report.alive, health_reason=report.reason)
+
+
+def _reported(pod: Mapping[str, Any], report: SidecarReport | None) -> WorkerStatus | None:
+    """What the rank of ``pod`` last reported: its final status once the worker ended, else its
+    sidecar's."""
+    final = final_status(pod)
+    if final is not None:
+        return final
+    return report.status if report is not None and report.reachable else None
+
+
+def job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    """The PyTorchJob's condition of ``type_`` when it is True, else None."""
+    for condition in status_of(job).get("conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == type_
+            and condition.get("status") == "True"
+        ):
+            return condition
+    return None
+
+
+# -------------------------------------------------------------------------------------------- gang ---
+@dataclass(frozen=True)
+class GangReading:
+    """The current attempt as its PyTorchJob, pods and sidecars show it: the gang view of what the ranks
+    reported, the policy's observation of each rank, and how many pods are running."""
+
+    view: GangView
+    ranks: tuple[RankObservation, ...]
+    running: int
+
+
+def read_gang(
+    job: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]],
+    sidecars: Mapping[str, SidecarReport],
+    *,
+    name: str,
+    attempt: int,
+    replicas: int,
+    job_name: str,
+) -> GangReading:
+    """Read ``attempt`` of the GuardedTrainingJob ``name`` (``job``: its PyTorchJob ``job_name``, None if
+    absent).
+
+    Two pods for one rank (a replacement beside a terminating one): the failing one counts. A PyTorchJob
+    deleted by someone else is a lost gang; one the training operator marked Succeeded is a gang whose
+    every rank exited 0; one it marked Failed without a failing rank is a lost rank 0.
+    """
+    mine = attempt_pods(pods, name, attempt)
+    chosen: dict[int, tuple[WorkerStatus | None, RankObservation]] = {}
+    for pod in mine:
+        rank = pod_rank(pod)
+        if rank is None or not 0 <= rank < replicas:
+            continue
+        report = sidecars.get(str(meta(pod).get("name")))
+        status = _reported(pod, report)
+        state = RankState.of(rank, status) if status is not None else None
+        seen = rank_observation(rank, state, pod_process(pod, report))
+        if rank not in chosen or classify(seen) is not None:
+            chosen[rank] = (status, seen)
+    view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas)
+    running = sum(1 for p in mine if status_of(p).get("phase") == "Running")
+    return GangReading(view, _job_ranks(job, job_name, chosen, replicas), running)
+
+
+def _job_ranks(
+    job: Mapping[str, Any] | None,
+    job_name: str,
+    chosen: Mapping[int, tuple[WorkerStatus | None, RankObservation]],
+    replicas: int,
+) -> tuple[RankObservation, ...]:
+    if job is None or meta(job).get("deletionTimestamp"):
+        why = f"PyTorchJob {job_name} was deleted by someone else"
+        return (RankObservation(rank=0, alive=None, lost=True, reason=why),)
+    if job_condition(job, "Succeeded") is not None:
+        return tuple(RankObservation(rank=r, exit_code=0, alive=None) for r in range(replicas))
+    ranks = [chosen[r][1] if r in chosen else RankObservation(rank=r, alive=None) for r in range(replicas)]
+    failed = job_condition(job, "Failed")
+    if failed is not None and not any(classify(r) for r in ranks):
+        why = f"PyTorchJob {job_name} failed: {failed.get('message') or failed.get('reason')}"
+        ranks[0] = RankObservation(rank=0, alive=None, lost=True, reason=why)
+    return tuple(ranks)
+
+
+def pods_to_poll(body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(pod name, pod IP) of the current attempt's pods whose worker may be running: the sidecars to ask."""
+    status = JobStatus.from_body(body)
+    name = str(meta(body).get("name", ""))
+    if status.attempt is None or status.phase in TERMINAL_PHASES:
+        return []
+    result = []
+    for pod in attempt_pods(pods, name, status.attempt):
+        ip = status_of(pod).get("podIP")
+        if ip and status_of(pod).get("phase") == "Running" and _terminated(pod) is None:
+            result.append((str(meta(pod).get("name")), str(ip)))
+    return result

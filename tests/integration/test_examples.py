@@ -1,0 +1,124 @@
+"""The numbered examples, run as a user runs them: the adoption's size, that it trains like the loop it
+adopts, that a crash resumes it exactly, and under torchrun."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.paths import REPO_ROOT
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+NANOGPT = REPO_ROOT / "examples" / "02_nanogpt_style"
+SMALL = ["--max-iters", "12", "--eval-interval", "6", "--eval-iters", "2", "--accumulation-steps", "2"]
+
+
+def code_lines(path: Path) -> list[str]:
+    """The file's lines after its module docstring, without blank lines."""
+    text = path.read_text()
+    body = text[text.index('"""', 3) + 3 :]
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def test_the_nanogpt_shaped_loop_adopts_the_guardian_in_at_most_ten_changed_lines() -> None:
+    diff = difflib.unified_diff(
+        code_lines(NANOGPT / "nanogpt_plain.py"), code_lines(NANOGPT / "nanogpt.py"), n=0
+    )
+    changed = [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= 10, "\n".join(changed)
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = tmp_path_factory.mktemp("nanogpt-data")
+    subprocess.run(
+        [sys.executable, str(NANOGPT / "prepare.py"), "--out", str(data), "--budget-bytes", "300000"],
+        check=True,
+        capture_output=True,
+    )
+    return data
+
+
+def run_script(
+    script: Path, args: list[str], env: dict[str, str] | None = None, launcher: list[str] | None = None
+) -> tuple[int, dict[str, Any] | None, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "RANK", "WORLD_SIZE"))}
+    done = subprocess.run(
+        [*(launcher or [sys.executable]), str(script), *args],
+        env={**clean, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.returncode, (json.loads(lines[-1]) if lines else None), done.stderr
+
+
+def guardian_env(checkpoints: Path, faults: str = "") -> dict[str, str]:
+    settings = {"checkpoint": {"everySteps": 4, "snapshotEverySteps": 4}}
+    return {
+        "TRAINGUARD_CHECKPOINT_DIR": str(checkpoints),
+        "TRAINGUARD_SETTINGS": json.dumps(settings),
+        "TRAINGUARD_FAULTS": faults,
+    }
+
+
+def test_the_guarded_loop_trains_like_the_plain_one(token_files: Path, tmp_path: Path) -> None:
+    data = ["--data-dir", str(token_files), "--out-dir", str(tmp_path / "out")]
+    plain = run_script(NANOGPT / "nanogpt_plain.py", [*SMALL, *data])
+    guarded = run_script(NANOGPT / "nanogpt.py", [*SMALL, *data], guardian_env(tmp_path / "ckpt"))
+    assert plain[0] == 0, plain[2][-3000:]
+    assert guarded[0] == 0, guarded[2][-3000:]
+    assert plain[1] is not None
+    assert guarded[1] is not None
+    assert guarded[1]["last_losses"] == pytest.approx(plain[1]["last_losses"], rel=1e-4)
+
+
+def test_a_crash_resumes_the_nanogpt_shaped_loop_exactly(token_files: Path, tmp_path: Path) -> None:
+    data = ["--data-dir", str(token_files), "--out-dir", str(tmp_path / "out")]
+    whole = run_script(NANOGPT / "nanogpt.py", [*SMALL, *data], guardian_env(tmp_path / "whole"))
+    crashed = run_script(
+        NANOGPT / "nanogpt.py", [*SMALL, *data], guardian_env(tmp_path / "resumed", "crash@10")
+    )
+    assert crashed[0] == -9  # SIGKILL at step 10: the last checkpoint is step 8
+    resumed = run_script(
+        NANOGPT / "nanogpt.py", [*SMALL, *data], guardian_env(tmp_path / "resumed", "crash@10")
+    )
+    assert "resumed from the clean checkpoint at step 8" in resumed[2]
+    assert whole[1] is not None
+    assert resumed[1] is not None
+    # Steps 8 to 11 again, with the same batches (the prefetched one too) and the same dropout.
+    assert resumed[1]["last_losses"][-4:] == whole[1]["last_losses"][-4:]
+
+
+def test_the_nanogpt_shaped_loop_under_torchrun(token_files: Path, tmp_path: Path) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launcher += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    data = ["--data-dir", str(token_files), "--out-dir", str(tmp_path / "out")]
+    code, summary, err = run_script(
+        NANOGPT / "nanogpt.py", [*SMALL, *data], guardian_env(tmp_path / "ckpt", "nan_loss@5x3:1"), launcher
+    )
+    assert code == 0, err[-3000:]
+    assert summary is not None
+    assert summary["iter_num"] == 12
+    assert "rolled back" in err  # rank 1's NaN burst rolled both ranks back together
+
+
+def test_the_plain_loop_resumes_where_it_stopped(tmp_path: Path) -> None:
+    script = REPO_ROOT / "examples" / "01_plain_loop" / "plain_loop.py"
+    first = run_script(script, ["--steps", "40", "--checkpoint-dir", str(tmp_path)])
+    second = run_script(script, ["--steps", "60", "--checkpoint-dir", str(tmp_path)])
+    assert first[1] is not None
+    assert second[1] is not None
+    assert (first[1]["step"], second[1]["step"]) == (40, 60)
+    assert "resumed from the clean checkpoint at step 40" in second[2]

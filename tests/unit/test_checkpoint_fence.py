@@ -1,0 +1,269 @@
+"""Fencing epochs in one process: claims, inheritance, refused saves, and readers that never trust a
+checkpoint a fenced writer committed after the fence."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.support.checkpoints import assert_same_state, small_state
+from trainer_sidecar.checkpoint import (
+    CheckpointId,
+    CheckpointStore,
+    EpochOwner,
+    FencedError,
+    claim_epoch,
+    step_dir_name,
+)
+from trainer_sidecar.checkpoint import store as checkpoint_store
+from trainer_sidecar.checkpoint import writer as checkpoint_writer
+from trainer_sidecar.checkpoint.layout import EPOCH_LIMIT, parse_dir_name
+
+
+def tagged(step: int, writer: str) -> dict[str, Any]:
+    """A small state that says which writer made it."""
+    return {**small_state(float(step)), "writer": writer}
+
+
+@pytest.fixture
+def stores() -> Iterator[list[CheckpointStore]]:
+    """Stores a test opens, closed at the end."""
+    opened: list[CheckpointStore] = []
+    yield opened
+    for store in opened:
+        with contextlib.suppress(FencedError):
+            store.close()
+
+
+def test_claims_count_up_and_inherit_the_complete_checkpoints_trusted_until_then(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
+    legacy = CheckpointStore(tmp_path, keep_clean=10)
+    partial = CheckpointStore(tmp_path, rank=0, world_size=2, keep_clean=10)
+    stores += [legacy, partial]
+    legacy.save(10, tagged(10, "legacy"), {})
+    legacy.save(20, tagged(20, "legacy"), {})
+    partial.save(30, tagged(30, "legacy"), {})  # rank 1 never wrote: incomplete
+
+    first = claim_epoch(tmp_path, EpochOwner(job="ns/train", attempt=1))
+    assert first.epoch == 1
+    assert first.inherits == [step_dir_name(10), step_dir_name(20)]
+    on_disk = json.loads((tmp_path / "epochs" / "epoch-000001.json").read_text())
+    assert on_disk["owner"]["job"] == "ns/train"
+    assert on_disk["inherits"] == [step_dir_name(10), step_dir_name(20)]
+
+    writer = CheckpointStore(tmp_path, epoch=1, keep_clean=10)
+    stores.append(writer)
+    ref = writer.save(40, tagged(40, "one"), {})
+    assert ref is not None
+    assert ref.path == str(tmp_path / "step-0000000040-e000001")
+
+    second = claim_epoch(tmp_path)
+    assert second.epoch == 2
+    assert second.inherits == [step_dir_name(10), step_dir_name(20), step_dir_name(40, 1)]
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    assert reader.trusted_ids() == [CheckpointId(10), CheckpointId(20), CheckpointId(40, 1)]
+    assert reader.newest_valid_id() == CheckpointId(40, 1)
+    assert not reader.verify(30).valid  # incomplete when epoch 1 was claimed: never trusted since
+
+
+def test_a_fenced_store_refuses_every_save_naming_the_newer_owner(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
+    claim_epoch(tmp_path)
+    old = CheckpointStore(tmp_path, epoch=1)
+    stores.append(old)
+    assert old.save(10, tagged(10, "old"), {}) is not None
+    claim_epoch(tmp_path, EpochOwner(job="ns/other", attempt=3, host="node-7", pid=4242))
+
+    with pytest.raises(FencedError) as caught:
+        old.save(20, tagged(20, "old"), {})
+    message = str(caught.value)
+    assert "epoch 2" in message
+    assert "job ns/other attempt 3, pid 4242 on node-7" in message
+    assert "epoch 1" in message
+    assert caught.value.epoch == 1
+    assert caught.value.newer is not None
+    assert caught.value.newer.owner.job == "ns/other"
+    assert not (tmp_path / step_dir_name(20, 1)).exists()  # refused before its directory was made
+    assert old.fenced is caught.value
+    with pytest.raises(FencedError):  # every later save, at once
+        old.save_async(21, tagged(21, "old"), {})
+    assert old.prune() == []  # nor does a fenced store prune
+
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    assert reader.newest_valid_id() == CheckpointId(10, 1)  # inherited by epoch 2
+
+
+def test_a_writer_without_an_epoch_or_with_an_unclaimed_one_is_fenced(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
+    legacy = CheckpointStore(tmp_path)
+    stores.append(legacy)
+    assert legacy.save(1, tagged(1, "legacy"), {}) is not None  # no epoch claimed yet: epoch 0 writes
+    claim_epoch(tmp_path)
+    with pytest.raises(FencedError, match="superseded this writer's epoch 0"):
+        legacy.save(2, tagged(2, "legacy"), {})
+    unclaimed = CheckpointStore(tmp_path, epoch=5)
+    stores.append(unclaimed)
+    with pytest.raises(FencedError, match="epoch 5 was never claimed"):
+        unclaimed.save(3, tagged(3, "unclaimed"), {})
+
+
+def test_a_writer_that_misses_the_fence_is_never_trusted_after_it(
+    tmp_path: Path, stores: list[CheckpointStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old gang that cannot see the fence (a partitioned node, a stale NFS cache) keeps committing:
+    no reader ever picks what it committed after the newer claim, and pruning does not count it."""
+    claim_epoch(tmp_path)
+    old = CheckpointStore(tmp_path, epoch=1, keep_clean=2)
+    stores.append(old)
+    old.save(10, tagged(10, "old"), {})
+    claim_epoch(tmp_path)
+    new = CheckpointStore(tmp_path, epoch=2, keep_clean=2)
+    stores.append(new)
+
+    with monkeypatch.context() as blind:
+        blind.setattr(checkpoint_store, "check_fence", lambda *args: None)
+        assert old.save(20, tagged(20, "old"), {}) is not None
+        assert old.save(30, tagged(30, "old"), {}) is not None
+    assert (tmp_path / step_dir_name(30, 1)).is_dir()
+
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    assert reader.trusted_ids() == [CheckpointId(10, 1)]
+    assert reader.newest_valid() == 10
+    verdict = reader.verify(CheckpointId(30, 1))
+    assert not verdict.valid
+    assert "not trusted" in verdict.reason
+    assert not reader.verify(30).valid  # by step: no trusted checkpoint of step 30
+
+    new.save(15, tagged(15, "new"), {})
+    new.save(25, tagged(25, "new"), {})
+    new.wait_for_pruning()
+    # keep_clean 2 counts trusted checkpoints only: 15 and 25 are kept, 10 (older) pruned; the untrusted
+    # 20 and 30 of epoch 1 are newer than the oldest kept, so they stay until they are older.
+    assert new.ids() == [CheckpointId(15, 2), CheckpointId(20, 1), CheckpointId(25, 2), CheckpointId(30, 1)]
+    assert reader.newest_valid_id() == CheckpointId(25, 2)
+    assert_same_state(reader.load(25), tagged(25, "new"))
+    new.save(35, tagged(35, "new"), {})
+    new.wait_for_pruning()
+    assert new.ids() == [CheckpointId(25, 2), CheckpointId(30, 1), CheckpointId(35, 2)]
+
+
+def test_one_step_under_two_epochs_is_two_checkpoints_ordered_by_epoch(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
+    claim_epoch(tmp_path)
+    first = CheckpointStore(tmp_path, epoch=1, keep_clean=5)
+    stores.append(first)
+    first.save(10, tagged(10, "first"), {})
+    claim_epoch(tmp_path)
+    second = CheckpointStore(tmp_path, epoch=2, keep_clean=5)
+    stores.append(second)
+    second.save(10, tagged(10, "second"), {})  # resumed from an older state and reached step 10 again
+
+    assert second.trusted_ids() == [CheckpointId(10, 1), CheckpointId(10, 2)]
+    assert second.resolve(10) == CheckpointId(10, 2)
+    assert second.newest_valid_id() == CheckpointId(10, 2)
+    assert second.newest_valid_id(at_most=CheckpointId(10, 1)) == CheckpointId(10, 1)
+    assert second.load(10)["writer"] == "second"
+    assert second.load(CheckpointId(10, 1))["writer"] == "first"
+    assert second.verify(CheckpointId(10, 1)).valid
+    ref = second.reference(CheckpointId(10, 1))
+    assert ref is not None
+    assert ref.path == str(tmp_path / step_dir_name(10, 1))
+
+
+def test_a_commit_that_races_a_claim_is_reported_fenced(
+    tmp_path: Path, stores: list[CheckpointStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newer epoch claimed between the commit and the writer's look after it: not reported a success."""
+    claim_epoch(tmp_path)
+    store = CheckpointStore(tmp_path, epoch=1)
+    stores.append(store)
+    real_write_small = checkpoint_writer.write_small
+
+    def commit_then_claim(dir_fd: int, name: str, payload: bytes) -> None:
+        real_write_small(dir_fd, name, payload)
+        if name.endswith(".json"):
+            claim_epoch(tmp_path, EpochOwner(job="racer"))
+
+    monkeypatch.setattr(checkpoint_writer, "write_small", commit_then_claim)
+    with pytest.raises(FencedError, match="racer"):
+        store.save(10, tagged(10, "store"), {})
+    assert store.last_clean is None
+
+
+def test_an_unreadable_claim_trusts_only_its_own_epoch(tmp_path: Path, stores: list[CheckpointStore]) -> None:
+    claim_epoch(tmp_path)
+    first = CheckpointStore(tmp_path, epoch=1)
+    stores.append(first)
+    first.save(10, tagged(10, "first"), {})
+    claim_epoch(tmp_path)
+    (tmp_path / "epochs" / "epoch-000002.json").write_text('{"epoch": 2, "owner": "garbage"')
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    assert reader.fence().highest == 2
+    assert reader.fence().record is None
+    assert reader.trusted_ids() == []
+    assert reader.newest_valid() is None
+
+
+@given(
+    a=st.tuples(st.integers(0, 10**11), st.integers(0, EPOCH_LIMIT - 1)),
+    b=st.tuples(st.integers(0, 10**11), st.integers(0, EPOCH_LIMIT - 1)),
+)
+def test_packed_identities_order_as_step_then_epoch_and_unpack(
+    a: tuple[int, int], b: tuple[int, int]
+) -> None:
+    first, second = CheckpointId(*a), CheckpointId(*b)
+    assert (first < second) == (first.packed < second.packed) == (a < b)
+    assert CheckpointId.unpack(first.packed) == first
+    assert first.packed < 2**63
+    packed = torch.tensor([first.packed, second.packed], dtype=torch.int64)
+    assert CheckpointId.unpack(int(packed.min().item())) == min(first, second)
+
+
+@given(step=st.integers(0, 10**12), epoch=st.integers(0, EPOCH_LIMIT - 1))
+def test_directory_names_round_trip_and_only_canonical_names_parse(step: int, epoch: int) -> None:
+    checkpoint = CheckpointId(step, epoch)
+    assert parse_dir_name(checkpoint.dir_name) == checkpoint
+    assert parse_dir_name(checkpoint.dir_name + "x") is None
+    legacy = CheckpointId(step)
+    assert parse_dir_name(f"step-{step}") == (legacy if step >= 10**9 else None)  # not zero-padded
+    assert parse_dir_name(f"step-{step:011d}") == (legacy if step >= 10**10 else None)  # padded too far
+    assert parse_dir_name(f"step-{step:010d}-e000000") is None  # epoch 0 has no suffix
+    if epoch < 10**6:
+        assert parse_dir_name(f"step-{step:010d}-e{epoch:07d}") is None  # padded too far
+
+
+def test_claims_work_on_a_file_system_without_hard_links(
+    tmp_path: Path, stores: list[CheckpointStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert [claim_epoch(tmp_path).epoch for _ in range(3)] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "epochs").iterdir()) == [
+        "epoch-000001.json",
+        "epoch-000002.json",
+        "epoch-000003.json",
+    ]
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    assert reader.fence().highest == 3
+    assert reader.fence().record is not None

@@ -1,0 +1,266 @@
+"""The gang view both runners share: aggregation rules, the policy's rank observation, parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer_sidecar.exitcodes import ExitCode
+from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus
+from trainguard.observation import ProcessState, SidecarReport, observe_gang
+from trainguard.policy import FailureKind, classify
+
+
+def status(step: int = 0, **fields: Any) -> WorkerStatus:
+    """A running worker's status that has stepped (its last step is after its start)."""
+    values: dict[str, Any] = {
+        "phase": Phase.RUNNING,
+        "step": step,
+        "started_at": 100.0,
+        "last_step_time": 150.0,
+    }
+    return WorkerStatus(**(values | fields))
+
+
+# ------------------------------------------------------------------------------------ aggregation ---
+def test_the_slowest_rank_is_the_gangs_step_and_the_fastest_is_named() -> None:
+    view = observe_gang({0: status(10), 1: status(12), 2: status(10), 3: status(11)}, 4)
+    assert view.progress is not None
+    assert (view.progress.step, view.progress.fastest_step) == (10, 12)
+    assert (view.progress.slowest_ranks, view.progress.fastest_ranks) == ((0, 2), (1,))
+
+
+def test_ranks_that_did_not_report_are_missing_and_strangers_are_ignored() -> None:
+    view = observe_gang({0: status(5), 2: None, 7: status(1), -1: status(1)}, 3)
+    assert [r.rank for r in view.ranks] == [0]
+    assert view.missing == (1, 2)
+    assert view.progress is not None
+    assert view.progress.step == 5
+    empty = observe_gang({}, 2)
+    assert (empty.progress, empty.resumed_step, empty.stepped, empty.drop_rate) == (None, None, False, None)
+    assert (empty.rollbacks, empty.samples_seen, empty.checkpoint, empty.lead) == (None, None, None, None)
+    assert empty.missing == (0, 1)
+
+
+def test_the_resumed_step_is_known_once_a_rank_has_resumed() -> None:
+    starting = status(0, phase=Phase.STARTING, resumed_step=0, last_step_time=None)
+    assert observe_gang({0: starting}, 2).resumed_step is None  # not resumed yet: 0 is no answer
+    resumed = status(400, resumed_step=400, last_step_time=None)
+    view = observe_gang({0: starting, 1: resumed}, 2)
+    assert view.resumed_step == 400
+    assert not view.stepped  # resumed, but no step of this process yet
+
+
+def test_a_rank_has_stepped_when_its_last_step_is_not_older_than_its_process() -> None:
+    assert observe_gang({0: status(3, last_step_time=100.0)}, 1).stepped
+    # A step time before the process started is the previous process's (a resumed counter).
+    assert not observe_gang({0: status(3, last_step_time=99.0)}, 1).stepped
+    assert not observe_gang({0: status(3, last_step_time=None)}, 1).stepped
+    assert observe_gang({0: status(3, last_step_time=None), 1: status(3)}, 2).stepped
+
+
+def test_collective_counters_take_the_newest_and_samples_are_summed() -> None:
+    ref = CheckpointRef(step=300, path="/ckpt/step-300", sha256="ab" * 32, time=5.0)
+    older = CheckpointRef(step=200, path="/ckpt/step-200")
+    view = observe_gang(
+        {
+            0: status(300, rollbacks=2, skipped_steps=7, samples_seen=1000, samples_dropped=1,
+                       last_clean_checkpoint=older),
+            1: status(300, rollbacks=1, skipped_steps=6, samples_seen=1000, samples_dropped=3,
+                       last_clean_checkpoint=ref),
+        },
+        2,
+    )  # fmt: skip
+    assert (view.rollbacks, view.skipped_steps) == (2, 7)
+    assert (view.samples_seen, view.samples_dropped) == (2000, 4)
+    assert view.drop_rate == pytest.approx(0.002)
+    assert view.checkpoint is not None
+    expected = {"step": 300, "path": "/ckpt/step-300", "sha256": "ab" * 32, "time": 5.0}
+    assert view.checkpoint.as_dict() == expected
+    assert observe_gang({0: status(0)}, 1).drop_rate == 0.0  # no sample yet: no drop
+
+
+def test_the_first_failing_rank_is_the_one_that_failed_at_the_lowest_step() -> None:
+    view = observe_gang(
+        {
+            0: status(61),
+            1: status(60, phase=Phase.DIVERGED),
+            2: status(50, phase=Phase.FAILED),
+            3: status(50, phase=Phase.FAILED),
+        },
+        4,
+    )
+    assert view.failing == (1, 2, 3)
+    assert view.first_failing == 2
+    assert view.phases == {0: Phase.RUNNING, 1: Phase.DIVERGED, 2: Phase.FAILED, 3: Phase.FAILED}
+    assert observe_gang({0: status(1)}, 1).first_failing is None
+
+
+def test_the_view_is_immutable_and_does_not_follow_later_changes_of_a_status() -> None:
+    source = status(10, loss=2.0)
+    view = observe_gang({0: source}, 1)
+    source.step, source.loss = 99, 9.0
+    assert view.progress is not None
+    assert view.progress.step == 10
+    assert view.lead is not None
+    assert view.lead.loss == 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.stepped = False  # type: ignore[misc]
+
+
+STATUSES = st.builds(
+    status,
+    step=st.integers(0, 10**6),
+    rollbacks=st.integers(0, 50),
+    skipped_steps=st.integers(0, 50),
+    samples_seen=st.integers(0, 10**6),
+    samples_dropped=st.integers(0, 1000),
+    phase=st.sampled_from(list(Phase)),
+    last_step_time=st.none() | st.floats(0, 200),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(-2, 9), STATUSES | st.none(), max_size=8), st.integers(1, 8))
+def test_aggregation_rules_hold_for_any_gang(statuses: dict[int, WorkerStatus | None], world: int) -> None:
+    view = observe_gang(statuses, world)
+    reported = {r: s for r, s in statuses.items() if s is not None and 0 <= r < world}
+    assert [r.rank for r in view.ranks] == sorted(reported)
+    assert set(view.missing) == set(range(world)) - set(reported)
+    if not reported:
+        assert view.progress is None
+        return
+    assert view.progress is not None
+    assert view.progress.step == min(s.step for s in reported.values())
+    assert view.progress.fastest_step == max(s.step for s in reported.values())
+    assert all(reported[r].step == view.progress.step for r in view.progress.slowest_ranks)
+    assert view.samples_seen == sum(s.samples_seen for s in reported.values())
+    assert view.samples_dropped == sum(s.samples_dropped for s in reported.values())
+    assert view.rollbacks == max(s.rollbacks for s in reported.values())
+    assert view.stepped == any(
+        s.last_step_time is not None and s.last_step_time >= s.started_at for s in reported.values()
+    )
+    failing = [r for r, s in reported.items() if s.phase in (Phase.DIVERGED, Phase.FAILED)]
+    assert view.failing == tuple(sorted(failing))
+    assert (view.first_failing is None) == (not failing)
+
+
+# ------------------------------------------------------------------------- the policy's observation ---
+def expected_kind(phase: Phase | None, process: ProcessState) -> FailureKind | None:
+    """The rule, written out case by case."""
+    code = process.exit_code
+    if code == 0:
+        return None
+    if phase is Phase.DIVERGED or code == ExitCode.DIVERGED:
+        return FailureKind.DIVERGED
+    if process.lost:
+        return FailureKind.LOST
+    if code == ExitCode.CONFIG_ERROR:
+        return FailureKind.CONFIG
+    if code is not None:
+        return FailureKind.CRASH
+    return FailureKind.HANG if process.alive is False else None
+
+
+PROCESSES = st.builds(
+    ProcessState,
+    exit_code=st.sampled_from([None, 0, 1, 2, 134, 137, 200, -9]),
+    alive=st.sampled_from([None, True, False]),
+    health_reason=st.sampled_from(["", "no step for 30 s"]),
+    exit_reason=st.sampled_from(["", "killed by signal 9 (OOMKilled)"]),
+    lost=st.sampled_from(["", "pod x evicted: low on memory"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([None, *Phase]), st.sampled_from(["", "6 rollbacks in 2000 steps"]), PROCESSES)
+def test_a_diverged_report_counts_before_the_exit_code_and_every_case_is_classified(
+    phase: Phase | None, message: str, process: ProcessState
+) -> None:
+    statuses = {} if phase is None else {1: status(5, phase=phase, message=message)}
+    seen = observe_gang(statuses, 2).rank_observation(1, process)
+    assert seen.rank == 1
+    assert classify(seen) is expected_kind(phase, process)
+    if process.exit_code is not None:
+        assert seen.alive is None  # an exited process has no liveness
+    if classify(seen) is FailureKind.DIVERGED and phase is Phase.DIVERGED and message:
+        assert seen.reason == message  # the guardian's own account, not "liveness failed"
+    if classify(seen) is FailureKind.HANG:
+        assert seen.reason == process.health_reason
+
+
+def test_a_failed_exit_carries_the_workers_own_reason() -> None:
+    config = status(0, phase=Phase.FAILED, message="TRAINGUARD_SETTINGS: guard.maxGradNorm: must be > 0")
+    seen = observe_gang({0: config}, 1).rank_observation(0, ProcessState(exit_code=2))
+    assert classify(seen) is FailureKind.CONFIG
+    assert (
+        seen.reason == "configuration error (permanent): TRAINGUARD_SETTINGS: guard.maxGradNorm: must be > 0"
+    )
+    # An executor that already read the reason (from the termination message) does not get it twice.
+    told = ProcessState(exit_code=2, exit_reason=f"configuration error (permanent): {config.message}")
+    assert observe_gang({0: config}, 1).rank_observation(0, told).reason == told.exit_reason
+    # A running worker's passing remark is no exit reason.
+    remark = status(7, message="held-out loss after rollback: 2.3")
+    crash = observe_gang({0: remark}, 1).rank_observation(0, ProcessState(exit_code=137, exit_reason="x"))
+    assert crash.reason == "x"
+
+
+# ------------------------------------------------------------------------------------ sidecar reports ---
+def sidecar_document(worker: Any, alive: Any = True, reason: Any = "running") -> dict[str, Any]:
+    """A sidecar's ``/status`` body around ``worker`` (the status part) and a health verdict."""
+    return {
+        "status": worker,
+        "read_error": "",
+        "health": {"alive": alive, "ready": alive, "reason": reason},
+        "time": 10.0,
+        "sidecar": {"started_at": 1.0, "hang_timeout_seconds": 30.0, "startup_grace_seconds": 60.0},
+    }
+
+
+def test_a_status_document_reads_typed_through_the_contracts_parser() -> None:
+    worker = {"started_at": 1.0, "step": 9, "phase": "diverged", "drop_rate": 0.0}
+    report = SidecarReport.from_document(sidecar_document(worker, False, "worker phase is diverged"))
+    assert (report.reachable, report.alive, report.reason) == (True, False, "worker phase is diverged")
+    assert report.status is not None
+    assert (report.status.phase, report.status.step) == (Phase.DIVERGED, 9)
+    # The same as JSON text or bytes, as a runner receives it.
+    text = json.dumps(sidecar_document(worker, False, "worker phase is diverged"))
+    assert SidecarReport.from_document(text) == report
+    assert SidecarReport.from_document(text.encode()) == report
+    unread = SidecarReport.from_document(sidecar_document(None, True, "no status yet"))
+    assert (unread.reachable, unread.alive, unread.status) == (True, True, None)
+
+
+def test_a_document_the_contract_refuses_is_an_unreachable_sidecar_with_the_reason() -> None:
+    for document in ([1], "{", b"\xff", {"status": {"step": 1}}, sidecar_document({"step": "x"})):
+        report = SidecarReport.from_document(document)
+        assert (report.reachable, report.alive, report.status) == (False, None, None)
+        assert report.reason  # says why
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=16,
+)
+STATUS_KEYS = st.sampled_from(["started_at", "step", "phase", "last_step_time", "rollbacks", "message"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON, st.dictionaries(STATUS_KEYS, JSON, max_size=6), JSON)
+def test_any_status_document_reads_as_a_report_never_an_exception(
+    document: Any, fields: dict[str, Any], health: Any
+) -> None:
+    for candidate in (document, sidecar_document(fields, health, "x"), json.dumps(document)):
+        report = SidecarReport.from_document(candidate)
+        assert report.alive in (None, True, False)
+        assert report.status is None or isinstance(report.status, WorkerStatus)
+        if not report.reachable:
+            assert (report.alive, report.status) == (None, None)
+        if report.status is not None:
+            observe_gang({0: report.status}, 1)  # and any status the contract accepts makes a view

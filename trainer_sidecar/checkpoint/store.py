@@ -1,0 +1,563 @@
+"""The clean-checkpoint store on the shared volume: layout, completeness, verification, loading, pruning.
+
+Layout under the checkpoint directory (see ``layout``)::
+
+    epochs/epoch-000003.json          who claimed epoch 3, and what it inherited (see ``fence``)
+    step-0000002000-e000003/          the checkpoint of step 2000, written under epoch 3
+        rank-0.safetensors            model, optimizer, scheduler, scaler, guardian counters, RNG, data
+        rank-0.json                   manifest: step, epoch, time, world size, each file's size and SHA-256
+        rank-1.safetensors            (other ranks) RNG and data position only; the model is replicated
+        rank-1.json
+
+A checkpoint is identified by (step, epoch) (``CheckpointId``). It is *trusted* when the directory's
+highest epoch wrote or inherited it, *complete* when every rank's manifest exists, and *valid* for a rank
+when it is trusted and complete and the files that rank loads (rank 0's and its own) match their
+manifests: size, SHA-256, and a data file whose header and layout parse. Every file is written as temp
+file, fsync, rename, directory fsync; the manifest last, so a manifest never describes a half-written
+file. Only trusted complete checkpoints count towards ``keep_clean``; the newest is never deleted, and
+nothing is overwritten: a checkpoint that already holds a valid file of this rank is not written again.
+
+The directory is not trusted (see ``fs``): nothing under it is followed through a link, manifests are
+validated strictly (see ``manifest``), and a defect of any kind makes a checkpoint invalid with a reason,
+so that ``verify`` and ``newest_valid`` fall back to an older one rather than raise.
+
+Checkpoints of older formats (1: ``torch.save``; 2: trainguard's own raw format) are reported as an
+unknown format and skipped, never loaded.
+
+A save copies the state into reusable host buffers (``save_async``: the only part the training loop
+waits for); then a writer thread writes the file (see ``writer``), then the manifest. Rank 0's pruning
+of old checkpoints runs afterwards in a janitor thread, so ``wait`` returns as soon as the new
+checkpoint is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer_sidecar.checkpoint import fs, writer
+from trainer_sidecar.checkpoint.errors import CheckpointError
+from trainer_sidecar.checkpoint.fence import Fence, FencedError, check_fence, read_fence
+from trainer_sidecar.checkpoint.format import Serialized, read_layout, read_state_fd, serialize
+from trainer_sidecar.checkpoint.layout import (
+    EPOCH_LIMIT,
+    CheckpointId,
+    data_file_name,
+    manifest_name,
+    scan_checkpoints,
+)
+from trainer_sidecar.checkpoint.manifest import (
+    FileEntry,
+    Manifest,
+    is_complete,
+    manifest_bytes,
+    new_manifest,
+    published,
+    read_manifest,
+)
+from trainer_sidecar.status import CheckpointRef
+from trainer_sidecar.tensorstate import HostBuffers, flatten
+
+log = logging.getLogger(__name__)
+
+Target = int | CheckpointId
+"""A checkpoint: by identity, or by step (then the trusted one of that step with the highest epoch)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one checkpoint can be loaded by one rank, and if not, why."""
+
+    step: int
+    valid: bool
+    reason: str = ""
+    epoch: int = 0
+
+    @property
+    def checkpoint(self) -> CheckpointId:
+        """The checkpoint judged."""
+        return CheckpointId(self.step, self.epoch)
+
+
+def _invalid(checkpoint: CheckpointId, reason: str) -> Verdict:
+    return Verdict(checkpoint.step, False, reason, checkpoint.epoch)
+
+
+class CheckpointStore:
+    """Writes, verifies, finds and prunes clean checkpoints for one rank of a job.
+
+    ``epoch`` is the writer's epoch (see ``fence.claim_epoch``; None: epoch 0, a writer without one,
+    fenced as soon as any epoch is claimed). A store only reading claims nothing and may leave it None.
+    A save runs in a writer thread (with a hashing thread beside it when ``parallel_hash``; by default
+    when this process may use more than one CPU). Rank 0 prunes old checkpoints in a janitor thread once
+    a new one is durable, so ``wait`` does not include the deletion; ``close`` does.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        keep_clean: int = 3,
+        parallel_hash: bool | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_clean = keep_clean
+        self.epoch = 0 if epoch is None else epoch
+        if not 0 <= self.epoch < EPOCH_LIMIT:
+            raise CheckpointError(f"checkpoint epoch {epoch} out of range")
+        self.parallel_hash = writer.default_parallel_hash() if parallel_hash is None else parallel_hash
+        self._check_directory()
+        self._buffers = HostBuffers()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
+        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-prune")
+        self._inflight: Future[CheckpointRef | None] | None = None
+        self._fenced: FencedError | None = None
+        self._lock = threading.Lock()
+        self.last_clean: CheckpointRef | None = None
+        # Checkpoints being written and being deleted, so that pruning never removes one while written.
+        self._dirs = threading.Condition()
+        self._writing: set[CheckpointId] = set()
+        self._deleting: set[CheckpointId] = set()
+        self._prune_lock = threading.Lock()
+        self._prune_queued = False
+        self._prune_future: Future[None] | None = None
+
+    # -- start-up checks ------------------------------------------------------------------------------
+    def _check_directory(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {self.root} cannot be created: {exc}") from exc
+        if not self.root.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.root} is not a directory")
+        with self._root() as root_fd:
+            try:
+                fd, probe = fs.create_temp(root_fd, f"write-probe-{self.rank}")
+                os.close(fd)
+                fs.unlink(root_fd, probe)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint directory {self.root} is not writable: {exc}") from exc
+
+    @contextmanager
+    def _root(self) -> Iterator[int]:
+        with fs.open_root(self.root) as root_fd:
+            yield root_fd
+
+    def _where(self, checkpoint: CheckpointId) -> str:
+        return str(self.root / checkpoint.dir_name)
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def save_async(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Capture ``state`` into host memory now and write it in the background, as (step, this epoch).
+
+        The caller waits only for the copy (and for a previous save still in flight, whose buffers this
+        one reuses: a second save never corrupts the first). Errors, including a state holding values a
+        checkpoint cannot store, surface on the next ``wait`` as CheckpointError; once a save found this
+        store fenced (FencedError), every later ``save_async`` raises that error at once.
+        """
+        self.wait()
+        if self._fenced is not None:
+            raise self._fenced
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative integer, not {step!r}")
+        skeleton, tensors = flatten(state)
+        self._buffers.capture(tensors)
+        checkpoint = CheckpointId(step, self.epoch)
+        self._inflight = self._executor.submit(
+            self._write, checkpoint, skeleton, self._buffers.tensors, dict(meta)
+        )
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> CheckpointRef | None:
+        """Save and wait until the checkpoint is durable; returns the clean checkpoint written (or kept).
+
+        Pruning may still be running afterwards (see ``wait_for_pruning``).
+        """
+        self.save_async(step, state, meta)
+        return self.wait()
+
+    def wait(self) -> CheckpointRef | None:
+        """Block until the save in flight (if any) is durable; re-raise its error as CheckpointError
+        (FencedError if a newer epoch fenced this store)."""
+        future, self._inflight = self._inflight, None
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except FencedError as exc:
+            self._fenced = exc
+            raise
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"writing a checkpoint under {self.root} failed: {exc}") from exc
+
+    def wait_for_pruning(self) -> None:
+        """Block until the pruning scheduled by completed saves has run (errors are only logged).
+
+        A save still in flight schedules its pruning when it completes: call ``wait`` first.
+        """
+        with self._dirs:
+            future = self._prune_future
+        if future is not None:
+            future.result()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a background write is still running."""
+        return self._inflight is not None and not self._inflight.done()
+
+    @property
+    def fenced(self) -> FencedError | None:
+        """The error a save met when a newer epoch fenced this store (None while it has not); also seen
+        from a save that ended in the background and was not waited for. Never blocks."""
+        future = self._inflight
+        if self._fenced is None and future is not None and future.done():
+            error = future.exception()
+            if isinstance(error, FencedError):
+                self._fenced = error
+        return self._fenced
+
+    def check_fence(self) -> None:
+        """Raise FencedError if this store's epoch is no longer the directory's highest."""
+        with self._root() as root_fd:
+            check_fence(root_fd, self.root, self.epoch)
+
+    def _write(
+        self, checkpoint: CheckpointId, skeleton: Any, tensors: list[torch.Tensor], meta: dict[str, Any]
+    ) -> CheckpointRef | None:
+        with self._dirs:
+            self._writing.add(checkpoint)
+            self._dirs.wait_for(lambda: checkpoint not in self._deleting)
+        try:
+            ref, written = self._write_checkpoint(checkpoint, skeleton, tensors, meta)
+        finally:
+            with self._dirs:
+                self._writing.discard(checkpoint)
+        if written and self.rank == 0:
+            self._schedule_prune()  # once the checkpoint is no longer registered as being written
+        return ref
+
+    def _write_checkpoint(
+        self, checkpoint: CheckpointId, skeleton: Any, tensors: list[torch.Tensor], meta: dict[str, Any]
+    ) -> tuple[CheckpointRef | None, bool]:
+        """Write this rank's files unless they are there and valid: (its reference, whether written)."""
+        where = self._where(checkpoint)
+        data_path = f"{where}/{data_file_name(self.rank)}"
+        try:
+            serialized = serialize(skeleton, tensors)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{data_path} not written: {exc}") from exc
+        with self._root() as root_fd:
+            check_fence(root_fd, self.root, self.epoch)  # before creating the checkpoint's directory
+            with self._step_dir(root_fd, checkpoint) as step_fd:
+                if self._kept(step_fd, checkpoint):
+                    return self._record_clean(checkpoint), False
+                sha256 = writer.write_file(
+                    step_fd, data_file_name(self.rank), serialized, parallel_hash=self.parallel_hash
+                )
+                manifest = self._manifest(checkpoint, serialized, sha256, meta, data_path)
+                check_fence(root_fd, self.root, self.epoch)  # right before the commit
+                writer.write_small(step_fd, manifest_name(self.rank), manifest_bytes(manifest))
+            # Reported as written only if no newer epoch was claimed by the time the commit landed.
+            check_fence(root_fd, self.root, self.epoch)
+        return self._record_clean(checkpoint), True
+
+    def _manifest(
+        self,
+        checkpoint: CheckpointId,
+        serialized: Serialized,
+        sha256: str,
+        meta: dict[str, Any],
+        data_path: str,
+    ) -> Manifest:
+        files = {data_file_name(self.rank): FileEntry(size=serialized.size, sha256=sha256)}
+        try:
+            return new_manifest(checkpoint, self.rank, self.world_size, time.time(), files, meta)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{data_path}: manifest not written: {exc}") from exc
+
+    @contextmanager
+    def _step_dir(self, root_fd: int, checkpoint: CheckpointId) -> Iterator[int]:
+        """The checkpoint's directory, created if missing; whatever else holds its name (a planted link,
+        a file) is moved aside, loudly, never followed."""
+        name, where = checkpoint.dir_name, self._where(checkpoint)
+        for _ in range(3):
+            fs.make_dir(root_fd, name)
+            kind = fs.kind(root_fd, name)
+            if kind == "dir":
+                with fs.open_dir(root_fd, name, where) as step_fd:
+                    yield step_fd
+                return
+            if kind is not None:
+                aside = fs.move_aside(root_fd, name, f"{kind}-aside")
+                log.error("%s was a %s, not a directory: moved aside to %s, not followed", where, kind, aside)
+        raise CheckpointError(f"{where}: keeps being replaced by something other than a directory")
+
+    def _kept(self, step_fd: int, checkpoint: CheckpointId) -> bool:
+        """Whether this rank's files of ``checkpoint`` are there and valid (then they are kept as they
+        are); broken ones are moved aside, byte for byte, to be written anew."""
+        if fs.kind(step_fd, manifest_name(self.rank)) is None:
+            return False
+        where = self._where(checkpoint)
+        reason = self._rank_defect(step_fd, checkpoint, self.rank, where)
+        if reason is None:
+            log.info("checkpoint %s already holds a valid rank-%d file; not overwritten", where, self.rank)
+            return True
+        log.warning("checkpoint %s is invalid (%s); moving it aside and writing anew", where, reason)
+        stamp = int(time.time())
+        for name in (data_file_name(self.rank), manifest_name(self.rank)):
+            if fs.kind(step_fd, name) is not None:
+                fs.rename(step_fd, name, f"{name}.corrupt-{stamp}")
+        return False
+
+    def _record_clean(self, checkpoint: CheckpointId) -> CheckpointRef | None:
+        ref = self.reference(checkpoint)
+        if ref is None:
+            return None
+        with self._lock:
+            if self.last_clean is None or ref.step >= self.last_clean.step:
+                self.last_clean = ref
+        return ref
+
+    # -- reading --------------------------------------------------------------------------------------
+    def fence(self) -> Fence:
+        """The directory's fence now: the highest epoch, its owner and what it inherited."""
+        with self._root() as root_fd:
+            return read_fence(root_fd, self.root)
+
+    def ids(self) -> list[CheckpointId]:
+        """Every checkpoint directory (trusted or not, complete or not), oldest first."""
+        with self._root() as root_fd:
+            return scan_checkpoints(root_fd)
+
+    def trusted_ids(self) -> list[CheckpointId]:
+        """The checkpoints a reader may use (the highest epoch's and those it inherited), oldest first."""
+        with self._root() as root_fd:
+            return self._trusted(root_fd)
+
+    def _trusted(self, root_fd: int) -> list[CheckpointId]:
+        try:
+            fence = read_fence(root_fd, self.root)
+        except CheckpointError as exc:
+            log.error("no checkpoint is trusted: %s", exc)
+            return []
+        return [checkpoint for checkpoint in scan_checkpoints(root_fd) if fence.trusts(checkpoint)]
+
+    def steps(self) -> list[int]:
+        """Steps that have a checkpoint directory (any epoch, complete or not), oldest first."""
+        return sorted({checkpoint.step for checkpoint in self.ids()})
+
+    def resolve(self, target: Target) -> CheckpointId | None:
+        """``target`` as an identity: a step means the trusted checkpoint of that step with the highest
+        epoch (None if there is none)."""
+        if isinstance(target, CheckpointId):
+            return target
+        matches = [checkpoint for checkpoint in self.trusted_ids() if checkpoint.step == target]
+        return matches[-1] if matches else None
+
+    def is_complete(self, target: Target) -> bool:
+        """Every rank of the writing job has published its manifest (no hashing: cheap)."""
+        checkpoint = self.resolve(target)
+        if checkpoint is None:
+            return False
+        with self._root() as root_fd:
+            return is_complete(root_fd, checkpoint, self._where(checkpoint))
+
+    def _rank_defect(self, step_fd: int, checkpoint: CheckpointId, rank: int, where: str) -> str | None:
+        """Why rank ``rank``'s files of ``checkpoint`` cannot be loaded, or None if they can."""
+        try:
+            manifest = read_manifest(step_fd, checkpoint, rank, where)
+            for name, entry in manifest.files.items():
+                path = f"{where}/{name}"
+                fd, size = fs.open_regular(step_fd, name, path)
+                try:
+                    if size != entry.size:
+                        return f"{path}: truncated ({size} bytes, manifest says {entry.size})"
+                    if fs.sha256_fd(fd, entry.size, path) != entry.sha256:
+                        return f"{path}: SHA-256 does not match the manifest (corrupted)"
+                    if name == data_file_name(rank):
+                        read_layout(fd, path)  # cheap: the header, and that the tensors tile the data
+                finally:
+                    os.close(fd)
+        except CheckpointError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"{where}: {exc}"
+        return None
+
+    def verify(self, target: Target) -> Verdict:
+        """Check the files this rank would load: trusted, complete, sizes, layout and SHA-256 as manifested.
+
+        A rank beyond the writing job's world size loads rank 0's files only (see ``load``). Never raises:
+        every defect is an invalid verdict with a reason naming the file.
+        """
+        checkpoint = self.resolve(target)
+        if checkpoint is None:
+            assert isinstance(target, int)  # an identity resolves to itself
+            return Verdict(target, False, f"{self.root}: no trusted checkpoint of step {target}")
+        where = self._where(checkpoint)
+        try:
+            with self._root() as root_fd:
+                fence = read_fence(root_fd, self.root)
+                if not fence.trusts(checkpoint):
+                    return _invalid(checkpoint, f"{where}: not trusted: written by epoch {checkpoint.epoch}, "
+                                    f"neither {fence.describe()} nor inherited by it")  # fmt: skip
+                with fs.open_dir(root_fd, checkpoint.dir_name, where) as step_fd:
+                    return self._verify_files(step_fd, checkpoint, where)
+        except (CheckpointError, OSError) as exc:
+            return _invalid(checkpoint, str(exc))
+
+    def _verify_files(self, step_fd: int, checkpoint: CheckpointId, where: str) -> Verdict:
+        try:
+            first = read_manifest(step_fd, checkpoint, 0, where)
+        except CheckpointError as exc:
+            return _invalid(checkpoint, str(exc))
+        if not published(step_fd, first.world_size):
+            return _invalid(checkpoint, f"{where}: incomplete (a rank's manifest is missing)")
+        for rank in sorted({0, self.rank} if self.rank < first.world_size else {0}):
+            reason = self._rank_defect(step_fd, checkpoint, rank, where)
+            if reason is not None:
+                return _invalid(checkpoint, reason)
+        return Verdict(checkpoint.step, True, epoch=checkpoint.epoch)
+
+    def newest_valid_id(self, at_most: CheckpointId | None = None) -> CheckpointId | None:
+        """The newest trusted checkpoint at or below ``at_most`` this rank can load; logs why newer ones
+        were skipped. Never raises."""
+        for checkpoint in reversed(self.trusted_ids()):
+            if at_most is not None and checkpoint > at_most:
+                continue
+            verdict = self.verify(checkpoint)
+            if verdict.valid:
+                return checkpoint
+            log.warning("skipping checkpoint at %s: %s", checkpoint, verdict.reason)
+        return None
+
+    def newest_valid(self, at_most: int | None = None) -> int | None:
+        """The step of ``newest_valid_id`` (a step bound: any epoch of that step or below)."""
+        bound = None if at_most is None else CheckpointId(at_most, EPOCH_LIMIT - 1)
+        found = self.newest_valid_id(bound)
+        return None if found is None else found.step
+
+    def load(self, target: Target) -> dict[str, Any]:
+        """Load this rank's view of a checkpoint: rank 0's model state merged with this rank's own state.
+
+        The files are parsed as data only (see ``format.read_state``): a file on a shared volume can never
+        run code here; one that is not a well-formed checkpoint raises CheckpointError naming it.
+        """
+        checkpoint = self.resolve(target)
+        if checkpoint is None:
+            raise CheckpointError(f"{self.root}: no trusted checkpoint of step {target}")
+        where = self._where(checkpoint)
+        with self._root() as root_fd, fs.open_dir(root_fd, checkpoint.dir_name, where) as step_fd:
+            state = self._read_data(step_fd, 0, where)
+            if self.rank != 0:
+                if fs.kind(step_fd, data_file_name(self.rank)) is not None:
+                    state.update(self._read_data(step_fd, self.rank, where))
+                else:
+                    log.warning(
+                        "%s has no state for rank %d; RNG and data position start afresh", where, self.rank
+                    )
+                    state.pop("rng", None)
+        self._record_clean(checkpoint)
+        return state
+
+    @staticmethod
+    def _read_data(step_fd: int, rank: int, where: str) -> dict[str, Any]:
+        path = f"{where}/{data_file_name(rank)}"
+        fd, _ = fs.open_regular(step_fd, data_file_name(rank), path)
+        try:
+            return read_state_fd(fd, path)
+        finally:
+            os.close(fd)
+
+    def reference(self, target: Target) -> CheckpointRef | None:
+        """The checkpoint as rank 0's manifest describes it (None without a valid manifest)."""
+        checkpoint = self.resolve(target)
+        if checkpoint is None:
+            return None
+        where = self._where(checkpoint)
+        try:
+            with self._root() as root_fd, fs.open_dir(root_fd, checkpoint.dir_name, where) as step_fd:
+                manifest = read_manifest(step_fd, checkpoint, 0, where)
+        except (CheckpointError, OSError):
+            return None
+        entry = manifest.files[data_file_name(0)]
+        return CheckpointRef(step=checkpoint.step, path=where, sha256=entry.sha256, time=manifest.time)
+
+    # -- retention ------------------------------------------------------------------------------------
+    def prune(self) -> list[CheckpointId]:
+        """Delete checkpoints beyond the newest ``keep_clean`` trusted complete ones; returns those deleted.
+
+        Everything older than the oldest kept goes (untrusted and incomplete ones too); newer incomplete
+        ones stay (another rank may still be writing them), and never one this store is writing. A store
+        whose epoch is fenced prunes nothing. Rank 0 runs this in the background after each save.
+        """
+        with self._prune_lock, self._root() as root_fd:
+            fence = read_fence(root_fd, self.root)
+            if fence.highest != self.epoch:
+                log.warning(
+                    "not pruning %s: epoch %d is fenced by %s", self.root, self.epoch, fence.describe()
+                )
+                return []
+            every = scan_checkpoints(root_fd)
+            complete = [c for c in every if fence.trusts(c) and is_complete(root_fd, c, self._where(c))]
+            if not complete:
+                return []
+            kept = complete[-self.keep_clean :]
+            deleted = [c for c in every if c < kept[0] and self._delete(root_fd, c)]
+            if deleted:
+                log.info(
+                    "pruned checkpoints %s (keeping %s)", [str(c) for c in deleted], [str(c) for c in kept]
+                )
+            return deleted
+
+    def _delete(self, root_fd: int, checkpoint: CheckpointId) -> bool:
+        with self._dirs:
+            if checkpoint in self._writing:
+                return False
+            self._deleting.add(checkpoint)
+        try:
+            fs.remove_tree(root_fd, checkpoint.dir_name)
+        finally:
+            with self._dirs:
+                self._deleting.discard(checkpoint)
+                self._dirs.notify_all()
+        return True
+
+    def _schedule_prune(self) -> None:
+        with self._dirs:
+            if self._prune_queued:
+                return  # the one queued has not started yet: it will see this checkpoint
+            self._prune_queued = True
+            self._prune_future = self._janitor.submit(self._prune_in_background)
+
+    def _prune_in_background(self) -> None:
+        with self._dirs:
+            self._prune_queued = False
+        try:
+            self.prune()
+        except Exception:
+            log.exception("pruning old checkpoints under %s failed (retried after the next save)", self.root)
+
+    def close(self) -> None:
+        """Finish the write in flight and the pruning after it, and stop the background threads."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._janitor.shutdown(wait=True)
