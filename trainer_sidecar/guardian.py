@@ -116,6 +116,7 @@ class _Agreed:
     reading: StepReading
     locally_nonfinite: bool
     stop: bool
+    checkpoint_due: bool
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,7 @@ class Guardian:
         # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
         # each rank's store has seen complete, so decisions taken on it need no agreement.
         self._checkpointed_step: int | None = None
+        self._checkpoint_clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
         self._locator = NaNLocator(self.module)
         self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
         self._publishing = threading.Lock()  # the main thread and the peer watch both publish
@@ -476,7 +478,7 @@ class Guardian:
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
-            outcome = self._apply(verdict, reading, batches)
+            outcome = self._apply(verdict, reading, batches, agreed.checkpoint_due)
         else:
             outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
@@ -497,21 +499,32 @@ class Guardian:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self._norm = norm
         loss_flag = (~torch.isfinite(step_loss)).float()
-        stop = torch.full((), float(self._stop.requested), device=step_loss.device)
-        local = torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device), stop])
+        flags = torch.full((2,), 0.0, device=step_loss.device)
+        flags[0], flags[1] = float(self._stop.requested), float(self._checkpoint_time_due())
+        local = torch.cat([torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device)]), flags])
         if self.gang.distributed:
             reduced = self.gang.all_reduce(local)
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, norm_sum, stops, local_bad = torch.cat(
+            loss_sum, bad_ranks, norm_sum, stops, due, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             size = self.gang.world_size
             loss_v, norm_v, locally_nonfinite = loss_sum / size, norm_sum / size, local_bad > 0
         else:
-            loss_v, bad_ranks, norm_v, stops = local.tolist()  # the one host sync of the step
+            loss_v, bad_ranks, norm_v, stops, due = local.tolist()  # the one host sync of the step
             locally_nonfinite = bad_ranks > 0
         reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
-        return _Agreed(reading, locally_nonfinite, stops > 0)
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0)
+
+    def _checkpoint_time_due(self) -> bool:
+        """Whether ``every_seconds`` passed since this rank's last checkpoint (or start): any rank's clock
+        makes the whole gang checkpoint at the same boundary (it is agreed within the step's collective)."""
+        every = self.settings.checkpoint.every_seconds
+        return (
+            self.store is not None
+            and every is not None
+            and time.monotonic() - self._checkpoint_clock >= every
+        )
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
@@ -546,7 +559,9 @@ class Guardian:
             return False
         return scaler.get_scale() >= 1.0
 
-    def _apply(self, verdict: Verdict, reading: StepReading, batches: list[BatchRef]) -> StepOutcome:
+    def _apply(
+        self, verdict: Verdict, reading: StepReading, batches: list[BatchRef], time_due: bool = False
+    ) -> StepOutcome:
         counters = self.counters
         self.training.apply_update(
             reading.grad_norm, counters.max_grad_norm, self._with_grad, self._norm, lr_scale=counters.lr_scale
@@ -559,7 +574,7 @@ class Guardian:
         self._window_batches.extend(batches)
         if self._locator.armed:
             self._located(self._locator.after_good_step())
-        unclean = self._save_if_due()
+        unclean = self._save_if_due(time_due)
         self._publish()
         return StepOutcome(
             boundary=True, applied=unclean is None, loss=reading.loss, grad_norm=reading.grad_norm,
@@ -614,13 +629,14 @@ class Guardian:
             self._rollback(verdict.reason)
 
     # --------------------------------------------------------------------- snapshots, checkpoints ---
-    def _save_if_due(self) -> Verdict | None:
-        """After a kept step: snapshot and checkpoint when due, if the whole state is finite. Returns the
-        verdict that rolled back (or diverged) when the state was not clean, else None."""
+    def _save_if_due(self, time_due: bool = False) -> Verdict | None:
+        """After a kept step: snapshot and checkpoint when due (by steps, or by time as the gang agreed), if
+        the whole state is finite. Returns the verdict that rolled back (or diverged) when the state was
+        not clean, else None."""
         policy = self.settings.checkpoint
         step = self.counters.step
         snapshot_due = step % policy.snapshot_every_steps == 0
-        checkpoint_due = self.store is not None and step % policy.every_steps == 0
+        checkpoint_due = self.store is not None and (step % policy.every_steps == 0 or time_due)
         if not (snapshot_due or checkpoint_due):
             return None
         unclean = self._unclean_state()
@@ -677,6 +693,7 @@ class Guardian:
         except FencedError as exc:
             self._fenced(exc)
         self._checkpointed_step = self.counters.step
+        self._checkpoint_clock = time.monotonic()
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.

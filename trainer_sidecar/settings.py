@@ -23,6 +23,8 @@ MAX_STEPS = 10**9
 MAX_FACTOR = 1e6
 #: The loss and gradient-norm windows are averaged on every step, so they stay small.
 MAX_WINDOW = 10_000
+#: Durations: at most a week.
+MAX_SECONDS = 7 * 24 * 3600
 
 
 class _Section(BaseModel):
@@ -62,11 +64,13 @@ class GuardThresholds(_Section):
         le=MAX_FACTOR,
         description="A gradient norm above this multiple of the recent mean is a spike (at most 10^6).",
     )
-    spike_min_history: int = Field(
-        10,
+    spike_min_history: int | None = Field(
+        None,
         ge=1,
         le=MAX_WINDOW,
-        description="Spike detection starts once this many finite steps are in the window.",
+        description="Spike detection starts once this many finite steps are in the window (null, the "
+        "default: a full lossSpikeWindow; early training's gradient norms swing too much to judge against "
+        "a few steps).",
     )
     max_rollbacks: int = Field(
         5, ge=1, le=MAX_STEPS, description="Rollbacks tolerated within rollbackWindowSteps (at most 10^9)."
@@ -78,9 +82,14 @@ class GuardThresholds(_Section):
         description="The window, in steps, over which rollbacks are counted (at most 10^9).",
     )
 
+    @property
+    def spike_history(self) -> int:
+        """How many finite steps the window needs before spikes are judged."""
+        return self.loss_spike_window if self.spike_min_history is None else self.spike_min_history
+
     @model_validator(mode="after")
     def _min_history_fits_window(self) -> GuardThresholds:
-        if self.spike_min_history > self.loss_spike_window:
+        if self.spike_min_history is not None and self.spike_min_history > self.loss_spike_window:
             raise ValueError("spikeMinHistory must not exceed lossSpikeWindow")
         return self
 
@@ -100,6 +109,13 @@ class CheckpointPolicy(_Section):
     )
     snapshot_every_steps: int = Field(
         100, ge=1, le=MAX_STEPS, description="An in-memory snapshot every this many steps (at most 10^9)."
+    )
+    every_seconds: int | None = Field(
+        600,
+        ge=1,
+        le=MAX_SECONDS,
+        description="Also a disk checkpoint when this many seconds passed since the last one, whatever the "
+        "steps (null: by steps only; at most a week), so a short or slow run loses minutes, not hours.",
     )
 
 

@@ -113,6 +113,7 @@ class CheckpointSpec(GuardianCheckpointPolicy):
             keep_clean=self.keep_clean,
             every_steps=self.every_steps,
             snapshot_every_steps=self.snapshot_every_steps,
+            every_seconds=self.every_seconds,
         )
 
 
@@ -206,7 +207,7 @@ class GuardSpec(GuardThresholds):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.spikeMinHistory <= self.lossSpikeWindow",
+                    "!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow",
                     "spikeMinHistory must not exceed lossSpikeWindow",
                     ".spikeMinHistory",
                 )

@@ -976,3 +976,27 @@ def test_each_local_rank_of_a_pod_writes_a_status_file_of_its_own(tmp_path: Path
     # A launcher that sets LOCAL_RANK alone (one process per pod) keeps the file as it is.
     alone = {"TRAINGUARD_STATUS_FILE": str(tmp_path / "status.json"), "LOCAL_RANK": "3"}
     assert GuardianConfig.from_env(alone).status_file == tmp_path / "status.json"
+
+
+def test_a_checkpoint_is_also_due_by_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    model = tiny_model()
+    config = settings(checkpoint={"everySteps": 1000, "snapshotEverySteps": 1000, "everySeconds": 60})
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
+    )
+    for _ in range(3):
+        clock[0] += 10
+        guardian.step(loss_of(model))
+    assert guardian.store is not None
+    guardian.store.wait()
+    assert guardian.store.newest_valid() is None  # 30 s: not due yet
+    clock[0] += 31
+    guardian.step(loss_of(model))  # 61 s since the start: due
+    guardian.store.wait()
+    assert guardian.store.newest_valid() == 4
+    clock[0] += 59
+    guardian.step(loss_of(model))
+    guardian.store.wait()
+    assert guardian.store.newest_valid() == 4  # 59 s since that one: not yet

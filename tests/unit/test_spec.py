@@ -222,7 +222,7 @@ def test_every_cross_field_rule_has_a_cel_twin() -> None:
     assert rules == {
         ".spec.template.spec": ["self.containers.exists(c, c.name == 'pytorch')"],
         ".spec.checkpoint": ["self.snapshotEverySteps <= self.everySteps"],
-        ".spec.guard": ["self.spikeMinHistory <= self.lossSpikeWindow"],
+        ".spec.guard": ["!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow"],
         ".spec.health": ["self.hangTimeoutSeconds > self.probePeriodSeconds"],
         ".spec.recovery.backoffSeconds": ["self.isSorted()"],
     }
@@ -233,7 +233,7 @@ def test_crd_defaults_match_the_model() -> None:
     props = schema["properties"]["spec"]["properties"]
     assert props["recovery"]["properties"]["backoffSeconds"]["default"] == [10, 30, 90]
     assert props["health"]["properties"]["hangTimeoutSeconds"]["default"] == 300
-    assert props["guard"]["default"] == spec.GuardSpec().model_dump(by_alias=True)
+    assert props["guard"]["default"] == spec.GuardSpec().model_dump(by_alias=True, exclude_none=True)
     assert props["health"]["default"] == spec.HealthSpec().model_dump(by_alias=True)
     recovery_default = props["recovery"]["default"]
     assert recovery_default == spec.RecoverySpec().model_dump(by_alias=True)
@@ -261,8 +261,8 @@ CEL_TWINS: dict[str, Callable[[dict[str, Any]], bool]] = {
         c.get("name") == "pytorch" for c in n["containers"]
     ),
     "self.snapshotEverySteps <= self.everySteps": lambda n: bool(n["snapshotEverySteps"] <= n["everySteps"]),
-    "self.spikeMinHistory <= self.lossSpikeWindow": lambda n: bool(
-        n["spikeMinHistory"] <= n["lossSpikeWindow"]
+    "!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow": lambda n: bool(
+        n.get("spikeMinHistory") is None or n["spikeMinHistory"] <= n["lossSpikeWindow"]
     ),
     "self.hangTimeoutSeconds > self.probePeriodSeconds": lambda n: bool(
         n["hangTimeoutSeconds"] > n["probePeriodSeconds"]

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from trainer_sidecar.checkpoint import fs, writer
 from trainer_sidecar.checkpoint.errors import CheckpointError
@@ -497,7 +498,10 @@ class CheckpointStore:
         except (CheckpointError, OSError):
             return None
         entry = manifest.files[data_file_name(0)]
-        return CheckpointRef(step=checkpoint.step, path=where, sha256=entry.sha256, time=manifest.time)
+        try:
+            return CheckpointRef(step=checkpoint.step, path=where, sha256=entry.sha256, time=manifest.time)
+        except ValidationError:  # the status contract is stricter than a manifest needs to be
+            return None
 
     # -- retention ------------------------------------------------------------------------------------
     def prune(self) -> list[CheckpointId]:
