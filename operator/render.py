@@ -26,7 +26,9 @@ from typing import Any
 from trainguard_operator.settings import OperatorSettings
 
 from trainer_sidecar.settings import Remediation
+from trainer_sidecar.status import LOCAL_RANKS_ENV
 from trainguard.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
+from trainguard.torchrun import NodeLaunch, NotPython, under_torchrun
 
 PYTORCHJOB_GROUP = "kubeflow.org"
 PYTORCHJOB_VERSION = "v1"
@@ -178,6 +180,7 @@ def _sidecar(job: GuardedTrainingJob, settings: OperatorSettings) -> dict[str, A
             {"name": "TRAINGUARD_STARTUP_GRACE_SECONDS", "value": str(health.startup_grace_seconds)},
             {"name": "TRAINGUARD_JOB_NAME", "value": job.metadata.name},
             {"name": "TRAINGUARD_NAMESPACE", "value": job.metadata.namespace},
+            {"name": LOCAL_RANKS_ENV, "value": str(job.spec.nproc_per_node)},
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": settings.sidecar_port, "protocol": "TCP"}],
         "volumeMounts": [{"name": STATUS_VOLUME, "mountPath": STATUS_DIR, "readOnly": True}],
@@ -279,6 +282,8 @@ def render_pod_template(
     if any(c.get("name") == SIDECAR_CONTAINER for c in [*containers, *pod.get("initContainers", [])]):
         raise RenderError(f"spec.template.spec: the container name {SIDECAR_CONTAINER} is reserved")
     _add_mounts(worker, spec.checkpoint.mount_path)
+    if spec.nproc_per_node > 1:
+        _run_under_torchrun(worker)
     worker["env"] = _worker_env(
         worker.get("env"), _owned_env(job, attempt, remediation, worker), NCCL_FAIL_FAST
     )
@@ -302,6 +307,27 @@ def render_pod_template(
     # spent on the user's own init containers.
     pod["initContainers"] = [*pod.get("initContainers", []), _sidecar(job, settings)]
     return template
+
+
+#: torchrun's node arguments as the Kubeflow training operator's variables, which the container expands:
+#: it sets them on every replica when the PyTorchJob has ``nprocPerNode``.
+KUBEFLOW_NODE = NodeLaunch(
+    nnodes="$(PET_NNODES)",
+    nproc_per_node="$(PET_NPROC_PER_NODE)",
+    node_rank="$(PET_NODE_RANK)",
+    master_addr="$(MASTER_ADDR)",
+    master_port="$(MASTER_PORT)",
+)
+
+
+def _run_under_torchrun(worker: dict[str, Any]) -> None:
+    """The worker's command and arguments as one command run by torchrun (``trainguard.torchrun``)."""
+    command = [*worker.get("command", []), *worker.get("args", [])]
+    try:
+        worker["command"] = under_torchrun(command, KUBEFLOW_NODE)
+    except NotPython as exc:
+        raise RenderError(f"spec.template.spec.containers[{WORKER_CONTAINER}].command: {exc}") from exc
+    worker.pop("args", None)
 
 
 def render_pytorchjob(
@@ -348,5 +374,6 @@ def render_pytorchjob(
             # The operator deletes old attempts itself (the pods go with them by garbage collection);
             # the training operator must not delete a finished attempt's pods under it.
             "runPolicy": {"cleanPodPolicy": "None"},
+            **({"nprocPerNode": str(job.spec.nproc_per_node)} if job.spec.nproc_per_node > 1 else {}),
         },
     }

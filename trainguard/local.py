@@ -49,6 +49,7 @@ from trainguard.rundir import CheckpointLock, make_dir_inside, new_run_folder, p
 from trainguard.sidecars import SidecarProcess, liveness, probe_passed
 from trainguard.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.summary import Incident, RunRecord, fault_time
+from trainguard.torchrun import NodeLaunch, NotPython, under_torchrun
 
 log = logging.getLogger("trainguard.run")
 
@@ -176,7 +177,13 @@ class LocalRunner:
             raise SpecError(f"{_CONTAINER}.command: a local run needs a command")
         field_name = f"{_CONTAINER}.command[0]" if self.worker.command else f"{_CONTAINER}.args[0]"
         path = self.template_env.get("PATH", os.environ.get("PATH", os.defpath))
-        return resolve_command(command, field=field_name, cwd=self.working_dir, path=path)
+        resolved = resolve_command(command, field=field_name, cwd=self.working_dir, path=path)
+        if self.spec.nproc_per_node > 1:
+            try:
+                under_torchrun(resolved, NodeLaunch("1", "1", "0", "127.0.0.1", "0"))
+            except NotPython as exc:
+                raise SpecError(f"{_CONTAINER}.command: {exc}") from exc
+        return resolved
 
     def _template_env(self) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -198,7 +205,7 @@ class LocalRunner:
         spec = self.spec
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         env.update(self.template_env)
-        env.setdefault("OMP_NUM_THREADS", omp_threads(spec.replicas))
+        env.setdefault("OMP_NUM_THREADS", omp_threads(spec.replicas * spec.nproc_per_node))
         env.update(
             PYTHONUNBUFFERED="1",
             RANK=str(rank),
@@ -257,7 +264,17 @@ class LocalRunner:
             "--hang-timeout-seconds", str(health.hang_timeout_seconds),
             "--startup-grace-seconds", str(health.startup_grace_seconds),
             "--job", self.job.metadata.name, "--namespace", self.job.metadata.namespace,
+            "--local-ranks", str(self.spec.nproc_per_node),
         ]  # fmt: skip
+
+    def _pod_command(self, pod: int, port: int) -> list[str]:
+        """The command of one pod: the job's, or with nprocPerNode above 1 the same under torchrun (as the
+        operator renders it, with this machine's numbers in place of the training operator's)."""
+        nproc = self.spec.nproc_per_node
+        if nproc == 1:
+            return self.command
+        node = NodeLaunch(str(self.spec.replicas), str(nproc), str(pod), "127.0.0.1", str(port))
+        return under_torchrun(self.command, node)
 
     def start_gang(self) -> None:
         """Start the sidecars and workers of a new attempt (``prepare`` first)."""
@@ -283,7 +300,7 @@ class LocalRunner:
             log_file = open(log_path, "xb")  # noqa: SIM115 - closed by stop_gang
             self._files.append(log_file)
             worker = self._spawn(
-                self.command,
+                self._pod_command(rank, port),
                 worker=True,
                 env=self.worker_env(rank, port, status_file),
                 cwd=self.working_dir,
@@ -295,7 +312,9 @@ class LocalRunner:
         remediation = ""
         if self.remediation is not None:
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
-        self.event("start", f"started {self.spec.replicas} worker(s){remediation}")
+        nproc = self.spec.nproc_per_node
+        each = f" of {nproc} processes each" if nproc > 1 else ""
+        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}")
 
     def stop_gang(self) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.

@@ -289,8 +289,15 @@ class GuardedTrainingJobSpec(_Model):
         1,
         ge=1,
         le=4096,
-        description="Worker processes (pods); rank 0 is the master (at most 4096: pod names stay "
-        "DNS-1035 labels).",
+        description="Worker pods; rank 0 is the master (at most 4096: pod names stay DNS-1035 labels).",
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Worker processes per pod (one per GPU): above 1, each pod runs the command under "
+        "torchrun with this many processes, and the job has replicas x nprocPerNode ranks (at most 256, "
+        "the sidecar's limit).",
     )
     template: PodTemplate
     checkpoint: CheckpointSpec

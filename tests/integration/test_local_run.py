@@ -33,6 +33,7 @@ def job(
     guard: dict[str, Any] | None = None,
     hang_timeout: int = 3,
     step_sleep: float = 0.05,
+    nproc_per_node: int = 1,
 ) -> Path:
     document = {
         "apiVersion": "trainguard.dev/v1alpha1",
@@ -40,6 +41,7 @@ def job(
         "metadata": {"name": "test-job"},
         "spec": {
             "replicas": replicas,
+            "nprocPerNode": nproc_per_node,
             "template": {
                 "spec": {
                     "containers": [
@@ -248,3 +250,23 @@ def test_report_draws_the_timeline_as_a_png(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert "missing.json" in bad.stderr
+
+
+def test_two_pods_of_two_processes_run_under_torchrun_and_one_hung_process_restarts_the_gang(
+    tmp_path: Path,
+) -> None:
+    # Global rank 3 is the second process of the second "pod": its sidecar watches both of that pod's
+    # processes, and the pod fails liveness when one of them hangs.
+    code, summary, output = run(
+        tmp_path, job(tmp_path, steps=30, replicas=2, nproc_per_node=2, faults="hang@15:3", hang_timeout=4)
+    )
+    assert code == 0, output
+    [restart] = summary["restarts"]
+    assert "hung" in restart["reason"], restart  # the other processes wait for it in their collectives
+    assert "local rank 1: no step for" in restart["reason"]
+    assert summary["final_step"] == 30
+    store = CheckpointStore(tmp_path / "run" / "volumes" / "ckpt")
+    newest = store.resolve(30)
+    assert newest is not None
+    manifests = sorted(p.name for p in (store.root / newest.dir_name).glob("rank-*.json"))
+    assert manifests == [f"rank-{r}.json" for r in range(4)]  # four ranks wrote their part

@@ -34,7 +34,7 @@ from tests.support.manifests import USER_ENV, gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
 from trainer_sidecar import sidecar
 from trainer_sidecar.settings import GuardianSettings, Remediation
-from trainer_sidecar.status import STATUS_FILE_ENV
+from trainer_sidecar.status import LOCAL_RANKS_ENV, STATUS_FILE_ENV
 from trainguard.local import LocalRunner
 from trainguard.spec import load_job
 
@@ -222,7 +222,9 @@ def test_rendered_pytorchjob_is_valid_and_complete(
             sidecar.STARTUP_GRACE_ENV,
             sidecar.JOB_NAME_ENV,
             sidecar.NAMESPACE_ENV,
+            LOCAL_RANKS_ENV,
         }
+        assert side_env[LOCAL_RANKS_ENV] == "1"
         assert side_env[STATUS_FILE_ENV] == env["TRAINGUARD_STATUS_FILE"]
         assert side_env[sidecar.PORT_ENV] == "9400"
         assert side_env[sidecar.HANG_TIMEOUT_ENV] == "300"
@@ -368,3 +370,28 @@ def test_the_kubernetes_example_is_valid_and_renders() -> None:
     (claim,) = [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
     assert claim["metadata"]["name"] == job.spec.checkpoint.claim_name
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_processes_per_pod_run_under_torchrun_with_the_training_operators_numbers() -> None:
+    manifest = render_pytorchjob(load(gtj_manifest(nprocPerNode=4)), OWNER, 1, None, SETTINGS)
+    assert schema_errors(manifest) == []
+    assert manifest["spec"]["nprocPerNode"] == "4"
+    for _, template in containers(manifest):
+        pod = template["spec"]
+        worker = named(pod["containers"], "pytorch")
+        assert worker["command"][:3] == ["python", "-m", "torch.distributed.run"]
+        assert "--nproc-per-node=$(PET_NPROC_PER_NODE)" in worker["command"]
+        assert "--node-rank=$(PET_NODE_RANK)" in worker["command"]
+        assert worker["command"][-3:] == ["train.py", "--max-steps", "1000"]
+        assert "args" not in worker
+        sidecar = named(pod["initContainers"], SIDECAR_CONTAINER)
+        assert env_of(sidecar)["TRAINGUARD_LOCAL_RANKS"] == "4"
+    single = render_pytorchjob(load(gtj_manifest()), OWNER, 1, None, SETTINGS)
+    assert "nprocPerNode" not in single["spec"]
+
+
+def test_processes_per_pod_need_a_python_command() -> None:
+    job = gtj_manifest(nprocPerNode=2)
+    job["spec"]["template"]["spec"]["containers"][0]["command"] = ["bash", "-c", "python train.py"]
+    with pytest.raises(RenderError, match=r"containers\[pytorch\].command: with nprocPerNode above 1"):
+        render_pytorchjob(load(job), OWNER, 1, None, SETTINGS)

@@ -386,7 +386,7 @@ _TEMPLATES = [
 _SECTIONS = {
     name: _section(node) | st.sampled_from([None, 3])
     for name, node in SPEC_SCHEMA["properties"].items()
-    if name not in ("template", "checkpoint", "replicas")
+    if name not in ("template", "checkpoint", "replicas", "nprocPerNode")
 }
 SPECS = st.fixed_dictionaries(
     {
@@ -395,7 +395,11 @@ SPECS = st.fixed_dictionaries(
             lambda c: {"claimName": "c", **c}
         ),
     },
-    optional={"replicas": st.sampled_from(_candidates(SPEC_SCHEMA["properties"]["replicas"])), **_SECTIONS},
+    optional={
+        "replicas": st.sampled_from(_candidates(SPEC_SCHEMA["properties"]["replicas"])),
+        "nprocPerNode": st.sampled_from(_candidates(SPEC_SCHEMA["properties"]["nprocPerNode"])),
+        **_SECTIONS,
+    },
 )
 
 
