@@ -400,6 +400,7 @@ class _Step:
                 self.attempt,
                 self.st.remediation,
                 self.settings,
+                checkpoint_seconds=self.st.checkpoint_seconds,
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
@@ -453,6 +454,8 @@ class _Step:
                 setattr(st, key, value)
         if view.checkpoint is not None:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
+        if view.checkpoint_seconds is not None:
+            st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
         if view.drop_rate is not None:
             self.track_drop_rate(view.drop_rate)
         if not view.stepped or view.progress is None or view.progress.step < 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -263,11 +264,28 @@ def _owned_env(
     return owned
 
 
+#: The stop grace of a pod before anything is known of its checkpoints (Kubernetes' default is 30 s).
+BASE_STOP_GRACE_SECONDS = 60
+MAX_STOP_GRACE_SECONDS = 3600
+
+
+def stop_grace_seconds(user: int | None, checkpoint_seconds: float | None) -> int:
+    """The pod's ``terminationGracePeriodSeconds``: time for a worker told to stop (an eviction, a drain,
+    a preemption) to finish its step and write a checkpoint. Three times the longest checkpoint write
+    seen so far (the state's size, on this volume) on top of the base, at most an hour; never less than
+    the user's own."""
+    grace = BASE_STOP_GRACE_SECONDS
+    if checkpoint_seconds is not None:
+        grace = min(MAX_STOP_GRACE_SECONDS, BASE_STOP_GRACE_SECONDS + math.ceil(3 * checkpoint_seconds))
+    return max(grace, user or 0)
+
+
 def render_pod_template(
     job: GuardedTrainingJob,
     attempt: int,
     remediation: RemediationOrder | None,
     settings: OperatorSettings,
+    checkpoint_seconds: float | None = None,
 ) -> dict[str, Any]:
     """One replica's pod template: the user's template with trainguard's pieces added (module docstring)."""
     spec = job.spec
@@ -275,6 +293,9 @@ def render_pod_template(
     pod = template.setdefault("spec", {})
     _label_template(template, job.metadata.name, attempt)
     pod["restartPolicy"] = "Never"
+    pod["terminationGracePeriodSeconds"] = stop_grace_seconds(
+        pod.get("terminationGracePeriodSeconds"), checkpoint_seconds
+    )
     _add_volumes(pod, spec.checkpoint.claim_name)
 
     containers = pod["containers"]
@@ -336,6 +357,7 @@ def render_pytorchjob(
     attempt: int,
     remediation: RemediationOrder | None,
     settings: OperatorSettings,
+    checkpoint_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The PyTorchJob manifest of ``attempt`` of ``job`` (see the module docstring for what it holds).
 
@@ -343,7 +365,7 @@ def render_pytorchjob(
     """
     name = pytorchjob_name(owner.name, attempt)
     labels = {JOB_LABEL: owner.name, ATTEMPT_LABEL: str(attempt), MANAGED_BY_LABEL: MANAGED_BY}
-    template = render_pod_template(job, attempt, remediation, settings)
+    template = render_pod_template(job, attempt, remediation, settings, checkpoint_seconds)
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(template)}

@@ -917,6 +917,7 @@ class Guardian:
             last_clean_checkpoint=self._last_clean(),
             message=self.message,
             exit_code=self.exit_code,
+            checkpoint_seconds=self.store.last_write_seconds if self.store is not None else None,
         )
 
     def _last_clean(self) -> CheckpointRef | None:

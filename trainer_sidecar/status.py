@@ -153,6 +153,9 @@ class WorkerStatus(BaseModel):
     explosion_pattern: str | None = Field(None, max_length=64)
     last_clean_checkpoint: CheckpointRef | None = None
     message: Message = ""
+    checkpoint_seconds: NonNegativeFloat | None = Field(
+        None, description="How long the worker's last checkpoint took to be written and durable (seconds)."
+    )
     exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
         None,
         description="The code the guardian ends its process with, once it knows (a launcher between the "

@@ -146,6 +146,7 @@ class GangView:
     samples_seen: int | None
     samples_dropped: int | None
     checkpoint: CleanCheckpoint | None
+    checkpoint_seconds: float | None = None
 
     @property
     def missing(self) -> tuple[int, ...]:
@@ -272,4 +273,6 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
         samples_seen=sum(s.samples_seen for s in values) if counted else None,
         samples_dropped=sum(s.samples_dropped for s in values) if counted else None,
         checkpoint=_newest_checkpoint(values),
+        # The slowest rank's write is what a stop must wait for.
+        checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
     )

@@ -436,3 +436,6 @@ class GuardedTrainingJobStatus(BaseModel):
     samples_dropped: int | None = None
     drop_rate: float | None = None
     goodput: float | None = None
+    checkpoint_seconds: float | None = Field(
+        None, description="The longest checkpoint write seen (seconds): it sizes the pods' stop grace."
+    )

@@ -284,3 +284,11 @@ def test_a_launchers_generic_failure_is_judged_by_the_code_the_guardian_declared
     view = observe_gang({0: final}, world_size=1)
     seen = view.rank_observation(0, ProcessState(exit_code=1))
     assert classify(seen) is kind
+
+
+def test_the_slowest_checkpoint_write_is_the_gangs() -> None:
+    view = observe_gang(
+        {0: status(checkpoint_seconds=2.5), 1: status(checkpoint_seconds=7.0), 2: status()}, 3
+    )
+    assert view.checkpoint_seconds == 7.0
+    assert observe_gang({0: status()}, 1).checkpoint_seconds is None

@@ -27,6 +27,7 @@ from trainguard_operator.render import (
     is_dns1035_label,
     pytorchjob_name,
     render_pytorchjob,
+    stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
 
@@ -395,3 +396,16 @@ def test_processes_per_pod_need_a_python_command() -> None:
     job["spec"]["template"]["spec"]["containers"][0]["command"] = ["bash", "-c", "python train.py"]
     with pytest.raises(RenderError, match=r"containers\[pytorch\].command: with nprocPerNode above 1"):
         render_pytorchjob(load(job), OWNER, 1, None, SETTINGS)
+
+
+def test_the_stop_grace_fits_the_longest_checkpoint_write_seen() -> None:
+    assert stop_grace_seconds(None, None) == 60
+    assert stop_grace_seconds(None, 40.2) == 60 + 121
+    assert stop_grace_seconds(None, 1e9) == 3600
+    assert stop_grace_seconds(900, 1.0) == 900  # never less than the user's own
+    first = render_pytorchjob(load(gtj_manifest()), OWNER, 1, None, SETTINGS)
+    later = render_pytorchjob(load(gtj_manifest()), OWNER, 2, None, SETTINGS, checkpoint_seconds=100.0)
+    for manifest, grace in ((first, 60), (later, 360)):
+        assert schema_errors(manifest) == []
+        for _, template in containers(manifest):
+            assert template["spec"]["terminationGracePeriodSeconds"] == grace

@@ -130,6 +130,8 @@ class CheckpointStore:
         self._fenced: FencedError | None = None
         self._lock = threading.Lock()
         self.last_clean: CheckpointRef | None = None
+        #: How long the last checkpoint written took from its start in the background to durable.
+        self.last_write_seconds: float | None = None
         # Checkpoints being written and being deleted, so that pruning never removes one while written.
         self._dirs = threading.Condition()
         self._writing: set[CheckpointId] = set()
@@ -244,11 +246,14 @@ class CheckpointStore:
         with self._dirs:
             self._writing.add(checkpoint)
             self._dirs.wait_for(lambda: checkpoint not in self._deleting)
+        started = time.monotonic()
         try:
             ref, written = self._write_checkpoint(checkpoint, skeleton, tensors, meta)
         finally:
             with self._dirs:
                 self._writing.discard(checkpoint)
+        if written:
+            self.last_write_seconds = time.monotonic() - started
         if written and self.rank == 0:
             self._schedule_prune()  # once the checkpoint is no longer registered as being written
         return ref
