@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from trainer_sidecar.sharding import local_tensor
+
 log = logging.getLogger(__name__)
 
 FAULTS_ENV = "TRAINGUARD_FAULTS"
@@ -252,7 +254,8 @@ class FaultInjector:
         """At ``step``'s boundary, before unscaling: make one gradient element infinite."""
         if not self.fires(FaultKind.INF_GRAD, step):
             return
-        grad = next((p.grad for p in params if p.grad is not None), None)
+        # A sharded gradient is poisoned in this rank's own shard (a DTensor's local tensor).
+        grad = next((g for p in params if p.grad is not None and (g := local_tensor(p.grad)).numel()), None)
         if grad is not None:
             with torch.no_grad():
                 grad.view(-1)[0] = math.inf

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from trainer_sidecar.sharding import local_tensor
+
 
 def _leaves(state: Any) -> Iterable[Any]:
     stack = [state]
@@ -33,12 +35,14 @@ def nonfinite_flag(*states: Any) -> torch.Tensor:
 
     Tensors are reduced with one ``_foreach_norm(ord=inf)`` per device (the maximum absolute value, which
     is NaN or inf exactly when the tensor holds one, and never overflows), so the caller pays one host
-    sync when it reads the flag, not one per tensor.
+    sync when it reads the flag, not one per tensor. A DTensor counts by its local tensor (this rank's
+    shard): no collective here; the caller agrees on the flag with the other ranks.
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     plain_bad = False
     for leaf in (leaf for state in states for leaf in _leaves(state)):
         if isinstance(leaf, torch.Tensor):
+            leaf = local_tensor(leaf)
             if leaf.is_complex():
                 leaf = torch.view_as_real(leaf)
             if leaf.is_floating_point() and leaf.numel():

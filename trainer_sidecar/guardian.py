@@ -211,8 +211,8 @@ class Guardian:
         self.nan_location: str | None = None
         self._micro = 0
         self._loss_sum: torch.Tensor | None = None
-        self._with_grad: list[torch.nn.Parameter] = []
-        self._norm = torch.zeros(())
+        self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
+        self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
         self.feed = DataFeed()
         self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
         self._current_batch: BatchRef | None = None
@@ -488,28 +488,40 @@ class Guardian:
 
     def _measure(self, step_loss: torch.Tensor) -> _Agreed:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
-        whether this rank's own loss was non-finite, and whether any rank was told to stop."""
+        whether this rank's own loss was non-finite, and whether any rank was told to stop.
+
+        Alone, the norm is this process's. In a gang each rank contributes the squared norm of its local
+        gradients, each value counted once over the world (``TrainingObjects.norm_contribution``: a DDP
+        replica's share is 1/world size, an FSDP shard's 1/its replicas), the collective sums them and the
+        norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
+        a NaN, and still one small collective."""
         if self._faults.active:
             self._faults.grad_hook(self.training.params, self.counters.step)
         self.training.unscale()
-        self._with_grad = [p for p in self.training.params if p.grad is not None]
-        grads = [g for p in self._with_grad if (g := p.grad) is not None]
-        # One fused reduction; the clipping multiply waits for the host sync below and is skipped when
-        # the norm is already within bounds (or the step is skipped anyway).
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        self._norm = norm
-        loss_flag = (~torch.isfinite(step_loss)).float()
-        flags = torch.full((2,), 0.0, device=step_loss.device)
-        flags[0], flags[1] = float(self._stop.requested), float(self._checkpoint_time_due())
-        local = torch.cat([torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device)]), flags])
-        if self.gang.distributed:
+        self._grads = self.training.local_grads()
+        distributed = self.gang.distributed
+        if distributed:
+            norm_part = self.training.norm_contribution(self.gang.world_size)
+        else:
+            # The clipping multiply waits for the host sync below and is skipped when the norm is already
+            # within bounds (or the step is skipped anyway).
+            norm_part = self._norm = torch.nn.utils.get_total_norm(self._grads, foreach=True)
+        device = step_loss.device
+        loss = step_loss.double()
+        flags = torch.tensor(
+            [float(self._stop.requested), float(self._checkpoint_time_due())], dtype=torch.float64
+        ).to(device)
+        measured = [loss, (~torch.isfinite(loss)).double(), norm_part.double().to(device)]
+        local = torch.cat([torch.stack(measured), flags])
+        if distributed:
             reduced = self.gang.all_reduce(local)
+            self._norm = reduced[2].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, norm_sum, stops, due, local_bad = torch.cat(
+            loss_sum, bad_ranks, squares, stops, due, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
-            size = self.gang.world_size
-            loss_v, norm_v, locally_nonfinite = loss_sum / size, norm_sum / size, local_bad > 0
+            loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
+            norm_v = math.sqrt(squares) if not squares < 0 else math.nan
         else:
             loss_v, bad_ranks, norm_v, stops, due = local.tolist()  # the one host sync of the step
             locally_nonfinite = bad_ranks > 0
@@ -563,8 +575,9 @@ class Guardian:
         self, verdict: Verdict, reading: StepReading, batches: list[BatchRef], time_due: bool = False
     ) -> StepOutcome:
         counters = self.counters
+        self.settle()
         self.training.apply_update(
-            reading.grad_norm, counters.max_grad_norm, self._with_grad, self._norm, lr_scale=counters.lr_scale
+            reading.grad_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
         )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1
@@ -669,27 +682,44 @@ class Guardian:
         return verdict
 
     def _take_snapshot(self) -> None:
+        # Parameters and optimizer state are copied while the next forward and backward passes run; the
+        # next optimizer step (or a rollback) waits for the copy first (``_settle_copies``).
         self._snapshot.capture(
             self.counters.step,
             self.module,
             self.optimizer,
             self.training.small_state(),
             {"counters": self.counters.copy()},
+            background=True,
         )
         self._window_batches.clear()
 
+    def settle(self) -> None:
+        """Wait until the snapshot and checkpoint copies running in the background have read the state.
+
+        The guardian copies parameters and optimizer state while the next forward and backward passes
+        run, and waits only before the next optimizer step. A loop that changes parameters or optimizer
+        state in place between steps (weight clamping, a manual re-initialisation) calls this first; on
+        a GPU the current stream waits, not the host."""
+        self._snapshot.settle()
+        if self.store is not None:
+            self.store.settle()
+
     def _checkpoint_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state(), **self.feed.state()}
-
         if self.rank == 0:
             state.update(guardian=self.counters.to_state(), **self.training.state())
+        else:
+            state.update(self.training.shard_state())  # a sharded model's shards of this rank (else none)
         return state
 
     def _save_checkpoint(self) -> None:
         assert self.store is not None
         meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
         try:
-            self.store.save_async(self.counters.step, self._checkpoint_state(), meta)
+            self.store.save_async(
+                self.counters.step, self._checkpoint_state(), meta, stable=self.training.stable_storage()
+            )
         except FencedError as exc:
             self._fenced(exc)
         self._checkpointed_step = self.counters.step
@@ -715,6 +745,7 @@ class Guardian:
         self.busy_since = time.time()
         self._publish(force=True)
         from_step = self.counters.step
+        self.settle()
         self.training.load_small_state(self._snapshot.restore(self.module, self.optimizer))
         self.counters.rewind_to(self._snapshot.extra["counters"])
         # The data does not rewind: the window that led here is skipped, and remembered for replays.
@@ -865,24 +896,31 @@ class Guardian:
         return checkpoint.step
 
     def _try_restore(self, checkpoint: CheckpointId) -> bool:
-        """Load and apply one checkpoint; False (with the reason logged) when its content is unusable."""
+        """Load and apply one checkpoint; False (with the reason logged) when its content is unusable.
+
+        Only what this rank holds is read: of a sharded model, its own box of every tensor, gathered
+        from the shards of whatever world size wrote them."""
         assert self.store is not None
         try:
-            state = self.store.load(checkpoint)
-            counters = GuardCounters.from_state(state.get("guardian"), self.settings.guard.loss_spike_window)
-            if "rng" in state:
-                set_rng_state(state["rng"])
+            with self.store.open(checkpoint) as state:
+                window = self.settings.guard.loss_spike_window
+                counters = GuardCounters.from_state(state.get("guardian"), window)
+                if "rng" in state:
+                    set_rng_state(state["rng"])
+                self._load_training(checkpoint, state)
         except (CheckpointError, CountersError, RngStateError) as exc:
             log.error("checkpoint %s cannot be restored, trying an older one: %s", checkpoint.dir_name, exc)
             return False
+        self.counters = counters
+        self.feed.restore(state)
+        return True
+
+    def _load_training(self, checkpoint: CheckpointId, state: dict[str, Any]) -> None:
         try:
             self.training.load(state)
         except StateMismatch as exc:
             where = f"checkpoint {checkpoint.dir_name} under {self.checkpoint_dir}"
             raise ConfigError(f"{where} {exc}") from exc
-        self.counters = counters
-        self.feed.restore(state)
-        return True
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:

@@ -1,7 +1,8 @@
 """In-memory snapshots of model and optimizer state, restored in place for a fast rollback.
 
 A snapshot copies every tensor into host buffers allocated once and reused, and keeps the small
-non-tensor state (learning rates, scheduler and scaler state) as plain values. Restoring copies the
+non-tensor state (learning rates, scheduler and scaler state) as plain values. Of a sharded model (FSDP2
+DTensors) it holds this rank's shards only, and restores into them in place. Restoring copies the
 buffers back into the live tensors, so the optimizer keeps its own storage and nothing is reallocated.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trainer_sidecar.sharding import local_tensor
 from trainer_sidecar.tensorstate import HostBuffers, Slot, flatten, signature, unflatten
 
 
@@ -43,19 +45,33 @@ class Snapshot:
         optimizer: torch.optim.Optimizer,
         small_state: dict[str, Any],
         extra: dict[str, Any],
+        *,
+        background: bool = False,
     ) -> None:
-        """Copy the live state into the snapshot (the only cost the training loop pays)."""
-        skeleton, tensors = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        self._buffers.capture(tensors)
+        """Copy the live state into the snapshot (the only cost the training loop pays).
+
+        With ``background``, parameters and optimizer state are copied while the loop goes on, and the
+        caller must ``settle`` before they next change (the optimizer step); buffers, which a forward
+        pass may update, are copied before this returns. A sharded model's snapshot holds this rank's
+        shards only."""
+        optimizer_state = optimizer.state_dict()
+        skeleton, tensors = flatten({"model": model.state_dict(), "optimizer": optimizer_state})
+        stable = stable_storage(model, optimizer_state) if background else None
+        self._buffers.capture(tensors, stable)
         self._skeleton = skeleton
         self._small = copy.deepcopy(small_state)
         self.extra = copy.deepcopy(extra)
         self.step = step
 
+    def settle(self) -> None:
+        """Order a background copy before any change of the live state (see ``PendingCopy.settle``)."""
+        self._buffers.pending.settle()
+
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Put the snapshot back into ``model`` and ``optimizer``; returns the small state to re-apply."""
         if not self.taken:
             raise RuntimeError("no snapshot to restore")
+        self._buffers.wait()
         live_skeleton, live = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
         if signature(live) == signature(self._buffers.tensors) and _same_keys(live_skeleton, self._skeleton):
             self._buffers.restore_into(live)
@@ -67,11 +83,19 @@ class Snapshot:
                         group[key] = copy.deepcopy(value)
         else:
             # The optimizer created state after the snapshot (for example its first step): load a copy.
-            state = unflatten(self._skeleton, [t.clone() for t in self._buffers.tensors])
+            state = unflatten(self._skeleton, self._buffers.rebuilt())
             model.load_state_dict(state["model"])
             optimizer.state.clear()
             optimizer.load_state_dict(state["optimizer"])
         return copy.deepcopy(self._small)
+
+
+def stable_storage(model: torch.nn.Module, optimizer_state: dict[str, Any]) -> set[int]:
+    """The storage (``data_ptr``) of every parameter's and optimizer state tensor's local tensor: what
+    changes only in the optimizer step, so a copy of it may run while a forward and backward pass do."""
+    _, state_tensors = flatten(optimizer_state.get("state", {}))
+    tensors = [*model.parameters(), *state_tensors]
+    return {local.data_ptr() for local in map(local_tensor, tensors) if local.numel()}
 
 
 def _same_keys(a: Any, b: Any) -> bool:

@@ -12,6 +12,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_sidecar.finite import nonfinite_flag
+from trainer_sidecar.sharding import (
+    Readable,
+    check_placements,
+    copies_of,
+    fit_to,
+    is_sharded,
+    local_tensor,
+    writes_shard,
+)
+from trainer_sidecar.snapshot import stable_storage
 
 
 class StateMismatch(ValueError):
@@ -63,9 +73,9 @@ def describe_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
     shapes = sorted(
         f"{key} (checkpoint {tuple(saved[key].shape)}, model {tuple(live[key].shape)})"
         for key in set(saved) & set(live)
-        if isinstance(saved[key], torch.Tensor)
+        if isinstance(saved[key], (torch.Tensor, Readable))
         and isinstance(live[key], torch.Tensor)
-        and saved[key].shape != live[key].shape
+        and tuple(saved[key].shape) != tuple(live[key].shape)
     )
     parts = [
         f"{what} ({len(keys)}): {', '.join(keys[:_SHOWN])}{', ...' if len(keys) > _SHOWN else ''}"
@@ -82,7 +92,12 @@ def describe_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
 
 class TrainingObjects:
     """The model (``module``: unwrapped from DistributedDataParallel), the optimizer, and the optional
-    scheduler and GradScaler of one worker."""
+    scheduler and GradScaler of one worker.
+
+    The model may be replicated (a plain module, DistributedDataParallel) or sharded (FSDP2's
+    ``fully_shard``, HSDP): then parameters, gradients and optimizer state are DTensors, and everything
+    here works on this rank's local tensors (``trainer_sidecar.sharding``).
+    """
 
     def __init__(
         self,
@@ -97,6 +112,13 @@ class TrainingObjects:
         self.scheduler = scheduler
         self.scaler = scaler
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(self.params):
+            if is_sharded(param):
+                check_placements(param, f"optimizer parameter {index}")
+        self.sharded = any(is_sharded(p) for p in self.params)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        #: The model's name of each optimizer parameter, in the optimizer's order (None: not the model's).
+        self.param_names: list[str | None] = [names.get(id(p)) for p in self.params]
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward ``loss`` (scaled by the GradScaler when there is one)."""
@@ -112,24 +134,49 @@ class TrainingObjects:
             return
         self.scaler.unscale_(self.optimizer)
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's part of every gradient there is (a DTensor's local tensor, sharing its storage)."""
+        return [local_tensor(g) for p in self.params if (g := p.grad) is not None]
+
+    def norm_contribution(self, world_size: int) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm, as a 0-dim float64 tensor: the sum of
+        squares of its local gradients, each divided by how many ranks hold the same values
+        (``sharding.copies_of``), so that summed over the world every value counts once. NaN or inf
+        when any local gradient holds one. No collective: the caller sums it in its own."""
+        groups: dict[int, list[torch.Tensor]] = {}
+        for param in self.params:
+            if param.grad is not None:
+                groups.setdefault(copies_of(param, world_size), []).append(local_tensor(param.grad))
+        parts = [
+            torch.nn.utils.get_total_norm(grads, foreach=True).double().square() / copies
+            for copies, grads in groups.items()
+        ]
+        if not parts:
+            return torch.zeros((), dtype=torch.float64)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part.to(total.device)
+        return total
+
     def apply_update(
         self,
         norm: float,
         max_norm: float,
-        grads_of: Sequence[torch.nn.Parameter],
+        grads: Sequence[torch.Tensor],
         norm_tensor: torch.Tensor,
         *,
         lr_scale: float = 1.0,
     ) -> None:
-        """Clip (only when ``norm`` exceeds ``max_norm``), step the optimizer with every learning rate
-        scaled by ``lr_scale``, step the scaler and the scheduler, and zero the gradients.
+        """Clip ``grads`` (this rank's local gradients) with the total ``norm`` when it exceeds
+        ``max_norm``, step the optimizer with every learning rate scaled by ``lr_scale``, step the scaler
+        and the scheduler, and zero the gradients.
 
         The scale applies for the optimizer step only: the param groups keep the learning rates the loop
         or its scheduler set, so a loop that writes ``param_group["lr"]`` every iteration keeps the
         remediation, and a scheduler computes from the unscaled rates.
         """
         if norm > max_norm:
-            torch.nn.utils.clip_grads_with_norm_(grads_of, max_norm, norm_tensor, foreach=True)
+            clip_with_norm(grads, max_norm, norm_tensor)
         # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
         # not needed: step the optimizer directly and let the scaler grow its scale.
         with _scaled_learning_rates(self.optimizer, lr_scale):
@@ -168,15 +215,43 @@ class TrainingObjects:
         )
 
     def state(self) -> dict[str, Any]:
-        """Model, optimizer, scheduler and scaler state, for a checkpoint."""
+        """Model, optimizer, scheduler and scaler state, and the model's name of each optimizer parameter,
+        for a checkpoint. A sharded model's tensors are DTensors (this rank's shards)."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "param_names": list(self.param_names),
             **self.small_state(),
         }
 
+    def stable_storage(self) -> set[int]:
+        """The storage of the parameters and the optimizer state: what changes only in the optimizer
+        step, so that a copy of it may overlap the next forward and backward passes."""
+        return stable_storage(self.module, self.optimizer.state_dict())
+
+    def shard_state(self) -> dict[str, Any]:
+        """The sharded tensors of ``state()`` this rank writes to a checkpoint beside rank 0's (the first
+        replica of each shard: ``sharding.writes_shard``), under the same names; empty for a replicated
+        model."""
+        if not self.sharded:
+            return {}
+        optimizer = self.optimizer.state_dict()["state"]
+        return {
+            "model": {k: v for k, v in self.module.state_dict().items() if writes_shard(v)},
+            "optimizer": {
+                "state": {
+                    index: {k: v for k, v in entry.items() if writes_shard(v)}
+                    for index, entry in optimizer.items()
+                }
+            },
+        }
+
     def load(self, state: dict[str, Any]) -> None:
-        """Load a checkpoint's ``state()``. Raises StateMismatch saying which part does not fit."""
+        """Load a checkpoint's ``state()``. Raises StateMismatch saying which part does not fit.
+
+        Saved tensors may be plain or ``sharding.Readable`` (not read yet); each is read as the live model
+        holds it: for a sharded parameter only this rank's box, whatever the world size that saved it.
+        """
         saved = state.get("model")
         if not isinstance(saved, dict):
             raise StateMismatch("holds no model state")
@@ -185,15 +260,63 @@ class TrainingObjects:
         mismatch = describe_mismatch(fitted, live)
         if mismatch:
             raise StateMismatch(f"does not fit this model: {mismatch}")
+        self._check_param_names(state.get("param_names"))
+        # Read first (a damaged file raises CheckpointError, not a mismatch), then load.
+        model_state = {key: fit_to(value, live.get(key)) for key, value in fitted.items()}
+        optimizer_state = self._fit_optimizer(state.get("optimizer"))
         try:
-            self.module.load_state_dict(fitted)
+            self.module.load_state_dict(model_state)
         except (RuntimeError, KeyError, TypeError) as exc:
             raise StateMismatch(f"does not fit this model: {exc}") from exc
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, TypeError) as exc:
+            self.optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise StateMismatch(f"does not fit this optimizer: {exc}") from exc
         self.load_small_state(state)
+
+    def _check_param_names(self, saved: Any) -> None:
+        """Where a checkpoint and this optimizer both name a parameter, the names must be the same."""
+        if not isinstance(saved, list):
+            return
+        differ = [
+            f"{index}: checkpoint {s!r}, live {live!r}"
+            for index, (s, live) in enumerate(zip(saved, self.param_names, strict=False))
+            if s is not None and live is not None and s != live
+        ]
+        if not differ:
+            return  # the count is the optimizer's own check; a parameter the model lacks has no name
+        raise StateMismatch(
+            "does not fit this optimizer: its parameters are in another order or of another model ("
+            + "; ".join(differ[:_SHOWN])
+            + ")"
+        )
+
+    def _fit_optimizer(self, saved: Any) -> Any:
+        """The optimizer's saved state with each per-parameter tensor read as its parameter is held."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+            return saved
+        fitted_state: dict[Any, Any] = {}
+        for index, entry in saved["state"].items():
+            param = self.params[index] if isinstance(index, int) and 0 <= index < len(self.params) else None
+            if isinstance(entry, dict):
+                entry = {key: fit_to(value, param) for key, value in entry.items()}
+            fitted_state[index] = entry
+        return {**saved, "state": fitted_state}
+
+
+def clip_with_norm(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``: what
+    ``torch.nn.utils.clip_grads_with_norm_`` does, for gradients given as tensors (a sharded parameter's
+    local gradients, clipped with the global norm). No host sync."""
+    if not grads:
+        return
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    with torch.no_grad():
+        for (device, _), group in groups.items():
+            torch._foreach_mul_(group, coefficient.to(device))
 
 
 @contextmanager

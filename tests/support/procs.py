@@ -12,6 +12,8 @@ from typing import Any
 from tests.support.ports import free_port
 
 WORKER = Path(__file__).parent / "workers" / "tiny_train.py"
+#: A small transformer under FSDP2, HSDP, DDP or alone (tests/support/workers/fsdp_train.py).
+FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_train.py"
 
 
 def worker_env(
@@ -46,10 +48,10 @@ def worker_env(
     return env
 
 
-def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    """Start tests/workers/tiny_train.py with ``args``."""
+def start_worker(args: list[str], env: dict[str, str], worker: Path = WORKER) -> subprocess.Popen[str]:
+    """Start ``worker`` (tests/workers/tiny_train.py by default) with ``args``."""
     return subprocess.Popen(
-        [sys.executable, str(WORKER), *args],
+        [sys.executable, str(worker), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -65,13 +67,21 @@ def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, dict
 
 
 def run_gang(
-    ckpt: Path, world_size: int, args: list[str], *, faults: str = "", settings: dict[str, Any] | None = None
+    ckpt: Path,
+    world_size: int,
+    args: list[str],
+    *,
+    faults: str = "",
+    settings: dict[str, Any] | None = None,
+    worker: Path = WORKER,
 ) -> list[tuple[int, dict[str, Any] | None, str]]:
-    """Run ``world_size`` workers as one torch.distributed job and wait for all of them."""
+    """Run ``world_size`` workers of ``worker`` as one torch.distributed job and wait for all of them."""
     port = free_port()
     procs = [
         start_worker(
-            args, worker_env(ckpt, rank=r, world_size=world_size, port=port, faults=faults, settings=settings)
+            args,
+            worker_env(ckpt, rank=r, world_size=world_size, port=port, faults=faults, settings=settings),
+            worker,
         )
         for r in range(world_size)
     ]

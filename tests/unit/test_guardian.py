@@ -579,6 +579,7 @@ def test_a_poisoned_state_is_never_saved_as_clean_and_rolls_back(tmp_path: Path,
     assert guardian.store.newest_valid() == 4
     for _ in range(2):
         assert guardian.step(poisonable_loss(model)).applied
+    guardian.settle()  # the state changes outside a step: the snapshot's background copy must be done
     with torch.no_grad():
         POISONS[poison](model, optimizer)
     outcomes = [guardian.step(poisonable_loss(model)) for _ in range(2)]  # step 8: snapshot and checkpoint

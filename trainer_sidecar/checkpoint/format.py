@@ -25,6 +25,11 @@ multiple of 64). ``complex128``, which safetensors has no name for, is stored as
 dimension of 2 (real, imaginary; what ``torch.view_as_real`` gives) and listed in the metadata's
 ``"dtypes"`` (the JSON text of ``{NAME: "complex128"}``), which the reader uses to restore it.
 
+A tensor that is one rank's shard of a larger tensor (a DTensor of FSDP2 or HSDP) is stored as that
+rank's local tensor and listed in the metadata's ``"shards"`` (the JSON text of ``{NAME: {"shape":
+GLOBAL_SHAPE, "offset": OFFSET}}``): the global tensor's shape and where the local box starts in it. The
+shards of one global tensor, in the files of several ranks, share its name.
+
 A reader checks the whole layout before it allocates anything: the tensors must cover the data exactly,
 so the bytes a file can make the reader allocate are bounded by the file's own size. Files of the
 trainguard format 2 (magic ``\\x89trainguard checkpoint``) are refused naming that format.
@@ -39,7 +44,7 @@ import stat
 import struct
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,7 @@ import numpy as np
 import torch
 
 from trainer_sidecar.checkpoint.errors import CheckpointError
+from trainer_sidecar.sharding import Box
 from trainer_sidecar.tensorstate import Slot, unflatten
 
 FORMAT_VERSION = 3
@@ -225,9 +231,22 @@ def _entry(host: torch.Tensor, begin: int) -> dict[str, Any]:
     return {"dtype": _SAFETENSORS_NAMES[name], "shape": shape, "data_offsets": [begin, begin + nbytes]}
 
 
-def _header(node: Any, names: dict[int, str], hosts: Sequence[torch.Tensor], order: Sequence[int]) -> bytes:
+def _header(
+    node: Any,
+    names: dict[int, str],
+    hosts: Sequence[torch.Tensor],
+    order: Sequence[int],
+    boxes: Sequence[Box | None],
+) -> bytes:
     """The length-prefixed, space-padded JSON header of a file holding ``hosts`` in ``order``."""
     metadata = {"format": "pt", "trainguard": str(FORMAT_VERSION), "state": _dumps(node)}
+    shards = {
+        names[i]: {"shape": list(box.global_shape), "offset": list(box.offset)}
+        for i, box in enumerate(boxes)
+        if box is not None
+    }
+    if shards:
+        metadata["shards"] = _dumps(shards)
     stored_as = {
         names[i]: _NAME_OF_DTYPE[hosts[i].dtype]
         for i in order
@@ -272,17 +291,24 @@ def _pieces(prefix: bytes, views: Sequence[memoryview]) -> list[Piece]:
     return pieces
 
 
-def serialize(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Serialized:
+def serialize(
+    skeleton: Any, tensors: Sequence[torch.Tensor], boxes: Sequence[Box | None] | None = None
+) -> Serialized:
     """Lay out the file: header, then every tensor's bytes, largest item size first, back to back.
 
     The pieces are views of the tensors (no copy), which must not change until they are written. A
     state holding a value or dtype a checkpoint cannot store raises CheckpointError naming it.
+    ``boxes``: for each tensor that is a shard of a larger one, where it lies in it (None for the others).
     """
     encoder = _Encoder(tensors)
     node = encoder.node(skeleton, "state")
     hosts = [_as_host(t) for t in tensors]
+    boxes = list(boxes) if boxes is not None else [None] * len(hosts)
+    for host, box in zip(hosts, boxes, strict=True):
+        if box is not None and box.shape != tuple(host.shape):
+            raise CheckpointError(f"a shard of shape {tuple(host.shape)} does not fill its box {box.shape}")
     order = sorted(range(len(hosts)), key=lambda i: -hosts[i].element_size())
-    prefix = _header(node, encoder.names, hosts, order)
+    prefix = _header(node, encoder.names, hosts, order, boxes)
     pieces = _pieces(prefix, [_byte_view(hosts[i]) for i in order])
     size = len(prefix) + sum(h.numel() * h.element_size() for h in hosts)
     if sum(piece.nbytes for piece in pieces) != size:  # pragma: no cover - a layout bug, not bad input
@@ -295,13 +321,20 @@ def serialize(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Serialized:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Where one tensor's bytes lie in a file (``offset`` from the start of the file) and what they are."""
+    """Where one tensor's bytes lie in a file (``offset`` from the start of the file) and what they are;
+    ``box``: where it lies in the global tensor it is a shard of (None: it is a whole tensor)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    box: Box | None = None
+
+    @property
+    def extent(self) -> Box:
+        """The part of the global tensor this one holds (all of it when it is not a shard)."""
+        return self.box if self.box is not None else Box.whole(self.shape)
 
 
 @dataclass(frozen=True)
@@ -443,6 +476,45 @@ def _tensor_spec(
     return TensorSpec(name, dtype, tuple(shape), data_start + begin, end - begin)
 
 
+def _shard_box(name: str, entry: Any, local: tuple[int, ...], where: str) -> Box:
+    """The box of a shard's metadata entry, checked against the local tensor's shape."""
+    if not isinstance(entry, dict) or set(entry) != {"shape", "offset"}:
+        raise _malformed(where, f"shard {_brief(name)} is not a shape/offset object")
+    shape, offset = entry["shape"], entry["offset"]
+    valid = (
+        isinstance(shape, list)
+        and isinstance(offset, list)
+        and len(shape) == len(offset) == len(local)
+        and all(_is_int(d) and 0 <= d < _MAX_ELEMENTS for d in shape)
+        and all(_is_int(o) and o >= 0 for o in offset)
+        and all(o + n <= d for o, n, d in zip(offset, local, shape, strict=True))
+    )
+    if not valid:
+        raise _malformed(
+            where, f"shard {_brief(name)}: a {list(local)} box at {_brief(offset)} is not in {_brief(shape)}"
+        )
+    return Box(tuple(shape), tuple(offset), local)
+
+
+def _with_shards(specs: list[TensorSpec], metadata: dict[str, Any], where: str) -> list[TensorSpec]:
+    """``specs`` with the boxes of the metadata's ``"shards"`` (see the module's docstring)."""
+    if "shards" not in metadata:
+        return specs
+    try:
+        table = loads_strict(metadata["shards"])
+    except (ValueError, RecursionError) as exc:
+        raise _malformed(where, f"metadata shards: {exc}") from exc
+    by_name = {spec.name: spec for spec in specs}
+    if not isinstance(table, dict) or not set(table) <= set(by_name):
+        raise _malformed(where, "metadata shards must map tensors of the file to their boxes")
+    return [
+        replace(spec, box=_shard_box(spec.name, table[spec.name], spec.shape, where))
+        if spec.name in table
+        else spec
+        for spec in specs
+    ]
+
+
 def _check_coverage(specs: list[TensorSpec], data_start: int, size: int, where: str) -> None:
     """The tensors must tile the data section exactly: no gap, no overlap, nothing beyond the file."""
     cursor = data_start
@@ -495,6 +567,7 @@ def parse_header(raw: bytes, size: int, where: str) -> Layout:
     data_start = _LENGTH.size + len(raw)
     stored_as = _stored_as(metadata, where)
     specs = [_tensor_spec(name, entry, data_start, stored_as, where) for name, entry in header.items()]
+    specs = _with_shards(specs, metadata, where)
     _check_coverage(specs, data_start, size, where)
     decoder = _Decoder(where, [spec.name for spec in specs])
     skeleton = decoder.node(state)
@@ -507,7 +580,8 @@ def parse_header(raw: bytes, size: int, where: str) -> Layout:
     return Layout(size, data_start, tuple(specs), skeleton)
 
 
-def _pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
+def pread_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; CheckpointError naming ``where`` if the file ends first."""
     while view.nbytes:
         count = os.preadv(fd, [view], offset)
         if count <= 0:
@@ -535,7 +609,7 @@ def read_layout(fd: int, where: str) -> Layout:
             f"{where}: not a trainguard checkpoint (a {length}-byte header in a {size}-byte file)"
         )
     raw = bytearray(length)
-    _pread_exact(fd, memoryview(raw), _LENGTH.size, where)
+    pread_exact(fd, memoryview(raw), _LENGTH.size, where)
     return parse_header(bytes(raw), size, where)
 
 
@@ -550,7 +624,7 @@ def read_tensors(fd: int, layout: Layout, where: str) -> dict[str, Any]:
     for spec in layout.tensors:
         raw = _allocate(spec.nbytes)
         if spec.nbytes:
-            _pread_exact(fd, raw.numpy().data, spec.offset, where)
+            pread_exact(fd, raw.numpy().data, spec.offset, where)
         if spec.dtype == torch.bool:
             raw.clamp_(max=1)  # any non-zero byte is True; a bool tensor must hold only 0 and 1
         tensors.append(raw.view(spec.dtype).reshape(spec.shape))

@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from trainer_sidecar.checkpoint import fs, writer
 from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.checkpoint.fence import Fence, FencedError, check_fence, read_fence
-from trainer_sidecar.checkpoint.format import Serialized, read_layout, read_state_fd, serialize
+from trainer_sidecar.checkpoint.format import Serialized, read_layout, serialize
 from trainer_sidecar.checkpoint.layout import (
     EPOCH_LIMIT,
     CheckpointId,
@@ -66,8 +66,10 @@ from trainer_sidecar.checkpoint.manifest import (
     published,
     read_manifest,
 )
+from trainer_sidecar.checkpoint.shards import open_reader
+from trainer_sidecar.sharding import Box, box_of, is_sharded, read_all
 from trainer_sidecar.status import CheckpointRef
-from trainer_sidecar.tensorstate import HostBuffers, flatten
+from trainer_sidecar.tensorstate import HostBuffers, PendingCopy, flatten
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,28 @@ class Verdict:
 
 def _invalid(checkpoint: CheckpointId, reason: str) -> Verdict:
     return Verdict(checkpoint.step, False, reason, checkpoint.epoch)
+
+
+def _writers(step_fd: int, checkpoint: CheckpointId, where: str) -> int:
+    """How many ranks wrote a checkpoint: as rank 0's manifest says, or without a valid one (a load that
+    did not verify first), as many as there are data files of consecutive ranks from 0."""
+    try:
+        return read_manifest(step_fd, checkpoint, 0, where).world_size
+    except CheckpointError:
+        count = 0
+        while fs.kind(step_fd, data_file_name(count)) is not None:
+            count += 1
+        return max(1, count)
+
+
+def files_to_verify(rank: int, world_size: int, written_by: int) -> list[int]:
+    """The ranks whose files a rank of ``world_size`` checks in a checkpoint ``written_by`` ranks wrote:
+    rank 0's and its own (the files it reads whole, or nearly), and its share of the rest (those whose
+    rank is ``rank`` modulo ``world_size``), so that every file is checked by some rank of the gang."""
+    mine = {0, *(r for r in range(written_by) if r % max(1, world_size) == rank)}
+    if rank < written_by:
+        mine.add(rank)
+    return sorted(mine)
 
 
 class CheckpointStore:
@@ -165,11 +189,16 @@ class CheckpointStore:
         return str(self.root / checkpoint.dir_name)
 
     # -- saving ---------------------------------------------------------------------------------------
-    def save_async(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Capture ``state`` into host memory now and write it in the background, as (step, this epoch).
+    def save_async(
+        self, step: int, state: dict[str, Any], meta: dict[str, Any], *, stable: set[int] | None = None
+    ) -> None:
+        """Capture ``state`` into host memory and write it in the background, as (step, this epoch).
 
-        The caller waits only for the copy (and for a previous save still in flight, whose buffers this
-        one reuses: a second save never corrupts the first). Errors, including a state holding values a
+        The caller waits for the copy of what may change under it (and for a previous save still in
+        flight, whose buffers this one reuses: a second save never corrupts the first). The tensors whose
+        storage is in ``stable`` (``data_ptr`` of parameters and optimizer state) are copied in the
+        background too: the caller must ``settle`` before they change. A DTensor is written as this
+        rank's shard, with its place in the global tensor. Errors, including a state holding values a
         checkpoint cannot store, surface on the next ``wait`` as CheckpointError; once a save found this
         store fenced (FencedError), every later ``save_async`` raises that error at once.
         """
@@ -179,11 +208,17 @@ class CheckpointStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"checkpoint step must be a non-negative integer, not {step!r}")
         skeleton, tensors = flatten(state)
-        self._buffers.capture(tensors)
+        boxes = [box_of(t) if is_sharded(t) else None for t in tensors]
+        copy = self._buffers.capture(tensors, stable)
         checkpoint = CheckpointId(step, self.epoch)
         self._inflight = self._executor.submit(
-            self._write, checkpoint, skeleton, self._buffers.tensors, dict(meta)
+            self._write, checkpoint, skeleton, self._buffers.tensors, boxes, copy, dict(meta)
         )
+
+    def settle(self) -> None:
+        """Order the background copy of the last save before any change of its stable tensors (see
+        ``tensorstate.PendingCopy.settle``)."""
+        self._buffers.pending.settle()
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> CheckpointRef | None:
         """Save and wait until the checkpoint is durable; returns the clean checkpoint written (or kept).
@@ -241,14 +276,21 @@ class CheckpointStore:
             check_fence(root_fd, self.root, self.epoch)
 
     def _write(
-        self, checkpoint: CheckpointId, skeleton: Any, tensors: list[torch.Tensor], meta: dict[str, Any]
+        self,
+        checkpoint: CheckpointId,
+        skeleton: Any,
+        tensors: list[torch.Tensor],
+        boxes: list[Box | None],
+        copy: PendingCopy,
+        meta: dict[str, Any],
     ) -> CheckpointRef | None:
+        copy.wait()
         with self._dirs:
             self._writing.add(checkpoint)
             self._dirs.wait_for(lambda: checkpoint not in self._deleting)
         started = time.monotonic()
         try:
-            ref, written = self._write_checkpoint(checkpoint, skeleton, tensors, meta)
+            ref, written = self._write_checkpoint(checkpoint, skeleton, tensors, boxes, meta)
         finally:
             with self._dirs:
                 self._writing.discard(checkpoint)
@@ -259,13 +301,18 @@ class CheckpointStore:
         return ref
 
     def _write_checkpoint(
-        self, checkpoint: CheckpointId, skeleton: Any, tensors: list[torch.Tensor], meta: dict[str, Any]
+        self,
+        checkpoint: CheckpointId,
+        skeleton: Any,
+        tensors: list[torch.Tensor],
+        boxes: list[Box | None],
+        meta: dict[str, Any],
     ) -> tuple[CheckpointRef | None, bool]:
         """Write this rank's files unless they are there and valid: (its reference, whether written)."""
         where = self._where(checkpoint)
         data_path = f"{where}/{data_file_name(self.rank)}"
         try:
-            serialized = serialize(skeleton, tensors)
+            serialized = serialize(skeleton, tensors, boxes)
         except CheckpointError as exc:
             raise CheckpointError(f"{data_path} not written: {exc}") from exc
         with self._root() as root_fd:
@@ -407,10 +454,12 @@ class CheckpointStore:
         return None
 
     def verify(self, target: Target) -> Verdict:
-        """Check the files this rank would load: trusted, complete, sizes, layout and SHA-256 as manifested.
-
-        A rank beyond the writing job's world size loads rank 0's files only (see ``load``). Never raises:
-        every defect is an invalid verdict with a reason naming the file.
+        """Check this rank's share of a checkpoint: trusted, complete, and sizes, layout and SHA-256 as
+        manifested of rank 0's files, this rank's own, and of every file whose rank is this rank's modulo
+        this store's world size (``files_to_verify``): over a gang every file is checked by some rank,
+        which is what a rank reading shards from other ranks' files relies on (the gang agrees on the
+        verdicts, see ``resume``). A store of one rank checks every file. Never raises: every defect is an
+        invalid verdict with a reason naming the file.
         """
         checkpoint = self.resolve(target)
         if checkpoint is None:
@@ -435,7 +484,7 @@ class CheckpointStore:
             return _invalid(checkpoint, str(exc))
         if not published(step_fd, first.world_size):
             return _invalid(checkpoint, f"{where}: incomplete (a rank's manifest is missing)")
-        for rank in sorted({0, self.rank} if self.rank < first.world_size else {0}):
+        for rank in files_to_verify(self.rank, self.world_size, first.world_size):
             reason = self._rank_defect(step_fd, checkpoint, rank, where)
             if reason is not None:
                 return _invalid(checkpoint, reason)
@@ -460,36 +509,30 @@ class CheckpointStore:
         return None if found is None else found.step
 
     def load(self, target: Target) -> dict[str, Any]:
-        """Load this rank's view of a checkpoint: rank 0's model state merged with this rank's own state.
+        """Load this rank's view of a checkpoint, every tensor read whole (see ``open``): rank 0's state,
+        a sharded model's tensors assembled from every rank's shards, and this rank's own state."""
+        with self.open(target) as state:
+            return dict(read_all(state))
 
-        The files are parsed as data only (see ``format.read_state``): a file on a shared volume can never
-        run code here; one that is not a well-formed checkpoint raises CheckpointError naming it.
+    @contextmanager
+    def open(self, target: Target) -> Iterator[dict[str, Any]]:
+        """This rank's view of a checkpoint, its tensors not read yet (``shards.SavedTensor``: read any box
+        of them inside the block; the files close on leaving): rank 0's state, each sharded tensor
+        by its global shape, and this rank's own generators, data position and tracked state (see
+        ``shards``). The files are parsed as data only (see ``format``): a file on a shared volume can
+        never run code here; one that is not a well-formed checkpoint raises CheckpointError naming it.
         """
         checkpoint = self.resolve(target)
         if checkpoint is None:
             raise CheckpointError(f"{self.root}: no trusted checkpoint of step {target}")
         where = self._where(checkpoint)
-        with self._root() as root_fd, fs.open_dir(root_fd, checkpoint.dir_name, where) as step_fd:
-            state = self._read_data(step_fd, 0, where)
-            if self.rank != 0:
-                if fs.kind(step_fd, data_file_name(self.rank)) is not None:
-                    state.update(self._read_data(step_fd, self.rank, where))
-                else:
-                    log.warning(
-                        "%s has no state for rank %d; RNG and data position start afresh", where, self.rank
-                    )
-                    state.pop("rng", None)
+        with (
+            self._root() as root_fd,
+            fs.open_dir(root_fd, checkpoint.dir_name, where) as step_fd,
+            open_reader(step_fd, where, _writers(step_fd, checkpoint, where)) as reader,
+        ):
+            yield reader.state(self.rank)
         self._record_clean(checkpoint)
-        return state
-
-    @staticmethod
-    def _read_data(step_fd: int, rank: int, where: str) -> dict[str, Any]:
-        path = f"{where}/{data_file_name(rank)}"
-        fd, _ = fs.open_regular(step_fd, data_file_name(rank), path)
-        try:
-            return read_state_fd(fd, path)
-        finally:
-            os.close(fd)
 
     def reference(self, target: Target) -> CheckpointRef | None:
         """The checkpoint as rank 0's manifest describes it (None without a valid manifest)."""
