@@ -55,7 +55,7 @@ CHECKPOINT_VOLUME = "trainguard-checkpoints"
 #: NCCL and torch.distributed fail-fast settings, applied only where the user's container does not set them.
 NCCL_FAIL_FAST: Mapping[str, str] = {
     # The ProcessGroupNCCL watchdog's heartbeat monitor aborts a process whose watchdog is stuck this long
-    # (the design brief's 300 s), so a wedged NCCL call ends in an exit code instead of a silent hang.
+    # (300 s, the sidecar's default hang timeout), so a wedged NCCL call ends in an exit code, not a hang.
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "300",
     # InfiniBand local ack timeout, 4.096 us * 2^20 ~ 4.3 s per retransmission, ~30 s with NCCL's
     # default 7 retries: a link flap is ridden out, a dead link errors within half a minute.

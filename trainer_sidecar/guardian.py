@@ -69,7 +69,7 @@ from trainer_sidecar.status import (
     write_termination_message,
 )
 from trainer_sidecar.stopping import STOP
-from trainer_sidecar.training import StateMismatch, TrainingObjects
+from trainer_sidecar.training import StateMismatch, TrainingObjects, check_training_objects
 
 log = logging.getLogger("trainguard")
 
@@ -165,11 +165,18 @@ class Guardian:
         config: GuardianConfig | None = None,
     ) -> None:
         try:
-            if accumulation_steps < 1:
-                raise ConfigError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
             if config is None:
                 config = GuardianConfig.from_env(
                     settings=settings, checkpoint_dir=checkpoint_dir, status_file=status_file
+                )
+            check_training_objects(model, optimizer, scheduler, scaler)
+            if (
+                isinstance(accumulation_steps, bool)
+                or not isinstance(accumulation_steps, int)
+                or accumulation_steps < 1
+            ):
+                raise ConfigError(
+                    f"accumulation_steps must be an integer of at least 1, got {accumulation_steps!r}"
                 )
             self._wire(model, optimizer, scheduler, scaler, config, accumulation_steps, validate)
             self._open_checkpoints()
@@ -197,6 +204,7 @@ class Guardian:
         self.gang = Gang.current()
         self.training = TrainingObjects(model, optimizer, scheduler, scaler)
         self.model, self.module, self.optimizer = model, self.training.module, optimizer
+        self.training.refuse_loop_steps(self._misused)
         self.accumulation_steps = accumulation_steps
         self.validate = validate
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
@@ -811,6 +819,11 @@ class Guardian:
         log.error("%s; exiting with code %d", message, ExitCode.FENCED)
         self._report_end(Phase.FAILED, message, ExitCode.FENCED)
         self._exit_now(ExitCode.FENCED, Fenced(message))
+
+    def _misused(self, error: ConfigError) -> None:
+        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
+        configuration error, published before it is raised."""
+        self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
 
     def _report_end(self, phase: Phase, message: str, code: int) -> None:
         """Publish the worker's final phase, message and exit code, in the status and the termination
