@@ -32,6 +32,7 @@ from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.poll import SidecarPoller
 from trainguard_operator.reconcile import (
     IMMUTABLE_FIELDS,
+    RESIZABLE_FIELDS,
     Plan,
     PlanAction,
     World,
@@ -277,14 +278,15 @@ async def spec_updated(
     SpecChangeRefused condition and a Warning event from the reconcile step that follows."""
     rt = _runtime(memo)
     paths = changed_paths(old or {}, new or {}, "spec")
-    immutable = tuple(f"spec.{key}" for key in IMMUTABLE_FIELDS)
+    immutable = tuple(f"spec.{key}" for key in IMMUTABLE_FIELDS if key not in RESIZABLE_FIELDS)
     accepted = [p for p in paths if not p.startswith(immutable)]
     if accepted:
         kopf.info(
             body,
             reason="SpecChangeAccepted",
             message=f"accepted changes to {', '.join(accepted)}: recovery and dataQuality apply to the "
-            "next decisions; health and guard apply to polling now and to the pods from the next attempt",
+            "next decisions; health and guard apply to polling now and to the pods from the next attempt; "
+            "replicas and nprocPerNode from the next gang restart",
         )
     async with _lock(memo):
         await _step(rt, memo, namespace or "default", name)

@@ -63,8 +63,11 @@ from trainguard.observation import GangView, SidecarReport
 from trainguard.policy import Action, Decision, Observation, decide
 from trainguard.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
-#: Spec fields fixed for the life of a job (see ``spec_change``); every other field may change.
+#: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
 IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
+#: Pinned fields a change of which is accepted and takes effect at the next gang restart (the world
+#: size: checkpoints resume under another one); the others are fixed for the life of the job.
+RESIZABLE_FIELDS = ("replicas", "nprocPerNode")
 #: How soon to look again while waiting for an old attempt's PyTorchJob to go away.
 STALE_POLL_SECONDS = 2.0
 #: The shortest requeue: a wait that is nearly over must not become a hot loop.
@@ -164,21 +167,38 @@ def spec_change(
 
     Accepted while the job runs: ``recovery`` (the next decisions use it), ``dataQuality`` (at once),
     ``health`` and ``guard`` (the operator's polling at once; the pods at the next attempt, as pods
-    cannot change). Refused: ``replicas`` and ``nprocPerNode`` (the data order and each rank's shard
-    depend on the world size, and resuming a checkpoint under another world size is not supported),
-    ``template`` (a new image or command mid-run would resume checkpoints with different code) and
-    ``checkpoint`` (a new claim or path would start over from nothing while the old checkpoints are
-    orphaned).
+    cannot change), ``replicas`` and ``nprocPerNode`` (pinned per attempt: the next gang restart re-pins
+    them, see ``repin_world``; the checkpoint resumes under the new world size, its shards resharded and
+    its data position carried in samples). Refused: ``template`` (a new image or command mid-run would
+    resume checkpoints with different code) and ``checkpoint`` (a new claim or path would start over
+    from nothing while the old checkpoints are orphaned).
     """
     # Both sides without nulls: a pin stored before nulls were dropped compares equal to its spec too. A
     # field pinned by nothing (a job pinned before the field existed) keeps the spec's value.
     current = pin(spec)
     pinned = {key: pinned.get(key, current[key]) for key in IMMUTABLE_FIELDS}
-    refused = changed_paths(without_nulls(pinned), current, "spec")
+    resizable = tuple(f"spec.{key}" for key in RESIZABLE_FIELDS)
+    refused = [
+        path
+        for path in changed_paths(without_nulls(pinned), current, "spec")
+        if path not in resizable and not path.startswith(tuple(f"{r}." for r in resizable))
+    ]
     effective = GuardedTrainingJobSpec.model_validate(
         {**spec.model_dump(by_alias=True, mode="json"), **pinned}
     )
     return effective, refused
+
+
+def repin_world(pinned: Mapping[str, Any], spec: GuardedTrainingJobSpec) -> tuple[dict[str, Any], list[str]]:
+    """The pin for a new attempt: ``pinned`` with the spec's ``replicas`` and ``nprocPerNode`` (the next
+    gang runs at the world size asked for now), and the fields that changed, as ``spec.FIELD old -> new``."""
+    current = pin(spec)
+    changes = [
+        f"spec.{key} {pinned.get(key)} -> {current[key]}"
+        for key in RESIZABLE_FIELDS
+        if key in pinned and pinned[key] != current[key]
+    ]
+    return {**pinned, **{key: current[key] for key in RESIZABLE_FIELDS}}, changes
 
 
 def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -283,6 +303,7 @@ class _Step:
         except ValidationError as exc:
             return self.blocked_spec(f"{self.namespace}/{self.name}: {exc}")
         self.job = job.model_copy(update={"spec": effective})
+        self.asked = job
         self.period = float(effective.health.probe_period_seconds)
         self.refusals(refused)
         if self.world.jobs is None:
@@ -364,9 +385,9 @@ class _Step:
             self.condition(ConditionType.SPEC_CHANGE_REFUSED, False, "SpecMatchesRunningJob")
             return
         message = (
-            f"changes to {', '.join(refused)} are refused while the job runs: replicas, nprocPerNode, "
-            "template and checkpoint are fixed for the job's life, and every attempt keeps using the "
-            "original values. "
+            f"changes to {', '.join(refused)} are refused while the job runs: template and checkpoint "
+            "are fixed for the job's life, and every attempt keeps using the original values "
+            "(replicas and nprocPerNode may change: from the next gang restart). "
             "Revert the change, or delete and re-create the job."
         )
         if self.became_true(ConditionType.SPEC_CHANGE_REFUSED, message):
@@ -393,6 +414,17 @@ class _Step:
                 phase_reason="WaitingForPreviousAttempt",
                 phase_message=f"attempt {self.attempt} waits for the previous attempt's PyTorchJob to go",
             )
+        if self.st.pinned is not None:
+            repinned, resized = repin_world(self.st.pinned, self.asked.spec)
+            if resized:
+                self.st.pinned = repinned
+                self.job = self.asked.model_copy(update={"spec": spec_change(repinned, self.asked.spec)[0]})
+                self.event(
+                    "Normal",
+                    "WorldSizeChanged",
+                    f"attempt {self.attempt} runs with {', '.join(resized)}: it resumes the last clean "
+                    "checkpoint under the new world size",
+                )
         try:
             manifest = render_pytorchjob(
                 self.job,

@@ -4,6 +4,10 @@
 stopped at: each epoch's order is a permutation drawn from the seed and the epoch (identical on every
 rank and every restart; computed per batch, never stored: ``trainer_sidecar.permutation``), rank ``r``
 of ``w`` takes every ``w``-th sample, and resuming skips consumed batches by index without loading them.
+Batch ``b`` of all ranks together covers the positions ``[start + b*bs*w, start + (b+1)*bs*w)`` of the
+epoch's order (``start`` is 0 but in an epoch resumed under another world size or batch size), so a
+position is also a number of samples (``DataPosition.sample``): a checkpoint carries it, and a gang of
+another size resumes at the same sample, neither repeating nor skipping one.
 Samples that are empty or hold non-finite numbers are dropped inside the collate function (so it works
 with loader worker processes) and counted.
 """
@@ -40,10 +44,18 @@ class SizedDataset(Protocol):
 
 @dataclass
 class DataPosition:
-    """Where the data stream is: the epoch and the next batch index within it (same on every rank)."""
+    """Where the data stream is: the epoch and the next batch index within it (same on every rank), and
+    ``start``, the position in the epoch's order where batch 0 of this numbering begins (0 but in an epoch
+    resumed under another world size or batch size)."""
 
     epoch: int = 0
     batch: int = 0
+    start: int = 0
+
+    def sample(self, samples_per_batch: int) -> int:
+        """The position in the epoch's order of the next sample, over all ranks, for batches of
+        ``samples_per_batch`` samples over all ranks (batch size times world size)."""
+        return self.start + self.batch * samples_per_batch
 
     def as_dict(self) -> dict[str, int]:
         """Plain form for checkpoints and status."""
@@ -146,10 +158,10 @@ class _LazyBatches(Sampler[list[tuple[int, int]]]):
         return max(0, self.loader.batches_per_epoch - self.start)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        skip = self.loader.dead_letters.skip
-        for batch in range(self.start, self.loader.batches_per_epoch):
-            if (self.epoch, batch) not in skip:
-                yield [(batch, int(i)) for i in self.loader.batch_indices(self.epoch, batch)]
+        loader = self.loader
+        for batch in range(self.start, loader.batches_in(self.epoch)):
+            if not loader.dead_letters.is_dead(self.epoch, batch, loader.span(self.epoch, batch)):
+                yield [(batch, int(i)) for i in loader.batch_indices(self.epoch, batch)]
 
 
 @dataclass
@@ -157,11 +169,31 @@ class DeadLetters:
     """Batches never to replay (non-finite loss, or a rolled-back window), kept beside the checkpoints.
 
     Keyed by (epoch, batch index), which is the same on every rank: skipping a batch on all ranks keeps
-    them in lockstep. Rank 0 writes the file; every rank reads it at start.
+    them in lockstep; and, when the entry carries it, by the span of the epoch's order the batch covered
+    over all ranks (``first``, ``end``: sample positions), which is what a gang of another world size
+    skips (every batch of its own overlapping the span). Entries without a span (older files) are taken
+    to be of the current world size. Rank 0 writes the file; every rank reads it at start.
     """
 
     path: Path | None
     skip: set[tuple[int, int]] = field(default_factory=set)
+    spans: set[tuple[int, int, int]] = field(default_factory=set)
+
+    def is_dead(self, epoch: int, batch: int, span: tuple[int, int] | None = None) -> bool:
+        """Whether batch ``batch`` of ``epoch`` (covering ``span`` of the epoch's order) is to be skipped."""
+        if (epoch, batch) in self.skip:
+            return True
+        if span is None:
+            return False
+        first, end = span
+        return any(e == epoch and f < end and first < n for e, f, n in self.spans)
+
+    def _remember(self, entry: dict[str, Any]) -> None:
+        epoch, first, end = entry["epoch"], entry.get("first"), entry.get("end")
+        if first is None or end is None:
+            self.skip.add((int(epoch), int(entry["batch"])))
+        else:
+            self.spans.add((int(epoch), int(first), int(end)))
 
     def load(self) -> None:
         """Read the file; unreadable lines are logged and ignored (never fatal)."""
@@ -169,17 +201,22 @@ class DeadLetters:
             return
         for number, line in enumerate(self.path.read_text().splitlines(), start=1):
             try:
-                entry = json.loads(line)
-                self.skip.add((int(entry["epoch"]), int(entry["batch"])))
+                self._remember(json.loads(line))
             except (ValueError, KeyError, TypeError):
                 log.warning("%s line %d is not a dead-letter entry; ignored", self.path, number)
 
-    def add(self, epoch: int, batch: int, *, write: bool, **details: Any) -> None:
-        """Remember a batch to skip on replay; appends one JSON line when ``write`` (rank 0)."""
-        self.skip.add((epoch, batch))
+    def add(
+        self, epoch: int, batch: int, *, write: bool, span: tuple[int, int] | None = None, **details: Any
+    ) -> None:
+        """Remember a batch to skip on replay (with ``span``, the positions of the epoch's order it covered
+        over all ranks); appends one JSON line when ``write`` (rank 0)."""
+        entry: dict[str, Any] = {"epoch": epoch, "batch": batch}
+        if span is not None:
+            entry.update(first=span[0], end=span[1])
+        self._remember(entry)
         if write and self.path is not None:
             with open(self.path, "a") as handle:
-                handle.write(json.dumps({"epoch": epoch, "batch": batch, **details}) + "\n")
+                handle.write(json.dumps({**entry, **details}) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
 
@@ -235,6 +272,24 @@ class GuardedLoader:
         """Full batches each rank gets per epoch (a partial last batch is dropped to keep ranks in step)."""
         return len(self.dataset) // self.world_size // self.batch_size
 
+    @property
+    def samples_per_batch(self) -> int:
+        """Samples in one batch of all ranks together."""
+        return self.batch_size * self.world_size
+
+    def _start(self, epoch: int) -> int:
+        return self.position.start if epoch == self.position.epoch else 0
+
+    def batches_in(self, epoch: int) -> int:
+        """Full batches of all ranks in ``epoch`` from its start position (``batches_per_epoch`` but in an
+        epoch resumed under another world size or batch size)."""
+        return (len(self.dataset) - self._start(epoch)) // self.samples_per_batch
+
+    def span(self, epoch: int, batch: int) -> tuple[int, int]:
+        """The positions ``[first, end)`` of ``epoch``'s order that ``batch`` covers over all ranks."""
+        first = self._start(epoch) + batch * self.samples_per_batch
+        return first, first + self.samples_per_batch
+
     def _order(self, epoch: int) -> Permutation | None:
         if not self.shuffle:
             return None
@@ -247,7 +302,8 @@ class GuardedLoader:
         goes to rank ``p % world_size``. Deterministic in (seed, epoch, rank, world size); O(batch) work
         and memory whatever the dataset's size."""
         first = batch * self.batch_size
-        positions = (np.arange(first, first + self.batch_size, dtype=np.int64) * self.world_size) + self.rank
+        steps = np.arange(first, first + self.batch_size, dtype=np.int64)
+        positions = self._start(epoch) + steps * self.world_size + self.rank
         order = self._order(epoch)
         return [int(i) for i in (order.at(positions) if order is not None else positions)]
 
@@ -276,7 +332,7 @@ class GuardedLoader:
                 dropped += int(sample_is_bad(poisoned))
             self.counters.seen += seen
             self.counters.dropped += dropped
-            self.position = DataPosition(epoch, b + 1)
+            self.position = DataPosition(epoch, b + 1, self.position.start)
             if data is None:
                 if self.world_size == 1:
                     log.warning("every sample of batch %d in epoch %d was bad; batch skipped", b, epoch)
@@ -296,10 +352,26 @@ class GuardedLoader:
         self.position = DataPosition(epoch + 1, 0)
 
     def state_dict(self) -> dict[str, int]:
-        """Position and counters, for checkpoints."""
-        return {**self.position.as_dict(), "seen": self.counters.seen, "dropped": self.counters.dropped}
+        """Position (also as ``sample``: the next sample's place in the epoch's order over all ranks) and
+        counters, for checkpoints."""
+        return {
+            **self.position.as_dict(),
+            "sample": self.position.sample(self.samples_per_batch),
+            "seen": self.counters.seen,
+            "dropped": self.counters.dropped,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at a saved position with the saved counters."""
-        self.position = DataPosition(int(state["epoch"]), int(state["batch"]))
+        """Resume at a saved position with the saved counters. A state with ``sample`` resumes at that
+        sample whatever the world size and batch size that saved it (the next batch starts there); an
+        older one, without it, at its batch index."""
+        epoch = int(state["epoch"])
+        if "sample" in state:
+            sample = int(state["sample"])
+            if not 0 <= sample <= len(self.dataset):
+                raise ValueError(f"data position sample {sample} is outside a dataset of {len(self.dataset)}")
+            batch, start = divmod(sample, self.samples_per_batch)
+            self.position = DataPosition(epoch, batch, start)
+        else:
+            self.position = DataPosition(epoch, int(state["batch"]))
         self.counters = DataCounters(int(state.get("seen", 0)), int(state.get("dropped", 0)))

@@ -42,6 +42,11 @@ class DataFeed:
         if "data" in self._pending:
             loader.load_state_dict(self._pending.pop("data"))
 
+    def span(self, epoch: int, batch: int) -> tuple[int, int] | None:
+        """The positions of ``epoch``'s order that ``batch`` covers over all ranks (None without a
+        loader: a loop feeding its own batches)."""
+        return self.loader.span(epoch, batch) if self.loader is not None else None
+
     def track(self, name: str, stateful: Stateful) -> None:
         """Keep ``stateful``'s state; raises TypeError at once when it cannot be checkpointed."""
         try:

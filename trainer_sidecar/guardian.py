@@ -631,7 +631,7 @@ class Guardian:
             for batch in batches:
                 self.dead_letters.add(
                     batch.epoch, batch.index, write=self.rank == 0, step=counters.step - 1,
-                    reason=verdict.reason, kind="non-finite",
+                    reason=verdict.reason, kind="non-finite", span=self.feed.span(batch.epoch, batch.index),
                 )  # fmt: skip
         if verdict.cause == NON_FINITE_LOSS:
             self._localize(replay, locally_nonfinite)
@@ -758,7 +758,10 @@ class Guardian:
         self.counters.rewind_to(self._snapshot.extra["counters"])
         # The data does not rewind: the window that led here is skipped, and remembered for replays.
         for batch in self._window_batches:
-            self.dead_letters.add(batch.epoch, batch.index, write=self.rank == 0, kind="rolled-back window")
+            span = self.feed.span(batch.epoch, batch.index)
+            self.dead_letters.add(
+                batch.epoch, batch.index, write=self.rank == 0, kind="rolled-back window", span=span
+            )
         self.counters.rollbacks += 1
         self._remediate(self.settings.remediation)
         # The restored state is clean; re-snapshot it so a further rollback compounds the remediation.

@@ -4,12 +4,15 @@ bit-identically at the same world size and at another one."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.procs import FSDP_WORKER, run_gang, successful_reports
+from tests.support.workers.fsdp_train import make_dataset
+from trainer_sidecar.data import GuardedLoader
 
 pytestmark = pytest.mark.slow
 
@@ -50,3 +53,50 @@ def test_fsdp_rollback_restores_every_shard_on_every_rank(tmp_path: Path) -> Non
     for report in reports:
         assert report["rollbacks"] == 1
         assert report["rollbacks_checked"] == [True]  # each rank's shards, byte for byte, as snapshotted
+
+
+def test_fsdp_sigkill_of_the_gang_then_resume_is_bit_identical_to_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    args = ["--steps", "14"]
+    reference = gang(tmp_path / "reference", 2, args)
+    killed = run_gang(tmp_path / "killed", 2, args, faults="crash@11", settings=SETTINGS, worker=FSDP_WORKER)
+    assert [code for code, _, _ in killed] == [-signal.SIGKILL] * 2
+    resumed = gang(tmp_path / "killed", 2, args, faults="crash@11")  # a fault fires once per job
+    for before, after in zip(reference, resumed, strict=True):
+        assert after["resumed_step"] == 8
+        assert after["step"] == 14
+        assert after["digest"] == before["digest"]
+        assert after["probe_end"] == before["probe_end"]
+    # the resumed gang trained on exactly the samples the uninterrupted one did after step 8
+    assert sorted(s for r in resumed for s in r["samples"]) == sorted(
+        s for r in reference for s in r["samples"][8 * 4 :]
+    )
+
+
+def test_a_sharded_checkpoint_resumes_unsharded_on_one_rank_at_the_same_state_and_sample(
+    tmp_path: Path,
+) -> None:
+    first = gang(tmp_path, 2, ["--steps", "8"])
+    assert {report["position"]["sample"] for report in first} == {8 * 4 * 2}
+    # Nothing left to train: the state loaded from the two ranks' shards is the gathered state, exactly.
+    (same,) = gang(tmp_path, 1, ["--steps", "8", "--shard", "none"])
+    assert same["resumed_step"] == 8
+    assert same["digest"] == first[0]["digest"]
+    assert same["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
+    (more,) = gang(tmp_path, 1, ["--steps", "10", "--shard", "none"])
+    assert more["resumed_step"] == 8
+    # The next samples are the next positions of the epoch's order: 64.. for one rank of batch 4.
+    one_rank = GuardedLoader(make_dataset(512, 0), batch_size=4, seed=0, rank=0, world_size=1)
+    assert more["samples"] == one_rank.batch_indices(0, 16) + one_rank.batch_indices(0, 17)
+    assert not set(more["samples"]) & {s for report in first for s in report["samples"]}
+
+
+def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four(tmp_path: Path) -> None:
+    first = gang(tmp_path, 2, ["--steps", "8"])
+    wider = gang(tmp_path, 4, ["--steps", "8"])
+    for report in wider:
+        assert report["resumed_step"] == 8
+        assert report["digest"] == first[0]["digest"]  # every shard re-cut from the two old ones
+        assert report["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
+        assert report["position"]["sample"] == 64

@@ -232,24 +232,33 @@ async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_opera
         await eventually(lambda: conditions(cluster)["PyTorchJobCRDMissing"]["status"] == "False")
         assert alive(cluster, PTJ, "broken-1") is None
 
-        # A change of replicas is refused with a condition; a change of recovery is accepted.
+        # A change of the checkpoint's place is refused with a condition; changes of recovery and of
+        # replicas (from the next gang restart) are accepted.
         await patch(
             cluster,
             f"{GTJ_PATH}/tiny-lm",
-            {"spec": {"replicas": 4, "recovery": {"maxRestarts": 9, "backoffSeconds": [1]}}},
+            {
+                "spec": {
+                    "replicas": 4,
+                    "checkpoint": {"mountPath": "/elsewhere"},
+                    "recovery": {"maxRestarts": 9, "backoffSeconds": [1]},
+                }
+            },
         )
         refused = await eventually(
             lambda: conditions(cluster).get("SpecChangeRefused", {}).get("status") == "True"
         )
         assert refused
         message = conditions(cluster)["SpecChangeRefused"]["message"]
-        assert "spec.replicas" in message
+        assert "spec.checkpoint.mountPath" in message
         assert "recovery" not in message
+        assert "spec.replicas" not in message
         await eventually(lambda: "SpecChangeRefused" in event_reasons(cluster), what="refusal event")
         await eventually(lambda: "SpecChangeAccepted" in event_reasons(cluster), what="acceptance event")
         accepted = [e for e in events(cluster) if e["reason"] == "SpecChangeAccepted"]
         assert "spec.recovery.maxRestarts" in accepted[0]["message"]
-        assert "spec.replicas" not in accepted[0]["message"]
+        assert "spec.replicas" in accepted[0]["message"]
+        assert "spec.checkpoint" not in accepted[0]["message"]
 
 
 @pytest.mark.slow

@@ -695,7 +695,6 @@ def test_next_attempt_in_the_future_means_wait_until_then() -> None:
 def test_spec_change_of_immutable_fields_is_refused_and_recovery_changes_apply() -> None:
     cluster = started_cluster()
     spec = cluster.body["spec"]
-    spec["replicas"] = 4
     spec["template"]["spec"]["containers"][0]["image"] = "registry.example/tiny-lm:2"
     spec["recovery"] = {"maxRestarts": 7, "backoffSeconds": [2]}
     cluster.body["metadata"]["generation"] = 2
@@ -704,15 +703,14 @@ def test_spec_change_of_immutable_fields_is_refused_and_recovery_changes_apply()
     assert condition(status, "SpecChangeRefused") == ("True", "ImmutableFieldChanged")
     refused = status.condition("SpecChangeRefused")
     assert refused is not None
-    assert "spec.replicas" in refused.message
     assert "spec.template.spec.containers" in refused.message
     assert "recovery" not in refused.message
     assert refused.observed_generation == 2
     assert condition(status, "Ready") == ("False", "SpecChangeRefused")
     assert reasons(plan) == ["SpecChangeRefused"]
     assert cluster.step(T0 + timedelta(seconds=40)).events == ()  # said once, not every step
-    # The accepted recovery change is used by the next decision; the next attempt keeps 2 replicas
-    # and the original image.
+    # The accepted recovery change is used by the next decision; the next attempt keeps the original
+    # image.
     cluster.set_pod(pod(1, 1, exit_code=137))
     plan = cluster.step(T0 + timedelta(seconds=60))
     assert plan.decision is not None
@@ -721,13 +719,40 @@ def test_spec_change_of_immutable_fields_is_refused_and_recovery_changes_apply()
     plan = cluster.step(T0 + timedelta(seconds=62))
     assert plan.create is not None
     replicas = plan.create["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Worker"]["replicas"] == 1
     assert replicas["Master"]["template"]["spec"]["containers"][0]["image"] == "registry.example/tiny-lm:1"
     # Reverting the change clears the condition.
-    spec["replicas"] = 2
     spec["template"]["spec"]["containers"][0]["image"] = "registry.example/tiny-lm:1"
     cluster.step(T0 + timedelta(seconds=70))
     assert condition(cluster.status, "SpecChangeRefused")[0] == "False"
+
+
+def test_a_change_of_replicas_is_accepted_and_takes_effect_at_the_next_gang_restart() -> None:
+    cluster = started_cluster()
+    cluster.body["spec"]["replicas"] = 4
+    cluster.body["metadata"]["generation"] = 2
+    plan = cluster.step(T0 + timedelta(seconds=30))
+    assert condition(cluster.status, "SpecChangeRefused") == ("False", "SpecMatchesRunningJob")
+    assert plan.create is None
+    assert plan.delete == ()  # the running gang is not disturbed
+    assert reasons(plan) == []
+    # The running attempt is still observed as the 2-pod gang it is: two running pods are all of it.
+    assert cluster.status.pinned is not None
+    assert cluster.status.pinned["replicas"] == 2
+    assert cluster.step(T0 + timedelta(seconds=40)).action is PlanAction.NOTHING
+    assert condition(cluster.status, "Running") == ("True", "GangRunning")
+    # At the next gang restart the new world size is rendered, announced and pinned.
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
+    plan = cluster.step(T0 + timedelta(seconds=200))
+    assert plan.create is not None
+    assert plan.create["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
+    assert "WorldSizeChanged" in reasons(plan)
+    changed = next(e for e in plan.events if e.reason == "WorldSizeChanged")
+    assert "spec.replicas 2 -> 4" in changed.message
+    assert cluster.status.pinned["replicas"] == 4
+    cluster.run_pods(2, replicas=4)
+    assert cluster.step(T0 + timedelta(seconds=210)).action is PlanAction.NOTHING
+    assert condition(cluster.status, "Running") == ("True", "GangRunning")
 
 
 def test_a_pin_read_back_from_the_api_server_is_no_spec_change() -> None:
