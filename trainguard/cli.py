@@ -1,4 +1,5 @@
-"""The ``trainguard`` command: ``run`` a GuardedTrainingJob locally, ``report`` a run's summary as a PNG."""
+"""The ``trainguard`` command: ``run`` a GuardedTrainingJob locally, ``report`` a run's summary as a PNG,
+``checkpoint export-dcp`` / ``import-dcp`` to move a checkpoint to or from torch.distributed.checkpoint."""
 
 from __future__ import annotations
 
@@ -93,6 +94,45 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+    from trainer_sidecar.checkpoint.dcp import export_dcp, import_dcp
+
+    try:
+        if args.action == "export-dcp":
+            step = export_dcp(CheckpointStore(args.checkpoint_dir), args.step, args.dcp_dir)
+            print(f"exported checkpoint {step} of {args.checkpoint_dir} to {args.dcp_dir}")
+        else:
+            store = CheckpointStore(args.checkpoint_dir)
+            import_dcp(args.dcp_dir, store, args.step, i_trust_this_pickle=args.i_trust_this_pickle)
+            print(f"imported {args.dcp_dir} as checkpoint {args.step} of {args.checkpoint_dir}")
+    except CheckpointError as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    checkpoint = commands.add_parser("checkpoint", help="move checkpoints to or from DCP")
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    export = actions.add_parser("export-dcp", help="write a trainguard checkpoint as a DCP checkpoint")
+    export.add_argument("checkpoint_dir", type=Path, help="the job's checkpoint directory")
+    export.add_argument("dcp_dir", type=Path, help="the DCP checkpoint folder to write")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid)")
+    imported = actions.add_parser(
+        "import-dcp", help="write a DCP checkpoint as a trainguard checkpoint (DCP metadata is a pickle)"
+    )
+    imported.add_argument("dcp_dir", type=Path, help="the DCP checkpoint folder to read")
+    imported.add_argument("checkpoint_dir", type=Path, help="the job's checkpoint directory to write")
+    imported.add_argument("--step", type=int, required=True, help="the step the job resumes at")
+    imported.add_argument(
+        "--i-trust-this-pickle",
+        action="store_true",
+        help="required: reading DCP metadata unpickles it, which can run code of whoever wrote it",
+    )
+    checkpoint.set_defaults(handler=_checkpoint)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trainguard`` console script."""
     parser = argparse.ArgumentParser(prog="trainguard", description=__doc__)
@@ -118,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("summary", type=Path)
     report.add_argument("-o", "--output", type=Path, default=Path("timeline.png"))
     report.set_defaults(handler=_report)
+    _add_checkpoint_commands(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     code: int = args.handler(args)

@@ -4,18 +4,25 @@ bit-identically at the same world size and at another one."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from tests.support.paths import REPO_ROOT
 from tests.support.procs import FSDP_WORKER, run_gang, successful_reports
 from tests.support.workers.fsdp_train import make_dataset
+from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.data import GuardedLoader
 
 pytestmark = pytest.mark.slow
 
+EXAMPLE_JOB = REPO_ROOT / "examples" / "04_fsdp" / "job.yaml"
 SETTINGS = {"checkpoint": {"everySteps": 4, "snapshotEverySteps": 2}, "guard": {"spikeMinHistory": 50}}
 
 
@@ -100,3 +107,27 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four(tmp_path: Path) -> No
         assert report["digest"] == first[0]["digest"]  # every shard re-cut from the two old ones
         assert report["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
         assert report["position"]["sample"] == 64
+
+
+def test_the_fsdp_example_job_runs_under_trainguard_run_through_a_nan_burst_and_a_crash(
+    tmp_path: Path,
+) -> None:
+    summary_file = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "run", str(EXAMPLE_JOB), "--run-dir", str(tmp_path / "run"),
+         "--summary", str(summary_file), "--plain"],
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    summary = json.loads(summary_file.read_text())
+    assert summary["result"] == "succeeded"
+    assert summary["final_step"] == 60
+    assert summary["rollbacks"] == 1
+    assert len(summary["restarts"]) == 1  # the crash of rank 1: the gang resumed its sharded checkpoint
+    store = CheckpointStore(tmp_path / "run" / "volumes" / "fsdp-lm-ckpt")
+    newest = store.newest_valid()
+    assert newest == 60
+    state = store.load(newest)  # two ranks' shards, read whole
+    assert state["model"]["head.weight"].shape == (64, 64)
+    assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())

@@ -1,0 +1,122 @@
+"""trainguard checkpoints to torch.distributed.checkpoint (DCP) and back, in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from trainer_sidecar import Guardian
+from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+from trainer_sidecar.checkpoint.dcp import export_dcp, import_dcp
+from trainer_sidecar.counters import GuardCounters
+from trainer_sidecar.training import TrainingObjects
+from trainguard import cli
+
+
+def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def saved_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointStore:
+    store = CheckpointStore(root)
+    state = {
+        **TrainingObjects(model, optimizer, None, None).state(),
+        "guardian": GuardCounters(1.0, step=7).to_state(),
+    }
+    assert store.save(7, state, {"loss": 0.5, "state_finite": True, "clean": True}) is not None
+    return store
+
+
+def test_an_export_loads_with_dcp_into_a_name_keyed_optimizer_state(tmp_path: Path) -> None:
+    model, optimizer = trained(0)
+    store = saved_checkpoint(tmp_path / "ckpt", model, optimizer)
+    assert export_dcp(store, None, tmp_path / "dcp") == 7
+    target: dict[str, Any] = {
+        "model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()},
+        "optimizer": {
+            "state": {
+                name: {k: torch.zeros_like(v) for k, v in optimizer.state[p].items()}
+                for name, p in model.named_parameters()
+            },
+            "param_groups": [{"params": [name for name, _ in model.named_parameters()]}],
+        },
+    }
+    dcp_load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(target["model"][key], value)
+    for name, param in model.named_parameters():
+        assert torch.equal(target["optimizer"]["state"][name]["exp_avg"], optimizer.state[param]["exp_avg"])
+
+
+def test_an_import_is_refused_unless_the_pickle_is_trusted(tmp_path: Path) -> None:
+    model, optimizer = trained(0)
+    export_dcp(saved_checkpoint(tmp_path / "ckpt", model, optimizer), 7, tmp_path / "dcp")
+    fresh = CheckpointStore(tmp_path / "imported")
+    with pytest.raises(CheckpointError, match="pickle"):
+        import_dcp(tmp_path / "dcp", fresh, 3)
+    assert fresh.newest_valid() is None  # nothing read, nothing written
+
+
+def test_a_round_trip_through_dcp_restores_the_model_and_optimizer_exactly(tmp_path: Path) -> None:
+    model, optimizer = trained(0)
+    export_dcp(saved_checkpoint(tmp_path / "ckpt", model, optimizer), 7, tmp_path / "dcp")
+    imported = CheckpointStore(tmp_path / "imported")
+    assert import_dcp(tmp_path / "dcp", imported, 7, i_trust_this_pickle=True) is not None
+    assert imported.verify(7).valid
+    other_model, other_optimizer = trained(1)
+    TrainingObjects(other_model, other_optimizer, None, None).load(imported.load(7))
+    for (key, value), other in zip(
+        model.state_dict().items(), other_model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(value, other), key
+    for param, other_param in zip(model.parameters(), other_model.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[param][key], other_optimizer.state[other_param][key])
+    assert other_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_a_folder_that_is_not_a_dcp_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "dcp").mkdir()
+    with pytest.raises(CheckpointError, match="not a DCP checkpoint"):
+        import_dcp(tmp_path / "dcp", CheckpointStore(tmp_path / "imported"), 1, i_trust_this_pickle=True)
+
+
+def test_the_cli_exports_and_imports_only_with_the_pickle_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, optimizer = trained(0)
+    saved_checkpoint(tmp_path / "ckpt", model, optimizer)
+    assert cli.main(["checkpoint", "export-dcp", str(tmp_path / "ckpt"), str(tmp_path / "dcp")]) == 0
+    args = ["checkpoint", "import-dcp", str(tmp_path / "dcp"), str(tmp_path / "imported"), "--step", "9"]
+    assert cli.main(args) == 2
+    assert "--i-trust-this-pickle" in capsys.readouterr().err
+    assert CheckpointStore(tmp_path / "imported").newest_valid() is None
+    assert cli.main([*args, "--i-trust-this-pickle"]) == 0
+    assert CheckpointStore(tmp_path / "imported").newest_valid() == 9
+
+
+def test_a_guardian_resumes_an_imported_checkpoint(tmp_path: Path) -> None:
+    model, optimizer = trained(0)
+    export_dcp(saved_checkpoint(tmp_path / "ckpt", model, optimizer), 7, tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", CheckpointStore(tmp_path / "imported"), 11, i_trust_this_pickle=True)
+    other_model, other_optimizer = trained(1)
+    guardian = Guardian(other_model, other_optimizer, checkpoint_dir=tmp_path / "imported")
+    try:
+        assert guardian.resumed_step == 11
+        assert guardian.step_count == 11
+        for value, other in zip(model.state_dict().values(), other_model.state_dict().values(), strict=True):
+            assert torch.equal(value, other)
+    finally:
+        guardian.close()
