@@ -5,6 +5,12 @@ of the disk measurements rotated every repetition, medians reported:
 
 * ``async_stall_over_sync_save``: how long ``CheckpointStore.save_async`` blocks the loop (the copy
   into warm host buffers) over a synchronous ``torch.save`` + fsync of the same state. Goal <= 0.05.
+* ``overlapped_stall_over_sync_save``: the same, with the parameters and optimizer moments copied in
+  the background while the loop goes on (``save_async(stable=...)``, as the guardian does: they change
+  only in the next optimizer step): the stall is ``save_async``'s return plus the wait in ``settle``
+  before that step, after a stand-in for the next forward and backward passes (matrix products on the
+  main thread for ``--compute-ms``, which compete with the copy for the cores on a CPU). Goal <= 0.02.
+  Measured on the CPU only: on a GPU the copy runs on a side stream into pinned buffers.
 * ``save_over_raw_write``: throughput of a full store save (``save_async`` + ``wait``: copy, header,
   raw tensor bytes written while a second thread hashes them (SHA-256), fsync, rename, manifest) over
   a raw sequential write of as many bytes (one file, 8 MiB chunks, fsync) to the same directory, i.e.
@@ -18,6 +24,13 @@ of the disk measurements rotated every repetition, medians reported:
   (writev of views, hashing beside it, fsync, rename); a load is ``read_state`` of the file just
   written (from the page cache). Goal: <= 1.05 each. The same ratios in process CPU seconds
   (``..._cpu_over_format2``) are steadier when other processes compete for the cores.
+
+A sharded case (``--sharded-ranks``, default 2; 0 skips it) trains the same layers wrapped by FSDP2's
+``fully_shard`` over that many gloo processes, each rank writing only its shards (no gather):
+``sharded_save_over_raw_write`` is each rank's raw write of as many bytes as its data file over its
+store save (the slowest rank's median), ``sharded_overlapped_stall_over_save`` its overlapped stall
+over its whole save, and ``sharded_file_bytes`` the largest rank's file (about 1/N of the replicated
+file).
 
 A write to the page cache on this VM now and then stalls for half a second or more, whichever writer
 it hits (raw or store alike), so the medians take 9 rounds and the JSON also gives
@@ -38,6 +51,7 @@ import hashlib
 import json
 import math
 import os
+import queue
 import shutil
 import statistics
 import tempfile
@@ -54,7 +68,7 @@ from tests.support.paths import REPO_ROOT
 from trainer_sidecar.checkpoint import CheckpointStore, data_file_name, step_dir_name
 from trainer_sidecar.checkpoint import format as checkpoint_format
 from trainer_sidecar.checkpoint import writer as checkpoint_writer
-from trainer_sidecar.snapshot import Snapshot
+from trainer_sidecar.snapshot import Snapshot, stable_storage
 from trainer_sidecar.tensorstate import flatten
 
 _CHUNK = 8 << 20  # the raw write's chunk (the store writes and hashes large tensors in 8 MiB pieces)
@@ -139,6 +153,115 @@ def store_save(store: CheckpointStore, step: int, state: dict[str, Any]) -> tupl
     return stall, total, time.perf_counter() - start - total
 
 
+def overlapped_save(
+    store: CheckpointStore, step: int, state: dict[str, Any], stable: set[int], compute: Callable[[], None]
+) -> tuple[float, float]:
+    """(stall, total) seconds of one checkpoint whose stable tensors are copied in the background: the
+    loop's wait in ``save_async`` plus its wait in ``settle`` after ``compute`` (the next forward and
+    backward passes), and the time until it is durable."""
+    start = time.perf_counter()
+    store.save_async(step, state, {"loss": 1.0, "clean": True}, stable=stable)
+    stall = time.perf_counter() - start
+    compute()
+    settle_start = time.perf_counter()
+    store.settle()
+    stall += time.perf_counter() - settle_start
+    if store.wait() is None:
+        raise RuntimeError(f"the checkpoint at step {step} was not recorded as clean")
+    total = time.perf_counter() - start
+    store.wait_for_pruning()
+    return stall, total
+
+
+def _sharded_rank(
+    rank: int, world_size: int, port: int, args: argparse.Namespace, root: Path, out: Any
+) -> None:
+    """One rank of the sharded case (see the module's docstring): puts its medians on ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    model, _ = build_state(args.megabytes, args.seed)
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, layers[0].in_features)).sum().backward()
+    optimizer.step()  # creates the (sharded) moments
+    optimizer.zero_grad(set_to_none=True)
+    store = CheckpointStore(root / "sharded", rank=rank, world_size=world_size, keep_clean=1)
+    stable = stable_storage(model, optimizer.state_dict())
+    operand = torch.rand(256, 256)
+
+    def compute() -> None:
+        deadline = time.perf_counter() + args.compute_ms / 1000
+        while time.perf_counter() < deadline:
+            operand @ operand
+
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    store_save(store, 1, state)
+    file_bytes = (root / "sharded" / step_dir_name(1) / data_file_name(rank)).stat().st_size
+    payload = torch.randint(0, 256, (file_bytes,), dtype=torch.uint8).numpy().data.cast("B")
+    times: dict[str, list[float]] = {"save": [], "raw": [], "overlap_stall": [], "overlap_save": []}
+    for rep in range(args.repetitions):
+        dist.barrier()
+        times["save"].append(store_save(store, 2 * rep + 2, state)[1])
+        dist.barrier()
+        times["raw"].append(raw_write(payload, root / f"sharded-raw-{rank}-{rep}.bin")[0])
+        dist.barrier()
+        stall, total = overlapped_save(store, 2 * rep + 3, state, stable, compute)
+        times["overlap_stall"].append(stall)
+        times["overlap_save"].append(total)
+    store.close()
+    dist.destroy_process_group()
+    out.put({"rank": rank, "file_bytes": file_bytes, **{k: statistics.median(v) for k, v in times.items()}})
+
+
+def sharded_case(args: argparse.Namespace, root: Path) -> dict[str, float | int]:
+    """Run the sharded case over ``args.sharded_ranks`` processes; the slowest rank's ratios."""
+    import multiprocessing
+
+    from tests.support.ports import free_port
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_sharded_rank, args=(rank, args.sharded_ranks, port, args, root, out))
+        for rank in range(args.sharded_ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    ranks: list[dict[str, Any]] = []
+    while len(ranks) < len(procs):
+        try:
+            ranks.append(out.get(timeout=2))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"a rank of the sharded case failed (exit codes {failed})") from None
+    for proc in procs:
+        proc.join()
+    slowest = max(ranks, key=lambda r: r["save"])
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        print(
+            f"  sharded rank {r['rank']}: {r['file_bytes'] / 1e6:.1f} MB file, save {r['save']:.4f} s, raw "
+            f"{r['raw']:.4f} s, overlapped stall {r['overlap_stall']:.4f} s"
+        )
+    return {
+        "sharded_ranks": args.sharded_ranks,
+        "sharded_file_bytes": max(r["file_bytes"] for r in ranks),
+        "sharded_save_over_raw_write": round(min(r["raw"] / r["save"] for r in ranks), 4),
+        "sharded_overlapped_stall_over_save": round(slowest["overlap_stall"] / slowest["save"], 4),
+        "sharded_save_s": round(slowest["save"], 6),
+    }
+
+
 def format_save(folder: Path, name: str, state: dict[str, Any], codec: Any) -> tuple[float, float]:
     """(wall, CPU) seconds to lay out ``state`` with ``codec`` (a format module) and write it through the
     store's writer (hash beside the write, fsync, rename, directory fsync) as ``folder/name``."""
@@ -179,6 +302,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch intra-op threads (default: 2, or OMP_NUM_THREADS)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sharded-ranks", type=int, default=2, help="ranks of the FSDP2 case (0: skip it)")
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=300.0,
+        help="the stand-in forward and backward pass the overlapped copy runs beside (default 300)",
+    )
     args = parser.parse_args(argv)
     if args.megabytes is None:
         args.megabytes = 40.0 if args.quick else 400.0
@@ -215,9 +345,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         stores.append(store)
         serial = CheckpointStore(root / "ckpt-serial", keep_clean=1, parallel_hash=False)
         stores.append(serial)
+        overlapping = CheckpointStore(root / "ckpt-overlap", keep_clean=1, parallel_hash=True)
+        stores.append(overlapping)
+        stable = stable_storage(model, optimizer.state_dict())
+        operand = torch.rand(256, 256)
+
+        def compute() -> None:  # a stand-in for a forward and backward pass of --compute-ms
+            deadline = time.perf_counter() + args.compute_ms / 1000
+            while time.perf_counter() < deadline:
+                operand @ operand
+
         # Warm-up: allocates the store's host buffers, learns the checkpoint file's size.
         store_save(store, 1, state)
         store_save(serial, 1, state)
+        overlapped_save(overlapping, 1, state, stable, compute)
         file_bytes = (root / "ckpt" / step_dir_name(1) / data_file_name(0)).stat().st_size
         formats = root / "formats"
         formats.mkdir()
@@ -231,7 +372,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         snapshot.restore(model, optimizer)  # warm the in-place path
         copy_dst.copy_(copy_src)
 
-        names = ("sync", "stall", "save", "serial", "prune", "raw", "restore", "copy", "sha256", "unlink")
+        names = (
+            "sync", "stall", "save", "serial", "prune", "raw", "restore", "copy", "sha256", "unlink",
+            "overlap_stall", "overlap_save",
+        )  # fmt: skip
         names_formats = [
             f"v{v}_{what}{cpu}" for v in (2, 3) for what in ("save", "load") for cpu in ("", "_cpu")
         ]
@@ -251,6 +395,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
             def run_serial(step: int = step) -> None:
                 times["serial"].append(store_save(serial, step, state)[1])
 
+            def run_overlapped(step: int = step) -> None:
+                stall, total = overlapped_save(overlapping, step, state, stable, compute)
+                times["overlap_stall"].append(stall)
+                times["overlap_save"].append(total)
+
             def run_raw(rep: int = rep) -> None:
                 write, delete = raw_write(payload, root / f"raw-{rep}.bin")
                 times["raw"].append(write)
@@ -268,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
                     times[f"{label}_load"].append(wall)
                     times[f"{label}_load_cpu"].append(cpu)
 
-            disk = [run_sync, run_store, run_raw, run_serial, run_formats]
+            disk = [run_sync, run_store, run_raw, run_serial, run_formats, run_overlapped]
             shift = rep % len(disk)
             for action in [*disk[shift:], *disk[:shift]]:
                 action()
@@ -293,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     labels = {
         "sync": "torch.save + fsync (synchronous)",
         "stall": "save_async stall (host copy)",
+        "overlap_stall": "overlapped: save_async + settle wait",
+        "overlap_save": "overlapped: save_async + wait",
         "save": "store save, save_async + wait",
         "serial": "the same, hashing after the write",
         "prune": "janitor: prune the previous one",
@@ -355,6 +506,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
 
     result: dict[str, float | int] = {
         "async_stall_over_sync_save": round(stall_ratio, 4),
+        "overlapped_stall_over_sync_save": round(med["overlap_stall"] / med["sync"], 4),
+        "overlapped_stall_s": round(med["overlap_stall"], 6),
+        "compute_ms": args.compute_ms,
         "save_over_raw_write": round(write_ratio, 4),
         "save_over_raw_write_min": round(write_ratio_min, 4),
         "restore_over_memcpy": round(restore_ratio, 4),
@@ -379,6 +533,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         "repetitions": args.repetitions,
         "load_average": round(max(load_before, load_after), 2),
     }
+    if args.sharded_ranks > 0:
+        sharded_root = Path(tempfile.mkdtemp(prefix="trainguard-bench-sharded-", dir=parent))
+        try:
+            result.update(sharded_case(args, sharded_root))
+        finally:
+            shutil.rmtree(sharded_root, ignore_errors=True)
     print(json.dumps(result))
     return result
 
