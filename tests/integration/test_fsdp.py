@@ -131,3 +131,13 @@ def test_the_fsdp_example_job_runs_under_trainguard_run_through_a_nan_burst_and_
     state = store.load(newest)  # two ranks' shards, read whole
     assert state["model"]["head.weight"].shape == (64, 64)
     assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+def test_a_ddp_checkpoint_of_two_ranks_resumes_on_one_at_the_next_sample(tmp_path: Path) -> None:
+    first = gang(tmp_path, 2, ["--steps", "6", "--shard", "ddp"])
+    (more,) = gang(tmp_path, 1, ["--steps", "8", "--shard", "none"])
+    assert more["resumed_step"] == 6
+    assert more["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
+    one_rank = GuardedLoader(make_dataset(512, 0), batch_size=4, seed=0, rank=0, world_size=1)
+    # 6 steps of 2 ranks of 4 samples: the next sample is position 48, batch 12 of one rank
+    assert more["samples"] == one_rank.batch_indices(0, 12) + one_rank.batch_indices(0, 13)
