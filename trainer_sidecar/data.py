@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from trainer_sidecar.checkpoint import fs
+from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.permutation import Permutation
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_NAME = "dead-letter.jsonl"
+MAX_DEAD_LETTER_BYTES = 64 << 20  # about half a million entries; a larger file is not ours
 
 
 class SizedDataset(Protocol):
@@ -164,10 +166,16 @@ class DeadLetters:
     skip: set[tuple[int, int]] = field(default_factory=set)
 
     def load(self) -> None:
-        """Read the file; unreadable lines are logged and ignored (never fatal)."""
-        if self.path is None or not self.path.exists():
+        """Read the file; unreadable lines, or a file that is not a regular file, are logged and ignored."""
+        if self.path is None:
             return
-        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+        try:
+            with fs.open_side_dir(self.path.parent) as dir_fd:
+                data = fs.read_if_present(dir_fd, self.path.name, MAX_DEAD_LETTER_BYTES, str(self.path))
+        except CheckpointError as exc:
+            log.warning("dead letters not read: %s", exc)
+            return
+        for number, line in enumerate((data or b"").decode(errors="replace").splitlines(), start=1):
             try:
                 entry = json.loads(line)
                 self.skip.add((int(entry["epoch"]), int(entry["batch"])))
@@ -175,13 +183,19 @@ class DeadLetters:
                 log.warning("%s line %d is not a dead-letter entry; ignored", self.path, number)
 
     def add(self, epoch: int, batch: int, *, write: bool, **details: Any) -> None:
-        """Remember a batch to skip on replay; appends one JSON line when ``write`` (rank 0)."""
+        """Remember a batch to skip on replay; appends one JSON line when ``write`` (rank 0).
+
+        A file that cannot be written (a planted link, a full volume) is logged: the batch is still
+        skipped by this process, and a later attempt finds the anomaly again if it replays it."""
         self.skip.add((epoch, batch))
-        if write and self.path is not None:
-            with open(self.path, "a") as handle:
-                handle.write(json.dumps({"epoch": epoch, "batch": batch, **details}) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+        if not write or self.path is None:
+            return
+        line = (json.dumps({"epoch": epoch, "batch": batch, **details}) + "\n").encode()
+        try:
+            with fs.open_side_dir(self.path.parent) as dir_fd:
+                fs.append_durably(dir_fd, self.path.name, line, str(self.path))
+        except (CheckpointError, OSError) as exc:
+            log.error("dead letter (epoch %d, batch %d) not recorded: %s", epoch, batch, exc)
 
 
 class GuardedLoader:
