@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +26,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from trainer_sidecar.checkpoint import fs
+from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.permutation import Permutation
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_NAME = "dead-letter.jsonl"
+MAX_DEAD_LETTER_BYTES = 64 << 20  # about half a million entries; a larger file is not ours
 
 
 class SizedDataset(Protocol):
@@ -196,10 +198,16 @@ class DeadLetters:
             self.spans.add((int(epoch), int(first), int(end)))
 
     def load(self) -> None:
-        """Read the file; unreadable lines are logged and ignored (never fatal)."""
-        if self.path is None or not self.path.exists():
+        """Read the file; unreadable lines, or a file that is not a regular file, are logged and ignored."""
+        if self.path is None:
             return
-        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+        try:
+            with fs.open_side_dir(self.path.parent) as dir_fd:
+                data = fs.read_if_present(dir_fd, self.path.name, MAX_DEAD_LETTER_BYTES, str(self.path))
+        except CheckpointError as exc:
+            log.warning("dead letters not read: %s", exc)
+            return
+        for number, line in enumerate((data or b"").decode(errors="replace").splitlines(), start=1):
             try:
                 self._remember(json.loads(line))
             except (ValueError, KeyError, TypeError):
@@ -209,16 +217,22 @@ class DeadLetters:
         self, epoch: int, batch: int, *, write: bool, span: tuple[int, int] | None = None, **details: Any
     ) -> None:
         """Remember a batch to skip on replay (with ``span``, the positions of the epoch's order it covered
-        over all ranks); appends one JSON line when ``write`` (rank 0)."""
+        over all ranks); appends one JSON line when ``write`` (rank 0).
+
+        A file that cannot be written (a planted link, a full volume) is logged: the batch is still
+        skipped by this process, and a later attempt finds the anomaly again if it replays it."""
         entry: dict[str, Any] = {"epoch": epoch, "batch": batch}
         if span is not None:
             entry.update(first=span[0], end=span[1])
         self._remember(entry)
-        if write and self.path is not None:
-            with open(self.path, "a") as handle:
-                handle.write(json.dumps({**entry, **details}) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+        if not write or self.path is None:
+            return
+        line = (json.dumps({**entry, **details}) + "\n").encode()
+        try:
+            with fs.open_side_dir(self.path.parent) as dir_fd:
+                fs.append_durably(dir_fd, self.path.name, line, str(self.path))
+        except (CheckpointError, OSError) as exc:
+            log.error("dead letter (epoch %d, batch %d) not recorded: %s", epoch, batch, exc)
 
 
 class GuardedLoader:

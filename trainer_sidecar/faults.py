@@ -34,11 +34,14 @@ from pathlib import Path
 
 import torch
 
+from trainer_sidecar.checkpoint import fs
+from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.sharding import local_tensor
 
 log = logging.getLogger(__name__)
 
 FAULTS_ENV = "TRAINGUARD_FAULTS"
+MAX_LEDGER_BYTES = 1 << 20
 MAX_STEP = 1 << 53
 MAX_RANK = 1 << 20
 MAX_ITEMS = 256
@@ -203,25 +206,27 @@ class FaultInjector:
         if self._ledger is None:
             return FiredSteps()
         try:
-            data = json.loads(self._ledger.read_text())
-        except (OSError, ValueError):
+            with fs.open_side_dir(self._ledger.parent) as dir_fd:
+                raw = fs.read_if_present(dir_fd, self._ledger.name, MAX_LEDGER_BYTES, str(self._ledger))
+            data = json.loads(raw) if raw is not None else []
+        except (CheckpointError, ValueError) as exc:
+            log.warning("fault ledger not read (faults may fire again): %s", exc)
             return FiredSteps()
         return FiredSteps.from_keys(data if isinstance(data, list) else [])
 
     def _write_ledger(self) -> None:
         if self._ledger is None:
             return
-        tmp = self._ledger.with_name(f".{self._ledger.name}.{os.getpid()}.tmp")
-        with open(tmp, "w") as handle:
-            json.dump(self._fired.keys(), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self._ledger)
-        dir_fd = os.open(self._ledger.parent, os.O_RDONLY)
+        payload = json.dumps(self._fired.keys()).encode()
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            with fs.open_side_dir(self._ledger.parent) as dir_fd:
+                fs.replace_file(dir_fd, self._ledger.name, payload)
+        except (CheckpointError, OSError) as exc:
+            log.error(
+                "fault ledger %s not written (the fault may fire again after a restart): %s",
+                self._ledger,
+                exc,
+            )
 
     def fires(self, kind: FaultKind, step: int) -> bool:
         """True exactly once per job for a scheduled (kind, step) on this rank; recorded before returning."""

@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer_sidecar.checkpoint import fs
+from trainer_sidecar.checkpoint.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 FORENSICS_DIR = "forensics"
@@ -73,9 +76,14 @@ def write_bundle(checkpoint_dir: Path, anomaly: Anomaly) -> None:
     }
     name = f"step-{anomaly.step:010d}-iter-{anomaly.iteration:010d}-rank{anomaly.rank}.json"
     try:
-        folder.mkdir(exist_ok=True)
-        (folder / name).write_text(json.dumps(bundle, indent=1))
-        for old in sorted(folder.glob(f"*-rank{anomaly.rank}.json"))[:-FORENSICS_KEEP]:
-            old.unlink(missing_ok=True)
-    except OSError as exc:
+        with fs.open_side_dir(checkpoint_dir, FORENSICS_DIR) as folder_fd:
+            fs.replace_file(folder_fd, name, json.dumps(bundle, indent=1).encode())
+            mine = sorted(
+                n
+                for n, _ in fs.entries(folder_fd)
+                if n.startswith("step-") and n.endswith(f"-rank{anomaly.rank}.json")
+            )
+            for old in mine[:-FORENSICS_KEEP]:
+                fs.unlink(folder_fd, old)
+    except (CheckpointError, OSError) as exc:
         log.warning("could not write the forensic bundle %s: %s", folder / name, exc)

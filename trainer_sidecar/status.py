@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from collections.abc import Mapping
 from enum import StrEnum
@@ -29,6 +28,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
+from trainer_sidecar.files import FileRefused, read_small_file
 
 STATUS_FILE_ENV = "TRAINGUARD_STATUS_FILE"
 #: How many worker processes share a pod (torchrun's --nproc-per-node); each writes a status file of its own.
@@ -216,60 +217,15 @@ def parse_status(data: object, source: str = "the status") -> StatusRead:
     return StatusRead(*_validate(WorkerStatus, data, source, "worker status", MAX_STATUS_BYTES))
 
 
-def _read_bounded(fd: int, limit: int) -> bytes:
-    """At most ``limit`` bytes from ``fd`` (fewer at end of file)."""
-    chunks: list[bytes] = []
-    remaining = limit
-    while remaining > 0:
-        chunk = os.read(fd, min(remaining, 65536))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-def _file_kind(mode: int) -> str:
-    kinds = {
-        stat.S_ISDIR: "a directory",
-        stat.S_ISFIFO: "a FIFO",
-        stat.S_ISCHR: "a character device",
-        stat.S_ISBLK: "a block device",
-        stat.S_ISSOCK: "a socket",
-    }
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
-
-
 def _read_status_bytes(path: Path) -> bytes | str:
-    """The bytes of the regular file at ``path`` (symlinks followed), or the reason they cannot be had.
-
-    A special file is refused before it is opened where ``stat`` can tell (opening a device may have side
-    effects), and again after, by ``fstat`` on what was opened (the path may have been swapped between).
-    ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a writer."""
+    """The bytes of the regular status file at ``path`` (symlinks followed), or why they cannot be had."""
     source = f"status file {path}"
     try:
-        before = os.stat(path)
-        if not stat.S_ISREG(before.st_mode):
-            return f"{source} is {_file_kind(before.st_mode)}, not a regular file"
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        return read_small_file(path, MAX_STATUS_BYTES, source)
     except FileNotFoundError:
         return f"{source} does not exist yet"
-    except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
-        return f"{source} cannot be read: {exc}"
-    try:
-        opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode):
-            return f"{source} is {_file_kind(opened.st_mode)}, not a regular file"
-        if opened.st_size > MAX_STATUS_BYTES:
-            return f"{source} is {opened.st_size} bytes, more than the {MAX_STATUS_BYTES} allowed"
-        data = _read_bounded(fd, MAX_STATUS_BYTES + 1)
-    except OSError as exc:
-        return f"{source} cannot be read: {exc}"
-    finally:
-        os.close(fd)
-    if len(data) > MAX_STATUS_BYTES:
-        return f"{source} is more than the {MAX_STATUS_BYTES} bytes allowed"
-    return data
+    except FileRefused as exc:
+        return str(exc)
 
 
 def read_status(path: Path) -> StatusRead:

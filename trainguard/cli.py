@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer_sidecar.files import read_small_file
 from trainguard.spec import GuardedTrainingJob, SpecError, load_job
+
+MAX_SUMMARY_BYTES = 64 << 20
 
 if TYPE_CHECKING:
     from trainguard.launch import StopSignals
@@ -25,6 +30,11 @@ def _run(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(f"trainguard: invalid job: {exc}", file=sys.stderr)
         return 2
+    outputs = [("--summary", args.summary, False), ("--plot", args.plot, True)]
+    for problem in (output_problem(flag, path, png=png) for flag, path, png in outputs if path is not None):
+        if problem:
+            print(f"trainguard: {problem}", file=sys.stderr)
+            return 2
     # namespace and name are DNS-1123 labels (the spec checks), so this is one plain folder name.
     run_root = args.run_dir or Path("runs") / f"{job.metadata.namespace}-{job.metadata.name}"
     checkpoint_root = args.checkpoint_root or run_root / "volumes"
@@ -65,31 +75,74 @@ def _report_run(args: argparse.Namespace, runner: LocalRunner, code: int) -> int
     if runner.run_folder is None:  # stopped before the run had its folder: nothing ran
         return code
     summary = runner.summary()
-    summary_path = args.summary or runner.run_folder / "summary.json"
-    summary_path.parent.mkdir(parents=True, exist_ok=True)
-    summary_path.write_text(json.dumps(summary, indent=1))
+    text = json.dumps(summary, indent=1).encode()
+    summary_path = runner.run_folder / "summary.json"
+    write_output(summary_path, text)  # always kept in the run folder, whatever else fails
+    if args.summary:
+        _write_or_say(args.summary, lambda: text, summary_path)
     if args.plot:
-        from trainguard.report import plot
+        from trainguard.report import SummaryView, render_png
 
-        plot(summary, args.plot)
+        _write_or_say(args.plot, lambda: render_png(SummaryView.model_validate(summary)), summary_path)
     brief = {
         k: summary[k] for k in ("result", "reason", "final_step", "goodput", "goodput_excluding_backoff")
     }
-    print(f"trainguard: {json.dumps(brief)}; summary in {summary_path}", file=sys.stderr)
+    print(f"trainguard: {json.dumps(brief)}; summary in {args.summary or summary_path}", file=sys.stderr)
     if code == 1:
         print(f"trainguard: job failed: {summary['reason']}", file=sys.stderr)
     return code
 
 
-def _report(args: argparse.Namespace) -> int:
-    from trainguard.report import plot
-
+def _write_or_say(path: Path, content: Callable[[], bytes], kept: Path) -> None:
     try:
-        summary = json.loads(args.summary.read_text())
-    except (OSError, ValueError) as exc:
-        print(f"trainguard: {args.summary}: cannot read the summary: {exc}", file=sys.stderr)
+        write_output(path, content())
+    except OSError as exc:
+        print(f"trainguard: {path} not written ({exc}); the summary is in {kept}", file=sys.stderr)
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """Replace the file ``path`` with ``data`` whole (a temp file beside it, then a rename), or OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.unlink(missing_ok=True)
+    try:
+        with open(temp, "xb") as handle:
+            handle.write(data)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def output_problem(flag: str, path: Path, *, png: bool) -> str | None:
+    """Why ``flag``'s file cannot be written, checked before any work is done (None when it can)."""
+    if png and path.suffix.lower() != ".png":
+        return f"{flag} {path}: the timeline is a PNG; name the file *.png"
+    if path.exists() and not path.is_file():
+        return f"{flag} {path}: exists and is not a regular file"
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"{flag} {path}: cannot be created ({parent} is not a writable directory)"
+    return None
+
+
+def _report(args: argparse.Namespace) -> int:
+    from trainguard.report import load_summary, render_png
+
+    problem = output_problem("--output", args.output, png=True)
+    if problem:
+        print(f"trainguard: {problem}", file=sys.stderr)
         return 2
-    plot(summary, args.output)
+    try:
+        data = read_small_file(args.summary, MAX_SUMMARY_BYTES, str(args.summary))
+        summary = load_summary(data, str(args.summary))
+    except (OSError, ValueError) as exc:
+        print(f"trainguard: cannot read the summary: {exc}", file=sys.stderr)
+        return 2
+    try:
+        write_output(args.output, render_png(summary))
+    except OSError as exc:
+        print(f"trainguard: --output {args.output}: not written: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output}")
     return 0
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer_sidecar.settings import describe_validation_error
 
 _MARKS = {
     "skip": ("tab:orange", ":", "skipped step"),
@@ -19,29 +22,72 @@ _MARKS = {
 }
 
 
-def plot(summary: dict[str, Any], output: Path) -> None:
-    """Write the timeline of ``summary`` (as written by ``trainguard run --summary``) to ``output``."""
-    series = summary.get("series", [])
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SeriesPoint(_Lenient):
+    """One sample of the gang's progress."""
+
+    t: float
+    attempt: int
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+class TimelineEntry(_Lenient):
+    """One incident or milestone on the timeline."""
+
+    t: float
+    kind: str = ""
+    step: int | None = None
+
+
+class JobName(_Lenient):
+    """Which job the summary is of."""
+
+    name: str = ""
+    namespace: str = ""
+
+
+class SummaryView(_Lenient):
+    """The part of ``trainguard run``'s summary that the report draws (other keys are ignored)."""
+
+    job: JobName = JobName()
+    result: str = "?"
+    final_step: int | None = None
+    restarts: list[Any] = Field(default_factory=list)
+    rollbacks: int = 0
+    goodput: float = 0.0
+    series: list[SeriesPoint] = Field(default_factory=list)
+    timeline: list[TimelineEntry] = Field(default_factory=list)
+
+
+def load_summary(data: bytes, source: str) -> SummaryView:
+    """Parse a summary file's bytes; ValueError naming ``source`` and each bad field otherwise."""
+    try:
+        return SummaryView.model_validate_json(data)
+    except ValidationError as exc:
+        raise ValueError(describe_validation_error(exc, source)) from exc
+
+
+def render_png(summary: SummaryView) -> bytes:
+    """The timeline of ``summary`` (as written by ``trainguard run``) drawn as a PNG."""
     figure, (loss_axis, norm_axis) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    by_attempt: dict[int, list[dict[str, Any]]] = {}
-    for point in series:
-        by_attempt.setdefault(int(point["attempt"]), []).append(point)
+    by_attempt: dict[int, list[SeriesPoint]] = {}
+    for point in summary.series:
+        by_attempt.setdefault(point.attempt, []).append(point)
     for attempt, points in sorted(by_attempt.items()):
-        steps = [p["step"] for p in points if p.get("loss") is not None]
-        loss_axis.plot(
-            steps, [p["loss"] for p in points if p.get("loss") is not None], label=f"attempt {attempt}"
-        )
-        norms = [(p["step"], p["grad_norm"]) for p in points if p.get("grad_norm") is not None]
+        losses = [(p.step, p.loss) for p in points if p.loss is not None]
+        loss_axis.plot([s for s, _ in losses], [v for _, v in losses], label=f"attempt {attempt}")
+        norms = [(p.step, p.grad_norm) for p in points if p.grad_norm is not None]
         norm_axis.plot([s for s, _ in norms], [n for _, n in norms], label=f"attempt {attempt}")
     labelled: set[str] = set()
-    for entry in summary.get("timeline", []):
-        mark = _MARKS.get(entry.get("kind", ""))
-        step = entry.get("step")
-        if mark is None:
-            continue
-        if step is None:
-            step = _step_at(series, entry["t"])
-        if step is None:
+    for entry in summary.timeline:
+        mark = _MARKS.get(entry.kind)
+        step = entry.step if entry.step is not None else _step_at(summary.series, entry.t)
+        if mark is None or step is None:
             continue
         color, style, label = mark
         for axis in (loss_axis, norm_axis):
@@ -53,19 +99,20 @@ def plot(summary: dict[str, Any], output: Path) -> None:
     norm_axis.set_ylabel("grad norm (before clipping)")
     norm_axis.set_yscale("log")
     norm_axis.set_xlabel("step")
-    job = summary.get("job", {})
+    final = summary.final_step if summary.final_step is not None else "?"
     loss_axis.set_title(
-        f"{job.get('namespace', '')}/{job.get('name', '')}: {summary.get('result', '?')} at step "
-        f"{summary.get('final_step', '?')}, {len(summary.get('restarts', []))} restart(s), "
-        f"{summary.get('rollbacks', 0)} rollback(s), goodput {summary.get('goodput', 0):.1%}"
+        f"{summary.job.namespace}/{summary.job.name}: {summary.result} at step {final}, "
+        f"{len(summary.restarts)} restart(s), {summary.rollbacks} rollback(s), goodput {summary.goodput:.1%}"
     )
-    loss_axis.legend(loc="upper right", fontsize="small")
+    if labelled or by_attempt:
+        loss_axis.legend(loc="upper right", fontsize="small")
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
     plt.close(figure)
+    return image.getvalue()
 
 
-def _step_at(series: list[dict[str, Any]], t: float) -> int | None:
-    before = [p for p in series if p["t"] <= t]
-    return int(before[-1]["step"]) if before else None
+def _step_at(series: list[SeriesPoint], t: float) -> int | None:
+    before = [p for p in series if p.t <= t]
+    return before[-1].step if before else None

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from trainer_sidecar.files import FileRefused, read_small_file
 from trainer_sidecar.settings import (
     CheckpointPolicy as GuardianCheckpointPolicy,
 )
@@ -349,6 +350,10 @@ class GuardedTrainingJob(BaseModel):
         return value
 
 
+MAX_JOB_FILE_BYTES = 4 << 20  # the API server itself refuses objects above about 1.5 MiB
+MAX_JOB_VALUES = 200_000  # keys, items and scalars after alias expansion; real jobs hold a few hundred
+
+
 class SpecError(ValueError):
     """A manifest is invalid; the message names the file and each bad field's path."""
 
@@ -366,15 +371,41 @@ def parse_job(document: Any, source: str) -> GuardedTrainingJob:
 def load_job(path: Path) -> GuardedTrainingJob:
     """Read and validate a GuardedTrainingJob YAML file (the first document of kind GuardedTrainingJob)."""
     try:
-        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        text = read_small_file(path, MAX_JOB_FILE_BYTES, str(path)).decode()
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except FileRefused as exc:
+        raise SpecError(str(exc)) from exc
     except OSError as exc:
         raise SpecError(f"{path}: cannot be read: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text: {exc}") from exc
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from exc
     jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == KIND]
     if not jobs:
         raise SpecError(f"{path}: no document of kind {KIND}")
+    if _exceeds(jobs[0], MAX_JOB_VALUES):
+        raise SpecError(
+            f"{path}: more than {MAX_JOB_VALUES} values once YAML aliases are expanded (an alias bomb?)"
+        )
     return parse_job(jobs[0], str(path))
+
+
+def _exceeds(document: Any, limit: int) -> bool:
+    """Whether the expanded document holds more than ``limit`` values (stops counting at the limit)."""
+    pending = [document]
+    count = 0
+    while pending:
+        value = pending.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False
 
 
 class Condition(BaseModel):

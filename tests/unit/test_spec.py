@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -167,6 +168,43 @@ def test_load_job_reads_the_first_gtj_document(tmp_path: Path) -> None:
         spec.load_job(path)
     with pytest.raises(spec.SpecError, match="cannot be read"):
         spec.load_job(tmp_path / "missing.yaml")
+
+
+def _fifo(folder: Path) -> Path:
+    os.mkfifo(folder / "fifo")
+    return folder / "fifo"
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, levels)]
+    return "\n".join(lines) + f"\nspec: {{template: {{spec: {{volumes: *l{levels - 1}}}}}}}\n"
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda p: Path("/dev/zero"), "/dev/zero is a character device, not a regular file"),
+        (lambda p: p, "is a directory, not a regular file"),
+        (_fifo, "is a FIFO, not a regular file"),
+        (lambda p: (p / "big.yaml", (p / "big.yaml").write_bytes(b"#" * (5 << 20)))[0], "more than"),
+        (lambda p: (p / "bin.yaml", (p / "bin.yaml").write_bytes(b"kind: \xff\xfe"))[0], "not UTF-8"),
+        (
+            lambda p: (
+                p / "bomb.yaml",
+                (p / "bomb.yaml").write_text("kind: GuardedTrainingJob\n" + _alias_bomb(9)),
+            )[0],
+            "aliases are expanded",
+        ),
+    ],
+    ids=["device", "directory", "fifo", "too-large", "binary", "alias-bomb"],
+)
+def test_a_job_file_that_is_not_a_small_text_file_is_refused_at_once(
+    tmp_path: Path, make: Callable[[Path], Path], named: str
+) -> None:
+    # /dev/zero used to be read for ever; a FIFO waited for a writer; an alias bomb cost seconds and GBs.
+    with pytest.raises(spec.SpecError, match=re.escape(named)):
+        spec.load_job(make(tmp_path))
 
 
 def test_checked_in_crd_matches_the_model() -> None:

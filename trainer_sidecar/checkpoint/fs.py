@@ -25,6 +25,7 @@ from trainer_sidecar.checkpoint.errors import CheckpointError
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CHUNK = 8 << 20  # the unit of reading when hashing a file
 
 
@@ -181,3 +182,67 @@ def remove_tree(dir_fd: int, name: str) -> None:
 def fsync(fd: int) -> None:
     """Make ``fd``'s data, or a directory's entries, durable."""
     os.fsync(fd)
+
+
+@contextmanager
+def open_side_dir(root: Path, name: str | None = None) -> Iterator[int]:
+    """The checkpoint root, or its subfolder ``name`` (created if absent, never through a link), open.
+
+    For the small files kept beside the checkpoints (dead letters, fault ledgers, forensic bundles):
+    CheckpointError when the root cannot be opened or ``name`` is a link or not a directory."""
+    with open_root(root) as root_fd:
+        if name is None:
+            yield root_fd
+            return
+        make_dir(root_fd, name)
+        with open_dir(root_fd, name, str(root / name)) as fd:
+            yield fd
+
+
+def read_if_present(dir_fd: int, name: str, limit: int, where: str) -> bytes | None:
+    """The content of the regular file ``name`` (at most ``limit`` bytes), or None if there is none.
+
+    CheckpointError if it is a link, a FIFO, a device or larger than ``limit``."""
+    if kind(dir_fd, name) is None:
+        return None
+    return read_small(dir_fd, name, limit, where)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def replace_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Durably replace ``name`` with ``data``: a fresh temp file, fsync, rename, directory fsync.
+
+    A link planted at ``name`` is replaced, never written through."""
+    fd, temp = create_temp(dir_fd, name)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        unlink(dir_fd, temp)
+        raise
+    finally:
+        os.close(fd)
+    rename(dir_fd, temp, name)
+    fsync(dir_fd)
+
+
+def append_durably(dir_fd: int, name: str, data: bytes, where: str) -> None:
+    """Append ``data`` to the regular file ``name`` (created if absent) and fsync it.
+
+    CheckpointError if ``name`` is a link, a FIFO or a device: nothing is written through it."""
+    try:
+        fd = os.open(name, _APPEND_FLAGS, 0o666, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _refusal(exc, where) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{where}: not a regular file")
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
