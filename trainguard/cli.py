@@ -151,6 +151,10 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
     from trainer_sidecar.checkpoint.dcp import export_dcp, import_dcp
 
+    source = args.checkpoint_dir if args.action == "export-dcp" else args.dcp_dir
+    if not source.is_dir():  # a read must not create the folder it reads
+        print(f"trainguard: {source}: no such directory", file=sys.stderr)
+        return 2
     try:
         if args.action == "export-dcp":
             step = export_dcp(CheckpointStore(args.checkpoint_dir), args.step, args.dcp_dir)

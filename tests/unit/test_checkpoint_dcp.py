@@ -120,3 +120,16 @@ def test_a_guardian_resumes_an_imported_checkpoint(tmp_path: Path) -> None:
             assert torch.equal(value, other)
     finally:
         guardian.close()
+
+
+@pytest.mark.parametrize("action", ["export-dcp", "import-dcp"])
+def test_the_cli_names_a_missing_source_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    missing, target = tmp_path / "missing", tmp_path / "target"
+    args = ["checkpoint", action, str(missing), str(target)]
+    if action == "import-dcp":
+        args += ["--step", "1", "--i-trust-this-pickle"]
+    assert cli.main(args) == 2
+    assert f"{missing}: no such directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
