@@ -129,6 +129,9 @@ def pytorchjob_name(job_name: str, attempt: int) -> str:
     return f"{head}-{digest}{suffix}" if head else f"tg-{digest}{suffix}"
 
 
+#: Seconds a worker killed by its failed liveness probe (a hang) gets between SIGTERM and SIGKILL.
+HUNG_WORKER_GRACE_SECONDS = 5
+
 #: Kubernetes' default terminationMessagePath.
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 
@@ -207,6 +210,10 @@ def _probe(path: str, port: int, period: int, failure_threshold: int, timeout: i
         "failureThreshold": failure_threshold,
         "timeoutSeconds": timeout,
         "successThreshold": 1,
+        # The sidecar fails liveness only after the hang timeout with no step and no busy section, so the
+        # worker cannot act on SIGTERM: the pod's long stop grace (time for a checkpoint) would only delay
+        # the gang's restart by that much. Kubernetes >= 1.28 lets the probe's kill have its own grace.
+        "terminationGracePeriodSeconds": HUNG_WORKER_GRACE_SECONDS,
     }
 
 

@@ -193,6 +193,9 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         assert liveness["periodSeconds"] == 10
         assert liveness["failureThreshold"] == 3
         assert liveness["timeoutSeconds"] == 5
+        # A hung worker cannot checkpoint: its probe's kill is short, the pod's stop grace stays long.
+        assert liveness["terminationGracePeriodSeconds"] == 5
+        assert pod["terminationGracePeriodSeconds"] >= 60
         # Nothing may hold the master's readiness until the gang steps (see render_pod_template).
         assert "startupProbe" not in worker
         assert "readinessProbe" not in worker
