@@ -37,7 +37,7 @@ script's API requests from the first creation until every PyTorchJob existed, pe
 also prints them by verb and resource), ``all_handled_seconds`` (until kopf recorded every creation as
 handled: the last follow-up write), ``warning_events`` (Warning events in the namespace: a clean run has
 none), the CPU seconds of the operator and (when this script started it) of the API server and etcd
-during the burst, and ``goals``/``goals_met``: the issue's p99 under 1 s and peak RSS under 200 MB.
+during the burst, and ``goals``/``goals_met``: a p99 latency under 1 s and a peak RSS under 200 MB.
 ``--rate R`` creates R jobs per second instead of back to back.
 
 No pods run: without a kubelet none are created, and on a cluster that has a node the jobs' pods select a

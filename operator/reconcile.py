@@ -64,7 +64,7 @@ from trainguard.policy import Action, Decision, Observation, decide
 from trainguard.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
 #: Spec fields fixed for the life of a job (see ``spec_change``); every other field may change.
-IMMUTABLE_FIELDS = ("replicas", "template", "checkpoint")
+IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
 #: How soon to look again while waiting for an old attempt's PyTorchJob to go away.
 STALE_POLL_SECONDS = 2.0
 #: The shortest requeue: a wait that is nearly over must not become a hot loop.
@@ -141,7 +141,7 @@ def without_nulls(value: Any) -> Any:
 
 
 def pin(spec: GuardedTrainingJobSpec) -> dict[str, Any]:
-    """The immutable part of a spec (replicas, template, checkpoint) in its wire form, without nulls (as
+    """The immutable part of a spec (``IMMUTABLE_FIELDS``) in its wire form, without nulls (as
     it reads back from the status it is stored in)."""
     wire = spec.model_dump(by_alias=True, mode="json")
     return {key: without_nulls(wire[key]) for key in IMMUTABLE_FIELDS}
@@ -164,13 +164,17 @@ def spec_change(
 
     Accepted while the job runs: ``recovery`` (the next decisions use it), ``dataQuality`` (at once),
     ``health`` and ``guard`` (the operator's polling at once; the pods at the next attempt, as pods
-    cannot change). Refused: ``replicas`` (the data order and each rank's shard depend on the world
-    size, and resuming a checkpoint under another world size is not supported), ``template`` (a new
-    image or command mid-run would resume checkpoints with different code) and ``checkpoint`` (a new
-    claim or path would start over from nothing while the old checkpoints are orphaned).
+    cannot change). Refused: ``replicas`` and ``nprocPerNode`` (the data order and each rank's shard
+    depend on the world size, and resuming a checkpoint under another world size is not supported),
+    ``template`` (a new image or command mid-run would resume checkpoints with different code) and
+    ``checkpoint`` (a new claim or path would start over from nothing while the old checkpoints are
+    orphaned).
     """
-    # Both sides without nulls: a pin stored before nulls were dropped compares equal to its spec too.
-    refused = changed_paths(without_nulls(pinned), pin(spec), "spec")
+    # Both sides without nulls: a pin stored before nulls were dropped compares equal to its spec too. A
+    # field pinned by nothing (a job pinned before the field existed) keeps the spec's value.
+    current = pin(spec)
+    pinned = {key: pinned.get(key, current[key]) for key in IMMUTABLE_FIELDS}
+    refused = changed_paths(without_nulls(pinned), current, "spec")
     effective = GuardedTrainingJobSpec.model_validate(
         {**spec.model_dump(by_alias=True, mode="json"), **pinned}
     )
@@ -360,8 +364,9 @@ class _Step:
             self.condition(ConditionType.SPEC_CHANGE_REFUSED, False, "SpecMatchesRunningJob")
             return
         message = (
-            f"changes to {', '.join(refused)} are refused while the job runs: replicas, template and "
-            "checkpoint are fixed for the job's life, and every attempt keeps using the original values. "
+            f"changes to {', '.join(refused)} are refused while the job runs: replicas, nprocPerNode, "
+            "template and checkpoint are fixed for the job's life, and every attempt keeps using the "
+            "original values. "
             "Revert the change, or delete and re-create the job."
         )
         if self.became_true(ConditionType.SPEC_CHANGE_REFUSED, message):
@@ -395,6 +400,7 @@ class _Step:
                 self.attempt,
                 self.st.remediation,
                 self.settings,
+                checkpoint_seconds=self.st.checkpoint_seconds,
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
@@ -448,6 +454,8 @@ class _Step:
                 setattr(st, key, value)
         if view.checkpoint is not None:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
+        if view.checkpoint_seconds is not None:
+            st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
         if view.drop_rate is not None:
             self.track_drop_rate(view.drop_rate)
         if not view.stepped or view.progress is None or view.progress.step < 0:

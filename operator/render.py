@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ from typing import Any
 from trainguard_operator.settings import OperatorSettings
 
 from trainer_sidecar.settings import Remediation
+from trainer_sidecar.status import LOCAL_RANKS_ENV
 from trainguard.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
+from trainguard.torchrun import NodeLaunch, NotPython, under_torchrun
 
 PYTORCHJOB_GROUP = "kubeflow.org"
 PYTORCHJOB_VERSION = "v1"
@@ -52,7 +55,7 @@ CHECKPOINT_VOLUME = "trainguard-checkpoints"
 #: NCCL and torch.distributed fail-fast settings, applied only where the user's container does not set them.
 NCCL_FAIL_FAST: Mapping[str, str] = {
     # The ProcessGroupNCCL watchdog's heartbeat monitor aborts a process whose watchdog is stuck this long
-    # (the design brief's 300 s), so a wedged NCCL call ends in an exit code instead of a silent hang.
+    # (300 s, the sidecar's default hang timeout), so a wedged NCCL call ends in an exit code, not a hang.
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "300",
     # InfiniBand local ack timeout, 4.096 us * 2^20 ~ 4.3 s per retransmission, ~30 s with NCCL's
     # default 7 retries: a link flap is ridden out, a dead link errors within half a minute.
@@ -178,6 +181,7 @@ def _sidecar(job: GuardedTrainingJob, settings: OperatorSettings) -> dict[str, A
             {"name": "TRAINGUARD_STARTUP_GRACE_SECONDS", "value": str(health.startup_grace_seconds)},
             {"name": "TRAINGUARD_JOB_NAME", "value": job.metadata.name},
             {"name": "TRAINGUARD_NAMESPACE", "value": job.metadata.namespace},
+            {"name": LOCAL_RANKS_ENV, "value": str(job.spec.nproc_per_node)},
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": settings.sidecar_port, "protocol": "TCP"}],
         "volumeMounts": [{"name": STATUS_VOLUME, "mountPath": STATUS_DIR, "readOnly": True}],
@@ -260,11 +264,28 @@ def _owned_env(
     return owned
 
 
+#: The stop grace of a pod before anything is known of its checkpoints (Kubernetes' default is 30 s).
+BASE_STOP_GRACE_SECONDS = 60
+MAX_STOP_GRACE_SECONDS = 3600
+
+
+def stop_grace_seconds(user: int | None, checkpoint_seconds: float | None) -> int:
+    """The pod's ``terminationGracePeriodSeconds``: time for a worker told to stop (an eviction, a drain,
+    a preemption) to finish its step and write a checkpoint. Three times the longest checkpoint write
+    seen so far (the state's size, on this volume) on top of the base, at most an hour; never less than
+    the user's own."""
+    grace = BASE_STOP_GRACE_SECONDS
+    if checkpoint_seconds is not None:
+        grace = min(MAX_STOP_GRACE_SECONDS, BASE_STOP_GRACE_SECONDS + math.ceil(3 * checkpoint_seconds))
+    return max(grace, user or 0)
+
+
 def render_pod_template(
     job: GuardedTrainingJob,
     attempt: int,
     remediation: RemediationOrder | None,
     settings: OperatorSettings,
+    checkpoint_seconds: float | None = None,
 ) -> dict[str, Any]:
     """One replica's pod template: the user's template with trainguard's pieces added (module docstring)."""
     spec = job.spec
@@ -272,6 +293,9 @@ def render_pod_template(
     pod = template.setdefault("spec", {})
     _label_template(template, job.metadata.name, attempt)
     pod["restartPolicy"] = "Never"
+    pod["terminationGracePeriodSeconds"] = stop_grace_seconds(
+        pod.get("terminationGracePeriodSeconds"), checkpoint_seconds
+    )
     _add_volumes(pod, spec.checkpoint.claim_name)
 
     containers = pod["containers"]
@@ -279,6 +303,8 @@ def render_pod_template(
     if any(c.get("name") == SIDECAR_CONTAINER for c in [*containers, *pod.get("initContainers", [])]):
         raise RenderError(f"spec.template.spec: the container name {SIDECAR_CONTAINER} is reserved")
     _add_mounts(worker, spec.checkpoint.mount_path)
+    if spec.nproc_per_node > 1:
+        _run_under_torchrun(worker)
     worker["env"] = _worker_env(
         worker.get("env"), _owned_env(job, attempt, remediation, worker), NCCL_FAIL_FAST
     )
@@ -304,12 +330,34 @@ def render_pod_template(
     return template
 
 
+#: torchrun's node arguments as the Kubeflow training operator's variables, which the container expands:
+#: it sets them on every replica when the PyTorchJob has ``nprocPerNode``.
+KUBEFLOW_NODE = NodeLaunch(
+    nnodes="$(PET_NNODES)",
+    nproc_per_node="$(PET_NPROC_PER_NODE)",
+    node_rank="$(PET_NODE_RANK)",
+    master_addr="$(MASTER_ADDR)",
+    master_port="$(MASTER_PORT)",
+)
+
+
+def _run_under_torchrun(worker: dict[str, Any]) -> None:
+    """The worker's command and arguments as one command run by torchrun (``trainguard.torchrun``)."""
+    command = [*worker.get("command", []), *worker.get("args", [])]
+    try:
+        worker["command"] = under_torchrun(command, KUBEFLOW_NODE)
+    except NotPython as exc:
+        raise RenderError(f"spec.template.spec.containers[{WORKER_CONTAINER}].command: {exc}") from exc
+    worker.pop("args", None)
+
+
 def render_pytorchjob(
     job: GuardedTrainingJob,
     owner: Owner,
     attempt: int,
     remediation: RemediationOrder | None,
     settings: OperatorSettings,
+    checkpoint_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The PyTorchJob manifest of ``attempt`` of ``job`` (see the module docstring for what it holds).
 
@@ -317,7 +365,7 @@ def render_pytorchjob(
     """
     name = pytorchjob_name(owner.name, attempt)
     labels = {JOB_LABEL: owner.name, ATTEMPT_LABEL: str(attempt), MANAGED_BY_LABEL: MANAGED_BY}
-    template = render_pod_template(job, attempt, remediation, settings)
+    template = render_pod_template(job, attempt, remediation, settings, checkpoint_seconds)
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(template)}
@@ -348,5 +396,6 @@ def render_pytorchjob(
             # The operator deletes old attempts itself (the pods go with them by garbage collection);
             # the training operator must not delete a finished attempt's pods under it.
             "runPolicy": {"cleanPodPolicy": "None"},
+            **({"nprocPerNode": str(job.spec.nproc_per_node)} if job.spec.nproc_per_node > 1 else {}),
         },
     }

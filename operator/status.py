@@ -114,7 +114,9 @@ class JobStatus(GuardedTrainingJobStatus):
     pytorch_job: str | None = Field(None, description="The current attempt's PyTorchJob.")
     remediation: RemediationOrder | None = Field(None, description="Handed to the current attempt.")
     pinned: dict[str, Any] | None = Field(
-        None, description="replicas, template and checkpoint as the job started: changes are refused."
+        None,
+        description="replicas, nprocPerNode, template and checkpoint as the job started: changes are "
+        "refused.",
     )
     recovering_since: str | None = Field(None, description="Failure time of the recovery in progress.")
     samples_seen: int | None = None

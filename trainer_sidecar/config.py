@@ -11,8 +11,10 @@ mounted the volume and looks for checkpoints.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trainer_sidecar.exitcodes import ExitCode
 from trainer_sidecar.faults import FAULTS_ENV, FaultSchedule, FaultSpecError, parse_faults
+from trainer_sidecar.gang import Gang
 from trainer_sidecar.settings import (
     GuardianSettings,
     Remediation,
@@ -28,7 +31,18 @@ from trainer_sidecar.settings import (
     describe_validation_error,
     load_settings,
 )
-from trainer_sidecar.status import STATUS_FILE_ENV, TERMINATION_MESSAGE_ENV
+from trainer_sidecar.status import (
+    MAX_LOCAL_RANKS,
+    STATUS_FILE_ENV,
+    TERMINATION_MESSAGE_ENV,
+    Phase,
+    WorkerStatus,
+    local_status_file,
+    write_status,
+    write_termination_message,
+)
+
+log = logging.getLogger("trainguard")
 
 CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
 REMEDIATION_ENV = "TRAINGUARD_REMEDIATION"
@@ -102,7 +116,7 @@ class GuardianConfig(BaseModel):
         return cls(
             settings=_settings(env, settings),
             checkpoint_dir=_agreed_path(env, CHECKPOINT_DIR_ENV, checkpoint_dir, "checkpoint_dir"),
-            status_file=_agreed_path(env, STATUS_FILE_ENV, status_file, "status_file"),
+            status_file=_local(env, _agreed_path(env, STATUS_FILE_ENV, status_file, "status_file")),
             termination_message_path=_path(env.get(TERMINATION_MESSAGE_ENV)),
             faults=_faults(env),
             remediation=_remediation(env),
@@ -117,6 +131,22 @@ def failure_paths(environ: Mapping[str, str] | None = None) -> tuple[Path | None
     error is reported when the configuration itself cannot be resolved."""
     env = os.environ if environ is None else environ
     return _path(env.get(STATUS_FILE_ENV)), _path(env.get(TERMINATION_MESSAGE_ENV))
+
+
+def _local(env: Mapping[str, str], status_file: Path | None) -> Path | None:
+    """This process's own status file when several share a pod (torchrun sets LOCAL_WORLD_SIZE and
+    LOCAL_RANK): ``status_file`` with the local rank in its name, as the pod's sidecar reads it. A launcher
+    that sets LOCAL_RANK alone runs one process per pod."""
+    text = env.get("LOCAL_WORLD_SIZE", "").strip()
+    if status_file is None or not text or text == "1":
+        return status_file
+    try:
+        local_rank, local_ranks = int(env.get("LOCAL_RANK", "0")), int(text)
+    except ValueError:
+        raise ConfigError("LOCAL_RANK and LOCAL_WORLD_SIZE must be integers, as torchrun sets them") from None
+    if not 0 <= local_rank < local_ranks <= MAX_LOCAL_RANKS:
+        raise ConfigError(f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_ranks} is out of range")
+    return local_status_file(status_file, local_rank, local_ranks)
 
 
 def _path(value: str | os.PathLike[str] | None) -> Path | None:
@@ -185,3 +215,32 @@ def _attempt(env: Mapping[str, str]) -> int:
     if not 0 <= value < 1 << 62:
         raise ConfigError(f"{ATTEMPT_ENV}: {value} is out of range")
     return value
+
+
+def report_config_error(config: GuardianConfig | None, error: ConfigError) -> None:
+    """Publish a configuration error as the worker's final status (phase failed, the message naming the
+    setting), to the status file and the termination message, so that the orchestrator can show it."""
+    if config is not None:
+        status_path, message_path = config.status_file, config.termination_message_path
+    else:
+        status_path, message_path = failure_paths()
+    now = time.time()
+    gang = Gang.current()
+    status = WorkerStatus(
+        rank=gang.rank,
+        world_size=gang.world_size,
+        pid=os.getpid(),
+        phase=Phase.FAILED,
+        started_at=now,
+        updated_at=now,
+        message=f"configuration error: {error.message}",
+        exit_code=ExitCode.CONFIG_ERROR,
+    )
+    for path, write in ((status_path, write_status), (message_path, write_termination_message)):
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(Path(path), status)
+        except OSError as exc:
+            log.warning("could not report the configuration error to %s: %s", path, exc)

@@ -26,25 +26,25 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader
 
+from trainer_sidecar.busy import BusySections
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
-from trainer_sidecar.checkpoint.format import serialize
 from trainer_sidecar.config import (
     CHECKPOINT_DIR_ENV,
     ConfigError,
     GuardianConfig,
     RemediationOrder,
-    failure_paths,
+    report_config_error,
 )
 from trainer_sidecar.counters import CountersError, GuardCounters
 from trainer_sidecar.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.exitcodes import ExitCode
 from trainer_sidecar.faults import FaultInjector
+from trainer_sidecar.feed import DataFeed, Stateful, taken_over
 from trainer_sidecar.forensics import Anomaly, BatchRef, write_bundle
 from trainer_sidecar.gang import Gang
 from trainer_sidecar.judge import (
@@ -57,24 +57,19 @@ from trainer_sidecar.judge import (
     judge_step,
 )
 from trainer_sidecar.localize import NaNLocator
-from trainer_sidecar.peers import WATCH_SECONDS, PeerBoard, PeerBusy, PeerWatch, default_store
 from trainer_sidecar.resume import claim_gang_epoch, restore_newest
 from trainer_sidecar.rng import RngStateError, rng_state, set_rng_state
 from trainer_sidecar.settings import GuardianSettings, Remediation
 from trainer_sidecar.snapshot import Snapshot
 from trainer_sidecar.status import (
-    MAX_BUSY_REASON_CHARS,
-    MAX_BUSY_SECONDS,
     CheckpointRef,
     Phase,
     StatusPublisher,
     WorkerStatus,
-    write_status,
     write_termination_message,
 )
 from trainer_sidecar.stopping import STOP
-from trainer_sidecar.tensorstate import flatten
-from trainer_sidecar.training import StateMismatch, TrainingObjects
+from trainer_sidecar.training import StateMismatch, TrainingObjects, check_training_objects
 
 log = logging.getLogger("trainguard")
 
@@ -121,6 +116,7 @@ class _Agreed:
     reading: StepReading
     locally_nonfinite: bool
     stop: bool
+    checkpoint_due: bool
 
 
 @dataclass(frozen=True)
@@ -169,11 +165,18 @@ class Guardian:
         config: GuardianConfig | None = None,
     ) -> None:
         try:
-            if accumulation_steps < 1:
-                raise ConfigError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
             if config is None:
                 config = GuardianConfig.from_env(
                     settings=settings, checkpoint_dir=checkpoint_dir, status_file=status_file
+                )
+            check_training_objects(model, optimizer, scheduler, scaler)
+            if (
+                isinstance(accumulation_steps, bool)
+                or not isinstance(accumulation_steps, int)
+                or accumulation_steps < 1
+            ):
+                raise ConfigError(
+                    f"accumulation_steps must be an integer of at least 1, got {accumulation_steps!r}"
                 )
             self._wire(model, optimizer, scheduler, scaler, config, accumulation_steps, validate)
             self._open_checkpoints()
@@ -181,7 +184,7 @@ class Guardian:
             if resume:
                 self.resume()
         except ConfigError as exc:
-            _report_config_error(config, exc)
+            report_config_error(config, exc)
             raise
         self._begin()
 
@@ -201,11 +204,13 @@ class Guardian:
         self.gang = Gang.current()
         self.training = TrainingObjects(model, optimizer, scheduler, scaler)
         self.model, self.module, self.optimizer = model, self.training.module, optimizer
+        self.training.refuse_loop_steps(self._misused)
         self.accumulation_steps = accumulation_steps
         self.validate = validate
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
         self.phase = Phase.STARTING
         self.message = ""
+        self.exit_code: int | None = None
         self.busy_since: float | None = None
         self.last_step_time: float | None = None
         self.last_grad_norm: float | None = None
@@ -216,11 +221,8 @@ class Guardian:
         self._loss_sum: torch.Tensor | None = None
         self._with_grad: list[torch.nn.Parameter] = []
         self._norm = torch.zeros(())
-        self._loader: GuardedLoader | None = None
-        self._pending_data_state: dict[str, int] | None = None
-        self._tracked: dict[str, Stateful] = {}
+        self.feed = DataFeed()
         self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
-        self._pending_tracked: dict[str, Any] = {}
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
         self._window_batches: list[BatchRef] = []
@@ -228,16 +230,11 @@ class Guardian:
         # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
         # each rank's store has seen complete, so decisions taken on it need no agreement.
         self._checkpointed_step: int | None = None
+        self._checkpoint_clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
         self._locator = NaNLocator(self.module)
-        self._locator_budget = 0
         self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
         self._publishing = threading.Lock()  # the main thread and the peer watch both publish
-        self._busy: list[tuple[str, float | None]] = []  # nested busy sections, innermost last
-        self._peer_busy: PeerBusy | None = None
-        self._peer_busy_noticed = 0.0
-        self._last_progress = time.monotonic()
-        self._peers: PeerBoard | None = None
-        self._watch: PeerWatch | None = None
+        self._busy = BusySections()
         self._stop = STOP
         self._holding_stop = False
         self.checkpoint_dir = config.checkpoint_dir
@@ -281,23 +278,9 @@ class Guardian:
         self._apply_orchestrator_remediation()
         self._stop.acquire()
         self._holding_stop = True
-        self._watch_peers()
+        if self.gang.distributed:
+            self._busy.watch_peers(self.rank, lambda: self._publish(force=True))
         self.phase = Phase.RUNNING
-        self._publish(force=True)
-
-    def _watch_peers(self) -> None:
-        store = default_store() if self.gang.distributed else None
-        if store is None:
-            return
-        self._peers = PeerBoard(store, self.rank)
-        idle = lambda: time.monotonic() - self._last_progress > WATCH_SECONDS  # noqa: E731
-        self._watch = PeerWatch(self._peers, idle, self._on_peer_busy)
-        self._watch.start()
-
-    def _on_peer_busy(self, peer: PeerBusy | None) -> None:
-        self._peer_busy, self._peer_busy_noticed = peer, time.time()
-        if peer is not None:
-            log.info("waiting for rank %d, busy with %s", peer.rank, peer.reason)
         self._publish(force=True)
 
     # ---------------------------------------------------------------------------------------- busy ---
@@ -308,22 +291,13 @@ class Guardian:
         grace; the grace when not given) instead of the hang timeout, so a real hang inside it is still
         caught. Peers that wait for this rank meanwhile (in their next collective) report themselves
         busy too. Sections nest; each rank enters its own (``with guardian.busy("eval"):`` around the
-        evaluation only rank 0 runs is enough)."""
-        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_BUSY_SECONDS):
-            raise ValueError(f"busy seconds must be a positive number of at most {MAX_BUSY_SECONDS:g}")
-        self._busy.append((reason[:MAX_BUSY_REASON_CHARS], seconds))
-        since, self.busy_since = self.busy_since, self.busy_since or time.time()
-        if self._peers is not None:
-            self._peers.announce(reason, seconds)
+        evaluation only rank 0 runs is enough). Usable as a decorator as well."""
+        since = self._busy.enter(reason, seconds)
         self._publish(force=True)
         try:
             yield
         finally:
-            self._busy.pop()
-            if self._peers is not None:
-                self._peers.withdraw()
-            self.busy_since = since
-            self._last_progress = time.monotonic()  # the hang clock restarts after the section
+            self._busy.leave(since)
             self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
@@ -404,12 +378,10 @@ class Guardian:
         shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``).
         """
         if isinstance(dataset, DataLoader):
-            dataset, batch_size, shuffle, collate_fn, num_workers = _taken_over(dataset)
+            dataset, batch_size, shuffle, collate_fn, num_workers = taken_over(dataset)
         assert not isinstance(dataset, DataLoader)
         if batch_size is None:
-            raise TypeError(
-                "Guardian.loader() needs batch_size for a dataset (it takes it from a DataLoader)"
-            )
+            raise TypeError("Guardian.loader() needs batch_size for a dataset (a DataLoader brings its own)")
         loader = GuardedLoader(
             dataset,
             batch_size=batch_size,
@@ -424,7 +396,7 @@ class Guardian:
             if self._faults.active
             else None,
         )
-        self.attach_loader(loader)
+        self.feed.attach(loader)
         return loader
 
     def track(self, name: str, stateful: Stateful) -> None:
@@ -433,22 +405,11 @@ class Guardian:
         rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
         Raises TypeError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
         int, float, bool, None and tensors can)."""
-        try:
-            serialize(*flatten({name: stateful.state_dict()}))
-        except CheckpointError as exc:
-            raise TypeError(
-                f"Guardian.track({name!r}): its state_dict cannot be checkpointed: {exc}"
-            ) from exc
-        self._tracked[name] = stateful
-        if name in self._pending_tracked:
-            stateful.load_state_dict(self._pending_tracked.pop(name))
+        self.feed.track(name, stateful)
 
     def attach_loader(self, loader: GuardedLoader) -> None:
-        """Track ``loader``'s position in checkpoints (and restore a resumed position into it)."""
-        self._loader = loader
-        if self._pending_data_state is not None:
-            loader.load_state_dict(self._pending_data_state)
-            self._pending_data_state = None
+        """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
+        self.feed.attach(loader)
 
     def run(self, loader: GuardedLoader | DataLoader[Any], max_steps: int) -> Iterator[Any]:
         """Yield batches (one per micro-step) until ``max_steps`` steps are kept, then ``finish``.
@@ -459,8 +420,8 @@ class Guardian:
         """
         if isinstance(loader, DataLoader):
             loader = self.loader(loader)
-        if self._loader is not loader:
-            self.attach_loader(loader)
+        if self.feed.loader is not loader:
+            self.feed.attach(loader)
         while True:
             yield from self._batches_until(loader, max_steps)
             try:
@@ -525,10 +486,10 @@ class Guardian:
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
-            outcome = self._apply(verdict, reading, batches)
+            outcome = self._apply(verdict, reading, batches, agreed.checkpoint_due)
         else:
             outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
-        self._last_progress = time.monotonic()
+        self._busy.progressed()
         if agreed.stop:
             self._stop_now()
         return outcome
@@ -546,21 +507,32 @@ class Guardian:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self._norm = norm
         loss_flag = (~torch.isfinite(step_loss)).float()
-        stop = torch.full((), float(self._stop.requested), device=step_loss.device)
-        local = torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device), stop])
+        flags = torch.full((2,), 0.0, device=step_loss.device)
+        flags[0], flags[1] = float(self._stop.requested), float(self._checkpoint_time_due())
+        local = torch.cat([torch.stack([step_loss, loss_flag, norm.float().to(step_loss.device)]), flags])
         if self.gang.distributed:
             reduced = self.gang.all_reduce(local)
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, norm_sum, stops, local_bad = torch.cat(
+            loss_sum, bad_ranks, norm_sum, stops, due, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             size = self.gang.world_size
             loss_v, norm_v, locally_nonfinite = loss_sum / size, norm_sum / size, local_bad > 0
         else:
-            loss_v, bad_ranks, norm_v, stops = local.tolist()  # the one host sync of the step
+            loss_v, bad_ranks, norm_v, stops, due = local.tolist()  # the one host sync of the step
             locally_nonfinite = bad_ranks > 0
         reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
-        return _Agreed(reading, locally_nonfinite, stops > 0)
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0)
+
+    def _checkpoint_time_due(self) -> bool:
+        """Whether ``every_seconds`` passed since this rank's last checkpoint (or start): any rank's clock
+        makes the whole gang checkpoint at the same boundary (it is agreed within the step's collective)."""
+        every = self.settings.checkpoint.every_seconds
+        return (
+            self.store is not None
+            and every is not None
+            and time.monotonic() - self._checkpoint_clock >= every
+        )
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
@@ -579,13 +551,11 @@ class Guardian:
         what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
         if self.store is None:
             what = "no checkpoint directory"
-        self.phase = Phase.STOPPED
-        self.message = f"stopped by {received.name} at step {self.counters.step}; {what}"
-        self._log_gang(logging.WARNING, "%s", self.message)
-        self._publish(force=True)
-        self._write_termination_message()
-        self._release()
+        message = f"stopped by {received.name} at step {self.counters.step}; {what}"
+        self._log_gang(logging.WARNING, "%s", message)
         code = 128 + int(received)
+        self._report_end(Phase.STOPPED, message, code)
+        self._release()
         self._exit_now(code, SystemExit(code))
 
     def _benign_overflow(self, norm: float) -> bool:
@@ -597,7 +567,9 @@ class Guardian:
             return False
         return scaler.get_scale() >= 1.0
 
-    def _apply(self, verdict: Verdict, reading: StepReading, batches: list[BatchRef]) -> StepOutcome:
+    def _apply(
+        self, verdict: Verdict, reading: StepReading, batches: list[BatchRef], time_due: bool = False
+    ) -> StepOutcome:
         counters = self.counters
         self.training.apply_update(
             reading.grad_norm, counters.max_grad_norm, self._with_grad, self._norm, lr_scale=counters.lr_scale
@@ -609,8 +581,8 @@ class Guardian:
         self.last_step_time = time.time()
         self._window_batches.extend(batches)
         if self._locator.armed:
-            self._collect_localization()
-        unclean = self._save_if_due()
+            self._located(self._locator.after_good_step())
+        unclean = self._save_if_due(time_due)
         self._publish()
         return StepOutcome(
             boundary=True, applied=unclean is None, loss=reading.loss, grad_norm=reading.grad_norm,
@@ -665,13 +637,14 @@ class Guardian:
             self._rollback(verdict.reason)
 
     # --------------------------------------------------------------------- snapshots, checkpoints ---
-    def _save_if_due(self) -> Verdict | None:
-        """After a kept step: snapshot and checkpoint when due, if the whole state is finite. Returns the
-        verdict that rolled back (or diverged) when the state was not clean, else None."""
+    def _save_if_due(self, time_due: bool = False) -> Verdict | None:
+        """After a kept step: snapshot and checkpoint when due (by steps, or by time as the gang agreed), if
+        the whole state is finite. Returns the verdict that rolled back (or diverged) when the state was
+        not clean, else None."""
         policy = self.settings.checkpoint
         step = self.counters.step
         snapshot_due = step % policy.snapshot_every_steps == 0
-        checkpoint_due = self.store is not None and step % policy.every_steps == 0
+        checkpoint_due = self.store is not None and (step % policy.every_steps == 0 or time_due)
         if not (snapshot_due or checkpoint_due):
             return None
         unclean = self._unclean_state()
@@ -714,11 +687,7 @@ class Guardian:
         self._window_batches.clear()
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state()}
-        if self._loader is not None:
-            state["data"] = self._loader.state_dict()
-        if self._tracked:
-            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state(), **self.feed.state()}
 
         if self.rank == 0:
             state.update(guardian=self.counters.to_state(), **self.training.state())
@@ -732,6 +701,7 @@ class Guardian:
         except FencedError as exc:
             self._fenced(exc)
         self._checkpointed_step = self.counters.step
+        self._checkpoint_clock = time.monotonic()
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.
@@ -797,11 +767,8 @@ class Guardian:
         )
 
     def _diverge(self, message: str) -> None:
-        self.phase = Phase.DIVERGED
-        self.message = message
         log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
-        self._publish(force=True)
-        self._write_termination_message()
+        self._report_end(Phase.DIVERGED, message, ExitCode.DIVERGED)
         if self.store is not None:
             try:
                 self.store.close()
@@ -817,12 +784,22 @@ class Guardian:
     def _fenced(self, error: FencedError) -> None:
         """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
         with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
-        self.phase = Phase.FAILED
-        self.message = f"fenced out of the checkpoint directory: {error}"
-        log.error("%s; exiting with code %d", self.message, ExitCode.FENCED)
+        message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
+        self._report_end(Phase.FAILED, message, ExitCode.FENCED)
+        self._exit_now(ExitCode.FENCED, Fenced(message))
+
+    def _misused(self, error: ConfigError) -> None:
+        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
+        configuration error, published before it is raised."""
+        self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
+
+    def _report_end(self, phase: Phase, message: str, code: int) -> None:
+        """Publish the worker's final phase, message and exit code, in the status and the termination
+        message (which outlives the sidecar)."""
+        self.phase, self.message, self.exit_code = phase, message, code
         self._publish(force=True)
         self._write_termination_message()
-        self._exit_now(ExitCode.FENCED, Fenced(self.message))
 
     def _exit_now(self, code: int, error: SystemExit) -> None:
         """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
@@ -848,22 +825,13 @@ class Guardian:
     def _localize(self, replay: Callable[[], Any] | None, locally_nonfinite: bool) -> None:
         if self.nan_location is not None or not locally_nonfinite:
             return
-        if replay is not None:
-            self.nan_location = self._locator.locate(replay) or "(no module output: the loss itself)"
-            log.warning("NaN localisation: first non-finite output from %s", self.nan_location)
-        else:
-            self._locator.arm()  # inspect the next forward passes instead
-            self._locator_budget = self.settings.guard.max_consecutive_bad_steps
+        budget = self.settings.guard.max_consecutive_bad_steps
+        self._located(self._locator.after_nonfinite_loss(replay, budget))
 
-    def _collect_localization(self) -> None:
-        if self._locator.found is not None:
-            self.nan_location = self._locator.found
-            log.warning("NaN localisation: first non-finite output from %s", self.nan_location)
-            self._locator.disarm()
-            return
-        self._locator_budget -= 1
-        if self._locator_budget <= 0:
-            self._locator.disarm()
+    def _located(self, where: str | None) -> None:
+        if where is not None:
+            self.nan_location = where
+            log.warning("NaN localisation: first non-finite output from %s", where)
 
     def _forensics(self, reason: str, reading: StepReading, batches: list[BatchRef]) -> None:
         if self.checkpoint_dir is None:
@@ -926,25 +894,15 @@ class Guardian:
             where = f"checkpoint {checkpoint.dir_name} under {self.checkpoint_dir}"
             raise ConfigError(f"{where} {exc}") from exc
         self.counters = counters
-        if "data" in state:
-            if self._loader is not None:
-                self._loader.load_state_dict(state["data"])
-            else:
-                self._pending_data_state = state["data"]
-        tracked = state.get("tracked")
-        for name, saved in tracked.items() if isinstance(tracked, dict) else ():
-            if name in self._tracked:
-                self._tracked[name].load_state_dict(saved)
-            else:
-                self._pending_tracked[name] = saved
+        self.feed.restore(state)
         return True
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
         """The worker's current status, as published to the sidecar."""
-        data = self._loader.counters if self._loader is not None else None
+        data = self.feed.loader.counters if self.feed.loader is not None else None
         counters = self.counters
-        phase, busy_since, busy_reason, busy_seconds = self._busy_view()
+        phase, busy_since, busy_reason, busy_seconds = self._busy.view(self.phase, self.busy_since)
         return WorkerStatus(
             rank=self.rank,
             world_size=self.world_size,
@@ -971,22 +929,9 @@ class Guardian:
             explosion_pattern=counters.explosion_pattern,
             last_clean_checkpoint=self._last_clean(),
             message=self.message,
+            exit_code=self.exit_code,
+            checkpoint_seconds=self.store.last_write_seconds if self.store is not None else None,
         )
-
-    def _busy_view(self) -> tuple[Phase, float | None, str, float | None]:
-        """(phase, busy since, what, for how long): the guardian's own phase unless it is running and busy,
-        or running and waiting for a busy peer."""
-        if self.phase is not Phase.RUNNING:
-            return self.phase, self.busy_since, "", None
-        if self._busy:
-            reason, seconds = self._busy[-1]
-            return Phase.BUSY, self.busy_since, reason, seconds
-        peer = self._peer_busy
-        if peer is None:
-            return self.phase, None, "", None
-        left = None if peer.seconds is None else max(1.0, peer.seconds - (time.time() - peer.since))
-        left = None if left is None else min(left, MAX_BUSY_SECONDS)
-        return Phase.BUSY, self._peer_busy_noticed, f"waiting for rank {peer.rank}: {peer.reason}", left
 
     def _last_clean(self) -> CheckpointRef | None:
         return self.store.last_clean if self.store is not None else None
@@ -1019,9 +964,7 @@ class Guardian:
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()
         self._release()
-        self.phase = Phase.FINISHED
-        self._publish(force=True)
-        self._write_termination_message()
+        self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
 
     def _write_termination_message(self) -> None:
         """The final status into the container's termination message (``TRAINGUARD_TERMINATION_MESSAGE_PATH``,
@@ -1046,57 +989,7 @@ class Guardian:
         if self._holding_stop:
             self._holding_stop = False
             self._stop.release()
-        if self._watch is not None:
-            self._watch.stop()
+        self._busy.stop()
 
 
 _MAX = torch.distributed.ReduceOp.MAX
-
-
-class Stateful(Protocol):
-    """What ``Guardian.track`` keeps in checkpoints."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def _taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
-    """(dataset, batch size, shuffle, collate function, workers) of a DataLoader the guardian replaces."""
-    if isinstance(source.dataset, IterableDataset):
-        raise TypeError(
-            "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
-            "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
-        )
-    if source.batch_size is None:
-        raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
-    shuffle = isinstance(source.sampler, RandomSampler)
-    return source.dataset, source.batch_size, shuffle, source.collate_fn, source.num_workers
-
-
-def _report_config_error(config: GuardianConfig | None, error: ConfigError) -> None:
-    """Publish a configuration error as the worker's final status (phase failed, the message naming the
-    setting), to the status file and the termination message, so that the orchestrator can show it."""
-    if config is not None:
-        status_path, message_path = config.status_file, config.termination_message_path
-    else:
-        status_path, message_path = failure_paths()
-    now = time.time()
-    gang = Gang.current()
-    status = WorkerStatus(
-        rank=gang.rank,
-        world_size=gang.world_size,
-        pid=os.getpid(),
-        phase=Phase.FAILED,
-        started_at=now,
-        updated_at=now,
-        message=f"configuration error: {error.message}",
-    )
-    for path, write in ((status_path, write_status), (message_path, write_termination_message)):
-        if path is None:
-            continue
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write(Path(path), status)
-        except OSError as exc:
-            log.warning("could not report the configuration error to %s: %s", path, exc)

@@ -10,7 +10,7 @@ takes the same decision.
 The rules, in order:
 
 * A non-finite loss (on any rank) or a non-finite gradient norm is a bad step.
-* With at least ``spike_min_history`` finite steps in the window, a loss above ``loss_spike_factor``
+* With at least ``spike_history`` finite steps in the window, a loss above ``loss_spike_factor``
   times the window's mean loss is a bad step ("loss spike"), and likewise a gradient norm above
   ``grad_norm_spike_factor`` times the mean norm ("grad-norm spike").
 * A non-finite gradient under an fp16 GradScaler whose scale is still at least 1 is the scaler's own
@@ -113,7 +113,7 @@ def classify_step(thresholds: GuardThresholds, history: StepHistory, reading: St
         return NON_FINITE_LOSS
     if not math.isfinite(reading.grad_norm):
         return NON_FINITE_GRADIENTS
-    enough = thresholds.spike_min_history
+    enough = thresholds.spike_history
     if len(history.losses) >= enough and reading.loss > thresholds.loss_spike_factor * _mean(history.losses):
         return LOSS_SPIKE
     if len(history.grad_norms) >= enough and reading.grad_norm > thresholds.grad_norm_spike_factor * _mean(

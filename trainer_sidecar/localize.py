@@ -31,6 +31,7 @@ class NaNLocator:
         self.model = model
         self.found: str | None = None
         self._handles: list[RemovableHandle] = []
+        self._budget = 0
 
     @property
     def armed(self) -> bool:
@@ -66,3 +67,26 @@ class NaNLocator:
         finally:
             self.disarm()
         return self.found
+
+    def after_nonfinite_loss(self, replay: Callable[[], Any] | None, budget: int) -> str | None:
+        """A step's loss was non-finite: with ``replay`` (the step's forward pass), the module whose output
+        went non-finite first, at once; without, arm the hooks to inspect the next ``budget`` forward
+        passes (``after_good_step`` collects what they found) and return None."""
+        if replay is not None:
+            return self.locate(replay) or "(no module output: the loss itself)"
+        self.arm()
+        self._budget = budget
+        return None
+
+    def after_good_step(self) -> str | None:
+        """While armed: what the inspected forward passes found (disarming), or None (disarming once the
+        budget of steps is spent)."""
+        if not self.armed:
+            return None
+        if self.found is not None:
+            self.disarm()
+            return self.found
+        self._budget -= 1
+        if self._budget <= 0:
+            self.disarm()
+        return None

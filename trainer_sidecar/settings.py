@@ -15,6 +15,17 @@ from pydantic.alias_generators import to_camel
 
 SETTINGS_ENV = "TRAINGUARD_SETTINGS"
 
+# Upper bounds: every count and factor is finite and fits what its consumer can honour. Step counts stay
+# within a 32-bit integer (Kubernetes int32 fields, exact in Prometheus' float64) at a billion steps,
+# more than any training run takes.
+MAX_STEPS = 10**9
+#: Factors and gradient norms: beyond a million, clipping or spike detection is switched off in effect.
+MAX_FACTOR = 1e6
+#: The loss and gradient-norm windows are averaged on every step, so they stay small.
+MAX_WINDOW = 10_000
+#: Durations: at most a week.
+MAX_SECONDS = 7 * 24 * 3600
+
 
 class _Section(BaseModel):
     # Non-finite numbers are refused: the worker publishes these values in its status, which must be finite.
@@ -26,26 +37,59 @@ class _Section(BaseModel):
 class GuardThresholds(_Section):
     """When a step counts as bad, and how many bad steps and rollbacks are tolerated."""
 
-    max_consecutive_bad_steps: int = Field(3, ge=1, description="Bad steps in a row before a rollback.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this total L2 norm.")
+    max_consecutive_bad_steps: int = Field(
+        3, ge=1, le=MAX_STEPS, description="Bad steps in a row before a rollback (at most 10^9)."
+    )
+    max_grad_norm: float = Field(
+        1.0,
+        gt=0,
+        le=MAX_FACTOR,
+        description="Gradients are clipped to this total L2 norm (at most 10^6: above, clipping is off).",
+    )
     loss_spike_factor: float = Field(
-        2.0, gt=1, description="A loss above this multiple of the recent mean is a spike."
+        2.0,
+        gt=1,
+        le=MAX_FACTOR,
+        description="A loss above this multiple of the recent mean is a spike (at most 10^6).",
     )
-    loss_spike_window: int = Field(100, ge=1, description="How many recent finite losses form the mean.")
+    loss_spike_window: int = Field(
+        100,
+        ge=1,
+        le=MAX_WINDOW,
+        description="How many recent finite losses form the mean (at most 10,000: averaged every step).",
+    )
     grad_norm_spike_factor: float = Field(
-        5.0, gt=1, description="A gradient norm above this multiple of the recent mean is a spike."
+        5.0,
+        gt=1,
+        le=MAX_FACTOR,
+        description="A gradient norm above this multiple of the recent mean is a spike (at most 10^6).",
     )
-    spike_min_history: int = Field(
-        10, ge=1, description="Spike detection starts once this many finite steps are in the window."
+    spike_min_history: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_WINDOW,
+        description="Spike detection starts once this many finite steps are in the window (null, the "
+        "default: a full lossSpikeWindow; early training's gradient norms swing too much to judge against "
+        "a few steps).",
     )
-    max_rollbacks: int = Field(5, ge=1, description="Rollbacks tolerated within rollbackWindowSteps.")
+    max_rollbacks: int = Field(
+        5, ge=1, le=MAX_STEPS, description="Rollbacks tolerated within rollbackWindowSteps (at most 10^9)."
+    )
     rollback_window_steps: int = Field(
-        2000, ge=1, description="The window, in steps, over which rollbacks are counted."
+        2000,
+        ge=1,
+        le=MAX_STEPS,
+        description="The window, in steps, over which rollbacks are counted (at most 10^9).",
     )
+
+    @property
+    def spike_history(self) -> int:
+        """How many finite steps the window needs before spikes are judged."""
+        return self.loss_spike_window if self.spike_min_history is None else self.spike_min_history
 
     @model_validator(mode="after")
     def _min_history_fits_window(self) -> GuardThresholds:
-        if self.spike_min_history > self.loss_spike_window:
+        if self.spike_min_history is not None and self.spike_min_history > self.loss_spike_window:
             raise ValueError("spikeMinHistory must not exceed lossSpikeWindow")
         return self
 
@@ -53,9 +97,26 @@ class GuardThresholds(_Section):
 class CheckpointPolicy(_Section):
     """How often state is snapshotted in memory and written to the checkpoint volume."""
 
-    keep_clean: int = Field(3, ge=1, description="Clean disk checkpoints kept; the newest is never deleted.")
-    every_steps: int = Field(2000, ge=1, description="A disk checkpoint every this many steps.")
-    snapshot_every_steps: int = Field(100, ge=1, description="An in-memory snapshot every this many steps.")
+    keep_clean: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="Clean disk checkpoints kept; the newest is never deleted (at most 1000: each is "
+        "listed and verified on every start).",
+    )
+    every_steps: int = Field(
+        2000, ge=1, le=MAX_STEPS, description="A disk checkpoint every this many steps (at most 10^9)."
+    )
+    snapshot_every_steps: int = Field(
+        100, ge=1, le=MAX_STEPS, description="An in-memory snapshot every this many steps (at most 10^9)."
+    )
+    every_seconds: int | None = Field(
+        600,
+        ge=1,
+        le=MAX_SECONDS,
+        description="Also a disk checkpoint when this many seconds passed since the last one, whatever the "
+        "steps (null: by steps only; at most a week), so a short or slow run loses minutes, not hours.",
+    )
 
 
 class Remediation(_Section):
@@ -63,7 +124,10 @@ class Remediation(_Section):
 
     lr_scale: float = Field(0.5, gt=0, le=1, description="Learning rates are multiplied by this.")
     max_grad_norm: float | None = Field(
-        0.5, gt=0, description="Clipping is tightened to at most this norm (null: unchanged)."
+        0.5,
+        gt=0,
+        le=MAX_FACTOR,
+        description="Clipping is tightened to at most this norm (null: unchanged; at most 10^6).",
     )
 
 
@@ -74,7 +138,11 @@ class GuardianSettings(_Section):
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     remediation: Remediation = Remediation()
     status_interval_seconds: float = Field(
-        0.5, ge=0, description="The status file is rewritten at most this often (phase changes: at once)."
+        0.5,
+        ge=0,
+        le=60,
+        description="The status file is rewritten at most this often (phase changes: at once); at most "
+        "60 s, so the sidecar's view stays fresh.",
     )
 
 

@@ -54,12 +54,15 @@ from trainer_sidecar.health import (
     implausible_timestamps,
 )
 from trainer_sidecar.status import (
+    LOCAL_RANKS_ENV,
+    MAX_LOCAL_RANKS,
     STATUS_FILE_ENV,
     HealthReport,
     Phase,
     SidecarInfo,
     SidecarStatusDocument,
     WorkerStatus,
+    local_status_file,
     read_status,
 )
 
@@ -129,6 +132,70 @@ def fold_counters(
     return seen, grown
 
 
+@dataclass
+class _Watched:
+    """One local rank's status file, its health tracking and its counter baselines."""
+
+    path: Path
+    tracking: Tracking
+    last_seen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0))
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0.0))
+
+    def read(self, clocks: Clocks, policy: HealthPolicy) -> Reading:
+        """Read and judge the file, and fold its counts into this file's totals."""
+        status, read_error = read_status(self.path)
+        health, self.tracking = assess_health(self.tracking, status, read_error, clocks, policy)
+        if status is not None:
+            self.last_seen, self.totals = fold_counters(self.last_seen, self.totals, status)
+        return Reading(
+            clocks=clocks,
+            status=status,
+            read_error=read_error,
+            health=health,
+            seconds_since_step=_seconds_since_step(self.tracking, status, clocks, policy),
+            counters=dict(self.totals),
+        )
+
+
+#: Counters of data each rank reads for itself (summed over local ranks); the others count decisions
+#: every rank takes alike (the largest is taken).
+SHARDED_COUNTERS = frozenset({"samples_seen", "samples_dropped"})
+
+
+def _shown(readings: Sequence[Reading], failing: Sequence[int]) -> int:
+    """The local rank whose status stands for the pod: the first failing one, else the slowest."""
+    if failing:
+        return failing[0]
+    steps = {i: r.status.step for i, r in enumerate(readings) if r.status is not None}
+    return min(steps, key=lambda i: steps[i]) if steps else 0
+
+
+def _combined(readings: Sequence[Reading], watched: Sequence[_Watched]) -> Reading:
+    """One reading for a pod of several local ranks (see ``WorkerStatusCollector.read``)."""
+    failing = [i for i, r in enumerate(readings) if not r.health.alive]
+    worst = failing or [i for i, r in enumerate(readings) if not r.health.ready]
+    shown = _shown(readings, failing)
+    reason = (
+        "; ".join(f"local rank {i}: {readings[i].health.reason}" for i in worst)
+        if worst
+        else f"{len(readings)} local ranks: {readings[shown].health.reason}"
+    )
+    counters = {
+        name: (sum if name in SHARDED_COUNTERS else max)(r.counters[name] for r in readings)
+        for name in COUNTER_FIELDS
+    }
+    errors = [f"{w.path}: {r.read_error}" for w, r in zip(watched, readings, strict=True) if r.read_error]
+    ages = [r.seconds_since_step for r in readings if r.seconds_since_step is not None]
+    return Reading(
+        clocks=readings[shown].clocks,
+        status=readings[shown].status,
+        read_error="; ".join(errors),
+        health=Health(alive=not failing, ready=not worst, reason=reason),
+        seconds_since_step=max(ages, default=None),
+        counters=counters,
+    )
+
+
 def _seconds_since_step(
     tracking: Tracking, status: WorkerStatus | None, clocks: Clocks, policy: HealthPolicy
 ) -> float | None:
@@ -165,6 +232,7 @@ class WorkerStatusCollector(Collector):
         startup_grace_seconds: float,
         job: str,
         namespace: str,
+        local_ranks: int = 1,
         clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -177,27 +245,24 @@ class WorkerStatusCollector(Collector):
         self._wall = wall
         self.started_at = wall()
         self._lock = threading.Lock()
-        self._tracking = Tracking.begin(monotonic())
-        self._last_seen: dict[str, int] = dict.fromkeys(COUNTER_FIELDS, 0)
-        self._totals: dict[str, float] = dict.fromkeys(COUNTER_FIELDS, 0.0)
+        begun = monotonic()
+        self._watched = [
+            _Watched(local_status_file(status_file, local, local_ranks), Tracking.begin(begun))
+            for local in range(local_ranks)
+        ]
 
     def read(self) -> Reading:
-        """Read the status file, judge health, fold its counts into the monotonic totals. Never raises, and
-        never blocks on the file (``read_status`` reads regular files only, boundedly)."""
+        """Read every local rank's status file, judge health, fold the counts into the monotonic totals.
+        Never raises, and never blocks on a file (``read_status`` reads regular files only, boundedly).
+
+        With several local ranks (processes of one pod), the pod is alive and ready only when all of
+        them are; the status shown is the first failing local rank's, else the slowest one's."""
         with self._lock:
-            status, read_error = read_status(self.status_file)
             clocks = Clocks(monotonic=self._monotonic(), wall=self._wall())
-            health, self._tracking = assess_health(self._tracking, status, read_error, clocks, self.policy)
-            if status is not None:
-                self._last_seen, self._totals = fold_counters(self._last_seen, self._totals, status)
-            return Reading(
-                clocks=clocks,
-                status=status,
-                read_error=read_error,
-                health=health,
-                seconds_since_step=_seconds_since_step(self._tracking, status, clocks, self.policy),
-                counters=dict(self._totals),
-            )
+            readings = [watched.read(clocks, self.policy) for watched in self._watched]
+        if len(readings) == 1:
+            return readings[0]
+        return _combined(readings, self._watched)
 
     def describe(self) -> Iterable[Metric]:
         """Nothing declared up front: the registry is private, and describing must not read the file."""
@@ -427,6 +492,7 @@ class SidecarServer:
         startup_grace_seconds: float = DEFAULT_STARTUP_GRACE_SECONDS,
         job: str = DEFAULT_JOB_NAME,
         namespace: str = DEFAULT_NAMESPACE,
+        local_ranks: int = 1,
     ) -> None:
         settings = SidecarSettings(
             status_file=Path(status_file),
@@ -436,6 +502,7 @@ class SidecarServer:
             startup_grace_seconds=startup_grace_seconds,
             job=job,
             namespace=namespace,
+            local_ranks=local_ranks,
         )
         self.host = settings.host
         self.collector = WorkerStatusCollector(
@@ -444,6 +511,7 @@ class SidecarServer:
             startup_grace_seconds=settings.startup_grace_seconds,
             job=settings.job,
             namespace=settings.namespace,
+            local_ranks=settings.local_ranks,
         )
         self.registry = CollectorRegistry()
         self.registry.register(self.collector)
@@ -528,6 +596,13 @@ class SidecarSettings(BaseModel):
     namespace: str = Field(
         DEFAULT_NAMESPACE, min_length=1, max_length=253, description="The namespace label on metrics."
     )
+    local_ranks: int = Field(
+        1,
+        ge=1,
+        le=MAX_LOCAL_RANKS,
+        description="Worker processes in the pod (torchrun's --nproc-per-node): with more than one, each "
+        "writes <status file stem>-<local rank><suffix>, and the pod is alive only while all are.",
+    )
 
     @field_validator("status_file", mode="before")
     @classmethod
@@ -546,6 +621,7 @@ SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
     "startup_grace_seconds": ("--startup-grace-seconds", STARTUP_GRACE_ENV),
     "job": ("--job", JOB_NAME_ENV),
     "namespace": ("--namespace", NAMESPACE_ENV),
+    "local_ranks": ("--local-ranks", LOCAL_RANKS_ENV),
 }
 
 

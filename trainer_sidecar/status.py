@@ -31,6 +31,9 @@ from pydantic import (
 )
 
 STATUS_FILE_ENV = "TRAINGUARD_STATUS_FILE"
+#: How many worker processes share a pod (torchrun's --nproc-per-node); each writes a status file of its own.
+LOCAL_RANKS_ENV = "TRAINGUARD_LOCAL_RANKS"
+MAX_LOCAL_RANKS = 256
 #: Where the guardian writes its final status when the worker ends (a container's terminationMessagePath).
 TERMINATION_MESSAGE_ENV = "TRAINGUARD_TERMINATION_MESSAGE_PATH"
 #: The kubelet keeps at most this much of a container's termination message.
@@ -150,6 +153,14 @@ class WorkerStatus(BaseModel):
     explosion_pattern: str | None = Field(None, max_length=64)
     last_clean_checkpoint: CheckpointRef | None = None
     message: Message = ""
+    checkpoint_seconds: NonNegativeFloat | None = Field(
+        None, description="How long the worker's last checkpoint took to be written and durable (seconds)."
+    )
+    exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
+        None,
+        description="The code the guardian ends its process with, once it knows (a launcher between the "
+        "worker and the orchestrator, such as torchrun, may report another).",
+    )
 
     @model_validator(mode="after")
     def _rank_in_gang(self) -> Self:
@@ -389,3 +400,12 @@ class StatusPublisher:
         self._last_write = now
         self._last_phase = status.phase
         return True
+
+
+def local_status_file(path: Path, local_rank: int, local_ranks: int) -> Path:
+    """The status file of one of ``local_ranks`` worker processes in a pod: ``path`` itself for a pod of
+    one, ``<stem>-<local rank><suffix>`` beside it otherwise (the guardian writes it, the sidecar reads
+    every one)."""
+    if local_ranks <= 1:
+        return path
+    return path.with_name(f"{path.stem}-{local_rank}{path.suffix}")

@@ -4,13 +4,15 @@ to them as a whole: apply or drop an update, remediate, check that they are fini
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer_sidecar.config import ConfigError
 from trainer_sidecar.finite import nonfinite_flag
 
 
@@ -80,6 +82,58 @@ def describe_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
     )
 
 
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and trainguard: the loop's own line."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and "/trainer_sidecar/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}"
+    return "unknown line"
+
+
+def check_training_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any) -> None:
+    """Raise ConfigError, naming the argument, unless these are objects the guardian can step, save and
+    roll back: a Module; one Optimizer whose parameters all belong to it (a parameter outside the model
+    would be neither checkpointed nor rolled back); a scheduler of that optimizer that steps without a
+    metric; a GradScaler."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"Guardian(model=...) must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, list | tuple):
+        raise ConfigError(
+            f"Guardian(optimizer=...) takes one torch.optim.Optimizer, got a {type(optimizer).__name__} of "
+            f"{len(optimizer)}; several optimizers stepped together are not supported"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"Guardian(optimizer=...) must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:_SHOWN])
+        raise ConfigError(
+            f"Guardian(optimizer=...) updates {len(foreign)} tensor(s) that are not parameters of the model "
+            f"(shapes {shapes}): they would be neither checkpointed nor rolled back; make them nn.Parameter "
+            "attributes of the model, or build the optimizer from model.parameters()"
+        )
+    if scheduler is not None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "Guardian(scheduler=...) cannot step ReduceLROnPlateau (it needs a metric): step it in "
+                "the loop with the validation loss, and keep it in checkpoints with guardian.track(name, it)"
+            )
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ConfigError(
+                "Guardian(scheduler=...) must be a torch.optim.lr_scheduler.LRScheduler, "
+                f"got {type(scheduler).__name__}"
+            )
+        if scheduler.optimizer is not optimizer:
+            raise ConfigError(
+                "Guardian(scheduler=...) schedules another optimizer than Guardian(optimizer=...)"
+            )
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise ConfigError(f"Guardian(scaler=...) must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+
+
 class TrainingObjects:
     """The model (``module``: unwrapped from DistributedDataParallel), the optimizer, and the optional
     scheduler and GradScaler of one worker."""
@@ -97,9 +151,44 @@ class TrainingObjects:
         self.scheduler = scheduler
         self.scaler = scaler
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._stepping = False
+        self._report: Callable[[ConfigError], None] = lambda error: None
+        self._scheduler_epoch = scheduler.last_epoch if scheduler is not None else 0
+
+    def refuse_loop_steps(self, report: Callable[[ConfigError], None]) -> None:
+        """Make the loop's own ``optimizer.step()`` (or ``scaler.step(optimizer)``) raise ConfigError,
+        naming the calling line, after ``report`` publishes it: the guardian steps the optimizer, and a
+        second step would apply gradients it refused (NaN ones included) and skip its clipping."""
+
+        def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._stepping:
+                return
+            error = ConfigError(
+                f"the training loop steps the optimizer itself ({_caller()}): guardian.step() does, "
+                "after its checks; remove the loop's optimizer.step() (or scaler.step)"
+            )
+            report(error)
+            raise error
+
+        self.optimizer.register_step_pre_hook(refuse)
+        self._report = report
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward ``loss`` (scaled by the GradScaler when there is one)."""
+        """Backward ``loss`` (scaled by the GradScaler when there is one). Raises TypeError when ``loss``
+        is not a one-element tensor that autograd can backward."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"the loss must be a torch.Tensor (the output of the forward pass), got {type(loss).__name__}"
+            )
+        if loss.numel() != 1:
+            raise TypeError(
+                f"the loss must be one value (reduce it, e.g. .mean()), got shape {tuple(loss.shape)}"
+            )
+        if not loss.requires_grad:
+            raise TypeError(
+                "the loss does not require grad: it was computed under torch.no_grad(), detached, or from no "
+                "trainable parameter"
+            )
         torch.autograd.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale(self) -> None:
@@ -133,12 +222,28 @@ class TrainingObjects:
         # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
         # not needed: step the optimizer directly and let the scaler grow its scale.
         with _scaled_learning_rates(self.optimizer, lr_scale):
-            self.optimizer.step()
+            self._stepping = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._stepping = False
         if self.scaler is not None:
             self.scaler.update()
         if self.scheduler is not None:
-            self.scheduler.step()
+            self._step_scheduler(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _step_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        if scheduler.last_epoch != self._scheduler_epoch:
+            error = ConfigError(
+                f"the training loop steps the scheduler itself (its last_epoch is {scheduler.last_epoch}, "
+                f"the guardian stepped it to {self._scheduler_epoch}): guardian.step() steps the scheduler "
+                "it was given; remove the loop's scheduler.step(), or do not pass scheduler="
+            )
+            self._report(error)
+            raise error
+        scheduler.step()
+        self._scheduler_epoch = scheduler.last_epoch
 
     def drop_update(self) -> None:
         """Zero the gradients without stepping; the GradScaler backs off after an overflow."""
@@ -157,6 +262,7 @@ class TrainingObjects:
         """Put back ``small_state``'s output (a part that is None is left alone)."""
         if self.scheduler is not None and small.get("scheduler") is not None:
             self.scheduler.load_state_dict(small["scheduler"])
+            self._scheduler_epoch = self.scheduler.last_epoch
         if self.scaler is not None and small.get("scaler") is not None:
             self.scaler.load_state_dict(small["scaler"])
 

@@ -7,36 +7,64 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainguard.spec import SpecError, load_job
+from trainguard.spec import GuardedTrainingJob, SpecError, load_job
+
+if TYPE_CHECKING:
+    from trainguard.launch import StopSignals
+    from trainguard.local import LocalRunner
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trainguard.local import LocalRunner
-    from trainguard.view import LiveView, PlainView
+    from trainguard.launch import RunRefused, Stopped, StopSignals
 
     try:
         job = load_job(args.job)
     except SpecError as exc:
         print(f"trainguard: invalid job: {exc}", file=sys.stderr)
         return 2
-    name = f"{job.metadata.namespace}-{job.metadata.name}"
-    run_dir = args.run_dir or Path("runs") / name
-    checkpoint_root = args.checkpoint_root or run_dir / "volumes"
+    # namespace and name are DNS-1123 labels (the spec checks), so this is one plain folder name.
+    run_root = args.run_dir or Path("runs") / f"{job.metadata.namespace}-{job.metadata.name}"
+    checkpoint_root = args.checkpoint_root or run_root / "volumes"
+    with StopSignals() as signals:
+        try:
+            code, runner = _run_job(job, args, run_root, checkpoint_root, signals)
+        except (SpecError, RunRefused) as exc:
+            print(f"trainguard: cannot run {args.job}: {exc}", file=sys.stderr)
+            return 2
+        except Stopped as stop:  # before the run began: nothing was started
+            return stop.exit_code
+        signals.disarm()  # the gang is stopped; a late signal must not cost the summary
+        return _report_run(args, runner, code)
+
+
+def _run_job(
+    job: GuardedTrainingJob,
+    args: argparse.Namespace,
+    run_root: Path,
+    checkpoint_root: Path,
+    signals: StopSignals,
+) -> tuple[int, LocalRunner]:
+    from trainguard.local import LocalRunner
+    from trainguard.view import LiveView, PlainView
+
     interactive = sys.stdout.isatty() and not args.plain
     view = LiveView() if interactive else PlainView()
     try:
-        runner = LocalRunner(job, checkpoint_root=checkpoint_root, run_dir=run_dir, view=view)
-    except SpecError as exc:
-        view.close()
-        print(f"trainguard: invalid job: {exc}", file=sys.stderr)
-        return 2
-    try:
-        code = runner.run()
+        runner = LocalRunner(
+            job, checkpoint_root=checkpoint_root, run_dir=run_root, view=view, signals=signals
+        )
+        return runner.run(), runner
     finally:
         view.close()
+
+
+def _report_run(args: argparse.Namespace, runner: LocalRunner, code: int) -> int:
+    if runner.run_folder is None:  # stopped before the run had its folder: nothing ran
+        return code
     summary = runner.summary()
-    summary_path = args.summary or run_dir / "summary.json"
+    summary_path = args.summary or runner.run_folder / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=1))
     if args.plot:
@@ -71,8 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a GuardedTrainingJob YAML on this machine")
     run.add_argument("job", type=Path, help="the GuardedTrainingJob YAML (kubectl apply form)")
-    run.add_argument("--checkpoint-root", type=Path, help="local directory standing in for the claims")
-    run.add_argument("--run-dir", type=Path, help="logs, status files and summary (default runs/NS-NAME)")
+    run.add_argument(
+        "--checkpoint-root",
+        type=Path,
+        help="local directory standing in for the claims (default RUN_DIR/volumes)",
+    )
+    run.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the job's run root (default runs/NS-NAME): each run writes its logs, status files and "
+        "summary into a new folder there, with a 'latest' link to it",
+    )
     run.add_argument("--summary", type=Path, help="where to write the JSON summary")
     run.add_argument("--plot", type=Path, help="also draw the timeline PNG here")
     run.add_argument("--plain", action="store_true", help="event lines only, even on a terminal")

@@ -1,16 +1,22 @@
 """``trainguard run``: a GuardedTrainingJob on one machine, with the operator's recovery policy.
 
-Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command,
-with the torch.distributed environment) and one sidecar process per worker on its own free port.
-The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a kubelet, reads
+Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in
+its ``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its
+own free port. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
+kubelet (see ``trainguard.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
 ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
 ``trainguard.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
 waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
+
+Nothing outlives the runner (see ``trainguard.launch``): every child is registered for cleanup the
+moment it exists and dies with the runner even when the runner is killed; SIGINT, SIGTERM and SIGHUP
+stop the gang and end the run with 128 + the signal's number. The command and working directory are
+checked, and the checkpoint directory locked against a second run of the job, before anything starts
+(see ``trainguard.rundir``). Each run writes into a folder of its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -19,23 +25,36 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.settings import Remediation
-from trainer_sidecar.status import WorkerStatus
+from trainer_sidecar.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
+from trainguard.launch import (
+    RunRefused,
+    Stopped,
+    StopSignals,
+    check_working_dir,
+    exit_detail,
+    omp_threads,
+    printable,
+    resolve_command,
+    signal_group,
+    spawn,
+)
 from trainguard.observation import GangView, ProcessState, SidecarReport, observe_gang
 from trainguard.policy import Action, Decision, Observation, decide
-from trainguard.spec import GuardedTrainingJob, SpecError
+from trainguard.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
+from trainguard.sidecars import SidecarProcess, liveness, probe_passed
+from trainguard.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.summary import Incident, RunRecord, fault_time
+from trainguard.torchrun import NodeLaunch, NotPython, under_torchrun
 
 log = logging.getLogger("trainguard.run")
 
-SIDECAR_START_TIMEOUT = 30.0
+_CONTAINER = f"spec.template.spec.containers[{WORKER_CONTAINER}]"
+TERMINATION_MESSAGE_FILE = "termination-log"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,30 +65,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return int(response.status), bytes(response.read())
-    except urllib.error.HTTPError as error:
-        return int(error.code), bytes(error.read())
-    except (urllib.error.URLError, OSError, TimeoutError):
-        return 0, b""
-
-
 @dataclass
 class RankProcesses:
     """One rank of one attempt: the worker, its sidecar, and where their files are."""
 
     rank: int
     worker: subprocess.Popen[bytes]
-    sidecar: subprocess.Popen[str]
-    sidecar_url: str
+    sidecar: SidecarProcess
     status_file: Path
-    log_file: IO[bytes]
+    log_path: Path
     alive: bool | None = None
     health_reason: str = ""
+    probe_failures: int = 0
+    failed_since: float | None = None
+    exit_reason: str | None = None
     #: The worker's status as its sidecar last served it (None: not read yet).
     status: WorkerStatus | None = None
+
+    @property
+    def sidecar_url(self) -> str:
+        """Where the rank's sidecar answers ("" while it is down)."""
+        return self.sidecar.url
+
+    @property
+    def termination_file(self) -> Path:
+        """The worker's termination-message file (``TRAINGUARD_TERMINATION_MESSAGE_PATH``)."""
+        return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
 @dataclass
@@ -104,16 +125,32 @@ class LocalRunner:
         run_dir: Path,
         stop_grace_seconds: float = 10.0,
         view: Any = None,
+        signals: StopSignals | None = None,
     ) -> None:
+        """Check the job against this machine (command, working directory, names); nothing starts yet.
+
+        ``run_dir`` is the job's run root: each ``run()`` writes into a new folder under it
+        (``run_folder``). Raises SpecError or RunRefused naming the field.
+        """
         self.job = job
         self.spec = job.spec
-        self.checkpoint_dir = checkpoint_root / self.spec.checkpoint.claim_name
-        self.run_dir = run_dir
+        self.checkpoint_root = checkpoint_root.absolute()
+        claim = plain_name(self.spec.checkpoint.claim_name, "spec.checkpoint.claimName")
+        self.checkpoint_dir = self.checkpoint_root / claim
+        self.run_root = run_dir.absolute()
+        self.run_folder: Path | None = None
         self.stop_grace_seconds = stop_grace_seconds
         self.view = view
+        self.signals = signals
         self.worker = self.spec.template.spec.worker()
-        self.command = self._command()
         self.template_env = self._template_env()
+        self.working_dir = check_working_dir(self.worker.working_dir, field=f"{_CONTAINER}.workingDir")
+        self.command = self._command()
+        self.lock = CheckpointLock(self.checkpoint_dir)
+        # Every process of the current attempt, registered the moment it exists (see _spawn).
+        self._workers: list[subprocess.Popen[Any]] = []
+        self._sidecars: list[subprocess.Popen[Any]] = []
+        self._files: list[IO[bytes]] = []
         self.attempt = 0
         self.restarts = 0
         self.remediation: Remediation | None = None
@@ -137,11 +174,16 @@ class LocalRunner:
     def _command(self) -> list[str]:
         command = [*(self.worker.command or []), *(self.worker.args or [])]
         if not command:
-            raise SpecError("spec.template.spec.containers[pytorch].command: a local run needs a command")
-        # The image's python is this machine's interpreter (the one trainguard runs in).
-        if Path(command[0]).name in ("python", "python3"):
-            command[0] = sys.executable
-        return command
+            raise SpecError(f"{_CONTAINER}.command: a local run needs a command")
+        field_name = f"{_CONTAINER}.command[0]" if self.worker.command else f"{_CONTAINER}.args[0]"
+        path = self.template_env.get("PATH", os.environ.get("PATH", os.defpath))
+        resolved = resolve_command(command, field=field_name, cwd=self.working_dir, path=path)
+        if self.spec.nproc_per_node > 1:
+            try:
+                under_torchrun(resolved, NodeLaunch("1", "1", "0", "127.0.0.1", "0"))
+            except NotPython as exc:
+                raise SpecError(f"{_CONTAINER}.command: {exc}") from exc
+        return resolved
 
     def _template_env(self) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -155,10 +197,15 @@ class LocalRunner:
         return env
 
     def worker_env(self, rank: int, port: int, status_file: Path) -> dict[str, str]:
-        """The environment of one worker process in the current attempt."""
+        """The environment of one worker process in the current attempt.
+
+        As torchrun does, ``OMP_NUM_THREADS`` shares this machine's cores among the workers unless the
+        user set it. The termination-message file sits beside the status file.
+        """
         spec = self.spec
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         env.update(self.template_env)
+        env.setdefault("OMP_NUM_THREADS", omp_threads(spec.replicas * spec.nproc_per_node))
         env.update(
             PYTHONUNBUFFERED="1",
             RANK=str(rank),
@@ -173,6 +220,7 @@ class LocalRunner:
             TRAINGUARD_NAMESPACE=self.job.metadata.namespace,
             TRAINGUARD_ATTEMPT=str(self.attempt),
         )
+        env[TERMINATION_MESSAGE_ENV] = str(status_file.with_name(TERMINATION_MESSAGE_FILE))
         if self.remediation is not None:
             payload = {"id": self.remediation_id, **self.remediation.model_dump(by_alias=True)}
             env["TRAINGUARD_REMEDIATION"] = json.dumps(payload)
@@ -187,100 +235,168 @@ class LocalRunner:
             self.view.event(entry)
 
     # ------------------------------------------------------------------------------ gang control ---
+    def prepare(self) -> None:
+        """Create and lock the checkpoint directory, then this run's own folder (RunRefused if another
+        run holds the lock or a path leads outside its root). No process is started."""
+        self.checkpoint_dir = make_dir_inside(
+            self.checkpoint_root, self.checkpoint_dir, "spec.checkpoint.claimName", "--checkpoint-root"
+        )
+        self.lock.acquire(job=f"{self.job.metadata.namespace}/{self.job.metadata.name}")
+        self.run_folder = new_run_folder(self.run_root)
+
+    def _spawn(self, argv: list[str], *, worker: bool, **options: Any) -> subprocess.Popen[Any]:
+        """Start a child and register it for cleanup before a stop signal can interrupt."""
+        signals = self.signals if self.signals is not None else StopSignals()
+        with signals.deferred():
+            try:
+                proc = spawn(argv, **options)
+            except OSError as exc:
+                raise RunRefused(f"cannot start {argv[0]}: {exc}") from exc
+            (self._workers if worker else self._sidecars).append(proc)
+        return proc
+
+    def _sidecar_argv(self, status_file: Path) -> list[str]:
+        health = self.spec.health
+        return [
+            sys.executable, "-m", "trainer_sidecar.sidecar",
+            "--status-file", str(status_file),
+            "--host", "127.0.0.1", "--port", "0",
+            "--hang-timeout-seconds", str(health.hang_timeout_seconds),
+            "--startup-grace-seconds", str(health.startup_grace_seconds),
+            "--job", self.job.metadata.name, "--namespace", self.job.metadata.namespace,
+            "--local-ranks", str(self.spec.nproc_per_node),
+        ]  # fmt: skip
+
+    def _pod_command(self, pod: int, port: int) -> list[str]:
+        """The command of one pod: the job's, or with nprocPerNode above 1 the same under torchrun (as the
+        operator renders it, with this machine's numbers in place of the training operator's)."""
+        nproc = self.spec.nproc_per_node
+        if nproc == 1:
+            return self.command
+        node = NodeLaunch(str(self.spec.replicas), str(nproc), str(pod), "127.0.0.1", str(port))
+        return under_torchrun(self.command, node)
+
     def start_gang(self) -> None:
-        """Start the sidecars and workers of a new attempt."""
+        """Start the sidecars and workers of a new attempt (``prepare`` first)."""
+        assert self.run_folder is not None, "prepare() before start_gang()"
         self.attempt += 1
         self.attempt_started = time.time()
-        attempt_dir = self.run_dir / f"attempt-{self.attempt}"
-        logs = self.run_dir / "logs"
+        attempt_dir = self.run_folder / f"attempt-{self.attempt}"
+        logs = self.run_folder / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        health = self.spec.health
         self.ranks = []
         for rank in range(self.spec.replicas):
             status_file = attempt_dir / f"rank-{rank}" / "status.json"
             status_file.parent.mkdir(parents=True, exist_ok=True)
-            sidecar = subprocess.Popen(
-                [
-                    sys.executable, "-m", "trainer_sidecar.sidecar",
-                    "--status-file", str(status_file),
-                    "--host", "127.0.0.1", "--port", "0",
-                    "--hang-timeout-seconds", str(health.hang_timeout_seconds),
-                    "--startup-grace-seconds", str(health.startup_grace_seconds),
-                    "--job", self.job.metadata.name, "--namespace", self.job.metadata.namespace,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-            )  # fmt: skip
-            url = self._sidecar_url(sidecar)
-            log_file = open(logs / f"attempt-{self.attempt}-rank-{rank}.log", "wb")  # noqa: SIM115
-            worker = subprocess.Popen(
-                self.command,
+            sidecar = SidecarProcess(
+                self._sidecar_argv(status_file),
+                status_file.with_name("sidecar.log"),
+                lambda argv, **options: self._spawn(argv, worker=False, **options),
+            )
+            if not sidecar.start():
+                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
+            log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"
+            log_file = open(log_path, "xb")  # noqa: SIM115 - closed by stop_gang
+            self._files.append(log_file)
+            worker = self._spawn(
+                self._pod_command(rank, port),
+                worker=True,
                 env=self.worker_env(rank, port, status_file),
+                cwd=self.working_dir,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                pass_fds=(self.lock.fd,),  # the checkpoint lock lives as long as the gang
             )
-            self.ranks.append(RankProcesses(rank, worker, sidecar, url, status_file, log_file))
+            self.ranks.append(RankProcesses(rank, worker, sidecar, status_file, log_path))
         remediation = ""
         if self.remediation is not None:
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
-        self.event("start", f"started {self.spec.replicas} worker(s){remediation}")
-
-    def _sidecar_url(self, sidecar: subprocess.Popen[str]) -> str:
-        assert sidecar.stdout is not None
-        deadline = time.monotonic() + SIDECAR_START_TIMEOUT
-        while time.monotonic() < deadline:
-            line = sidecar.stdout.readline()
-            if not line:
-                break
-            if "listening on" in line:
-                return line.strip().rsplit(" ", 1)[-1]
-        sidecar.kill()
-        raise RuntimeError("a sidecar did not start (no 'listening on' line)")
+        nproc = self.spec.nproc_per_node
+        each = f" of {nproc} processes each" if nproc > 1 else ""
+        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}")
 
     def stop_gang(self) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars."""
-        for rank in self.ranks:
-            _signal_group(rank.worker, signal.SIGTERM)
+        """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.
+
+        Stops every process registered in this attempt, also those of a rank that was still starting.
+        """
+        workers, sidecars, files = self._workers, self._sidecars, self._files
+        self._workers, self._sidecars, self._files = [], [], []
+        for worker in workers:
+            signal_group(worker, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_seconds
-        for rank in self.ranks:
-            remaining = max(0.0, deadline - time.monotonic())
+        for worker in workers:
             try:
-                rank.worker.wait(timeout=remaining)
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(rank.worker, signal.SIGKILL)
-                rank.worker.wait()
-            _signal_group(rank.worker, signal.SIGKILL)  # stray children (data loader workers)
-        for rank in self.ranks:
-            _signal_group(rank.sidecar, signal.SIGTERM)
+                signal_group(worker, signal.SIGKILL)
+                worker.wait()
+            signal_group(worker, signal.SIGKILL)  # stray children (data loader workers)
+        for sidecar in sidecars:
+            if sidecar.poll() is None:  # a restarted sidecar's predecessor is gone (its pid may be reused)
+                signal_group(sidecar, signal.SIGTERM)
+        for sidecar in sidecars:
             try:
-                rank.sidecar.wait(timeout=5)
+                sidecar.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                rank.sidecar.kill()
-                rank.sidecar.wait()
-            if rank.sidecar.stdout is not None:
-                rank.sidecar.stdout.close()
-            rank.log_file.close()
+                signal_group(sidecar, signal.SIGKILL)
+                sidecar.wait()
+            if sidecar.stdout is not None:
+                sidecar.stdout.close()
+        for file in files:
+            file.close()
 
     # --------------------------------------------------------------------------------- watching ---
     def probe(self) -> None:
-        """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator)."""
+        """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
+
+        A sidecar that exited is restarted first (with backoff). A failed or unanswered probe counts
+        towards the failure threshold; a rank is not alive only once the threshold is reached.
+        """
         timeout = min(5.0, float(self.spec.health.probe_period_seconds))
         for rank in self.ranks:
             if rank.worker.poll() is not None:
                 continue
-            code, body = _http_get(rank.sidecar_url + "/healthz", timeout)
-            rank.alive = None if code == 0 else code == 200
-            rank.health_reason = "" if code == 200 else body.decode(errors="replace").strip()
+            happened = rank.sidecar.keep_running()
+            if happened:
+                self.event("sidecar", f"rank {rank.rank}: {happened}")
             self.read_status(rank)
+            code, body = rank.sidecar.healthz(timeout)
+            rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
+            rank.alive = self._liveness(rank)
+            rank.health_reason = "" if probe_passed(code) else self._probe_failure(rank, code, body)
+
+    def _liveness(self, rank: RankProcesses) -> bool | None:
+        """The kubelet's verdict, except that a worker that published its final status ("failed") gets
+        the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
+        if rank.status is None or rank.status.phase is not Phase.FAILED:
+            rank.failed_since = None
+            return liveness(rank.probe_failures)
+        now = time.monotonic()
+        rank.failed_since = rank.failed_since if rank.failed_since is not None else now
+        return liveness(rank.probe_failures, now - rank.failed_since, self.stop_grace_seconds)
+
+    @staticmethod
+    def _probe_failure(rank: RankProcesses, code: int, body: bytes) -> str:
+        answer = printable(body.decode(errors="replace")) if code else ""
+        if not answer:
+            answer = f"HTTP {code}" if code else "no answer (the sidecar is down)"
+        times = "once" if rank.probe_failures == 1 else f"{rank.probe_failures} times in a row"
+        return f"liveness probe failed {times}: {answer}"
+
+    def exit_reason(self, rank: RankProcesses) -> str:
+        """Why an exited worker exited, from its termination message or log ("" if running or unknown)."""
+        code = rank.worker.poll()
+        if code is None:
+            return ""
+        if rank.exit_reason is None:
+            rank.exit_reason = exit_detail(code, rank.termination_file, rank.log_path)
+        return rank.exit_reason
 
     def read_status(self, rank: RankProcesses) -> None:
         """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had)."""
-        code, body = _http_get(rank.sidecar_url + "/status", 2.0)
+        code, body = rank.sidecar.get("/status", 2.0)
         if code != 200:
             return
         report = SidecarReport.from_document(body)
@@ -302,7 +418,12 @@ class LocalRunner:
         ranks = []
         for rank in self.ranks:
             code = rank.worker.poll()
-            process = ProcessState(exit_code=code, alive=rank.alive, health_reason=rank.health_reason)
+            process = ProcessState(
+                exit_code=code,
+                alive=rank.alive,
+                health_reason=rank.health_reason,
+                exit_reason=self.exit_reason(rank),
+            )
             ranks.append(view.rank_observation(rank.rank, process))
         return Observation(
             attempt=self.attempt, ranks=ranks, restarts=self.restarts, handled_attempt=self.attempt - 1
@@ -317,60 +438,82 @@ class LocalRunner:
 
     # ------------------------------------------------------------------------------------- main ---
     def run(self) -> int:
-        """Run to the end; returns the process exit code (0 success, 1 failure, 130 interrupted)."""
-        self.start_gang()
+        """Run to the end; returns the exit code: 0 success, 1 failure, 128 + N when stopped by signal N
+        (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). Raises RunRefused when the run cannot start; no process
+        is left running either way."""
+        if self.signals is not None:
+            return self._run(self.signals)
+        with StopSignals() as signals:
+            self.signals = signals
+            return self._run(signals)
+
+    def _run(self, signals: StopSignals) -> int:
+        try:
+            self.prepare()
+            self.start_gang()
+            return self._watch(signals)
+        except Stopped as stop:
+            self.event("interrupted", f"stopped by {stop.name}; checkpoints are intact")
+            return stop.exit_code
+        finally:
+            signals.disarm()  # from here on a stop signal cannot cut the cleanup short
+            self.stop_gang()
+            self.lock.release()
+
+    def _watch(self, signals: StopSignals) -> int:
         period = float(self.spec.health.probe_period_seconds)
         next_probe = 0.0
-        try:
-            while True:
-                now = time.monotonic()
-                if now >= next_probe:
-                    self.probe()
-                    next_probe = now + period
-                else:
-                    self.read_statuses()
-                self.record_progress()
-                if self.view is not None:
-                    self.view.update(self)
-                decision = decide(self.spec.recovery, self.observe())
-                if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
-                    time.sleep(0.25)
-                    continue
-                if decision.action is Action.SUCCEED:
-                    self.finish(decision)
-                    self.event("succeeded", "every rank exited 0")
-                    return 0
-                fault_time = self._fault_time(decision)
-                detected = time.time()
-                self.event(
-                    decision.action.value if decision.action is Action.FAIL else "failure", decision.reason
-                )
-                self.stop_gang()
-                if decision.action is Action.FAIL:
-                    self.final_decision = decision
-                    return 1
-                self.restarts = decision.restarts
-                if decision.remediation is not None:
-                    self.remediation = decision.remediation
-                    self.remediation_id = f"attempt-{self.attempt + 1}"
-                self.incidents.append(
-                    Incident(
-                        self.attempt, decision.reason, fault_time, detected, decision.delay_seconds, None
-                    )
-                )
-                self.event(
-                    "restart",
-                    f"restarting the whole gang in {decision.delay_seconds:g} s "
-                    f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
-                )
-                time.sleep(decision.delay_seconds)
-                self.backoff_total += decision.delay_seconds
-                self.start_gang()
-                next_probe = time.monotonic() + period
-        except KeyboardInterrupt:
-            self.event("interrupted", "stopped by the user; checkpoints are intact")
+        while True:
+            now = time.monotonic()
+            if now >= next_probe:
+                self.probe()
+                next_probe = now + period
+            else:
+                self.read_statuses()
+            self.record_progress()
+            if self.view is not None:
+                self.view.update(self)
+            decision = decide(self.spec.recovery, self.observe())
+            if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
+                time.sleep(0.25)
+                continue
+            if decision.action is Action.SUCCEED:
+                signals.disarm()  # the job has finished: a late signal does not make it "interrupted"
+                self.finish(decision)
+                self.event("succeeded", "every rank exited 0")
+                return 0
+            if not self._recover(decision, signals):
+                return 1
+            next_probe = time.monotonic() + period
+
+    def _recover(self, decision: Decision, signals: StopSignals) -> bool:
+        """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False)."""
+        fault_at = self._fault_time(decision)
+        detected = time.time()
+        self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
+        if decision.action is Action.FAIL:
+            signals.disarm()
+            self.final_decision = decision
             self.stop_gang()
-            return 130
+            return False
+        with signals.deferred():
+            self.stop_gang()
+        self.restarts = decision.restarts
+        if decision.remediation is not None:
+            self.remediation = decision.remediation
+            self.remediation_id = f"attempt-{self.attempt + 1}"
+        self.incidents.append(
+            Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
+        )
+        self.event(
+            "restart",
+            f"restarting the whole gang in {decision.delay_seconds:g} s "
+            f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
+        )
+        time.sleep(decision.delay_seconds)
+        self.backoff_total += decision.delay_seconds
+        self.start_gang()
+        return True
 
     def finish(self, decision: Decision) -> None:
         """Record the final decision and let the workers' sidecars go."""
@@ -387,6 +530,8 @@ class LocalRunner:
     # ---------------------------------------------------------------------------------- summary ---
     def summary(self) -> dict[str, Any]:
         """The run's figures (see the README's summary reference)."""
+        from trainer_sidecar.checkpoint import CheckpointStore  # imports torch: only when summarising
+
         wall = time.time() - self.started
         store = CheckpointStore(self.checkpoint_dir)
         newest = store.newest_valid()
@@ -410,8 +555,3 @@ class LocalRunner:
             "timeline": [e.as_dict(self.started) for e in self.events],
             "series": self.record.series,
         }
-
-
-def _signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)

@@ -84,6 +84,7 @@ class RankState:
     loss: float | None
     grad_norm: float | None
     message: str
+    exit_code: int | None = None
 
     @classmethod
     def of(cls, rank: int, status: WorkerStatus) -> RankState:
@@ -100,6 +101,7 @@ class RankState:
             loss=status.loss,
             grad_norm=status.grad_norm,
             message=status.message,
+            exit_code=status.exit_code,
         )
 
 
@@ -144,6 +146,7 @@ class GangView:
     samples_seen: int | None
     samples_dropped: int | None
     checkpoint: CleanCheckpoint | None
+    checkpoint_seconds: float | None = None
 
     @property
     def missing(self) -> tuple[int, ...]:
@@ -191,13 +194,18 @@ class GangView:
 def rank_observation(rank: int, state: RankState | None, process: ProcessState) -> RankObservation:
     """The policy's view of one rank: its process as the executor saw it, and its own last report.
 
-    A rank that reports ``diverged`` (or exited with the diverged code) is diverged, whatever else its
+    A failed exit is judged by the code the worker's guardian declared in its last report when there is
+    one (a launcher such as torchrun exits 1 whatever its workers' codes were). A rank that reports
+    ``diverged`` (or exited with the diverged code) is diverged, whatever else its
     exit code (or none yet), its liveness or its pod say: a diverged worker fails its liveness probe and
     may die in its teardown, and neither is a hang nor a crash. A rank that exited with a failure
     carries its own last message when that says why (phase ``failed``, or a configuration error: the
     message names the field and the reason).
     """
     code = process.exit_code
+    if code not in (None, 0) and state is not None and state.exit_code not in (None, 0):
+        # The worker's own code, where a launcher (torchrun) reported its generic failure instead.
+        code = state.exit_code
     if code == ExitCode.SUCCEEDED:
         return RankObservation(rank=rank, exit_code=0, alive=None)
     alive = process.alive if code is None else None
@@ -265,4 +273,6 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
         samples_seen=sum(s.samples_seen for s in values) if counted else None,
         samples_dropped=sum(s.samples_dropped for s in values) if counted else None,
         checkpoint=_newest_checkpoint(values),
+        # The slowest rank's write is what a stop must wait for.
+        checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
     )

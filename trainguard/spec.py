@@ -5,13 +5,17 @@ and ``trainguard run`` validate with them, and the guardian's settings are the s
 (``trainer_sidecar.settings``). Every cross-field rule is written twice on purpose: as a pydantic
 validator here (for ``trainguard run`` and the operator) and as a CEL rule in the schema extras
 (for the API server), and a test checks both refuse the same objects.
+
+Every model is strict: a value of the wrong type is refused rather than coerced (``replicas: true`` is
+not 1, ``"5"`` is not 5); only an integer where a float is expected is accepted. Every count and
+duration has an upper bound that the runtime can honour, stated in its description and in the CRD.
 """
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -37,6 +41,21 @@ SINGULAR = "guardedtrainingjob"
 SHORT_NAMES = ["gtj"]
 WORKER_CONTAINER = "pytorch"
 
+#: A DNS-1123 label (namespaces, metadata.name): lower-case alphanumerics and '-', at most 63.
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: A DNS-1123 subdomain (PersistentVolumeClaim names): labels joined by '.', at most 253.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+#: The longest hang timeout and startup grace: a week. Longer is no hang detection at all.
+MAX_WAIT_SECONDS = 7 * 24 * 3600
+#: The longest probe period: an hour (the kubelet's periodSeconds is an int32; hourly already means a
+#: hang is noticed an hour late).
+MAX_PROBE_PERIOD_SECONDS = 3600
+#: The longest backoff before a restart: a day.
+MAX_BACKOFF_SECONDS = 24 * 3600
+#: Entries and entry length of a container's command, args and env, as the CRD bounds them.
+MAX_LIST_ITEMS = 256
+MAX_ARGUMENT_LENGTH = 4096
+
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     """One ``x-kubernetes-validations`` entry."""
@@ -47,13 +66,16 @@ def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True
+    )
 
 
 class CheckpointSpec(GuardianCheckpointPolicy):
     """Where checkpoints live (a ReadWriteMany claim shared by all workers) and how often they are written."""
 
     model_config = ConfigDict(
+        strict=True,
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
@@ -62,13 +84,22 @@ class CheckpointSpec(GuardianCheckpointPolicy):
                     ".snapshotEverySteps",
                 )
             ]
-        }
+        },
     )
 
     claim_name: str = Field(
-        min_length=1, max_length=253, description="PersistentVolumeClaim for checkpoints."
+        min_length=1,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
+        description="PersistentVolumeClaim for checkpoints: a DNS-1123 subdomain, as Kubernetes names "
+        "claims (trainguard run maps it to a folder under --checkpoint-root).",
     )
-    mount_path: str = Field("/ckpt", pattern=r"^/", description="Where the claim is mounted in the worker.")
+    mount_path: str = Field(
+        "/ckpt",
+        max_length=1024,
+        pattern=r"^/",
+        description="Where the claim is mounted in the worker (an absolute path).",
+    )
 
     @model_validator(mode="after")
     def _snapshots_not_rarer_than_checkpoints(self) -> CheckpointSpec:
@@ -82,6 +113,7 @@ class CheckpointSpec(GuardianCheckpointPolicy):
             keep_clean=self.keep_clean,
             every_steps=self.every_steps,
             snapshot_every_steps=self.snapshot_every_steps,
+            every_seconds=self.every_seconds,
         )
 
 
@@ -100,14 +132,25 @@ class HealthSpec(_Model):
         }
     )
 
-    hang_timeout_seconds: int = Field(300, ge=1, description="No step for this long means hung.")
+    hang_timeout_seconds: int = Field(
+        300,
+        ge=1,
+        le=MAX_WAIT_SECONDS,
+        description="No step for this long means hung (at most a week: longer is no hang detection).",
+    )
     startup_grace_seconds: int = Field(
         600,
         ge=0,
+        le=MAX_WAIT_SECONDS,
         description="Time allowed before the first step, and for a rollback (restore and held-out "
-        "validation), instead of the hang timeout.",
+        "validation), instead of the hang timeout (at most a week).",
     )
-    probe_period_seconds: int = Field(10, ge=1, description="How often health is checked.")
+    probe_period_seconds: int = Field(
+        10,
+        ge=1,
+        le=MAX_PROBE_PERIOD_SECONDS,
+        description="How often health is checked (at most an hour; the kubelet's probe period).",
+    )
 
     @model_validator(mode="after")
     def _timeout_longer_than_period(self) -> HealthSpec:
@@ -116,29 +159,35 @@ class HealthSpec(_Model):
         return self
 
 
+class RemediationSpec(Remediation):
+    """What a restart after divergence changes (the guardian's remediation, strictly typed)."""
+
+    model_config = ConfigDict(strict=True)
+
+
 class RecoverySpec(_Model):
     """How the whole gang is restarted: how often, after how long, with what remediation on divergence."""
 
-    max_restarts: int = Field(5, ge=0, description="Gang restarts allowed before the job fails.")
-    backoff_seconds: list[int] = Field(
+    max_restarts: int = Field(
+        5, ge=0, le=10_000, description="Gang restarts allowed before the job fails (at most 10,000)."
+    )
+    backoff_seconds: list[Annotated[int, Field(ge=1, le=MAX_BACKOFF_SECONDS)]] = Field(
         default=[10, 30, 90],
         min_length=1,
         max_length=20,
-        description="Wait before restart N is the N-th entry; the last entry repeats (the cap).",
+        description="Wait before restart N is the N-th entry; the last entry repeats (the cap). Each "
+        "from 1 second to a day.",
         json_schema_extra={
-            "items": {"type": "integer", "minimum": 1},
             "x-kubernetes-validations": [cel("self.isSorted()", "backoffSeconds must be non-decreasing")],
         },
     )
-    on_divergence: Remediation = Field(
-        default_factory=Remediation, description="Applied after a diverged exit."
+    on_divergence: RemediationSpec = Field(
+        default_factory=RemediationSpec, description="Applied after a diverged exit."
     )
 
     @field_validator("backoff_seconds")
     @classmethod
-    def _positive_non_decreasing(cls, value: list[int]) -> list[int]:
-        if any(v < 1 for v in value):
-            raise ValueError("every backoff must be at least 1 second")
+    def _non_decreasing(cls, value: list[int]) -> list[int]:
         if any(b < a for a, b in itertools.pairwise(value)):
             raise ValueError("backoffSeconds must be non-decreasing")
         return value
@@ -154,27 +203,40 @@ class GuardSpec(GuardThresholds):
     """The step guard's thresholds (see the guardian)."""
 
     model_config = ConfigDict(
+        strict=True,
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.spikeMinHistory <= self.lossSpikeWindow",
+                    "!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow",
                     "spikeMinHistory must not exceed lossSpikeWindow",
                     ".spikeMinHistory",
                 )
             ]
-        }
+        },
     )
 
 
 class ContainerSpec(BaseModel):
     """A container of the worker pod; only the fields trainguard reads are typed, the rest pass through."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    model_config = ConfigDict(
+        extra="allow", strict=True, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
 
     name: str = Field(min_length=1, max_length=63)
-    command: list[str] | None = None
-    args: list[str] | None = None
-    env: list[dict[str, Any]] | None = None
+    command: list[Annotated[str, Field(max_length=MAX_ARGUMENT_LENGTH)]] | None = Field(
+        None, max_length=MAX_LIST_ITEMS
+    )
+    args: list[Annotated[str, Field(max_length=MAX_ARGUMENT_LENGTH)]] | None = Field(
+        None, max_length=MAX_LIST_ITEMS
+    )
+    env: list[dict[str, Any]] | None = Field(None, max_length=MAX_LIST_ITEMS)
+    working_dir: str | None = Field(
+        None,
+        alias="workingDir",
+        max_length=MAX_ARGUMENT_LENGTH,
+        description="The container's working directory (trainguard run starts the worker there).",
+    )
 
 
 class PodSpec(BaseModel):
@@ -182,6 +244,7 @@ class PodSpec(BaseModel):
 
     model_config = ConfigDict(
         extra="allow",
+        strict=True,
         json_schema_extra={
             "x-kubernetes-preserve-unknown-fields": True,
             "x-kubernetes-validations": [
@@ -211,7 +274,7 @@ class PodSpec(BaseModel):
 class PodTemplate(BaseModel):
     """The worker pod template, as in a Deployment or a PyTorchJob replica."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     metadata: dict[str, Any] | None = Field(
         None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
@@ -222,7 +285,20 @@ class PodTemplate(BaseModel):
 class GuardedTrainingJobSpec(_Model):
     """What the user asks for: a guarded distributed PyTorch job."""
 
-    replicas: int = Field(1, ge=1, le=4096, description="Worker processes (pods); rank 0 is the master.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Worker pods; rank 0 is the master (at most 4096: pod names stay DNS-1035 labels).",
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Worker processes per pod (one per GPU): above 1, each pod runs the command under "
+        "torchrun with this many processes, and the job has replicas x nprocPerNode ranks (at most 256, "
+        "the sidecar's limit).",
+    )
     template: PodTemplate
     checkpoint: CheckpointSpec
     guard: GuardSpec = Field(default_factory=GuardSpec)
@@ -235,23 +311,23 @@ class GuardedTrainingJobSpec(_Model):
         return GuardianSettings(
             guard=GuardThresholds.model_validate(self.guard.model_dump()),
             checkpoint=self.checkpoint.policy(),
-            remediation=self.recovery.on_divergence,
+            remediation=Remediation.model_validate(self.recovery.on_divergence.model_dump()),
         )
 
 
 class ObjectMeta(BaseModel):
     """The metadata trainguard reads; everything else is kept."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    namespace: str = "default"
+    name: str = Field(min_length=1, max_length=63, pattern=DNS1123_LABEL)
+    namespace: str = Field("default", min_length=1, max_length=63, pattern=DNS1123_LABEL)
 
 
 class GuardedTrainingJob(BaseModel):
     """A whole GuardedTrainingJob manifest (``kubectl apply`` form)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     api_version: str = Field(alias="apiVersion")
     kind: str
@@ -360,3 +436,6 @@ class GuardedTrainingJobStatus(BaseModel):
     samples_dropped: int | None = None
     drop_rate: float | None = None
     goodput: float | None = None
+    checkpoint_seconds: float | None = Field(
+        None, description="The longest checkpoint write seen (seconds): it sizes the pods' stop grace."
+    )

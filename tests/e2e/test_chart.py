@@ -37,7 +37,7 @@ RELEASE_NAMESPACE = "trainguard-system"
 #: and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.29.0", "1.37.0")
 
-#: The non-default value set of the issue: namespace scope, monitoring on, two replicas (+ dashboard).
+#: A non-default value set: namespace scope, monitoring on, two replicas (+ dashboard).
 CUSTOM_VALUES: dict[str, Any] = {
     "operator": {"scope": "namespaced", "watchNamespaces": ["team-a", "team-b"], "replicas": 2},
     "monitoring": {"force": True, "labels": {"release": "kube-prometheus-stack"}},

@@ -282,6 +282,23 @@ VERDICT_CASES: dict[str, dict[str, Any]] = {
     "no-template": job("v-no-template", template=None),
     "unknown-field": job("v-unknown", guard={"maxConsecutiveBadStep": 3}),
     "lr-scale-above-one": job("v-lr", recovery={"onDivergence": {"lrScale": 1.5}}),
+    "replicas-true": job("v-replicas-true", replicas=True),
+    "replicas-string": job("v-replicas-string", replicas="2"),
+    "hang-a-week": job("v-hang-week", health={"hangTimeoutSeconds": 604_800}),
+    "hang-beyond-a-week": job("v-hang-long", health={"hangTimeoutSeconds": 604_801}),
+    "hang-10-to-the-20": job("v-hang-huge", health={"hangTimeoutSeconds": 10**20}),
+    "backoff-a-day": job("v-backoff-day", recovery={"backoffSeconds": [1, 86_400]}),
+    "backoff-beyond-a-day": job("v-backoff-long", recovery={"backoffSeconds": [1, 86_401]}),
+    "grad-norm-huge": job("v-grad-huge", guard={"maxGradNorm": 1e7}),
+    "claim-traversal": job("v-claim-dots", checkpoint={"claimName": "../../../../tmp/x"}),
+    "claim-subdomain": job("v-claim-sub", checkpoint={"claimName": "team.ckpt-1"}),
+    "claim-upper": job("v-claim-upper", checkpoint={"claimName": "Ckpt"}),
+    "argument-too-long": job(
+        "v-arg-long", template={"spec": {"containers": [{"name": "pytorch", "args": ["a" * 4097]}]}}
+    ),
+    "working-dir": job(
+        "v-workdir", template={"spec": {"containers": [{"name": "pytorch", "workingDir": "/w"}]}}
+    ),
 }
 
 

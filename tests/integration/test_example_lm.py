@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.checkpoint import CheckpointStore
 
 REPO_ROOT = REPO_ROOT
 EXAMPLE = REPO_ROOT / "examples" / "tiny_lm"
@@ -98,8 +99,8 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 
 def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
-    """Steps of the ``step-*`` checkpoint directories present."""
-    return sorted(int(path.name.removeprefix("step-")) for path in checkpoint_dir.glob("step-*"))
+    """Steps of the checkpoint directories present (of any epoch)."""
+    return CheckpointStore(checkpoint_dir).steps()
 
 
 # ------------------------------------------------------------------------------------------ fast ---

@@ -122,3 +122,28 @@ def test_the_plain_loop_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert second[1] is not None
     assert (first[1]["step"], second[1]["step"]) == (40, 60)
     assert "resumed from the clean checkpoint at step 40" in second[2]
+
+
+def test_a_streaming_ddp_loop_resumes_its_stateful_dataloader_exactly(tmp_path: Path) -> None:
+    script = REPO_ROOT / "examples" / "03_torchrun_ddp" / "streaming_ddp.py"
+
+    def torchrun() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+
+    whole = run_script(script, ["--steps", "24"], guardian_env(tmp_path / "whole"), torchrun())
+    crashed = run_script(
+        script, ["--steps", "24"], guardian_env(tmp_path / "resumed", "crash@14:1"), torchrun()
+    )
+    assert crashed[0] != 0  # rank 1 killed at step 14: torchrun ends the other (the last checkpoint: 12)
+    resumed = run_script(
+        script, ["--steps", "24"], guardian_env(tmp_path / "resumed", "crash@14:1"), torchrun()
+    )
+    assert whole[0] == 0, whole[2][-3000:]
+    assert resumed[0] == 0, resumed[2][-3000:]
+    assert "resumed from the clean checkpoint at step 12" in resumed[2]
+    assert whole[1] is not None
+    assert resumed[1] is not None
+    assert resumed[1]["step"] == whole[1]["step"] == 24
+    # The loader's position came back with the weights: the same batches, so the same losses.
+    assert resumed[1]["last_losses"] == whole[1]["last_losses"]

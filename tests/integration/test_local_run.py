@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import yaml
 
 from tests.support import procs
 from trainer_sidecar.checkpoint import CheckpointStore
+from trainguard.sidecars import LIVENESS_FAILURE_THRESHOLD
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,7 @@ def job(
     guard: dict[str, Any] | None = None,
     hang_timeout: int = 3,
     step_sleep: float = 0.05,
+    nproc_per_node: int = 1,
 ) -> Path:
     document = {
         "apiVersion": "trainguard.dev/v1alpha1",
@@ -40,6 +41,7 @@ def job(
         "metadata": {"name": "test-job"},
         "spec": {
             "replicas": replicas,
+            "nprocPerNode": nproc_per_node,
             "template": {
                 "spec": {
                     "containers": [
@@ -113,9 +115,10 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     assert len(summary["restarts"]) == 1
     restart = summary["restarts"][0]
     assert "hung" in restart["reason"]
-    # The hang began at the last step; the runner must act within the timeout plus one probe period
-    # (and a little scheduling slack on a loaded 2-core machine).
-    assert restart["detect_seconds"] <= hang_timeout + probe_period + 1.5
+    # The hang began at the last step; the sidecar fails liveness after the timeout, and the runner
+    # acts after LIVENESS_FAILURE_THRESHOLD failed probes in a row, as the kubelet does (plus a little
+    # scheduling slack on a loaded 2-core machine).
+    assert restart["detect_seconds"] <= hang_timeout + LIVENESS_FAILURE_THRESHOLD * probe_period + 1.5
     assert restart["time_to_recover_seconds"] is not None
     assert summary["final_step"] == 40
     assert summary["attempts"] == 2
@@ -190,38 +193,36 @@ def test_an_invalid_job_is_refused_with_the_field_path_and_nothing_starts(
     assert not (tmp_path / "run").exists()
 
 
-def test_ctrl_c_stops_the_gang_and_leaves_the_checkpoints_intact(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stop", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_stops_the_gang_and_leaves_the_checkpoints_intact(
+    tmp_path: Path, stop: signal.Signals, exit_code: int
+) -> None:
     job_file = job(tmp_path, steps=400, step_sleep=0.05)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainguard.cli",
-            "run",
-            str(job_file),
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--plain",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+        [sys.executable, "-m", "trainguard.cli", "run", str(job_file), "--run-dir", str(tmp_path / "run"),
+         "--plain"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     store_dir = tmp_path / "run" / "volumes" / "ckpt"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(store_dir.glob("step-*/rank-1.json")):
+    # A complete checkpoint first (both ranks' manifests), so that there is something to keep intact.
+    while time.monotonic() < deadline and not [
+        step
+        for step in store_dir.glob("step-*")
+        if (step / "rank-0.json").exists() and (step / "rank-1.json").exists()
+    ]:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, output
-    assert "interrupted" in output
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert proc.returncode == exit_code, output
+    assert f"stopped by {stop.name}" in output
+    latest = tmp_path / "run" / "latest"
+    summary = json.loads((latest / "summary.json").read_text())
     assert summary["result"] == "interrupted"
-    pids = [json.loads(f.read_text())["pid"] for f in (tmp_path / "run").glob("attempt-*/rank-*/status.json")]
+    pids = [json.loads(f.read_text())["pid"] for f in latest.glob("attempt-*/rank-*/status.json")]
     assert len(pids) == 2
-    for pid in pids:  # no worker outlived the runner
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert not [pid for pid in pids if procs.is_running(pid)]  # no worker outlived the runner
+    assert procs.processes_mentioning(str(tmp_path)) == []  # nor a sidecar
     store = CheckpointStore(store_dir)
     newest = store.newest_valid()
     assert newest is not None
@@ -249,3 +250,23 @@ def test_report_draws_the_timeline_as_a_png(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert "missing.json" in bad.stderr
+
+
+def test_two_pods_of_two_processes_run_under_torchrun_and_one_hung_process_restarts_the_gang(
+    tmp_path: Path,
+) -> None:
+    # Global rank 3 is the second process of the second "pod": its sidecar watches both of that pod's
+    # processes, and the pod fails liveness when one of them hangs.
+    code, summary, output = run(
+        tmp_path, job(tmp_path, steps=30, replicas=2, nproc_per_node=2, faults="hang@15:3", hang_timeout=4)
+    )
+    assert code == 0, output
+    [restart] = summary["restarts"]
+    assert "hung" in restart["reason"], restart  # the other processes wait for it in their collectives
+    assert "local rank 1: no step for" in restart["reason"]
+    assert summary["final_step"] == 30
+    store = CheckpointStore(tmp_path / "run" / "volumes" / "ckpt")
+    newest = store.resolve(30)
+    assert newest is not None
+    manifests = sorted(p.name for p in (store.root / newest.dir_name).glob("rank-*.json"))
+    assert manifests == [f"rank-{r}.json" for r in range(4)]  # four ranks wrote their part

@@ -92,3 +92,56 @@ def successful_reports(results: list[tuple[int, dict[str, Any] | None, str]]) ->
         assert report is not None, err[-3000:]
         reports.append(report)
     return reports
+
+
+LIFECYCLE_WORKER = Path(__file__).parent / "workers" / "lifecycle.py"
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie has already died)."""
+    state = _state(pid)
+    return state is not None and state not in ("Z", "X")
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Live processes (not this one) whose command line or environment contains ``marker``.
+
+    Every process ``trainguard run`` starts for a job under a test's tmp_path names that path: the
+    sidecars in their arguments, the workers in their environment (even when orphaned).
+    """
+    needle = marker.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            text = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in text and is_running(int(entry.name)):
+            found.append(int(entry.name))
+    return found

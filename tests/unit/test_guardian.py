@@ -16,6 +16,7 @@ import torch
 
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.config import GuardianConfig
 from trainer_sidecar.data import GuardedLoader, sample_is_bad
 from trainer_sidecar.guardian import Fenced, UncleanState
 from trainer_sidecar.status import read_status
@@ -708,9 +709,10 @@ def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_pat
     new.finish()
     assert new.store is not None
     weights = {k: v.clone() for k, v in new_model.state_dict().items()}
+    reader_model = tiny_model(seed=3)
     reader = Guardian(
-        tiny_model(seed=3),
-        torch.optim.SGD(tiny_model().parameters(), lr=0.1),
+        reader_model,
+        torch.optim.SGD(reader_model.parameters(), lr=0.1),
         checkpoint_dir=tmp_path,
         settings=config,
     )
@@ -958,3 +960,172 @@ def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
 
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
+
+
+def test_each_local_rank_of_a_pod_writes_a_status_file_of_its_own(tmp_path: Path) -> None:
+    env = {
+        "TRAINGUARD_STATUS_FILE": str(tmp_path / "status.json"),
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    assert GuardianConfig.from_env(env).status_file == tmp_path / "status-1.json"
+    assert GuardianConfig.from_env({**env, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}).status_file == (
+        tmp_path / "status.json"
+    )
+    with pytest.raises(ConfigError, match="LOCAL_RANK 2 of LOCAL_WORLD_SIZE 2"):
+        GuardianConfig.from_env({**env, "LOCAL_RANK": "2"})
+    # A launcher that sets LOCAL_RANK alone (one process per pod) keeps the file as it is.
+    alone = {"TRAINGUARD_STATUS_FILE": str(tmp_path / "status.json"), "LOCAL_RANK": "3"}
+    assert GuardianConfig.from_env(alone).status_file == tmp_path / "status.json"
+
+
+def test_a_checkpoint_is_also_due_by_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    model = tiny_model()
+    config = settings(checkpoint={"everySteps": 1000, "snapshotEverySteps": 1000, "everySeconds": 60})
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
+    )
+    for _ in range(3):
+        clock[0] += 10
+        guardian.step(loss_of(model))
+    assert guardian.store is not None
+    guardian.store.wait()
+    assert guardian.store.newest_valid() is None  # 30 s: not due yet
+    clock[0] += 31
+    guardian.step(loss_of(model))  # 61 s since the start: due
+    guardian.store.wait()
+    assert guardian.store.newest_valid() == 4
+    clock[0] += 59
+    guardian.step(loss_of(model))
+    guardian.store.wait()
+    assert guardian.store.newest_valid() == 4  # 59 s since that one: not yet
+
+
+def _adopted_wrongly(case: str, status_file: Path) -> Guardian:
+    model = tiny_model()
+    other = tiny_model(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    arguments: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    if case == "optimizer of another model":
+        arguments["optimizer"] = torch.optim.SGD(other.parameters(), lr=0.1)
+    elif case == "a tensor outside the model":
+        extra = torch.zeros(3, requires_grad=True)
+        arguments["optimizer"] = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    elif case == "two optimizers":
+        arguments["optimizer"] = [optimizer, torch.optim.SGD(model.parameters(), lr=0.1)]
+    elif case == "not a module":
+        arguments["model"] = lambda x: x
+    elif case == "plateau scheduler":
+        arguments["scheduler"] = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    elif case == "scheduler of another optimizer":
+        other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+        arguments["scheduler"] = torch.optim.lr_scheduler.StepLR(other_optimizer, 10)
+    elif case == "scaler of another kind":
+        arguments["scaler"] = object()
+    elif case == "fractional accumulation":
+        arguments["accumulation_steps"] = 2.5
+    return Guardian(**arguments, status_file=status_file, resume=False)
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("optimizer of another model", "not parameters of the model"),
+        ("a tensor outside the model", "1 tensor(s) that are not parameters of the model (shapes (3,))"),
+        ("two optimizers", "takes one torch.optim.Optimizer, got a list of 2"),
+        ("not a module", "Guardian(model=...) must be a torch.nn.Module"),
+        ("plateau scheduler", "ReduceLROnPlateau"),
+        ("scheduler of another optimizer", "schedules another optimizer"),
+        ("scaler of another kind", "Guardian(scaler=...) must be a torch.amp.GradScaler"),
+        ("fractional accumulation", "accumulation_steps must be an integer"),
+    ],
+)
+def test_objects_the_guardian_cannot_roll_back_are_refused_at_construction(
+    case: str, named: str, tmp_path: Path
+) -> None:
+    # Each used to fail later or silently: an AttributeError at the first step, or a rollback that left
+    # the optimizer's own parameters (those of another model) where they were.
+    status_file = tmp_path / "status.json"
+    with pytest.raises(ConfigError) as caught:
+        _adopted_wrongly(case, status_file)
+    assert named in str(caught.value)
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert named in status.message  # the orchestrator shows it
+
+
+@pytest.mark.parametrize(
+    ("loss", "named"),
+    [
+        (1.0, "must be a torch.Tensor"),
+        (torch.ones(4, requires_grad=True), "must be one value"),
+        (torch.tensor(1.0), "does not require grad"),
+    ],
+)
+def test_a_loss_autograd_cannot_backward_is_named(loss: Any, named: str) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), resume=False)
+    with pytest.raises(TypeError, match=named):
+        guardian.step(loss)
+    assert guardian.step(loss_of(model)).applied  # a bad call costs nothing: the next step is normal
+
+
+@pytest.mark.parametrize("stepped", ["optimizer", "scheduler"])
+def test_a_loop_that_still_steps_what_the_guardian_steps_is_stopped_at_once(
+    stepped: str, tmp_path: Path
+) -> None:
+    # A half-done adoption (guardian.step added, the loop's own optimizer.step() or scheduler.step()
+    # kept) used to apply refused, even NaN, gradients or decay the learning rate twice as fast.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    status_file = tmp_path / "status.json"
+    guardian = Guardian(model, optimizer, scheduler=scheduler, status_file=status_file, resume=False)
+
+    def half_adopted_loop() -> None:
+        for _ in range(3):
+            guardian.step(loss_of(model))
+            if stepped == "optimizer":
+                optimizer.step()  # the line the loop forgot to delete
+            else:
+                scheduler.step()
+
+    with pytest.raises(ConfigError) as caught:
+        half_adopted_loop()
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    assert f"the training loop steps the {stepped} itself" in str(caught.value)
+    if stepped == "optimizer":
+        assert f"{Path(__file__).name}:" in str(caught.value)  # the loop's own line is named
+    assert guardian.step_count == 1  # found at the first step that shows it
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.phase is Phase.FAILED
+    assert status.exit_code == ExitCode.CONFIG_ERROR
+
+
+def test_the_scheduler_check_survives_a_rollback_and_a_resume(tmp_path: Path) -> None:
+    # Restoring a scheduler's state moves its last_epoch: that is the guardian's doing, not the loop's.
+    def build() -> tuple[torch.nn.Module, Guardian]:
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        config = settings(checkpoint={"everySteps": 3, "snapshotEverySteps": 3})
+        return model, Guardian(
+            model, optimizer, scheduler=scheduler, checkpoint_dir=tmp_path, settings=config
+        )
+
+    model, guardian = build()
+    for _ in range(4):
+        assert guardian.step(loss_of(model)).applied
+    outcomes = [guardian.step(loss_of(model) * math.nan) for _ in range(3)]
+    assert outcomes[-1].rolled_back
+    assert guardian.step_count == 3
+    for _ in range(3):
+        assert guardian.step(loss_of(model)).applied
+    guardian.finish()
+    model, resumed = build()
+    assert resumed.step_count == 6
+    assert resumed.step(loss_of(model)).applied

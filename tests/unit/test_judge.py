@@ -25,7 +25,7 @@ from trainer_sidecar.judge import (
 )
 from trainer_sidecar.settings import GuardThresholds
 
-DEFAULT = GuardThresholds()
+DEFAULT = GuardThresholds(spike_min_history=10)  # the rules, with a short history to judge spikes on
 
 
 def steady(n: int, loss: float = 1.0, norm: float = 1.0) -> StepHistory:

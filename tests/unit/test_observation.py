@@ -264,3 +264,31 @@ def test_any_status_document_reads_as_a_report_never_an_exception(
             assert (report.alive, report.status) == (None, None)
         if report.status is not None:
             observe_gang({0: report.status}, 1)  # and any status the contract accepts makes a view
+
+
+@pytest.mark.parametrize(
+    ("declared", "kind"),
+    [
+        (ExitCode.CONFIG_ERROR, FailureKind.CONFIG),
+        (ExitCode.FENCED, FailureKind.FENCED),
+        (None, FailureKind.CRASH),
+    ],
+)
+def test_a_launchers_generic_failure_is_judged_by_the_code_the_guardian_declared(
+    declared: int | None, kind: FailureKind
+) -> None:
+    # torchrun exits 1 whatever its workers' codes were; the guardian's final report says which it was.
+    final = status(
+        phase=Phase.FAILED, message="configuration error: TRAINGUARD_SETTINGS: ...", exit_code=declared
+    )
+    view = observe_gang({0: final}, world_size=1)
+    seen = view.rank_observation(0, ProcessState(exit_code=1))
+    assert classify(seen) is kind
+
+
+def test_the_slowest_checkpoint_write_is_the_gangs() -> None:
+    view = observe_gang(
+        {0: status(checkpoint_seconds=2.5), 1: status(checkpoint_seconds=7.0), 2: status()}, 3
+    )
+    assert view.checkpoint_seconds == 7.0
+    assert observe_gang({0: status()}, 1).checkpoint_seconds is None

@@ -27,6 +27,7 @@ from trainguard_operator.render import (
     is_dns1035_label,
     pytorchjob_name,
     render_pytorchjob,
+    stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
 
@@ -34,7 +35,7 @@ from tests.support.manifests import USER_ENV, gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
 from trainer_sidecar import sidecar
 from trainer_sidecar.settings import GuardianSettings, Remediation
-from trainer_sidecar.status import STATUS_FILE_ENV
+from trainer_sidecar.status import LOCAL_RANKS_ENV, STATUS_FILE_ENV
 from trainguard.local import LocalRunner
 from trainguard.spec import load_job
 
@@ -222,7 +223,9 @@ def test_rendered_pytorchjob_is_valid_and_complete(
             sidecar.STARTUP_GRACE_ENV,
             sidecar.JOB_NAME_ENV,
             sidecar.NAMESPACE_ENV,
+            LOCAL_RANKS_ENV,
         }
+        assert side_env[LOCAL_RANKS_ENV] == "1"
         assert side_env[STATUS_FILE_ENV] == env["TRAINGUARD_STATUS_FILE"]
         assert side_env[sidecar.PORT_ENV] == "9400"
         assert side_env[sidecar.HANG_TIMEOUT_ENV] == "300"
@@ -246,8 +249,7 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
         manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"], "pytorch"
     )
     rendered = {k: v for k, v in env_of(worker).items() if k.startswith("TRAINGUARD_")}
-    # Only a pod has a termination message (the local runner reads the status files after the exit).
-    assert set(rendered) - {"TRAINGUARD_TERMINATION_MESSAGE_PATH"} == set(local)
+    assert set(rendered) == set(local)  # both hand a worker a termination-message file too
     for key in (
         "TRAINGUARD_SETTINGS",
         "TRAINGUARD_JOB_NAME",
@@ -369,3 +371,41 @@ def test_the_kubernetes_example_is_valid_and_renders() -> None:
     (claim,) = [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
     assert claim["metadata"]["name"] == job.spec.checkpoint.claim_name
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_processes_per_pod_run_under_torchrun_with_the_training_operators_numbers() -> None:
+    manifest = render_pytorchjob(load(gtj_manifest(nprocPerNode=4)), OWNER, 1, None, SETTINGS)
+    assert schema_errors(manifest) == []
+    assert manifest["spec"]["nprocPerNode"] == "4"
+    for _, template in containers(manifest):
+        pod = template["spec"]
+        worker = named(pod["containers"], "pytorch")
+        assert worker["command"][:3] == ["python", "-m", "torch.distributed.run"]
+        assert "--nproc-per-node=$(PET_NPROC_PER_NODE)" in worker["command"]
+        assert "--node-rank=$(PET_NODE_RANK)" in worker["command"]
+        assert worker["command"][-3:] == ["train.py", "--max-steps", "1000"]
+        assert "args" not in worker
+        sidecar = named(pod["initContainers"], SIDECAR_CONTAINER)
+        assert env_of(sidecar)["TRAINGUARD_LOCAL_RANKS"] == "4"
+    single = render_pytorchjob(load(gtj_manifest()), OWNER, 1, None, SETTINGS)
+    assert "nprocPerNode" not in single["spec"]
+
+
+def test_processes_per_pod_need_a_python_command() -> None:
+    job = gtj_manifest(nprocPerNode=2)
+    job["spec"]["template"]["spec"]["containers"][0]["command"] = ["bash", "-c", "python train.py"]
+    with pytest.raises(RenderError, match=r"containers\[pytorch\].command: with nprocPerNode above 1"):
+        render_pytorchjob(load(job), OWNER, 1, None, SETTINGS)
+
+
+def test_the_stop_grace_fits_the_longest_checkpoint_write_seen() -> None:
+    assert stop_grace_seconds(None, None) == 60
+    assert stop_grace_seconds(None, 40.2) == 60 + 121
+    assert stop_grace_seconds(None, 1e9) == 3600
+    assert stop_grace_seconds(900, 1.0) == 900  # never less than the user's own
+    first = render_pytorchjob(load(gtj_manifest()), OWNER, 1, None, SETTINGS)
+    later = render_pytorchjob(load(gtj_manifest()), OWNER, 2, None, SETTINGS, checkpoint_seconds=100.0)
+    for manifest, grace in ((first, 60), (later, 360)):
+        assert schema_errors(manifest) == []
+        for _, template in containers(manifest):
+            assert template["spec"]["terminationGracePeriodSeconds"] == grace

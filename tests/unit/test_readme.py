@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import time
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,19 @@ def test_every_exported_metric_is_documented(tmp_path: Path) -> None:
     names = {sample.name for family in collector.collect() for sample in family.samples}
     assert len(names) >= 15
     assert sorted(n for n in names if f"`{n}`" not in README) == []
+
+
+def test_the_adoption_diff_in_the_readme_is_the_real_one() -> None:
+    example = REPO_ROOT / "examples" / "02_nanogpt_style"
+    before = (example / "nanogpt_plain.py").read_text().splitlines()
+    after = (example / "nanogpt.py").read_text().splitlines()
+    real = [
+        line
+        for line in difflib.unified_diff(before, after, lineterm="", n=0)
+        if line[:1] in "+-" and line[1:].strip() and not line.startswith(("+++", "---"))
+    ]
+    block = README.split("```diff\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in block.splitlines() if line[:1] in "+-" and line[1:].strip()]
+    # The README leaves out the module docstring's change; every code change is shown, as it is (blank
+    # lines aside: two diff tools may place an added blank line differently).
+    assert shown == [line for line in real if '"""' not in line and "is the same loop" not in line]

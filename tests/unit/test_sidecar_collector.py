@@ -175,3 +175,30 @@ def test_concurrent_reads_see_the_file_in_order(tmp_path: Path) -> None:
         thread.join()
     assert errors == []
     assert source.read().counters["steps_total"] == 100
+
+
+def test_a_pod_of_several_local_ranks_is_alive_only_while_all_are(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    pod = WorkerStatusCollector(
+        tmp_path / "status.json", hang_timeout_seconds=HANG, startup_grace_seconds=GRACE, job="j",
+        namespace="n", local_ranks=2, monotonic=lambda: clocks.monotonic, wall=lambda: clocks.wall,
+    )  # fmt: skip
+    files = [tmp_path / "status-0.json", tmp_path / "status-1.json"]
+    for step in range(1, 4):  # both local ranks step; then local rank 1 stops stepping
+        for local, path in enumerate(files):
+            write_status(path, worker(rank=local, world_size=2, pid=10 + local, step=step, steps_total=step,
+                                     samples_seen=10 * step, last_step_time=clocks.wall))  # fmt: skip
+        reading = pod.read()
+        assert reading.health.alive
+        clocks.advance(1)
+    assert reading.counters["samples_seen"] == 60  # sharded data: summed over the local ranks
+    assert reading.counters["steps_total"] == 3  # one collective decision: not summed
+    for step in range(4, 4 + int(HANG) + 2):
+        write_status(files[0], worker(rank=0, world_size=2, pid=10, step=step, steps_total=step,
+                                      last_step_time=clocks.wall))  # fmt: skip
+        reading = pod.read()
+        clocks.advance(1)
+    assert not reading.health.alive
+    assert reading.health.reason.startswith("local rank 1: no step for")
+    assert reading.status is not None
+    assert reading.status.rank == 1  # the failing local rank's status stands for the pod

@@ -330,14 +330,17 @@ def test_a_worker_whose_progress_does_not_change_is_declared_dead_after_grace_an
     probe_period: float,
 ) -> None:
     tracking = Tracking.begin(0.0)
-    monotonic = 0.0
+    monotonic, first_seen = 0.0, 0.0
     for reading, gap, offset in zip(readings, gaps, wall_offsets, strict=False):
         monotonic += gap
+        if reading is not None and tracking.identity is None:
+            first_seen = monotonic
         clocks = Clocks(monotonic=monotonic, wall=WALL0 + offset)
         _, tracking = assess_health(tracking, reading, "unreadable", clocks, policy)
-    # One probe period past the grace and the hang timeout after the sidecar started, whatever the wall
-    # clock reads, the verdict is "not alive" (and stays so).
-    deadline = policy.startup_grace_seconds + policy.hang_timeout_seconds + probe_period
+    # One probe period past the grace and the hang timeout after the sidecar first saw the worker (a
+    # rollback's allowance counts from when it was seen to begin), whatever the wall clock reads, the
+    # verdict is "not alive" (and stays so).
+    deadline = first_seen + policy.startup_grace_seconds + policy.hang_timeout_seconds + probe_period
     last = readings[-1]
     for offset in (0.0, -1e9, 1e9):
         clocks = Clocks(monotonic=max(monotonic, deadline), wall=WALL0 + offset)

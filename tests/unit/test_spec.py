@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import copy
+import math
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trainguard import crd, spec
 
@@ -77,6 +83,56 @@ def test_defaults_are_the_documented_ones() -> None:
         ("spec.gaurd", {}, "spec.gaurd"),
         ("kind", "PyTorchJob", "kind"),
         ("metadata.name", "Not_A_Name", "metadata.name"),
+        # Strict types: nothing is coerced.
+        ("spec.replicas", True, "spec.replicas"),
+        ("spec.replicas", "2", "spec.replicas"),
+        ("spec.replicas", 2.0, "spec.replicas"),
+        ("spec.health", {"hangTimeoutSeconds": "600"}, "spec.health.hangTimeoutSeconds"),
+        ("spec.guard", {"maxGradNorm": True}, "spec.guard.maxGradNorm"),
+        ("spec.guard", {"maxGradNorm": "1.0"}, "spec.guard.maxGradNorm"),
+        ("spec.recovery", {"backoffSeconds": [1, "2"]}, "spec.recovery.backoffSeconds.1"),
+        ("spec.recovery", {"onDivergence": {"lrScale": "0.5"}}, "spec.recovery.onDivergence.lrScale"),
+        ("spec.checkpoint", {"claimName": "c", "keepClean": False}, "spec.checkpoint.keepClean"),
+        (
+            "spec.template",
+            {"spec": {"containers": [{"name": "pytorch", "command": ["python", 3]}]}},
+            "spec.template.spec.containers.0.command.1",
+        ),
+        # Bounds: what the runtime can honour.
+        ("spec.health", {"hangTimeoutSeconds": 10**400}, "spec.health.hangTimeoutSeconds"),
+        ("spec.health", {"hangTimeoutSeconds": 604_801}, "spec.health.hangTimeoutSeconds"),
+        ("spec.health", {"startupGraceSeconds": 10**12}, "spec.health.startupGraceSeconds"),
+        (
+            "spec.health",
+            {"probePeriodSeconds": 3601, "hangTimeoutSeconds": 7200},
+            "spec.health.probePeriodSeconds",
+        ),
+        ("spec.health", {"hangTimeoutSeconds": math.inf}, "spec.health.hangTimeoutSeconds"),
+        ("spec.recovery", {"backoffSeconds": [1, 86_401]}, "spec.recovery.backoffSeconds.1"),
+        ("spec.recovery", {"maxRestarts": 10_001}, "spec.recovery.maxRestarts"),
+        ("spec.recovery", {"onDivergence": {"maxGradNorm": math.inf}}, "spec.recovery.onDivergence"),
+        ("spec.guard", {"maxGradNorm": math.inf}, "spec.guard.maxGradNorm"),
+        ("spec.guard", {"maxGradNorm": math.nan}, "spec.guard.maxGradNorm"),
+        ("spec.guard", {"lossSpikeFactor": 1e308}, "spec.guard.lossSpikeFactor"),
+        ("spec.guard", {"lossSpikeWindow": 10**9}, "spec.guard.lossSpikeWindow"),
+        ("spec.guard", {"rollbackWindowSteps": 10**9 + 1}, "spec.guard.rollbackWindowSteps"),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": 10**18}, "spec.checkpoint.everySteps"),
+        ("spec.checkpoint", {"claimName": "c", "keepClean": 1001}, "spec.checkpoint.keepClean"),
+        ("spec.replicas", 4097, "spec.replicas"),
+        # Names are Kubernetes names: nothing a path could be built from to leave its folder.
+        ("spec.checkpoint", {"claimName": "../../../../tmp/x"}, "spec.checkpoint.claimName"),
+        ("spec.checkpoint", {"claimName": ".."}, "spec.checkpoint.claimName"),
+        ("spec.checkpoint", {"claimName": "a/b"}, "spec.checkpoint.claimName"),
+        ("spec.checkpoint", {"claimName": "a..b"}, "spec.checkpoint.claimName"),
+        ("spec.checkpoint", {"claimName": "Ckpt"}, "spec.checkpoint.claimName"),
+        ("spec.checkpoint", {"claimName": "ckpt\n"}, "spec.checkpoint.claimName"),
+        ("spec.checkpoint", {"claimName": "c" * 254}, "spec.checkpoint.claimName"),
+        ("metadata.namespace", "/tmp/y", "metadata.namespace"),
+        ("metadata.namespace", "..", "metadata.namespace"),
+        ("metadata.namespace", "a.b", "metadata.namespace"),
+        ("metadata.namespace", "", "metadata.namespace"),
+        ("metadata.namespace", "n" * 64, "metadata.namespace"),
+        ("metadata.name", "../x", "metadata.name"),
     ],
 )
 def test_invalid_specs_are_refused_naming_the_field(path: str, value: Any, named: str) -> None:
@@ -85,6 +141,21 @@ def test_invalid_specs_are_refused_naming_the_field(path: str, value: Any, named
     message = str(caught.value)
     assert message.startswith("job.yaml: ")
     assert named in message
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("spec.checkpoint", {"claimName": "team-a.ckpt-1"}),
+        ("metadata.namespace", "ml-team-1"),
+        ("spec.guard", {"maxGradNorm": 2}),  # an int where a float is expected
+        ("spec.health", {"hangTimeoutSeconds": 604_800, "startupGraceSeconds": 604_800}),
+        ("spec.recovery", {"backoffSeconds": [1, 86_400], "maxRestarts": 10_000}),
+        ("spec.template", {"spec": {"containers": [{"name": "pytorch", "workingDir": "/w"}]}}),
+    ],
+)
+def test_valid_values_at_the_bounds_are_accepted(path: str, value: Any) -> None:
+    spec.parse_job(with_change(path, value), "job.yaml")
 
 
 def test_load_job_reads_the_first_gtj_document(tmp_path: Path) -> None:
@@ -151,7 +222,7 @@ def test_every_cross_field_rule_has_a_cel_twin() -> None:
     assert rules == {
         ".spec.template.spec": ["self.containers.exists(c, c.name == 'pytorch')"],
         ".spec.checkpoint": ["self.snapshotEverySteps <= self.everySteps"],
-        ".spec.guard": ["self.spikeMinHistory <= self.lossSpikeWindow"],
+        ".spec.guard": ["!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow"],
         ".spec.health": ["self.hangTimeoutSeconds > self.probePeriodSeconds"],
         ".spec.recovery.backoffSeconds": ["self.isSorted()"],
     }
@@ -162,7 +233,7 @@ def test_crd_defaults_match_the_model() -> None:
     props = schema["properties"]["spec"]["properties"]
     assert props["recovery"]["properties"]["backoffSeconds"]["default"] == [10, 30, 90]
     assert props["health"]["properties"]["hangTimeoutSeconds"]["default"] == 300
-    assert props["guard"]["default"] == spec.GuardSpec().model_dump(by_alias=True)
+    assert props["guard"]["default"] == spec.GuardSpec().model_dump(by_alias=True, exclude_none=True)
     assert props["health"]["default"] == spec.HealthSpec().model_dump(by_alias=True)
     recovery_default = props["recovery"]["default"]
     assert recovery_default == spec.RecoverySpec().model_dump(by_alias=True)
@@ -176,3 +247,178 @@ def test_crd_check_mode_reports_a_stale_copy(tmp_path: Path) -> None:
     assert crd.main(["--output", str(stale)]) == 0
     assert crd.main(["--check", "--output", str(stale)]) == 0
     assert stale.read_text() == crd.render()
+
+
+# ------------------------------------------------------------------ the API server's verdict, emulated ---
+# The e2e tier compares the pydantic model with a real kube-apiserver on a fixed list of cases; this
+# property test compares it on many generated ones with the API server's steps done here: defaults filled
+# in from the CRD, the structural schema checked (OpenAPI 3.0 bounds are JSON Schema draft 4's; a pattern's
+# "$" matches only at the end, as in Go), unknown fields refused (kubectl's strict
+# field validation), then each CEL rule through a Python twin. A rule without a twin fails the test.
+
+CEL_TWINS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "self.containers.exists(c, c.name == 'pytorch')": lambda n: any(
+        c.get("name") == "pytorch" for c in n["containers"]
+    ),
+    "self.snapshotEverySteps <= self.everySteps": lambda n: bool(n["snapshotEverySteps"] <= n["everySteps"]),
+    "!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow": lambda n: bool(
+        n.get("spikeMinHistory") is None or n["spikeMinHistory"] <= n["lossSpikeWindow"]
+    ),
+    "self.hangTimeoutSeconds > self.probePeriodSeconds": lambda n: bool(
+        n["hangTimeoutSeconds"] > n["probePeriodSeconds"]
+    ),
+    "self.isSorted()": lambda n: list(n) == sorted(n),
+}
+
+
+def _go_pattern(
+    validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
+) -> Iterator[jsonschema.ValidationError]:
+    # A search, as in Go, where "$" (without multi-line mode) matches only at the very end.
+    go_end = re.sub(r"\$$", r"\\Z", pattern)
+    if isinstance(instance, str) and re.search(go_end, instance) is None:
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_ApiServerSchema = jsonschema.validators.extend(jsonschema.Draft4Validator, {"pattern": _go_pattern})
+
+
+def _openapi_to_jsonschema(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_openapi_to_jsonschema(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    converted = {k: _openapi_to_jsonschema(v) for k, v in node.items()}
+    if converted.pop("nullable", False) and "type" in converted:
+        converted["type"] = [converted["type"], "null"]
+    return converted
+
+
+def _defaulted(schema: dict[str, Any], value: Any) -> Any:
+    if isinstance(value, dict) and "properties" in schema:
+        for name, child in schema["properties"].items():
+            if name not in value and "default" in child:
+                value[name] = copy.deepcopy(child["default"])
+            if name in value:
+                value[name] = _defaulted(child, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        return [_defaulted(schema["items"], v) for v in value]
+    return value
+
+
+def _unknown_fields(schema: dict[str, Any], value: Any) -> bool:
+    if isinstance(value, dict) and "properties" in schema:
+        if not schema.get("x-kubernetes-preserve-unknown-fields") and set(value) - set(schema["properties"]):
+            return True
+        return any(
+            _unknown_fields(schema["properties"][k], v) for k, v in value.items() if k in schema["properties"]
+        )
+    if isinstance(value, list) and "items" in schema:
+        return any(_unknown_fields(schema["items"], v) for v in value)
+    return False
+
+
+def _cel_holds(schema: dict[str, Any], value: Any) -> bool:
+    for rule in schema.get("x-kubernetes-validations", []):
+        if not CEL_TWINS[rule["rule"]](value):
+            return False
+    if isinstance(value, dict):
+        children = schema.get("properties", {})
+        return all(_cel_holds(children[k], v) for k, v in value.items() if k in children)
+    if isinstance(value, list) and "items" in schema:
+        return all(_cel_holds(schema["items"], v) for v in value)
+    return True
+
+
+SPEC_SCHEMA = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def api_server_accepts(job_spec: dict[str, Any]) -> bool:
+    """The API server's verdict on a GuardedTrainingJob spec (see above)."""
+    value = _defaulted(SPEC_SCHEMA, copy.deepcopy(job_spec))
+    if not _ApiServerSchema(_openapi_to_jsonschema(SPEC_SCHEMA)).is_valid(value):
+        return False
+    return not _unknown_fields(SPEC_SCHEMA, value) and _cel_holds(SPEC_SCHEMA, value)
+
+
+def pydantic_accepts(job_spec: dict[str, Any]) -> bool:
+    try:
+        spec.parse_job({**VALID, "spec": copy.deepcopy(job_spec)}, "case")
+    except spec.SpecError:
+        return False
+    return True
+
+
+def _candidates(node: dict[str, Any]) -> list[Any]:
+    """Values on and around a leaf's bounds, and values of the wrong type."""
+    wrong = [True, "7", None, [1]]
+    if node.get("type") == "integer":
+        low, high = node.get("minimum", 0), node.get("maximum", 10**6)
+        return [low - 1, low, low + 1, high - 1, high, high + 1, 10**30, 2.5, *wrong]
+    if node.get("type") == "number":
+        low, high = node.get("minimum", 0), node.get("maximum", 1e6)
+        return [low, low + 1e-9, int(low) + 1, (low + high) / 2, high, high * 1.000001, 1e300, *wrong]
+    if node.get("type") == "array":
+        item = node["items"]
+        low, high = item.get("minimum", 1), item.get("maximum", 100)
+        return [[], [low], [low - 1], [low, high], [high, low], [low, high + 1], [low] * 21, ["1"], True]
+    if node.get("type") == "string":
+        return ["ckpt", "a.b-c", "/abs", "rel", "../x", "A", "a..b", "x\n", "c" * 254, 7, None]
+    return wrong
+
+
+def _section(node: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    optional = {
+        name: _section(child) if "properties" in child else st.sampled_from(_candidates(child))
+        for name, child in node["properties"].items()
+    }
+    return st.fixed_dictionaries({}, optional=optional)
+
+
+_TEMPLATES = [
+    VALID["spec"]["template"],
+    {"spec": {"containers": [{"name": "sidecar"}, {"name": "pytorch", "workingDir": "/w"}]}},
+    {"spec": {"containers": [{"name": "trainer"}]}},
+    {"spec": {"containers": [{"name": "pytorch", "command": ["python", 3]}]}},
+    {"spec": {"containers": [{"name": "pytorch", "args": ["a" * 4097]}]}},
+    {"spec": {"containers": []}},
+]
+_SECTIONS = {
+    name: _section(node) | st.sampled_from([None, 3])
+    for name, node in SPEC_SCHEMA["properties"].items()
+    if name not in ("template", "checkpoint", "replicas", "nprocPerNode")
+}
+SPECS = st.fixed_dictionaries(
+    {
+        "template": st.sampled_from(_TEMPLATES),
+        "checkpoint": _section(SPEC_SCHEMA["properties"]["checkpoint"]).map(
+            lambda c: {"claimName": "c", **c}
+        ),
+    },
+    optional={
+        "replicas": st.sampled_from(_candidates(SPEC_SCHEMA["properties"]["replicas"])),
+        "nprocPerNode": st.sampled_from(_candidates(SPEC_SCHEMA["properties"]["nprocPerNode"])),
+        **_SECTIONS,
+    },
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(SPECS)
+def test_the_api_server_and_the_model_refuse_the_same_specs(job_spec: dict[str, Any]) -> None:
+    assert api_server_accepts(job_spec) == pydantic_accepts(job_spec)
+
+
+def test_the_emulated_api_server_takes_both_verdicts() -> None:
+    accepted = VALID["spec"]
+    assert api_server_accepts(accepted)
+    assert pydantic_accepts(accepted)
+    for refused in (
+        {**accepted, "replicas": True},
+        {**accepted, "health": {"hangTimeoutSeconds": 10, "probePeriodSeconds": 10}},
+        {**accepted, "checkpoint": {"claimName": "../x"}},
+        {**accepted, "recovery": {"backoffSeconds": [3, 2]}},
+        {**accepted, "guard": {"maxGradNorm": 1e7}},
+    ):
+        assert not api_server_accepts(refused), refused
+        assert not pydantic_accepts(refused), refused

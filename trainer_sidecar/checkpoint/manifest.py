@@ -49,7 +49,7 @@ class Manifest(BaseModel):
     epoch: int = Field(0, ge=0)
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1, le=MAX_WORLD_SIZE)
-    time: float = Field(allow_inf_nan=False)
+    time: float = Field(ge=0.0, allow_inf_nan=False)
     files: dict[FileName, FileEntry] = Field(min_length=1, max_length=16)
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from trainer_sidecar.checkpoint import fs, writer
 from trainer_sidecar.checkpoint.errors import CheckpointError
@@ -129,6 +130,8 @@ class CheckpointStore:
         self._fenced: FencedError | None = None
         self._lock = threading.Lock()
         self.last_clean: CheckpointRef | None = None
+        #: How long the last checkpoint written took from its start in the background to durable.
+        self.last_write_seconds: float | None = None
         # Checkpoints being written and being deleted, so that pruning never removes one while written.
         self._dirs = threading.Condition()
         self._writing: set[CheckpointId] = set()
@@ -243,11 +246,14 @@ class CheckpointStore:
         with self._dirs:
             self._writing.add(checkpoint)
             self._dirs.wait_for(lambda: checkpoint not in self._deleting)
+        started = time.monotonic()
         try:
             ref, written = self._write_checkpoint(checkpoint, skeleton, tensors, meta)
         finally:
             with self._dirs:
                 self._writing.discard(checkpoint)
+        if written:
+            self.last_write_seconds = time.monotonic() - started
         if written and self.rank == 0:
             self._schedule_prune()  # once the checkpoint is no longer registered as being written
         return ref
@@ -497,7 +503,10 @@ class CheckpointStore:
         except (CheckpointError, OSError):
             return None
         entry = manifest.files[data_file_name(0)]
-        return CheckpointRef(step=checkpoint.step, path=where, sha256=entry.sha256, time=manifest.time)
+        try:
+            return CheckpointRef(step=checkpoint.step, path=where, sha256=entry.sha256, time=manifest.time)
+        except ValidationError:  # the status contract is stricter than a manifest needs to be
+            return None
 
     # -- retention ------------------------------------------------------------------------------------
     def prune(self) -> list[CheckpointId]:

@@ -1,4 +1,8 @@
-"""What one rank tells the others without a collective: that it is busy, and for how long.
+"""Busy sections: a rank doing something that is not a training step, for how long, and the peers that
+wait for it meanwhile.
+
+``BusySections`` is what a guardian publishes about itself (``Guardian.busy``) and about a busy peer. What
+one rank tells the others travels without a collective, as follows.
 
 A rank busy with something that is not a step (an evaluation only rank 0 runs, a save of the loop's
 own) makes its peers wait in their next collective, where they look hung to their own sidecars. The busy
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+from trainer_sidecar.status import MAX_BUSY_REASON_CHARS, MAX_BUSY_SECONDS, Phase
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +132,79 @@ class PeerWatch:
                     self._on_change(peer)
                 except Exception:  # a status that cannot be written is the sidecar's problem to report
                     log.exception("reporting a busy peer failed")
+
+
+class BusySections:
+    """The busy sections a rank is in (nested, innermost last), the busy peer it waits for, and when its
+    last progress was; ``view`` is what its status says about them."""
+
+    def __init__(self) -> None:
+        self._sections: list[tuple[str, float | None]] = []
+        self.since: float | None = None
+        self._peer: PeerBusy | None = None
+        self._peer_noticed = 0.0
+        self.last_progress = time.monotonic()
+        self._board: PeerBoard | None = None
+        self._watch: PeerWatch | None = None
+
+    def enter(self, reason: str, seconds: float | None) -> float | None:
+        """Begin a section; returns what ``since`` was, for ``leave``. Raises ValueError for a bound that
+        is not a positive number of at most ``MAX_BUSY_SECONDS``."""
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_BUSY_SECONDS):
+            raise ValueError(f"busy seconds must be a positive number of at most {MAX_BUSY_SECONDS:g}")
+        self._sections.append((reason[:MAX_BUSY_REASON_CHARS], seconds))
+        before, self.since = self.since, self.since or time.time()
+        if self._board is not None:
+            self._board.announce(reason, seconds)
+        return before
+
+    def leave(self, since: float | None) -> None:
+        """End the innermost section (``since``: what ``enter`` returned); the hang clock restarts."""
+        self._sections.pop()
+        if self._board is not None:
+            self._board.withdraw()
+        self.since = since
+        self.progressed()
+
+    def progressed(self) -> None:
+        """The rank made progress (a step boundary, the end of a section)."""
+        self.last_progress = time.monotonic()
+
+    def watch_peers(self, rank: int, on_change: Callable[[], None]) -> None:
+        """Tell peers of this rank's sections, and watch theirs (``on_change`` when a busy peer appears or
+        goes), through the process group's store; nothing without one."""
+        store = default_store()
+        if store is None:
+            return
+        self._board = PeerBoard(store, rank)
+        idle = lambda: time.monotonic() - self.last_progress > WATCH_SECONDS  # noqa: E731
+
+        def changed(peer: PeerBusy | None) -> None:
+            self._peer, self._peer_noticed = peer, time.time()
+            if peer is not None:
+                log.info("waiting for rank %d, busy with %s", peer.rank, peer.reason)
+            on_change()
+
+        self._watch = PeerWatch(self._board, idle, changed)
+        self._watch.start()
+
+    def stop(self) -> None:
+        """Stop watching peers."""
+        if self._watch is not None:
+            self._watch.stop()
+
+    def view(self, phase: Phase, busy_since: float | None) -> tuple[Phase, float | None, str, float | None]:
+        """(phase, busy since, what, for how long) as the status says them: the rank's own ``phase``
+        (and ``busy_since``) unless it is running and in a section, or running and waiting for a busy
+        peer (then for at most what the peer asked, counted from its start)."""
+        if phase is not Phase.RUNNING:
+            return phase, busy_since, "", None
+        if self._sections:
+            reason, seconds = self._sections[-1]
+            return Phase.BUSY, self.since, reason, seconds
+        peer = self._peer
+        if peer is None:
+            return phase, None, "", None
+        left = None if peer.seconds is None else max(1.0, peer.seconds - (time.time() - peer.since))
+        left = None if left is None else min(left, MAX_BUSY_SECONDS)
+        return Phase.BUSY, self._peer_noticed, f"waiting for rank {peer.rank}: {peer.reason}", left

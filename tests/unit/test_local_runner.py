@@ -1,0 +1,97 @@
+"""LocalRunner before anything starts: the worker's environment and the checks made at construction."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.launch import RunRefused
+from trainguard.local import LocalRunner
+from trainguard.spec import GuardedTrainingJob, parse_job
+
+MANIFEST: dict[str, Any] = {
+    "apiVersion": "trainguard.dev/v1alpha1",
+    "kind": "GuardedTrainingJob",
+    "metadata": {"name": "demo", "namespace": "ml"},
+    "spec": {
+        "replicas": 2,
+        "template": {"spec": {"containers": [{"name": "pytorch", "command": ["python", "train.py"]}]}},
+        "checkpoint": {"claimName": "ckpt"},
+    },
+}
+
+
+def job(**container: Any) -> GuardedTrainingJob:
+    document = copy.deepcopy(MANIFEST)
+    document["spec"]["template"]["spec"]["containers"][0].update(container)
+    return parse_job(document, "job.yaml")
+
+
+def test_paths_handed_to_the_worker_are_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the worker may run elsewhere (workingDir): relative paths would break
+    runner = LocalRunner(job(), checkpoint_root=Path("volumes"), run_dir=Path("runs"))
+    env = runner.worker_env(0, 29500, runner.run_root / "x" / "rank-0" / "status.json")
+    assert env["TRAINGUARD_CHECKPOINT_DIR"] == str(tmp_path / "volumes" / "ckpt")
+    assert env["TRAINGUARD_STATUS_FILE"] == str(tmp_path / "runs" / "x" / "rank-0" / "status.json")
+    assert env["TRAINGUARD_TERMINATION_MESSAGE_PATH"] == str(
+        tmp_path / "runs" / "x" / "rank-0" / "termination-log"
+    )
+
+
+def test_omp_threads_is_shared_out_unless_the_user_set_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    runner = LocalRunner(job(), checkpoint_root=tmp_path, run_dir=tmp_path)
+    assert runner.worker_env(0, 1, tmp_path / "s.json")["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    mine = LocalRunner(
+        job(env=[{"name": "OMP_NUM_THREADS", "value": "7"}]), checkpoint_root=tmp_path, run_dir=tmp_path
+    )
+    assert mine.worker_env(0, 1, tmp_path / "s.json")["OMP_NUM_THREADS"] == "7"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert runner.worker_env(0, 1, tmp_path / "s.json")["OMP_NUM_THREADS"] == "5"
+
+
+def test_the_working_dir_resolves_the_command(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    program = tmp_path / "bin" / "train"
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    runner = LocalRunner(
+        job(command=["bin/train", "--x"], workingDir=str(tmp_path)),
+        checkpoint_root=tmp_path,
+        run_dir=tmp_path,
+    )
+    assert runner.command == [str(program), "--x"]
+    assert runner.working_dir == tmp_path
+
+
+def test_a_bad_command_is_refused_before_any_folder_exists(tmp_path: Path) -> None:
+    with pytest.raises(RunRefused, match=r"containers\[pytorch\]\.command\[0\]: 'no-such-program-x'"):
+        LocalRunner(
+            job(command=["no-such-program-x"]), checkpoint_root=tmp_path / "v", run_dir=tmp_path / "r"
+        )
+    with pytest.raises(RunRefused, match=r"containers\[pytorch\]\.args\[0\]: "):
+        LocalRunner(
+            job(command=None, args=[str(tmp_path)]), checkpoint_root=tmp_path / "v", run_dir=tmp_path / "r"
+        )
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_claim_name_that_is_a_path_is_refused_even_past_validation(tmp_path: Path) -> None:
+    valid = job()
+    sneaky_checkpoint = valid.spec.checkpoint.model_construct(
+        **{**dict(valid.spec.checkpoint), "claim_name": "../x"}
+    )
+    sneaky = valid.model_copy(
+        update={"spec": valid.spec.model_copy(update={"checkpoint": sneaky_checkpoint})}
+    )
+    with pytest.raises(
+        RunRefused, match=r"^spec\.checkpoint\.claimName: '\.\./x' is not a plain folder name"
+    ):
+        LocalRunner(sneaky, checkpoint_root=tmp_path, run_dir=tmp_path)

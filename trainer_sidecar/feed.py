@@ -1,0 +1,90 @@
+"""Where the data stands, as a checkpoint keeps it: the guardian's own loader and the loop's own stateful
+objects (``DataFeed``), restored on resume into whatever the loop attaches later.
+
+A loop resumes its data exactly in one of three ways: the guardian's ``GuardedLoader`` (its position), an
+object the loop asks the guardian to track (anything with ``state_dict`` and ``load_state_dict``, such
+as torchdata's StatefulDataLoader), or a batch function drawing from the random generators (which the
+guardian restores anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from trainer_sidecar.checkpoint import CheckpointError
+from trainer_sidecar.checkpoint.format import serialize
+from trainer_sidecar.data import GuardedLoader
+from trainer_sidecar.tensorstate import flatten
+
+
+class Stateful(Protocol):
+    """What ``Guardian.track`` keeps in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class DataFeed:
+    """The data positions of one rank: ``state()`` for a checkpoint, ``restore()`` from one. Anything
+    restored before it is attached is kept and applied when it is."""
+
+    def __init__(self) -> None:
+        self.loader: GuardedLoader | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._pending: dict[str, Any] = {}
+
+    def attach(self, loader: GuardedLoader) -> None:
+        """Keep ``loader``'s position (restoring a resumed one into it)."""
+        self.loader = loader
+        if "data" in self._pending:
+            loader.load_state_dict(self._pending.pop("data"))
+
+    def track(self, name: str, stateful: Stateful) -> None:
+        """Keep ``stateful``'s state; raises TypeError at once when it cannot be checkpointed."""
+        try:
+            serialize(*flatten({name: stateful.state_dict()}))
+        except CheckpointError as exc:
+            raise TypeError(f"Guardian.track({name!r}): its state cannot be checkpointed: {exc}") from exc
+        self._tracked[name] = stateful
+        if name in self._pending:
+            stateful.load_state_dict(self._pending.pop(name))
+
+    def state(self) -> dict[str, Any]:
+        """``{"data": loader position, "tracked": {name: state}}``, the parts that exist."""
+        state: dict[str, Any] = {}
+        if self.loader is not None:
+            state["data"] = self.loader.state_dict()
+        if self._tracked:
+            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Apply a checkpoint's ``state()`` now where attached, later where not yet."""
+        if "data" in state:
+            if self.loader is not None:
+                self.loader.load_state_dict(state["data"])
+            else:
+                self._pending["data"] = state["data"]
+        tracked = state.get("tracked")
+        for name, saved in tracked.items() if isinstance(tracked, dict) else ():
+            if name in self._tracked:
+                self._tracked[name].load_state_dict(saved)
+            else:
+                self._pending[name] = saved
+
+
+def taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
+    """(dataset, batch size, shuffle, collate function, workers) of a DataLoader the guardian replaces
+    with its own resumable order. Raises TypeError for one it cannot replace, saying what to do."""
+    if isinstance(source.dataset, IterableDataset):
+        raise TypeError(
+            "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
+            "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
+        )
+    if source.batch_size is None:
+        raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
+    shuffle = isinstance(source.sampler, RandomSampler)
+    return source.dataset, source.batch_size, shuffle, source.collate_fn, source.num_workers
