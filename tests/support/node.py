@@ -8,7 +8,8 @@ kube-proxy and CoreDNS included) this starts, as root, one node named NODE_NAME:
   for this machine: ``restrict_oom_score_adj`` (the machine refuses a negative ``oom_score_adj``, even to
   root), runc through ``io.containerd.runc.v2``, cgroupfs, the pause image of ``scripts/images.sh`` as
   the sandbox image, CNI from Debian's plugins in ``/usr/lib/cni``. The images of ``scripts/images.sh``
-  are imported into it (``ctr -n k8s.io images import``) before the kubelet starts;
+  are imported into it (``ctr -n k8s.io images import``) before the kubelet starts; it pulls from a
+  registry only where ``Node.trust_registry`` wrote the registry's hosts file (a test's registry);
 - **the network**: a bridge BRIDGE with the node's address NODE_IP (the pods' gateway: an address
   outside 127/8, which the kubelet needs), the CNI ``bridge`` plugin with ``host-local`` addresses in
   POD_CIDR, IP forwarding, and two guards that keep every packet on this machine: the Service range is
