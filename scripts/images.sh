@@ -415,7 +415,7 @@ mv "$manifest.tmp" "$manifest"
 # Archives and manifests of other keys not used for two days go (a clone on another commit keeps its own).
 keep=$(for n in $IMPORTED; do archive "$n"; done; echo "$manifest")
 find "$out" -maxdepth 1 \( -name '*.oci.tar' -o -name 'manifest-*.json' \) -mtime +2 -print |
-  grep -vxF "$keep" | xargs -r rm -f
+  { grep -vxF "$keep" || true; } | xargs -r rm -f # grep finds nothing to drop: not a failure
 log "all images ready in $(since "$total")"
 if [ "$mode" = push ]; then
   # The images a cluster pulls. skopeo copies the archive's manifest and blobs byte for byte (no new
