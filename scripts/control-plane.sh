@@ -78,6 +78,12 @@ esac
 log() { printf 'control-plane: %s\n' "$*" >&2; }
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f s", b - a }'; }
+# apt-get, one at a time among this repository's scripts (.ci/run runs them side by side): apt's own
+# locks make a second apt-get fail rather than wait.
+apt_locked() {
+  mkdir -p "$cache"
+  if command -v flock >/dev/null; then flock "$cache/.apt.lock" "$@"; else "$@"; fi
+}
 
 command -v go >/dev/null || {
   log "error: go is not on PATH (the control plane is built from the Go module proxy)"
@@ -332,7 +338,7 @@ if [ -n "$missing_packages" ]; then
     started=$(now)
     log "installing Debian's packages:$missing_packages"
     # shellcheck disable=SC2086 # one word per package
-    apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends $missing_packages >&2
+    apt_locked apt-get update -qq >&2 && apt_locked apt-get install -y -qq --no-install-recommends $missing_packages >&2
     log "installed in $(since "$started")"
   elif [ -n "$required_missing" ]; then
     log "error: missing Debian packages:$required_missing (apt-get install them, as root)"
@@ -358,9 +364,9 @@ get_registry() {
   cleanup
   work=$(mktemp -d "${TMPDIR:-/tmp}/trainguard-registry.XXXXXX")
   # _apt cannot write to a root-owned temp dir: download as root (apt warns, and does it).
-  if ! (cd "$work" && apt-get download docker-registry >/dev/null 2>&1); then
-    apt-get update -qq >&2
-    (cd "$work" && apt-get download docker-registry >/dev/null 2>&1) || {
+  if ! (cd "$work" && apt_locked apt-get download docker-registry >/dev/null 2>&1); then
+    apt_locked apt-get update -qq >&2
+    (cd "$work" && apt_locked apt-get download docker-registry >/dev/null 2>&1) || {
       log "warning: apt-get download docker-registry failed: the install test will fail"
       return 0
     }

@@ -19,6 +19,9 @@
 # Usage:
 #   bash scripts/images.sh [build]          build what is missing; print the manifest's path on stdout
 #   bash scripts/images.sh --manifest       print the manifest's path only (builds nothing)
+#   bash scripts/images.sh prebuild         build every image but coredns, which needs the binary
+#                                           scripts/control-plane.sh builds (so the two can run side by
+#                                           side: .ci/run); prints nothing on stdout, writes no manifest
 #   bash scripts/images.sh import ADDRESS   import every image of the manifest into the containerd at
 #                                           ADDRESS (its socket), namespace k8s.io, unless it holds it
 #   bash scripts/images.sh push REGISTRY [TAG]
@@ -65,7 +68,7 @@ hash_files() {
 
 # Building needs root and three Debian packages, pushing a fourth (skopeo), all installed at the first
 # build, before the keys are computed (one of them hashes the busybox binary).
-if [ "$mode" = build ] || [ "$mode" = push ]; then
+if [ "$mode" = build ] || [ "$mode" = prebuild ] || [ "$mode" = push ]; then
   if [ "$(id -u)" != 0 ]; then
     log "error: building the images needs root (buildah's storage mounts overlays)"
     exit 1
@@ -160,14 +163,14 @@ case "$mode" in
     echo "$manifest"
     exit 0
     ;;
-  build | import) ;;
+  build | import | prebuild) ;;
   push)
     registry=${2:?usage: bash scripts/images.sh push REGISTRY [TAG]}
     registry=${registry%/}
     tag=${3:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' "$root/charts/trainguard/Chart.yaml")}
     ;;
   *)
-    echo "usage: bash scripts/images.sh [build | --manifest | import ADDRESS | push REGISTRY [TAG]]" >&2
+    echo "usage: bash scripts/images.sh [build | --manifest | prebuild | import ADDRESS | push REGISTRY [TAG]]" >&2
     exit 2
     ;;
 esac
@@ -401,9 +404,13 @@ build_pytorch_init() {
 build_base
 build_pause
 build_trainguard
-build_coredns
 build_pytorch_init
 build_tiny_lm
+if [ "$mode" = prebuild ]; then
+  log "all images but coredns ready in $(since "$total")"
+  exit 0
+fi
+build_coredns
 
 "$python" - "$manifest" <<PY
 import json, sys
