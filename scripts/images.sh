@@ -19,12 +19,22 @@
 # Usage:
 #   bash scripts/images.sh [build]          build what is missing; print the manifest's path on stdout
 #   bash scripts/images.sh --manifest       print the manifest's path only (builds nothing)
+#   bash scripts/images.sh prebuild         build every image but coredns, which needs the binary
+#                                           scripts/control-plane.sh builds (so the two can run side by
+#                                           side: .ci/run); prints nothing on stdout, writes no manifest
 #   bash scripts/images.sh import ADDRESS   import every image of the manifest into the containerd at
 #                                           ADDRESS (its socket), namespace k8s.io, unless it holds it
+#   bash scripts/images.sh push REGISTRY [TAG]
+#                                           build what is missing, then push the images a cluster runs,
+#                                           trainguard (operator and sidecar) and tiny-lm (the example's
+#                                           worker), as REGISTRY/trainguard:TAG and REGISTRY/tiny-lm:TAG
+#                                           (TAG: the chart's appVersion by default), with skopeo, which
+#                                           copies the archives' blobs as they are; print the references.
+#                                           skopeo logs in as `skopeo login` (or `docker login`) left it.
 #
 # The manifest (images/manifest-<key>.json) maps each name to its reference (trainguard.local/NAME:KEY)
 # and archive. Everything but the final path goes to stderr, with the time each phase took. Needs root
-# (buildah's storage and mounts); apt-get installs buildah, mmdebstrap and busybox-static when missing. Safe to run
+# (buildah's storage and mounts); apt-get installs buildah, mmdebstrap, busybox-static and skopeo when missing. Safe to run
 # concurrently (a lock serialises the builds).
 set -euo pipefail
 
@@ -42,6 +52,12 @@ mode=${1:-build}
 log() { printf 'images: %s\n' "$*" >&2; }
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f s", b - a }'; }
+# apt-get, one at a time among this repository's scripts (.ci/run runs them side by side): apt's own
+# locks make a second apt-get fail rather than wait.
+apt_locked() {
+  mkdir -p "$cache"
+  if command -v flock >/dev/null; then flock "$cache/.apt.lock" "$@"; else "$@"; fi
+}
 hash() { sha256sum | cut -c1-12; }
 
 # hash_files PATH...: a hash of the files' names and contents (directories recursively, caches skipped).
@@ -50,9 +66,9 @@ hash_files() {
     xargs -0 sha256sum) | hash
 }
 
-# Building needs root and three Debian packages, installed before the keys are computed (one of them
-# hashes the busybox binary).
-if [ "$mode" = build ]; then
+# Building needs root and three Debian packages, pushing a fourth (skopeo), all installed at the first
+# build, before the keys are computed (one of them hashes the busybox binary).
+if [ "$mode" = build ] || [ "$mode" = prebuild ] || [ "$mode" = push ]; then
   if [ "$(id -u)" != 0 ]; then
     log "error: building the images needs root (buildah's storage mounts overlays)"
     exit 1
@@ -61,11 +77,12 @@ if [ "$mode" = build ]; then
   command -v buildah >/dev/null || missing+=" buildah"
   command -v mmdebstrap >/dev/null || missing+=" mmdebstrap"
   dpkg -s busybox-static >/dev/null 2>&1 || missing+=" busybox-static"
+  command -v skopeo >/dev/null || missing+=" skopeo" # for push; installed with the rest, before a test needs it
   if [ -n "$missing" ]; then
     started=$(now)
     log "installing Debian's packages:$missing"
     # shellcheck disable=SC2086 # one word per package
-    apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends $missing >&2
+    apt_locked apt-get update -qq >&2 && apt_locked apt-get install -y -qq --no-install-recommends $missing >&2
     log "installed in $(since "$started")"
   fi
 fi
@@ -146,9 +163,14 @@ case "$mode" in
     echo "$manifest"
     exit 0
     ;;
-  build | import) ;;
+  build | import | prebuild) ;;
+  push)
+    registry=${2:?usage: bash scripts/images.sh push REGISTRY [TAG]}
+    registry=${registry%/}
+    tag=${3:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' "$root/charts/trainguard/Chart.yaml")}
+    ;;
   *)
-    echo "usage: bash scripts/images.sh [build | --manifest | import ADDRESS]" >&2
+    echo "usage: bash scripts/images.sh [build | --manifest | prebuild | import ADDRESS | push REGISTRY [TAG]]" >&2
     exit 2
     ;;
 esac
@@ -382,9 +404,13 @@ build_pytorch_init() {
 build_base
 build_pause
 build_trainguard
-build_coredns
 build_pytorch_init
 build_tiny_lm
+if [ "$mode" = prebuild ]; then
+  log "all images but coredns ready in $(since "$total")"
+  exit 0
+fi
+build_coredns
 
 "$python" - "$manifest" <<PY
 import json, sys
@@ -396,6 +422,17 @@ mv "$manifest.tmp" "$manifest"
 # Archives and manifests of other keys not used for two days go (a clone on another commit keeps its own).
 keep=$(for n in $IMPORTED; do archive "$n"; done; echo "$manifest")
 find "$out" -maxdepth 1 \( -name '*.oci.tar' -o -name 'manifest-*.json' \) -mtime +2 -print |
-  grep -vxF "$keep" | xargs -r rm -f
+  { grep -vxF "$keep" || true; } | xargs -r rm -f # grep finds nothing to drop: not a failure
 log "all images ready in $(since "$total")"
+if [ "$mode" = push ]; then
+  # The images a cluster pulls. skopeo copies the archive's manifest and blobs byte for byte (no new
+  # compression), and skips the blobs the registry already holds.
+  for name in trainguard tiny-lm; do
+    started=$(now)
+    skopeo copy --quiet "oci-archive:$(archive "$name")" "docker://$registry/$name:$tag" >&2
+    log "$name: pushed $registry/$name:$tag in $(since "$started")"
+    echo "$registry/$name:$tag"
+  done
+  exit 0
+fi
 echo "$manifest"

@@ -7,7 +7,8 @@
 #
 #   bin/<tool>-<version>/<tool>     one directory per tool and version: a version bump builds afresh,
 #                                   an unchanged one is reused as is (monitoring-check's version also
-#                                   carries a hash of its source, below)
+#                                   carries a hash of its source, promtool's and prometheus's their
+#                                   build tags, below)
 #   bin/tools-<key>/<tool>          symlinks to the four above; <key> hashes their versions
 #   go/{mod,build,path}             GOMODCACHE, GOCACHE, GOPATH: a rebuild reuses downloads and objects
 #
@@ -27,6 +28,11 @@ PROMETHEUS_MODULE_VERSION=v0.316.0
 PROMETHEUS_VERSION=3.16.0
 # The Prometheus Operator's API types (their own Go module), for monitoring-check.
 MONITORING_API_VERSION=v0.95.2
+# promtool and the Prometheus server without the service discoveries of clouds and orchestrators
+# (Prometheus's own build tag: only file and HTTP discovery, and static targets, remain). The tests
+# scrape static targets only, and the cloud SDKs (AWS, Azure, GCE, Kubernetes, ...) were most of the
+# cold build: promtool alone took about 30 min on 2 cores with them.
+PROMETHEUS_TAGS=remove_all_sd
 
 cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
 # monitoring-check's source: a tiny program whose module requires the Prometheus Operator's API module.
@@ -95,7 +101,8 @@ func main() {
 }
 GO
 monitoring_check_version="$MONITORING_API_VERSION-$(printf '%s' "$MONITORING_CHECK_SOURCE" | sha256sum | cut -c1-8)"
-key=$(printf 'helm %s\nprometheus %s\nmonitoring-check %s\n' "$HELM_VERSION" "$PROMETHEUS_MODULE_VERSION" \
+prometheus_build="$PROMETHEUS_MODULE_VERSION-$PROMETHEUS_TAGS"
+key=$(printf 'helm %s\nprometheus %s\nmonitoring-check %s\n' "$HELM_VERSION" "$prometheus_build" \
   "$monitoring_check_version" | sha256sum | cut -c1-12)
 bin_dir="$cache/bin/tools-$key"
 
@@ -130,10 +137,10 @@ fi
 
 total=$(now)
 
-# build NAME VERSION PACKAGE@MODULE_VERSION LDFLAGS_FUNCTION: go install into a temp dir, then an atomic
-# rename into bin/NAME-VERSION/, so an interrupted build leaves nothing half-made behind.
+# build NAME VERSION PACKAGE@MODULE_VERSION LDFLAGS_FUNCTION [TAGS]: go install into a temp dir, then an
+# atomic rename into bin/NAME-VERSION/, so an interrupted build leaves nothing half-made behind.
 build() {
-  local name=$1 version=$2 target=$3 ldflags_function=$4
+  local name=$1 version=$2 target=$3 ldflags_function=$4 tags=${5:-}
   local dir="$cache/bin/$name-$version"
   if [ -x "$dir/$name" ]; then
     log "$name $version: cached in $dir"
@@ -144,7 +151,7 @@ build() {
   ldflags=$("$ldflags_function")
   tmp=$(mktemp -d "$cache/bin/.$name-$version.XXXXXX")
   log "$name $version: building $target (cold machine: a few minutes)"
-  if ! GOBIN="$tmp" go install -trimpath -ldflags "-s -w $ldflags" "$target"; then
+  if ! GOBIN="$tmp" go install -trimpath -tags "$tags" -ldflags "-s -w $ldflags" "$target"; then
     rm -rf "$tmp"
     log "error: building $name $version failed (see above)"
     return 1
@@ -175,10 +182,10 @@ helm_ldflags() {
 }
 
 build helm "$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" helm_ldflags
-build promtool "$PROMETHEUS_MODULE_VERSION" \
-  "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_MODULE_VERSION" prom_ldflags
-build prometheus "$PROMETHEUS_MODULE_VERSION" \
-  "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_MODULE_VERSION" prom_ldflags
+build promtool "$prometheus_build" \
+  "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_MODULE_VERSION" prom_ldflags "$PROMETHEUS_TAGS"
+build prometheus "$prometheus_build" \
+  "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_MODULE_VERSION" prom_ldflags "$PROMETHEUS_TAGS"
 
 # monitoring-check is built in a temporary wrapper module (go install cannot build a package that
 # does not exist yet); the module cache and build cache make a rebuild cheap.
@@ -212,8 +219,8 @@ build_monitoring_check
 started=$(now)
 mkdir -p "$bin_dir"
 ln -sfn "../helm-$HELM_VERSION/helm" "$bin_dir/helm"
-ln -sfn "../promtool-$PROMETHEUS_MODULE_VERSION/promtool" "$bin_dir/promtool"
-ln -sfn "../prometheus-$PROMETHEUS_MODULE_VERSION/prometheus" "$bin_dir/prometheus"
+ln -sfn "../promtool-$prometheus_build/promtool" "$bin_dir/promtool"
+ln -sfn "../prometheus-$prometheus_build/prometheus" "$bin_dir/prometheus"
 ln -sfn "../monitoring-check-$monitoring_check_version/monitoring-check" "$bin_dir/monitoring-check"
 log "helm: $("$bin_dir/helm" version --short 2>&1)"
 log "promtool: $("$bin_dir/promtool" --version 2>&1 | head -n1)"

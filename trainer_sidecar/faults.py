@@ -245,6 +245,9 @@ class FaultInjector:
         if self.fires(FaultKind.CRASH, step):
             log.error("fault injection: crash at step %d (SIGKILL)", step)
             os.kill(os.getpid(), signal.SIGKILL)
+            # Still here: the worker is PID 1 of its PID namespace (a pod's container with no init), where
+            # the kernel drops a signal the process sends itself without a handler, SIGKILL included.
+            os._exit(128 + signal.SIGKILL)
         if self.fires(FaultKind.HANG, step):
             log.error("fault injection: hang at step %d", step)
             while True:

@@ -43,10 +43,10 @@ def e2e_cluster(
     kube-scheduler and the Kubeflow training operator, and a real node (containerd, the kubelet,
     kube-proxy, CoreDNS) running pods from the images of ``scripts/images.sh``.
 
-    The trainguard operator is not running: modules that need it start it
-    (``e2e_cluster.start_operator()``) and stop it, so it does not reconcile the objects other tests
-    write by hand. Where the node cannot run (not root, a package, binary or image missing) the tests
-    that use it are skipped on a developer's machine and fail under CI.
+    No trainguard operator is installed: modules that need it install the Helm chart
+    (``e2e_cluster.install_operator()``) and uninstall it, so it does not reconcile the objects other
+    tests write by hand. Where the node cannot run (not root, a package, binary or image missing, helm
+    not built) the tests that use it are skipped on a developer's machine and fail under CI.
     """
     missing = controlplane.missing_binaries(control_plane.bin_dir, components=True)
     reason = f"{', '.join(missing)} not built: run bash scripts/control-plane.sh" if missing else None
@@ -55,7 +55,7 @@ def e2e_cluster(
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"), run_operator=False)
+    running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"))
     try:
         yield running
     finally:

@@ -1,4 +1,4 @@
-"""A real Kubernetes control plane (etcd + kube-apiserver) on 127.0.0.1, for end-to-end tests.
+"""A real Kubernetes control plane (etcd + kube-apiserver), for end-to-end tests.
 
 The binaries are built by ``scripts/control-plane.sh`` (cached under ``~/.cache/trainguard/bin``); this
 module only runs them:
@@ -7,7 +7,9 @@ module only runs them:
   serving certificates, the API server's etcd client certificate and an admin client certificate
   (``O=system:masters``); an EC key signs service-account tokens;
 - etcd serves clients over mutual TLS, its data dir in the state dir; the API server uses RBAC;
-- every port is a free one on 127.0.0.1 (a start that loses a port race is retried with new ports);
+- every port is a free one on 127.0.0.1 (a start that loses a port race is retried with new ports); the
+  API server listens on every address of the machine, and advertises the test node's (NODE_IP), so pods
+  reach it through the `kubernetes` Service; everything else listens on 127.0.0.1 only;
 - readiness is etcd's ``/health`` and the API server's ``/readyz``, polled with the admin certificate;
 - ``start_cluster`` adds the rest of a small cluster on the same plane (no kubelet, no kube-proxy):
   kube-controller-manager, kube-scheduler (each with its own client certificate and kubeconfig) and the
@@ -58,11 +60,17 @@ PYTORCH_INIT_CONTAINER = REPO_ROOT / "examples" / "k8s" / "pytorch-init-containe
 # certificate names it, as a real cluster's does.
 SERVICE_CIDR = "10.0.0.0/24"
 KUBERNETES_SERVICE_IP = "10.0.0.1"
+# The test node's address (``node.NODE_IP``: the pods' gateway on its bridge). The API server advertises
+# it, so the `kubernetes` Service's endpoint is an address pods reach: an in-cluster client (the
+# trainguard operator of the Helm chart) goes to KUBERNETES_SERVICE_IP:443, which kube-proxy rewrites to
+# NODE_IP and the API server's port. Without a node the address is not on the machine, and only
+# in-cluster clients would miss it.
+NODE_IP = "10.88.0.1"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 START_ATTEMPTS = 3
 PR_SET_PDEATHSIG = 1
 # make_pki's marker: a new name whenever the set of certificates grows, so an older state dir regenerates.
-PKI_MARKER = ".complete-node"
+PKI_MARKER = ".complete-node-ip"
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver")
 COMPONENT_BINARIES = ("kube-controller-manager", "kube-scheduler", "training-operator")
 # Controllers left out of kube-controller-manager (names as `kube-controller-manager --help` lists them in
@@ -192,7 +200,7 @@ def make_pki(pki: Path) -> None:
         "/CN=kube-apiserver",
         _leaf(
             "serverAuth",
-            f"{loopback},IP:{KUBERNETES_SERVICE_IP},DNS:kubernetes,DNS:kubernetes.default,"
+            f"{loopback},IP:{KUBERNETES_SERVICE_IP},IP:{NODE_IP},DNS:kubernetes,DNS:kubernetes.default,"
             "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local",
         ),
     )
@@ -449,8 +457,11 @@ def _etcd_argv(bin_dir: Path, state: Path, pki: Path, client_port: int, peer_por
 def _apiserver_argv(bin_dir: Path, pki: Path, etcd_url: str, port: int) -> list[str]:
     return [
         str(bin_dir / "kube-apiserver"),
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        # Every address (mutual TLS or a service-account token on each request): the admin's clients use
+        # 127.0.0.1, the pods NODE_IP, through the `kubernetes` Service whose endpoint the lease
+        # reconciler (the default) keeps at the advertised address.
+        "--bind-address=0.0.0.0",
+        f"--advertise-address={NODE_IP}",
         f"--secure-port={port}",
         f"--etcd-servers={etcd_url}",
         f"--etcd-cafile={pki / 'ca.crt'}",
@@ -464,10 +475,6 @@ def _apiserver_argv(bin_dir: Path, pki: Path, etcd_url: str, port: int) -> list[
         f"--service-account-signing-key-file={pki / 'service-account.key'}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--authorization-mode=RBAC",
-        # The `kubernetes` Service's endpoints would be the advertise address, and Endpoints may not hold
-        # a loopback address: the reconciler would log an error every few seconds. Nothing here needs
-        # them (in-cluster clients are given the server's address directly).
-        "--endpoint-reconciler-type=none",
         # Test nodes register no resolvable hostname: reach their kubelet API (kubectl logs) by IP,
         # with a client certificate the kubelet checks against our CA.
         "--kubelet-preferred-address-types=InternalIP",

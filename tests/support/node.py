@@ -8,7 +8,8 @@ kube-proxy and CoreDNS included) this starts, as root, one node named NODE_NAME:
   for this machine: ``restrict_oom_score_adj`` (the machine refuses a negative ``oom_score_adj``, even to
   root), runc through ``io.containerd.runc.v2``, cgroupfs, the pause image of ``scripts/images.sh`` as
   the sandbox image, CNI from Debian's plugins in ``/usr/lib/cni``. The images of ``scripts/images.sh``
-  are imported into it (``ctr -n k8s.io images import``) before the kubelet starts;
+  are imported into it (``ctr -n k8s.io images import``) before the kubelet starts; it pulls from a
+  registry only where ``Node.trust_registry`` wrote the registry's hosts file (a test's registry);
 - **the network**: a bridge BRIDGE with the node's address NODE_IP (the pods' gateway: an address
   outside 127/8, which the kubelet needs), the CNI ``bridge`` plugin with ``host-local`` addresses in
   POD_CIDR, IP forwarding, and two guards that keep every packet on this machine: the Service range is
@@ -54,7 +55,7 @@ from tests.support.ports import free_ports
 NODE_NAME = "trainguard-node"
 BRIDGE = "tg-cni0"
 POD_CIDR = "10.88.0.0/24"
-NODE_IP = "10.88.0.1"
+NODE_IP = controlplane.NODE_IP  # the pods' gateway; the API server advertises it
 CLUSTER_DNS_IP = "10.0.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 DNS_PORT = 1053  # CoreDNS's port on the node: non-root, so not 53; the kube-dns Service maps 53 to it
@@ -143,6 +144,20 @@ class Node:
     def pod_logs_dir(self) -> Path:
         """Where the kubelet keeps container logs (``<namespace>_<pod>_<uid>/<container>/<n>.log``)."""
         return self.state_dir / "pod-logs"
+
+    @property
+    def registries_dir(self) -> Path:
+        """containerd's registry hosts configuration (``<host>/hosts.toml``), read at each pull."""
+        return self.state_dir / "registries"
+
+    def trust_registry(self, host: str) -> None:
+        """Let the node pull from the registry at ``host`` (``ADDRESS:PORT``) over plain HTTP: a test's
+        registry on this machine, which has no certificate."""
+        directory = self.registries_dir / host
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "hosts.toml").write_text(
+            f'server = "http://{host}"\n\n[host."http://{host}"]\n  capabilities = ["pull", "resolve"]\n'
+        )
 
     def processes(self) -> list[Process]:
         """The node's processes, in order of start."""
@@ -319,7 +334,7 @@ def _take_lock(timeout: float) -> Any:
 # --- configuration --------------------------------------------------------------------------------
 
 
-def _containerd_config(cni_dir: Path, sandbox_image: str) -> str:
+def _containerd_config(cni_dir: Path, sandbox_image: str, registries_dir: Path) -> str:
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
 root = "{containerd_root()}"
@@ -353,6 +368,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [{cri}.cni]
     bin_dir = "{CNI_BIN_DIR}"
     conf_dir = "{cni_dir}"
+  # One directory per registry host (``Node.trust_registry``), read at each pull.
+  [{cri}.registry]
+    config_path = "{registries_dir}"
 """
 
 
@@ -571,7 +589,7 @@ def start(
     _unmount_below(containerd_root())
     _delete_cni_netns()
     shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
-    for sub in ("cni", "manifests", "pod-logs", "kubelet", "coredns", "cni-ipam"):
+    for sub in ("cni", "manifests", "pod-logs", "kubelet", "coredns", "cni-ipam", "registries"):
         (state_dir / sub).mkdir(parents=True, exist_ok=True)
     (state_dir / "resolv.conf").write_text(f"nameserver {CLUSTER_DNS_IP}\n")
     node = Node(
@@ -601,7 +619,7 @@ def _start(node: Node, refs: dict[str, str], timeout: float) -> None:
 
     started = time.monotonic()
     config = state / "containerd.toml"
-    config.write_text(_containerd_config(state / "cni", refs["pause"]))
+    config.write_text(_containerd_config(state / "cni", refs["pause"], node.registries_dir))
     (state / "cni" / "10-trainguard.conflist").write_text(json.dumps(_cni_config(state / "cni-ipam")))
     node.containerd.argv = ["containerd", f"--config={config}", "--log-level=warn"]
     node.containerd.start(die_with_parent=True)

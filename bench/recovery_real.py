@@ -1,0 +1,128 @@
+"""Time to recover on the real test node: a hung rank and a crashed rank, each a few times.
+
+Starts the whole test cluster (``tests.support.cluster``: the control plane, a real node, the trainguard
+operator installed by its Helm chart), then runs the example job of the end-to-end tests
+(``tests.support.jobs``: 60 steps, two ranks, a checkpoint every 10 steps) once per run with one fault at
+step 35: ``hang@35:1`` (rank 1 stops stepping; a 4 s hang timeout, polled every second) or
+``crash@35:0`` (rank 0 exits non-zero). The gang restarts after a 2 s backoff, as in the tests.
+
+For each run it prints, from the job's status and the attempt's pods (the operator's clock for steps, to
+its 1 s poll period; the API server's for pods, to the second):
+
+- ``recover_s``: the last step before the fault to the first step of the next attempt, in all;
+- ``detect_s``: that last step to the failure the operator recorded (the hang timeout, for a hang);
+- ``restart_s``: the failure to the next attempt's pods being created (old gang deleted, backoff);
+- ``pod_start_s``: the kubelet's share, those pods' creation to their training container running
+  (scheduling, sandbox and network, the init containers, the sidecar);
+- ``first_step_s``: the container running to its first step (Python, torch, the rendezvous, the
+  checkpoint).
+
+Run as root, after ``bash scripts/setup.sh``::
+
+    python -m bench.recovery_real [--runs 3] [--kinds hang,crash]
+
+The last line is one JSON object with every run and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.support import cluster as test_cluster
+from tests.support import controlplane
+from tests.support.jobs import FAST_HANG_DETECTION, JOB, JobNamespace, condition, example, timestamp
+
+FAULTS = {"hang": "hang@35:1", "crash": "crash@35:0"}
+BACKOFF_SECONDS = 2
+
+
+def measure(namespace: JobNamespace, job: dict[str, Any]) -> dict[str, float]:
+    """The phases of the one recovery of a finished job (see the module's docstring)."""
+    status = job["status"]
+    history = {h["attempt"]: h for h in status["stepHistory"]}
+    last_step = timestamp(history[1]["lastStepAt"])
+    failed = timestamp(status["lastFailure"]["time"])
+    first_step = timestamp(history[2]["firstStepAt"])
+    pods = namespace.cluster.items("pods", namespace.name, "trainguard.dev/attempt=2")
+    created = min(timestamp(p["metadata"]["creationTimestamp"]) for p in pods)
+    running = []
+    for pod in pods:
+        (container,) = [s for s in pod["status"]["containerStatuses"] if s["name"] == "pytorch"]
+        state = container["state"].get("running") or container["state"].get("terminated") or {}
+        running.append(timestamp(state["startedAt"]))
+    return {
+        "recover_s": first_step - last_step,
+        "detect_s": failed - last_step,
+        "restart_s": created - failed,
+        "pod_start_s": max(running) - created,
+        "first_step_s": first_step - max(running),
+    }
+
+
+def run_once(cluster: test_cluster.Cluster, kind: str, index: int, volume: Path) -> dict[str, float]:
+    """One job with one fault of ``kind``; its recovery's phases."""
+    namespace = JobNamespace.create(cluster, f"recovery-{kind}-{index}", volume)
+    try:
+        health = FAST_HANG_DETECTION if kind == "hang" else None
+        recovery = {"maxRestarts": 2, "backoffSeconds": [BACKOFF_SECONDS]}
+        namespace.apply(example(faults=FAULTS[kind], health=health, recovery=recovery))
+        job = namespace.finished(timeout=600)
+        if not condition(job, "Succeeded") or job["status"]["restarts"] != 1:
+            raise RuntimeError(f"{kind} run {index}: {json.dumps(job['status'])[:2000]}")
+        return measure(namespace, job)
+    finally:
+        namespace.delete()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the cluster, run the jobs, print each run and the medians (JSON on the last line)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs of each kind (default: %(default)s)")
+    parser.add_argument("--kinds", default="hang,crash", help="comma-separated: hang, crash")
+    args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(kinds) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown kinds {sorted(unknown)}")
+    bin_dir = controlplane.bin_dir_from_script()
+    reason = test_cluster.why_not_runnable(bin_dir)
+    if reason:
+        print(f"recovery_real: {reason}", file=sys.stderr)
+        return 1
+    results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    with tempfile.TemporaryDirectory(prefix="trainguard-recovery-") as scratch:
+        state = Path(scratch)
+        plane = controlplane.start(bin_dir, state / "control-plane")
+        try:
+            cluster = test_cluster.start(plane, state / "cluster")
+            try:
+                cluster.install_operator()
+                for index in range(args.runs):
+                    for kind in kinds:
+                        phases = run_once(cluster, kind, index, state / f"{kind}-{index}")
+                        results[kind].append(phases)
+                        print(kind, index, " ".join(f"{k}={v:.1f}" for k, v in phases.items()), flush=True)
+            finally:
+                cluster.stop()
+        finally:
+            plane.stop()
+    medians = {
+        kind: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        for kind, runs in results.items()
+        if runs
+    }
+    print(json.dumps({"job": JOB, "backoff_s": BACKOFF_SECONDS, "runs": results, "median": medians}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
