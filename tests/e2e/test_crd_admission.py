@@ -179,7 +179,9 @@ def test_example_job_is_created_with_the_api_servers_defaults(api: Api) -> None:
     assert stored["checkpoint"]["keepClean"] == 3
     assert stored["checkpoint"]["mountPath"] == "/ckpt"
     assert stored["dataQuality"] == {"maxDropRate": 0.001}
-    model = spec.parse_job(document, str(EXAMPLE_JOB)).spec.model_dump(by_alias=True, mode="json", exclude_none=True)
+    model = spec.parse_job(document, str(EXAMPLE_JOB)).spec.model_dump(
+        by_alias=True, mode="json", exclude_none=True
+    )
     assert _sections(stored) == _sections(model)
 
     minimal = job("defaults-only")
