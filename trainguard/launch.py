@@ -171,6 +171,43 @@ def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
+GANG_ENV = "TRAINGUARD_GANG_ID"
+"""Carried by every process of one attempt's gang, and inherited by their children."""
+
+
+def gang_processes(gang_id: str) -> list[int]:
+    """The live processes (this one excepted) whose environment holds ``GANG_ENV=gang_id``.
+
+    A launcher between the runner and the workers (torchrun) starts each worker in a session of its own,
+    so signalling the launcher's process group misses them, and the runner's parent-death signal reaches
+    only its own children. The environment a process was started with is inherited by everything it
+    starts, whatever session it is in."""
+    if not gang_id:
+        return []
+    marker = f"{GANG_ENV}={gang_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read()
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def kill_gang(gang_id: str) -> list[int]:
+    """SIGKILL every process ``gang_processes`` finds; the PIDs signalled."""
+    pids = gang_processes(gang_id)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
 def resolve_command(command: Sequence[str], *, field: str, cwd: Path | None, path: str | None) -> list[str]:
     """``command`` with its program made an absolute path, or RunRefused naming ``field``.
 

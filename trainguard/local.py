@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,11 +33,13 @@ from typing import IO, Any
 from trainer_sidecar.settings import Remediation
 from trainer_sidecar.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
 from trainguard.launch import (
+    GANG_ENV,
     RunRefused,
     Stopped,
     StopSignals,
     check_working_dir,
     exit_detail,
+    kill_gang,
     omp_threads,
     printable,
     resolve_command,
@@ -152,6 +155,7 @@ class LocalRunner:
         self._sidecars: list[subprocess.Popen[Any]] = []
         self._files: list[IO[bytes]] = []
         self.attempt = 0
+        self.gang_id = ""  # set per attempt: the marker every process of the gang carries (GANG_ENV)
         self.restarts = 0
         self.remediation: Remediation | None = None
         # The attempt that introduced the remediation names it: workers apply a given id once, so a
@@ -220,6 +224,7 @@ class LocalRunner:
             TRAINGUARD_NAMESPACE=self.job.metadata.namespace,
             TRAINGUARD_ATTEMPT=str(self.attempt),
         )
+        env[GANG_ENV] = self.gang_id
         env[TERMINATION_MESSAGE_ENV] = str(status_file.with_name(TERMINATION_MESSAGE_FILE))
         if self.remediation is not None:
             payload = {"id": self.remediation_id, **self.remediation.model_dump(by_alias=True)}
@@ -281,6 +286,7 @@ class LocalRunner:
         assert self.run_folder is not None, "prepare() before start_gang()"
         self.attempt += 1
         self.attempt_started = time.time()
+        self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
         attempt_dir = self.run_folder / f"attempt-{self.attempt}"
         logs = self.run_folder / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -333,6 +339,11 @@ class LocalRunner:
                 signal_group(worker, signal.SIGKILL)
                 worker.wait()
             signal_group(worker, signal.SIGKILL)  # stray children (data loader workers)
+        strays = kill_gang(self.gang_id)  # a launcher's workers, in sessions of their own
+        if strays:
+            log.warning(
+                "attempt %d: killed %d process(es) left by the gang: %s", self.attempt, len(strays), strays
+            )
         for sidecar in sidecars:
             if sidecar.poll() is None:  # a restarted sidecar's predecessor is gone (its pid may be reused)
                 signal_group(sidecar, signal.SIGTERM)

@@ -270,3 +270,8 @@ def test_two_pods_of_two_processes_run_under_torchrun_and_one_hung_process_resta
     assert newest is not None
     manifests = sorted(p.name for p in (store.root / newest.dir_name).glob("rank-*.json"))
     assert manifests == [f"rank-{r}.json" for r in range(4)]  # four ranks wrote their part
+    # torchrun starts its workers in sessions of their own: the hung one used to outlive the run.
+    deadline = time.monotonic() + 10
+    while (left := procs.processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []

@@ -179,3 +179,44 @@ def test_a_long_message_is_cut_short(tmp_path: Path) -> None:
     text = launch.termination_message(message)
     assert len(text) <= 600
     assert text.endswith("...")
+
+
+def test_a_gang_is_killed_down_to_the_workers_a_launcher_started_in_sessions_of_their_own(
+    tmp_path: Path,
+) -> None:
+    # torchrun starts each worker with start_new_session=True: signalling torchrun's group missed them,
+    # and a hung worker outlived its gang by an hour.
+    pid_file = tmp_path / "grandchild.pid"
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        "import subprocess, sys, time\n"
+        "worker = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+        "p = subprocess.Popen(worker, start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, launch.GANG_ENV: "test-gang-1"}
+    child = launch.spawn([sys.executable, str(launcher)], env=env)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the launcher did not start its worker"
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    launch.signal_group(child, signal.SIGKILL)
+    child.wait()
+    assert os.path.exists(f"/proc/{grandchild}"), "the worker died with its launcher's group after all"
+    assert launch.gang_processes("test-gang-2") == []  # another gang's marker finds nothing
+    assert launch.gang_processes("") == []
+    assert launch.kill_gang("test-gang-1") == [grandchild]
+    deadline = time.monotonic() + 10
+    while _alive(grandchild):
+        assert time.monotonic() < deadline, "the launcher's worker outlived kill_gang"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
