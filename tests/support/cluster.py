@@ -162,7 +162,10 @@ class Cluster:
         """Every container log the kubelet kept for pods of ``namespace`` (for failure messages)."""
         out = []
         for log in sorted(self.node.pod_logs_dir.glob(f"{namespace}_*/*/*.log")):
-            text = log.read_text(errors="replace").splitlines()
+            try:
+                text = log.read_text(errors="replace").splitlines()
+            except FileNotFoundError:  # the pod was deleted, and the kubelet removed its logs, meanwhile
+                continue
             out.append(
                 f"--- {log.parent.parent.name}/{log.parent.name}/{log.name} ---\n" + "\n".join(text[-30:])
             )
