@@ -147,7 +147,10 @@ def test_the_example_job_trains_to_success(
     # kubectl logs reaches the kubelet's API through the API server.
     logs = cluster.kubectl("logs", f"{JOB}-1-master-0", "-n", namespace.name, "-c", "pytorch", "--tail=5")
     assert "[rank 0] tiny_lm: done in" in logs, logs
-    assert json.loads(logs.strip().splitlines()[-1])["final_step"] == 60, logs
+    # stdout and stderr reach the log through separate pipes, so their order in it is not the order
+    # the script wrote them in: find the summary (the one JSON line) rather than take the last line.
+    summaries = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    assert [summary["final_step"] for summary in summaries] == [60], logs
     table = cluster.kubectl("get", "gtj", "-n", namespace.name)
     header, row = table.splitlines()[:2]
     assert header.split() == ["NAME", "STATE", "STEP", "RESTARTS", "ROLLBACKS", "AGE"]
