@@ -109,6 +109,32 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four(tmp_path: Path) -> No
         assert report["position"]["sample"] == 64
 
 
+def test_a_sharded_checkpoint_of_four_ranks_resumes_on_two_at_the_next_samples(tmp_path: Path) -> None:
+    first = gang(tmp_path, 4, ["--steps", "6"])  # a node of two ranks was lost
+    narrower = gang(tmp_path, 2, ["--steps", "8"])
+    seen_before = {s for report in first for s in report["samples"]}
+    for report in narrower:
+        assert report["resumed_step"] == 6
+        assert report["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
+        assert report["position"]["sample"] == 6 * 4 * 4 + 2 * 4 * 2  # two more steps of two ranks
+        # 6 steps of 4 ranks of 4 samples: position 96, which is batch 12 of each of two ranks
+        loader = GuardedLoader(make_dataset(512, 0), batch_size=4, seed=0, rank=report["rank"], world_size=2)
+        assert report["samples"] == loader.batch_indices(0, 12) + loader.batch_indices(0, 13)
+        assert not set(report["samples"]) & seen_before
+
+
+def test_an_hsdp_checkpoint_resumes_as_fsdp_on_half_the_ranks_in_the_same_state(tmp_path: Path) -> None:
+    # Two replicas of two shards each wrote one copy of the model; two FSDP ranks re-cut it.
+    first = gang(tmp_path, 4, ["--steps", "6", "--shard", "hsdp"])
+    assert len({report["digest"] for report in first}) == 1
+    resumed = gang(tmp_path, 2, ["--steps", "6", "--shard", "fsdp"])
+    for report in resumed:
+        assert report["resumed_step"] == 6
+        assert report["digest"] == first[0]["digest"]
+        assert report["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
+        assert report["position"]["sample"] == 6 * 4 * 4
+
+
 def test_the_fsdp_example_job_runs_under_trainguard_run_through_a_nan_burst_and_a_crash(
     tmp_path: Path,
 ) -> None:
