@@ -227,6 +227,9 @@ class Guardian:
         self._step_batches: list[BatchRef] = []
         self._window_batches: list[BatchRef] = []
         self._snapshot = Snapshot()
+        # Parameters and optimizer state are copied while the next forward and backward run, until the
+        # loop is seen changing them in place between steps without ``settle`` (see ``settle``).
+        self._copies_in_background = True
         # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
         # each rank's store has seen complete, so decisions taken on it need no agreement.
         self._checkpointed_step: int | None = None
@@ -698,7 +701,7 @@ class Guardian:
             self.optimizer,
             self.training.small_state(),
             {"counters": self.counters.copy()},
-            background=True,
+            background=self._copies_in_background,
         )
         self._window_batches.clear()
 
@@ -708,10 +711,30 @@ class Guardian:
         The guardian copies parameters and optimizer state while the next forward and backward passes
         run, and waits only before the next optimizer step. A loop that changes parameters or optimizer
         state in place between steps (weight clamping, a manual re-initialisation) calls this first; on
-        a GPU the current stream waits, not the host."""
-        self._snapshot.settle()
-        if self.store is not None:
-            self.store.settle()
+        a GPU the current stream waits, not the host. A loop that does not is noticed at the next step
+        (by the tensors' version counters): nothing torn is kept, and copies are synchronous after."""
+        snapshot_changed = self._snapshot.settle()
+        checkpoint_changed = self.store is not None and self.store.settle()
+        if snapshot_changed or checkpoint_changed:
+            self._changed_before_settle(checkpoint_changed)
+
+    def _changed_before_settle(self, checkpoint_changed: bool) -> None:
+        """The loop changed parameters or optimizer state in place after a step without calling ``settle``
+        first, so a background copy may hold part of the change. The snapshot has copied the state again
+        (as it is now); a checkpoint whose copy had not landed first is not written. Every later copy is
+        synchronous: one stall per snapshot and checkpoint, and no torn copy again."""
+        if self._copies_in_background:
+            self._log_gang(
+                logging.WARNING,
+                "step %d: the training loop changed parameters or optimizer state in place between steps "
+                "without calling guardian.settle() first; snapshots and checkpoints are copied "
+                "synchronously from now on%s",
+                self.counters.step,
+                f" (the checkpoint of step {self._checkpointed_step} may be lost)"
+                if checkpoint_changed
+                else "",
+            )
+        self._copies_in_background = False
 
     def _checkpoint_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state(), **self.feed.state()}
@@ -726,7 +749,10 @@ class Guardian:
         meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
         try:
             self.store.save_async(
-                self.counters.step, self._checkpoint_state(), meta, stable=self.training.stable_storage()
+                self.counters.step,
+                self._checkpoint_state(),
+                meta,
+                stable=self.training.stable_storage() if self._copies_in_background else None,
             )
         except FencedError as exc:
             self._fenced(exc)
@@ -988,6 +1014,7 @@ class Guardian:
 
         Raises UncleanState (after rolling back) when the final state is not finite: the job is not done.
         """
+        self.settle()  # the loop may have changed the state in place since its last step
         if self.store is not None:
             self.store.wait()  # a save of this very step may still be in flight
             final = self.counters.step

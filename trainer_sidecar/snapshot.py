@@ -63,9 +63,17 @@ class Snapshot:
         self.extra = copy.deepcopy(extra)
         self.step = step
 
-    def settle(self) -> None:
-        """Order a background copy before any change of the live state (see ``PendingCopy.settle``)."""
-        self._buffers.pending.settle()
+    def settle(self) -> bool:
+        """Order a background copy before any change of the live state (see ``PendingCopy.settle``).
+
+        Returns True when the state had already changed in place since the capture; the snapshot then
+        copies it again, whole, as it is now (a consistent state to roll back to, the loop's change
+        included)."""
+        pending = self._buffers.pending
+        changed = pending.settle()
+        if changed:
+            pending.recopy()
+        return changed
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Put the snapshot back into ``model`` and ``optimizer``; returns the small state to re-apply."""

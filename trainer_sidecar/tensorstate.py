@@ -9,6 +9,7 @@ forward and backward passes do (``PendingCopy``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,14 +79,31 @@ class PendingCopy:
     the CPU they run in a background thread. ``wait`` makes the host wait until the buffers hold the
     values; ``settle`` is what must happen before the sources change (before the next optimizer step):
     the current CUDA stream waits for the event (no host sync), and the host waits for a CPU copy.
+
+    Whether that contract was kept is checked, not assumed: each source's version counter (which every
+    in-place change bumps) is recorded at capture. ``settle`` reports a source changed in place before it
+    (by the training loop, between steps), the same way on every rank whatever the copy's progress.
+    ``landed_whole`` tells a consumer of the buffers on another thread (the checkpoint writer) whether
+    the copy is certainly free of such a change.
     """
 
     def __init__(
-        self, future: Future[None] | None = None, event: Any = None, device: torch.device | None = None
+        self,
+        future: Future[None] | None = None,
+        event: Any = None,
+        device: torch.device | None = None,
+        sources: Sequence[torch.Tensor] = (),
+        destinations: Sequence[torch.Tensor] = (),
     ) -> None:
         self._future = future
         self._event = event
         self._device = device
+        self._sources = list(sources)
+        self._destinations = list(destinations)
+        self._versions = [source._version for source in self._sources]
+        self._lock = threading.Lock()
+        self._settled = not self._sources
+        self._changed = False
 
     @property
     def done(self) -> bool:
@@ -100,13 +118,48 @@ class PendingCopy:
         if self._event is not None:
             self._event.synchronize()
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """Order the copies before any later change of their sources: the current CUDA stream waits for
-        the side stream's event (the host does not), and the host waits for a copy on the CPU."""
+        the side stream's event (the host does not), and the host waits for a copy on the CPU.
+
+        Returns True from the call that finds a source changed in place since the capture (the buffers
+        may then hold part of that change), False from every other call."""
         if self._future is not None:
             self._future.result()
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+            self._changed = self._any_source_changed()
+            if not self._changed:
+                self._forget_sources()  # hold no live tensor longer than needed
+            return self._changed
+
+    def landed_whole(self) -> bool:
+        """Block until the copies have landed; True unless a source may have changed in place before they
+        did. Before ``settle``, no version moved by now means the copy finished first (a later change is
+        harmless); after it, ``settle``'s verdict stands (the optimizer step may have moved them since)."""
+        self.wait()
+        with self._lock:
+            return not (self._changed if self._settled else self._any_source_changed())
+
+    def recopy(self) -> None:
+        """Copy the sources into the buffers again, synchronously, after a ``settle`` that found them
+        changed: the buffers then hold the sources as they are now, whole."""
+        self.wait()
+        with self._lock:
+            copy_all(self._destinations, self._sources)
+            self._forget_sources()
+            self._changed = False
+
+    def _forget_sources(self) -> None:
+        self._sources, self._destinations, self._versions = [], [], []
+
+    def _any_source_changed(self) -> bool:
+        pairs = zip(self._sources, self._versions, strict=True)
+        return any(source._version != version for source, version in pairs)
 
 
 DONE = PendingCopy()
@@ -205,7 +258,7 @@ def _start_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -
     future = None
     if rest:
         future = _COPIER.submit(copy_all, [destinations[i] for i in rest], [sources[i] for i in rest])
-    return PendingCopy(future, event, device)
+    return PendingCopy(future, event, device, sources, destinations)
 
 
 def copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.copies import copies_held
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.config import GuardianConfig
@@ -1130,3 +1131,37 @@ def test_the_scheduler_check_survives_a_rollback_and_a_resume(tmp_path: Path) ->
     model, resumed = build()
     assert resumed.step_count == 6
     assert resumed.step(loss_of(model)).applied
+
+
+def test_a_loop_that_changes_weights_between_steps_without_settle_gets_no_torn_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = settings(checkpoint={"everySteps": 2, "snapshotEverySteps": 2})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+    at_step: dict[int, dict[str, torch.Tensor]] = {}
+
+    def clamp() -> None:  # the loop's own change between steps, without guardian.settle() first
+        at_step[guardian.step_count] = clone_state(model)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.clamp_(-0.1, 0.1)
+
+    assert guardian.step(loss_of(model)).applied
+    with copies_held() as release:
+        assert guardian.step(loss_of(model)).applied  # step 2: snapshot and checkpoint copied later
+        clamp()
+        release.set()
+    for _ in range(4):
+        assert guardian.step(loss_of(model)).applied
+        clamp()
+    guardian.finish()
+    warnings = [r.message for r in caplog.records if "without calling guardian.settle()" in r.message]
+    assert len(warnings) == 1, warnings
+    assert "the checkpoint of step 2 may be lost" in warnings[0]
+    store = CheckpointStore(tmp_path)
+    kept = [step for step in store.steps() if store.verify(step).valid]
+    assert kept == [4, 6]  # step 2's copy ran after the clamp: not written; later copies synchronous
+    for step in kept:
+        assert_same(store.load(step)["model"], at_step[step])

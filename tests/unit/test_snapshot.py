@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.copies import copies_held
 from trainer_sidecar.snapshot import Snapshot
+from trainer_sidecar.tensorstate import HostBuffers
 
 
 def make_training(lr: float | torch.Tensor = 1e-2) -> tuple[nn.Module, torch.optim.AdamW]:
@@ -187,3 +189,56 @@ def test_restore_without_a_snapshot_raises() -> None:
     model, optimizer = make_training()
     with pytest.raises(RuntimeError, match="no snapshot"):
         Snapshot().restore(model, optimizer)
+
+
+def test_a_change_in_place_before_settle_is_found_and_the_snapshot_copies_the_state_again() -> None:
+    model, optimizer = make_training()
+    train(model, optimizer, 2, seed=1)
+    snapshot = Snapshot()
+    with copies_held() as release:
+        snapshot.capture(2, model, optimizer, {}, {}, background=True)
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)  # the loop's change, before the copy has run
+        release.set()
+        snapshot._buffers.wait()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # and another after it: the buffers hold neither whole state
+    now = live_state(model, optimizer)
+    assert snapshot.settle() is True
+    assert snapshot.settle() is False  # found once
+    train(model, optimizer, 2, seed=2)
+    snapshot.restore(model, optimizer)
+    assert_same_state(live_state(model, optimizer), now)
+
+
+def test_a_copy_settled_before_the_state_changes_is_whole() -> None:
+    model, optimizer = make_training()
+    train(model, optimizer, 2, seed=1)
+    before = live_state(model, optimizer)
+    snapshot = Snapshot()
+    with copies_held() as release:
+        snapshot.capture(2, model, optimizer, {}, {}, background=True)
+        pending = snapshot._buffers.pending
+        release.set()
+        assert snapshot.settle() is False
+    train(model, optimizer, 1, seed=2)  # the optimizer step, after the settle
+    assert pending.landed_whole()
+    snapshot.restore(model, optimizer)
+    assert_same_state(live_state(model, optimizer), before)
+
+
+def test_a_copy_is_whole_only_if_nothing_changed_before_it_landed_or_was_settled() -> None:
+    source = torch.arange(8.0)
+    buffers = HostBuffers()
+    with copies_held() as release:
+        pending = buffers.capture([source], stable={source.data_ptr()})
+        source.mul_(2)
+        release.set()
+        assert not pending.landed_whole()
+    assert pending.settle() is True
+    assert not pending.landed_whole()  # the verdict stands once taken
+
+    pending = buffers.capture([source], stable={source.data_ptr()})
+    pending.wait()
+    assert pending.landed_whole()  # landed, and nothing moved before
+    assert torch.equal(buffers.tensors[0], source)

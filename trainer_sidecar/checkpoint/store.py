@@ -215,10 +215,11 @@ class CheckpointStore:
             self._write, checkpoint, skeleton, self._buffers.tensors, boxes, copy, dict(meta)
         )
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """Order the background copy of the last save before any change of its stable tensors (see
-        ``tensorstate.PendingCopy.settle``)."""
-        self._buffers.pending.settle()
+        ``tensorstate.PendingCopy.settle``). Returns True when they had already changed in place: that
+        save is then not written unless its copy had landed first (``PendingCopy.landed_whole``)."""
+        return self._buffers.pending.settle()
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> CheckpointRef | None:
         """Save and wait until the checkpoint is durable; returns the clean checkpoint written (or kept).
@@ -284,7 +285,13 @@ class CheckpointStore:
         copy: PendingCopy,
         meta: dict[str, Any],
     ) -> CheckpointRef | None:
-        copy.wait()
+        if not copy.landed_whole():
+            log.warning(
+                "%s not written: parameters or optimizer state changed in place before the copy of them "
+                "was settled, so it may hold part of the change",
+                self._where(checkpoint),
+            )
+            return None
         with self._dirs:
             self._writing.add(checkpoint)
             self._dirs.wait_for(lambda: checkpoint not in self._deleting)
