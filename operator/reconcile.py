@@ -414,17 +414,7 @@ class _Step:
                 phase_reason="WaitingForPreviousAttempt",
                 phase_message=f"attempt {self.attempt} waits for the previous attempt's PyTorchJob to go",
             )
-        if self.st.pinned is not None:
-            repinned, resized = repin_world(self.st.pinned, self.asked.spec)
-            if resized:
-                self.st.pinned = repinned
-                self.job = self.asked.model_copy(update={"spec": spec_change(repinned, self.asked.spec)[0]})
-                self.event(
-                    "Normal",
-                    "WorldSizeChanged",
-                    f"attempt {self.attempt} runs with {', '.join(resized)}: it resumes the last clean "
-                    "checkpoint under the new world size",
-                )
+        self.take_world_size_change()
         try:
             manifest = render_pytorchjob(
                 self.job,
@@ -459,6 +449,23 @@ class _Step:
             # What the next step says too while no pod runs: an unchanged status is not written again.
             phase_reason="WaitingForPods",
             phase_message=self.pods_running_message(0),
+        )
+
+    def take_world_size_change(self) -> None:
+        """A new attempt is where a change of ``replicas`` or ``nprocPerNode`` takes effect: re-pin the
+        spec the attempt runs with, and say so in an Event."""
+        if self.st.pinned is None:
+            return
+        repinned, resized = repin_world(self.st.pinned, self.asked.spec)
+        if not resized:
+            return
+        self.st.pinned = repinned
+        self.job = self.asked.model_copy(update={"spec": spec_change(repinned, self.asked.spec)[0]})
+        self.event(
+            "Normal",
+            "WorldSizeChanged",
+            f"attempt {self.attempt} runs with {', '.join(resized)}: it resumes the last clean "
+            "checkpoint under the new world size",
         )
 
     def pods_running_message(self, running: int) -> str:
