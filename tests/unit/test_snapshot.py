@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from tests.support.checkpoints import assert_same_state, clone_state
 from tests.support.copies import copies_held
 from trainer_sidecar.snapshot import Snapshot
 from trainer_sidecar.tensorstate import HostBuffers
@@ -35,37 +35,6 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: 
         optimizer.step()
         losses.append(loss.item())
     return losses
-
-
-def clone_state(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, Mapping):
-        return {key: clone_state(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [clone_state(value) for value in state]
-    if isinstance(state, tuple):
-        return tuple(clone_state(value) for value in state)
-    return state
-
-
-def assert_same_state(actual: Any, expected: Any, where: str = "state") -> None:
-    """Bit-exact equality of nested states: tensors by torch.equal (and dtype), the rest by ==."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {type(actual).__name__}"
-        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
-        assert torch.equal(actual, expected), f"{where}: tensor contents differ"
-    elif isinstance(expected, Mapping):
-        assert isinstance(actual, Mapping), f"{where}: expected a mapping, got {type(actual).__name__}"
-        assert set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
-        for key in expected:
-            assert_same_state(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same_state(a, e, f"{where}[{index}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def live_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
