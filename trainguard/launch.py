@@ -174,17 +174,21 @@ def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
 GANG_ENV = "TRAINGUARD_GANG_ID"
 """Carried by every process of one attempt's gang, and inherited by their children."""
 
+RUN_ENV = "TRAINGUARD_RUN_OF"
+"""Carried by every worker process ``trainguard run`` starts for one checkpoint directory, and inherited
+by their children: what finds the processes a runner killed with SIGKILL left behind."""
 
-def gang_processes(gang_id: str) -> list[int]:
-    """The live processes (this one excepted) whose environment holds ``GANG_ENV=gang_id``.
+
+def marked_processes(name: str, value: str) -> list[int]:
+    """The live processes (this one excepted) whose environment holds ``name=value``.
 
     A launcher between the runner and the workers (torchrun) starts each worker in a session of its own,
     so signalling the launcher's process group misses them, and the runner's parent-death signal reaches
     only its own children. The environment a process was started with is inherited by everything it
     starts, whatever session it is in."""
-    if not gang_id:
+    if not value:
         return []
-    marker = f"{GANG_ENV}={gang_id}".encode()
+    marker = f"{name}={value}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -199,9 +203,9 @@ def gang_processes(gang_id: str) -> list[int]:
     return found
 
 
-def kill_gang(gang_id: str) -> list[int]:
-    """SIGKILL every process ``gang_processes`` finds; the PIDs signalled."""
-    pids = gang_processes(gang_id)
+def kill_marked(name: str, value: str) -> list[int]:
+    """SIGKILL every process ``marked_processes`` finds; the PIDs signalled."""
+    pids = marked_processes(name, value)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ checked, and the checkpoint directory locked against a second run of the job, be
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,12 +35,14 @@ from trainer_sidecar.settings import Remediation
 from trainer_sidecar.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
 from trainguard.launch import (
     GANG_ENV,
+    RUN_ENV,
     RunRefused,
     Stopped,
     StopSignals,
     check_working_dir,
     exit_detail,
-    kill_gang,
+    kill_marked,
+    marked_processes,
     omp_threads,
     printable,
     resolve_command,
@@ -225,6 +228,7 @@ class LocalRunner:
             TRAINGUARD_ATTEMPT=str(self.attempt),
         )
         env[GANG_ENV] = self.gang_id
+        env[RUN_ENV] = self.run_marker
         env[TERMINATION_MESSAGE_ENV] = str(status_file.with_name(TERMINATION_MESSAGE_FILE))
         if self.remediation is not None:
             payload = {"id": self.remediation_id, **self.remediation.model_dump(by_alias=True)}
@@ -247,7 +251,29 @@ class LocalRunner:
             self.checkpoint_root, self.checkpoint_dir, "spec.checkpoint.claimName", "--checkpoint-root"
         )
         self.lock.acquire(job=f"{self.job.metadata.namespace}/{self.job.metadata.name}")
+        self._kill_leftovers()
         self.run_folder = new_run_folder(self.run_root)
+
+    @property
+    def run_marker(self) -> str:
+        """The value of RUN_ENV in every worker this job's runs start: one per checkpoint directory."""
+        return hashlib.sha256(str(self.checkpoint_dir).encode()).hexdigest()[:16]
+
+    def _kill_leftovers(self, wait_seconds: float = 10.0) -> None:
+        """Kill the workers an earlier run of this job left (a runner killed with SIGKILL takes its own
+        children with it, but not a launcher's workers, which live in sessions of their own), and give
+        them a moment to go (a GPU's memory is freed only then). Holding the lock, this run is the only
+        one of the job: whatever carries its marker is left over."""
+        leftovers = kill_marked(RUN_ENV, self.run_marker)
+        if not leftovers:
+            return
+        log.warning("killed %d process(es) an earlier run of this job left: %s", len(leftovers), leftovers)
+        deadline = time.monotonic() + wait_seconds
+        while set(marked_processes(RUN_ENV, self.run_marker)) & set(leftovers):
+            if time.monotonic() > deadline:
+                log.warning("processes an earlier run left are still exiting; going on")
+                return
+            time.sleep(0.1)
 
     def _spawn(self, argv: list[str], *, worker: bool, **options: Any) -> subprocess.Popen[Any]:
         """Start a child and register it for cleanup before a stop signal can interrupt."""
@@ -339,7 +365,7 @@ class LocalRunner:
                 signal_group(worker, signal.SIGKILL)
                 worker.wait()
             signal_group(worker, signal.SIGKILL)  # stray children (data loader workers)
-        strays = kill_gang(self.gang_id)  # a launcher's workers, in sessions of their own
+        strays = kill_marked(GANG_ENV, self.gang_id)  # a launcher's workers, in sessions of their own
         if strays:
             log.warning(
                 "attempt %d: killed %d process(es) left by the gang: %s", self.attempt, len(strays), strays

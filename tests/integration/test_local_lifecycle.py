@@ -219,6 +219,25 @@ def test_a_second_run_of_a_job_is_refused_while_any_process_of_the_first_lives(t
     assert code == 0, output
 
 
+def test_a_later_run_kills_the_workers_a_killed_runner_left_in_sessions_of_their_own(tmp_path: Path) -> None:
+    job_file = lifecycle_job(tmp_path, extra=("--fork-detached",))
+    first = start_runner(tmp_path, job_file)
+    wait_for(lambda: len(records(tmp_path)) == 2 and len(records(tmp_path, "detached")) == 2, what="the gang")
+    first.kill()
+    first.wait(timeout=30)
+    detached = [d["pid"] for d in records(tmp_path, "detached")]
+    wait_for(lambda: not any(procs.is_running(w["pid"]) for w in records(tmp_path)), what="the workers")
+    # Like torchrun's workers: out of the runner's reach, and holding no lock, so nothing stops a new run.
+    time.sleep(1)
+    assert all(procs.is_running(pid) for pid in detached)
+
+    second = start_runner(tmp_path, lifecycle_job(tmp_path, steps=3))
+    wait_for(lambda: not any(procs.is_running(pid) for pid in detached), 30, "the leftovers to be killed")
+    output, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, output
+    assert "killed 2 process(es) an earlier run of this job left" in output
+
+
 def test_each_run_writes_a_folder_of_its_own(tmp_path: Path) -> None:
     job_file = lifecycle_job(tmp_path, steps=5)
     assert run_to_end(tmp_path, job_file)[0] == 0

@@ -36,7 +36,7 @@ from tests.support.paths import REPO_ROOT
 from trainer_sidecar import sidecar
 from trainer_sidecar.settings import GuardianSettings, Remediation
 from trainer_sidecar.status import LOCAL_RANKS_ENV, STATUS_FILE_ENV
-from trainguard.launch import GANG_ENV
+from trainguard.launch import GANG_ENV, RUN_ENV
 from trainguard.local import LocalRunner
 from trainguard.spec import load_job
 
@@ -246,8 +246,8 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
     local = {
         k: v
         for k, v in runner.worker_env(0, 29500, tmp_path / "s.json").items()
-        # GANG_ENV is the runner's own way to find a gang's processes; a kubelet has the pod's cgroup.
-        if k.startswith("TRAINGUARD_") and k != GANG_ENV
+        # The runner's own ways to find a gang's processes and a killed run's; a kubelet has cgroups.
+        if k.startswith("TRAINGUARD_") and k not in (GANG_ENV, RUN_ENV)
     }
     manifest = render_pytorchjob(job, OWNER, 2, RemediationOrder.introduced_by(2, Remediation()), SETTINGS)
     worker = named(

@@ -6,6 +6,9 @@ steps (so its sidecar sees progress) and exits 0. Options make it misbehave on p
 
 - ``--fork-holder``: fork a child first that keeps every inherited descriptor (the checkpoint lock)
   until ``<pid-dir>/release`` exists (at most 120 s), recorded as ``holder-<rank>-<pid>.json``;
+- ``--fork-detached``: fork a child first that leaves for a session of its own and closes every inherited
+  descriptor but the standard ones, as torchrun's workers do, then waits like a holder; recorded as
+  ``detached-<rank>-<pid>.json``;
 - ``--fail MESSAGE``: write a final status whose message is MESSAGE to the termination-message file,
   print a misleading last log line, and exit 2 (a configuration error).
 """
@@ -41,6 +44,17 @@ def hold(pid_dir: Path, rank: int) -> None:
     os._exit(0)
 
 
+def detach(pid_dir: Path, rank: int) -> None:
+    """In a forked child: a session of its own, no inherited descriptor (no lock), then wait."""
+    os.setsid()
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    record(pid_dir, "detached", rank)
+    deadline = time.monotonic() + 120
+    while not (pid_dir / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os._exit(0)
+
+
 def main() -> int:
     """See the module docstring."""
     parser = argparse.ArgumentParser()
@@ -48,11 +62,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--fork-holder", action="store_true")
+    parser.add_argument("--fork-detached", action="store_true")
     parser.add_argument("--fail", default="")
     args = parser.parse_args()
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.fork_holder and os.fork() == 0:
         hold(args.pid_dir, rank)
+    if args.fork_detached and os.fork() == 0:
+        detach(args.pid_dir, rank)
     record(args.pid_dir, "worker", rank)
     if args.fail:
         status = WorkerStatus(
