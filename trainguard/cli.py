@@ -161,8 +161,8 @@ def _checkpoint(args: argparse.Namespace) -> int:
             print(f"exported checkpoint {step} of {args.checkpoint_dir} to {args.dcp_dir}")
         else:
             store = CheckpointStore(args.checkpoint_dir)
-            import_dcp(args.dcp_dir, store, args.step, i_trust_this_pickle=args.i_trust_this_pickle)
-            print(f"imported {args.dcp_dir} as checkpoint {args.step} of {args.checkpoint_dir}")
+            step = import_dcp(args.dcp_dir, store, args.step, i_trust_this_pickle=args.i_trust_this_pickle)
+            print(f"imported {args.dcp_dir} as checkpoint {step} of {args.checkpoint_dir}")
     except CheckpointError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return 2
@@ -181,7 +181,9 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.Argum
     )
     imported.add_argument("dcp_dir", type=Path, help="the DCP checkpoint folder to read")
     imported.add_argument("checkpoint_dir", type=Path, help="the job's checkpoint directory to write")
-    imported.add_argument("--step", type=int, required=True, help="the step the job resumes at")
+    imported.add_argument(
+        "--step", type=int, help="the step the job resumes at (default: the checkpoint's train_state.step)"
+    )
     imported.add_argument(
         "--i-trust-this-pickle",
         action="store_true",

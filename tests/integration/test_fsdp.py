@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.support.paths import REPO_ROOT
-from tests.support.procs import FSDP_WORKER, run_gang, successful_reports
+from tests.support.ports import free_port
+from tests.support.procs import FSDP_WORKER, finish, run_gang, successful_reports, worker_env
 from tests.support.workers.fsdp_train import make_dataset
 from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.data import GuardedLoader
@@ -133,6 +134,37 @@ def test_an_hsdp_checkpoint_resumes_as_fsdp_on_half_the_ranks_in_the_same_state(
         assert report["digest"] == first[0]["digest"]
         assert report["probe_start"] == pytest.approx(first[0]["probe_end"], rel=1e-6)
         assert report["position"]["sample"] == 6 * 4 * 4
+
+
+def test_a_torchtitan_style_dcp_checkpoint_of_two_fsdp_ranks_imports_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    # Saved by every rank with DCP, as torchtitan saves (no guardian involved), then imported offline.
+    port, out = free_port(), str(tmp_path / "dcp")
+    command = [sys.executable, "-m", "tests.support.workers.titan_style", "--steps", "5", "--out", out]
+    titan = [
+        subprocess.Popen(
+            command,
+            env=worker_env(tmp_path / "unused", rank=rank, world_size=2, port=port),
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    saved = successful_reports([finish(proc, timeout=300) for proc in titan])
+    imported = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "checkpoint", "import-dcp", str(tmp_path / "dcp"),
+         str(tmp_path / "ckpt"), "--i-trust-this-pickle"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+    assert "as checkpoint 5 of" in imported.stdout  # the step from its train_state
+    for report in gang(tmp_path / "ckpt", 2, ["--steps", "5"]):
+        assert report["resumed_step"] == 5
+        assert report["digest"] == saved[0]["digest"]  # every shard and its optimizer state, exactly
+        assert report["probe_start"] == pytest.approx(saved[0]["probe_end"], rel=1e-6)
 
 
 def test_the_fsdp_example_job_runs_under_trainguard_run_through_a_nan_burst_and_a_crash(

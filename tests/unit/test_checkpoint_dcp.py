@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainer_sidecar import Guardian
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
@@ -133,3 +140,84 @@ def test_the_cli_names_a_missing_source_and_creates_nothing(
     assert cli.main(args) == 2
     assert f"{missing}: no such directory" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def titan_style_save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, where: Path, *, model_at_top: bool, step: int = 5
+) -> None:
+    """What a torchtitan-style loop saves: the optimizer flattened by torch's own state-dict API, the model
+    at the top level (or under "model"), and beside them states trainguard does not import."""
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state = get_model_state_dict(model)
+    losses = io.BytesIO()
+    torch.save([2.5, 2.25], losses)
+    states: dict[str, Any] = {
+        **(model_state if model_at_top else {"model": model_state}),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=flat),
+        "train_state": {"step": torch.tensor(step, dtype=torch.int32), "global_avg_losses": losses},
+        "lr_scheduler": {"last_epoch": step},
+    }
+    dcp_save(states, checkpoint_id=str(where), no_dist=True)
+
+
+@pytest.mark.parametrize("model_at_top", [True, False], ids=["model-at-top", "model-nested"])
+def test_a_torchtitan_style_checkpoint_imports_with_its_step_and_resumes_exactly(
+    tmp_path: Path, model_at_top: bool
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+            {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    for _ in range(3):
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    titan_style_save(model, optimizer, tmp_path / "dcp", model_at_top=model_at_top)
+
+    assert (
+        import_dcp(tmp_path / "dcp", CheckpointStore(tmp_path / "imported"), None, i_trust_this_pickle=True)
+        == 5
+    )
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    other_optimizer = torch.optim.AdamW(
+        [
+            {"params": [other[0].weight, other[2].weight], "weight_decay": 0.1},
+            {"params": [other[0].bias, other[2].bias], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    guardian = Guardian(other, other_optimizer, checkpoint_dir=tmp_path / "imported")
+    try:
+        assert guardian.resumed_step == 5
+        for (key, value), mine in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+            assert torch.equal(value, mine), key
+        for param, mine in zip(optimizer_params(optimizer), optimizer_params(other_optimizer), strict=True):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(optimizer.state[param][key], other_optimizer.state[mine][key]), key
+        assert [g["weight_decay"] for g in other_optimizer.param_groups] == [0.1, 0.0]
+    finally:
+        guardian.close()
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def test_a_weights_only_export_or_one_without_a_step_is_refused_naming_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    model, optimizer = trained(0)
+    dcp_save(get_model_state_dict(model), checkpoint_id=str(tmp_path / "weights"), no_dist=True)
+    target = CheckpointStore(tmp_path / "imported")
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        import_dcp(tmp_path / "weights", target, 3, i_trust_this_pickle=True)
+    export_dcp(saved_checkpoint(tmp_path / "ckpt", model, optimizer), 7, tmp_path / "dcp")
+    with pytest.raises(CheckpointError, match=r"no train_state\.step"):
+        import_dcp(tmp_path / "dcp", target, None, i_trust_this_pickle=True)
+    assert target.newest_valid() is None

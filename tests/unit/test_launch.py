@@ -205,12 +205,12 @@ def test_a_gang_is_killed_down_to_the_workers_a_launcher_started_in_sessions_of_
     launch.signal_group(child, signal.SIGKILL)
     child.wait()
     assert os.path.exists(f"/proc/{grandchild}"), "the worker died with its launcher's group after all"
-    assert launch.gang_processes("test-gang-2") == []  # another gang's marker finds nothing
-    assert launch.gang_processes("") == []
-    assert launch.kill_gang("test-gang-1") == [grandchild]
+    assert launch.marked_processes(launch.GANG_ENV, "test-gang-2") == []  # another gang's marker: none
+    assert launch.marked_processes(launch.GANG_ENV, "") == []
+    assert launch.kill_marked(launch.GANG_ENV, "test-gang-1") == [grandchild]
     deadline = time.monotonic() + 10
     while _alive(grandchild):
-        assert time.monotonic() < deadline, "the launcher's worker outlived kill_gang"
+        assert time.monotonic() < deadline, "the launcher's worker outlived kill_marked"
         time.sleep(0.05)
 
 

@@ -163,15 +163,16 @@ def test_restore_without_a_snapshot_raises() -> None:
 def test_a_change_in_place_before_settle_is_found_and_the_snapshot_copies_the_state_again() -> None:
     model, optimizer = make_training()
     train(model, optimizer, 2, seed=1)
+    first = next(model.parameters())
     snapshot = Snapshot()
     with copies_held() as release:
         snapshot.capture(2, model, optimizer, {}, {}, background=True)
         with torch.no_grad():
-            model[0].weight.mul_(0.5)  # the loop's change, before the copy has run
+            first.mul_(0.5)  # the loop's change, before the copy has run
         release.set()
         snapshot._buffers.wait()
     with torch.no_grad():
-        model[0].weight.add_(1.0)  # and another after it: the buffers hold neither whole state
+        first.add_(1.0)  # and another after it: the buffers hold neither whole state
     now = live_state(model, optimizer)
     assert snapshot.settle() is True
     assert snapshot.settle() is False  # found once
