@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ def main() -> int:
     parser.add_argument("--busy-at", type=int, default=-1, help="after this step, rank --busy-rank is busy")
     parser.add_argument("--busy-rank", type=int, default=0)
     parser.add_argument("--busy-seconds", type=float, default=0.0, help="how long it is busy (sleeping)")
+    parser.add_argument("--busy-until", type=Path, help="busy until this file exists")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -78,7 +80,10 @@ def main() -> int:
             time.sleep(args.step_sleep)
         if guardian.step_count == args.busy_at and guardian.rank == args.busy_rank:
             with guardian.busy("eval", seconds=args.busy_seconds + 60):
-                time.sleep(args.busy_seconds)  # an evaluation only this rank runs; the others wait
+                # An evaluation only this rank runs; the others wait.
+                ends = time.monotonic() + args.busy_seconds
+                while time.monotonic() < ends and not (args.busy_until and args.busy_until.exists()):
+                    time.sleep(0.05)
     report = {
         "rank": guardian.rank,
         "step": guardian.step_count,
