@@ -141,7 +141,7 @@ torch_versions=$(torch_closure 2>/dev/null || echo unknown)
 pytorch_key=$( (echo "base $base_key torch $torch_versions"; cat "$root/images/pytorch.Dockerfile") | hash)
 worker_key=$( (echo "pytorch $pytorch_key wheel $wheel_key"; cd "$root" &&
   cat images/worker.Dockerfile images/worker-requirements.txt requirements.lock) | hash)
-tiny_lm_key=$( (echo "worker $worker_key examples $(hash_files examples/tiny_lm)"
+tiny_lm_key=$( (echo "worker $worker_key examples $(hash_files examples/tiny_lm examples/04_fsdp)"
   cat "$root/images/tiny-lm.Dockerfile") | hash)
 coredns_key=$( (echo "coredns $coredns_sum"
   cat "$root/images/coredns.Dockerfile") | hash)
@@ -343,7 +343,7 @@ context() {
   mkdir -p "$dir/images" "$dir/dist" "$dir/examples"
   cp "$root/requirements.lock" "$dir/"
   cp "$root"/images/*.txt "$dir/images/"
-  cp -r "$root/examples/tiny_lm" "$dir/examples/"
+  cp -r "$root/examples/tiny_lm" "$root/examples/04_fsdp" "$dir/examples/"
   find "$dir" -name __pycache__ -prune -exec rm -rf {} +
   cp "$wheel_dir"/trainguard-*.whl "$dir/dist/"
   echo "$dir"

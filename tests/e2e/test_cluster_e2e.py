@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.support.cluster import NODE_NAME, Cluster, Operator
 from tests.support.jobs import (
@@ -34,10 +35,12 @@ from tests.support.jobs import (
     JobNamespace,
     condition,
     example,
+    fsdp_example,
     operator_refusals,
     scrape,
     timestamp,
 )
+from trainer_sidecar.checkpoint import CheckpointStore
 
 # Rank 1 of attempt 1 leaks memory once it has trained past step 30: the kernel kills the worker at its
 # memory limit. A user's script with a leak, in a wrapper that the job's command runs; the training
@@ -311,6 +314,37 @@ def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_gang_restarts(
     assert history[2]["resumedStep"] >= LEAK_AFTER_STEP - 10, history
     assert history[2]["lastStep"] == 60
     report_recovery("OOM kill", namespace, status)
+
+
+@pytest.mark.timeout(600)
+def test_the_fsdp_example_trains_sharded_across_two_pods_and_resumes_its_shards_after_a_crash(
+    e2e_cluster: Cluster, namespace: JobNamespace
+) -> None:
+    cluster = e2e_cluster
+    namespace.apply(fsdp_example())  # a NaN burst at step 12 on rank 0, a crash of rank 1 at step 33
+    job = namespace.finished(timeout=450)
+    diagnostics = cluster.diagnostics(namespace.name)
+    assert condition(job, "Succeeded"), diagnostics
+    status = job["status"]
+    assert status["rollbacks"] == 1, diagnostics
+    assert status["restarts"] == 1, diagnostics
+    assert status["lastFailure"]["rank"] == 1, status["lastFailure"]
+    history = {h["attempt"]: h for h in status["stepHistory"]}
+    assert history[2]["resumedStep"] == 30, history  # the last sharded checkpoint before the crash
+    assert history[2]["lastStep"] == 60
+    # Each pod wrote its own shards to the shared volume; read together they are the whole model.
+    store = CheckpointStore(namespace.volume)
+    newest = store.newest_valid_id()
+    assert newest is not None
+    assert newest.step == 60
+    assert {p.name for p in (namespace.volume / newest.dir_name).glob("rank-*.json")} == {
+        "rank-0.json",
+        "rank-1.json",
+    }
+    state = store.load(60)
+    assert state["model"]["head.weight"].shape == (64, 64)
+    assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+    report_recovery("crash of one FSDP rank", namespace, status)
 
 
 @pytest.mark.timeout(600)

@@ -23,6 +23,7 @@ from tests.support.cluster import Cluster, ClusterError, wait_for
 from tests.support.paths import REPO_ROOT
 
 EXAMPLE = REPO_ROOT / "examples" / "k8s" / "job.yaml"
+FSDP_EXAMPLE = REPO_ROOT / "examples" / "04_fsdp" / "job.yaml"
 JOB = "tiny-lm"
 CLAIM = "tiny-lm-ckpt"
 #: A hang is a few seconds without a step here (the example's 120 s would make slow tests).
@@ -73,6 +74,21 @@ def example(
     }
     job["spec"]["recovery"] = recovery or TWO_RESTARTS
     job["spec"]["guard"] = {**QUIET_START, **(guard or {})}
+    return [claim, job]
+
+
+def fsdp_example() -> list[dict[str, Any]]:
+    """The FSDP example as a cluster user runs it: examples/04_fsdp/job.yaml's command, faults, checkpoint
+    cadence, health and recovery, in the job and claim of ``example()`` (the test node's resources, the
+    restricted profile's security context, the shared volume's claim)."""
+    claim, job = example()
+    fsdp = yaml.safe_load(FSDP_EXAMPLE.read_text())["spec"]
+    theirs = fsdp["template"]["spec"]["containers"][0]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = theirs["command"]
+    container["env"] = [*container["env"], *theirs["env"]]
+    job["spec"]["checkpoint"].update({k: v for k, v in fsdp["checkpoint"].items() if k != "claimName"})
+    job["spec"].update(replicas=fsdp["replicas"], health=fsdp["health"], recovery=fsdp["recovery"])
     return [claim, job]
 
 
