@@ -160,19 +160,22 @@ def titan_style_save(
     dcp_save(states, checkpoint_id=str(where), no_dist=True)
 
 
+def with_two_groups(seed: int) -> tuple[nn.Sequential, torch.optim.AdamW]:
+    """A small model whose optimizer has two groups (weights decayed, biases not), in another order
+    than the model's parameters."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    weights = [model[0].weight, model[2].weight]
+    biases = [model[0].bias, model[2].bias]
+    groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+    return model, torch.optim.AdamW(groups, lr=1e-2)
+
+
 @pytest.mark.parametrize("model_at_top", [True, False], ids=["model-at-top", "model-nested"])
 def test_a_torchtitan_style_checkpoint_imports_with_its_step_and_resumes_exactly(
     tmp_path: Path, model_at_top: bool
 ) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
-            {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0},
-        ],
-        lr=1e-2,
-    )
+    model, optimizer = with_two_groups(seed=0)
     for _ in range(3):
         model(torch.randn(3, 4)).square().mean().backward()
         optimizer.step()
@@ -183,15 +186,7 @@ def test_a_torchtitan_style_checkpoint_imports_with_its_step_and_resumes_exactly
         import_dcp(tmp_path / "dcp", CheckpointStore(tmp_path / "imported"), None, i_trust_this_pickle=True)
         == 5
     )
-    torch.manual_seed(1)
-    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    other_optimizer = torch.optim.AdamW(
-        [
-            {"params": [other[0].weight, other[2].weight], "weight_decay": 0.1},
-            {"params": [other[0].bias, other[2].bias], "weight_decay": 0.0},
-        ],
-        lr=1e-2,
-    )
+    other, other_optimizer = with_two_groups(seed=1)
     guardian = Guardian(other, other_optimizer, checkpoint_dir=tmp_path / "imported")
     try:
         assert guardian.resumed_step == 5
