@@ -225,6 +225,10 @@ async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan) -> None:
     if plan.write_status_first:
         await write_status()
     for old in plan.delete:
+        if plan.stop_pods_within_seconds is not None:
+            grace = plan.stop_pods_within_seconds
+            if stopped := await rt.api.stop_pods(namespace, old, grace):
+                log.info("%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, grace)
         if await rt.api.delete_pytorchjob(namespace, old):
             log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
     if plan.create is not None:

@@ -19,6 +19,7 @@ import kubernetes
 from trainguard_operator.render import (
     JOB_LABEL,
     PYTORCHJOB_GROUP,
+    PYTORCHJOB_NAME_LABEL,
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
 )
@@ -171,6 +172,35 @@ class KubeApi:
                 return False
             raise
         return True
+
+    async def stop_pods(self, namespace: str, pytorchjob: str, grace_seconds: int) -> int:
+        """Delete the pods of a PyTorchJob with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than
+        their own (a pod already stopping with a shorter grace keeps it); the number of pods asked to
+        stop. A pod gone meanwhile is skipped."""
+        response = await asyncio.to_thread(
+            self._core.list_namespaced_pod,
+            namespace,
+            label_selector=f"{PYTORCHJOB_NAME_LABEL}={pytorchjob}",
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+        stopped = 0
+        for pod in json.loads(response.data).get("items") or []:
+            try:
+                await asyncio.to_thread(
+                    self._core.delete_namespaced_pod,
+                    pod["metadata"]["name"],
+                    namespace,
+                    grace_period_seconds=grace_seconds,
+                    _preload_content=False,  # the pod as it now is: not needed, not parsed
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+            else:
+                stopped += 1
+        return stopped
 
     async def delete_pytorchjob(self, namespace: str, name: str) -> bool:
         """Delete a PyTorchJob and, in the foreground, its pods; False when it was already gone.

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, record_progress
 from trainguard_operator.pods import as_int, labels, meta, read_gang
 from trainguard_operator.render import (
+    HUNG_WORKER_GRACE_SECONDS,
     JOB_LABEL,
     Owner,
     RemediationOrder,
@@ -126,6 +127,11 @@ class Plan:
     requeue_seconds: float
     create: dict[str, Any] | None = None
     delete: tuple[str, ...] = ()
+    #: When set, the pods of the PyTorchJobs in ``delete`` are deleted first, with this grace. A broken
+    #: gang (a hung rank, ranks waiting on a dead or hung peer) cannot reach a step boundary to
+    #: checkpoint, so the pods' own long grace, meant for evictions in which every rank can, would only
+    #: hold the restart up.
+    stop_pods_within_seconds: int | None = None
     events: tuple[EventNote, ...] = ()
     write_status_first: bool = False
     done: bool = False
@@ -354,6 +360,7 @@ class _Step:
             PlanAction.NOTHING,
             self.settings.crd_retry_seconds,
             delete=delete,
+            stop_pods_within_seconds=HUNG_WORKER_GRACE_SECONDS if delete else None,
             done=True,
             phase_reason=failed.reason if failed else phase.value,
             phase_message=message,
@@ -631,6 +638,7 @@ class _Step:
             PlanAction.RESTART,
             min(self.period, decision.delay_seconds),
             delete=(*self.stale_delete, self.job_name),
+            stop_pods_within_seconds=HUNG_WORKER_GRACE_SECONDS,
             write_status_first=True,
             decision=decision,
             recovered_seconds=recovered,
@@ -649,6 +657,7 @@ class _Step:
             PlanAction.FAIL,
             self.period,
             delete=(*self.stale_delete, self.job_name),
+            stop_pods_within_seconds=HUNG_WORKER_GRACE_SECONDS,
             write_status_first=True,
             done=True,
             decision=decision,

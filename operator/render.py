@@ -129,8 +129,11 @@ def pytorchjob_name(job_name: str, attempt: int) -> str:
     return f"{head}-{digest}{suffix}" if head else f"tg-{digest}{suffix}"
 
 
-#: Seconds a worker killed by its failed liveness probe (a hang) gets between SIGTERM and SIGKILL.
+#: Seconds a worker killed by its failed liveness probe (a hang) gets between SIGTERM and SIGKILL, and
+#: the pods of a broken gang the operator stops (see ``reconcile.Plan.stop_pods_within_seconds``).
 HUNG_WORKER_GRACE_SECONDS = 5
+#: Label the Kubeflow training operator puts on a PyTorchJob's pods: the PyTorchJob's name.
+PYTORCHJOB_NAME_LABEL = "training.kubeflow.org/job-name"
 
 #: Kubernetes' default terminationMessagePath.
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"

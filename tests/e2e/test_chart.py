@@ -86,7 +86,12 @@ RBAC_CONTRACT: tuple[Need, ...] = (
         "get list watch create delete patch",
         "one PyTorchJob per attempt, deleted on a gang restart",
     ),
-    _need("", "pods", "get list watch", "the workers' phases, exit codes and sidecar IPs"),
+    _need(
+        "",
+        "pods",
+        "get list watch delete",
+        "the workers' phases, exit codes and sidecar IPs; a broken gang's pods stopped with a short grace",
+    ),
     _need("", "events", "create patch", "kopf's and the operator's events (core API)"),
     _need("events.k8s.io", "events", "create patch", "the same events (events.k8s.io)"),
     _need(

@@ -36,6 +36,7 @@ from tests.support.operator_harness import (
     event_reasons,
     events,
     eventually,
+    graceful_pod_deletions,
     gtj,
     install_crd,
     operator,
@@ -283,6 +284,11 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
             await eventually(lambda: status(cluster).get("restarts") == 1, what="the restart decision")
             decided = time.monotonic()
             assert sidecars.healthz(1) == 503
+            # A hung gang cannot checkpoint on SIGTERM: its pods are stopped within 5 s, not their grace.
+            await eventually(
+                lambda: sorted(graceful_pod_deletions(cluster)) == [(pods[0], "5"), (pods[1], "5")],
+                what="the hung gang's pods stopped with a short grace",
+            )
             # The kubelet's liveness probe fails too, and it kills the container (restartPolicy Never:
             # exit 137, the pod fails). The failure is already being handled: no second restart.
             await terminate(cluster, pods[1], 137)

@@ -301,6 +301,18 @@ def gtj(name: str = "tiny-lm", **spec: Any) -> dict[str, Any]:
     return manifest
 
 
+KUBELET = "trainguard.test/kubelet"
+
+
+def graceful_pod_deletions(emulator: kmock.KubernetesEmulator) -> list[tuple[str, str | None]]:
+    """(pod name, gracePeriodSeconds) of every DELETE of a pod the emulator served."""
+    return [
+        (str(request.name), request.params.get("gracePeriodSeconds"))
+        for request in emulator
+        if request.action == kmock.action.DELETE and request.name and "/pods/" in request.url.path
+    ]
+
+
 async def start_pods(emulator: kmock.KubernetesEmulator, job: dict[str, Any], ips: list[str]) -> list[str]:
     """Create the pods of a PyTorchJob as the training operator would, Running at the given IPs."""
     names = []
@@ -318,7 +330,9 @@ async def start_pods(emulator: kmock.KubernetesEmulator, job: dict[str, Any], ip
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": pod_name, "namespace": NS, "labels": labels},
+            # A pod on a node goes only once its kubelet stopped it: the finalizer stands for that, so a
+            # deletion marks it (deletionTimestamp) and the pod stays, as on a real cluster.
+            "metadata": {"name": pod_name, "namespace": NS, "labels": labels, "finalizers": [KUBELET]},
             "spec": copy.deepcopy(template["spec"]),
             "status": {
                 "phase": "Running",

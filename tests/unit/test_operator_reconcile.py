@@ -257,6 +257,7 @@ def test_worker_killed_137_restarts_the_gang_after_the_first_backoff_without_rem
     assert plan.action is PlanAction.RESTART
     assert plan.write_status_first
     assert plan.delete == ("tiny-lm-1",)
+    assert plan.stop_pods_within_seconds == 5  # the broken gang cannot use its long grace
     assert plan.decision is not None
     assert plan.decision.delay_seconds == 10
     status = cluster.status
@@ -607,6 +608,7 @@ def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
     assert plan.done
     assert plan.write_status_first
     assert plan.delete == ("tiny-lm-2",)
+    assert plan.stop_pods_within_seconds == 5
     status = cluster.status
     assert status.phase == "Failed"
     assert status.restarts == 1

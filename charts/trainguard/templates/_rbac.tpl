@@ -26,10 +26,11 @@ rendered Roles and ClusterRoles grant less or more, in both scopes.
 - apiGroups: ["kubeflow.org"]
   resources: ["pytorchjobs"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
-# The workers' pods: phase, container exit codes, and the IPs of the sidecars the operator polls.
+# The workers' pods: phase, container exit codes, and the IPs of the sidecars the operator polls; and
+# the pods of a broken gang, stopped with a short grace before a restart.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "delete"]
 # Events on GuardedTrainingJobs (restarts, give-ups, refused spec changes), posted by kopf through the
 # core API...
 - apiGroups: [""]
