@@ -94,10 +94,17 @@ def test_a_round_trip_through_dcp_restores_the_model_and_optimizer_exactly(tmp_p
     assert other_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
 
-def test_a_folder_that_is_not_a_dcp_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("metadata", [None, b"", b"\x19garbage" * 40, b"\x80\x04K\x01."])
+def test_a_folder_that_is_not_a_dcp_checkpoint_is_refused_naming_it(
+    tmp_path: Path, metadata: bytes | None
+) -> None:
     (tmp_path / "dcp").mkdir()
+    if metadata is not None:  # none, empty, garbage, or a pickle of something else (the number 1)
+        (tmp_path / "dcp" / ".metadata").write_bytes(metadata)
+    imported = CheckpointStore(tmp_path / "imported")
     with pytest.raises(CheckpointError, match="not a DCP checkpoint"):
-        import_dcp(tmp_path / "dcp", CheckpointStore(tmp_path / "imported"), 1, i_trust_this_pickle=True)
+        import_dcp(tmp_path / "dcp", imported, 1, i_trust_this_pickle=True)
+    assert imported.newest_valid() is None
 
 
 def test_the_cli_exports_and_imports_only_with_the_pickle_flag(

@@ -194,8 +194,10 @@ def import_dcp(
         state = from_dcp_form({"model": model, "optimizer": optimizer})
     except CheckpointError:
         raise
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{source}: not a DCP checkpoint of a model and its optimizer: {exc}") from exc
+    except Exception as exc:  # unpickling a damaged or foreign file can raise any exception at all
+        raise CheckpointError(
+            f"{source}: not a DCP checkpoint of a model and its optimizer: {exc!r}"
+        ) from exc
     if step is None:
         saved_step = loaded.get("train_state", {}).get("step")
         if saved_step is None:
