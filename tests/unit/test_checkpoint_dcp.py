@@ -223,3 +223,20 @@ def test_a_weights_only_export_or_one_without_a_step_is_refused_naming_what_is_m
     with pytest.raises(CheckpointError, match=r"no train_state\.step"):
         import_dcp(tmp_path / "dcp", target, None, i_trust_this_pickle=True)
     assert target.newest_valid() is None
+
+
+@pytest.mark.parametrize("destination", ["a-file", "a-full-folder", "a-link"])
+def test_an_export_refuses_a_destination_that_is_not_a_new_or_empty_folder(
+    tmp_path: Path, destination: str
+) -> None:
+    model, optimizer = trained(0)
+    store = saved_checkpoint(tmp_path / "ckpt", model, optimizer)
+    (tmp_path / "a-file").write_text("precious")
+    (tmp_path / "a-full-folder").mkdir()
+    (tmp_path / "a-full-folder" / "precious").write_text("precious")
+    (tmp_path / "a-link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="exists and is not an empty folder"):
+        export_dcp(store, None, tmp_path / destination)
+    assert (tmp_path / "a-file").read_text() == "precious"
+    assert [p.name for p in (tmp_path / "a-full-folder").iterdir()] == ["precious"]
+    assert not (tmp_path / "elsewhere").exists()

@@ -73,16 +73,26 @@ def from_dcp_form(loaded: dict[str, Any]) -> dict[str, Any]:
 def export_dcp(store: CheckpointStore, step: int | None, destination: Path) -> int:
     """Write checkpoint ``step`` of ``store`` (its newest valid one when None) to ``destination`` as a DCP
     checkpoint (see the module's docstring); returns the step written. Raises CheckpointError when there
-    is no such checkpoint or it does not name its optimizer's parameters."""
+    is no such checkpoint or it does not name its optimizer's parameters, and when ``destination`` is
+    anything but a new or empty folder (nothing there is overwritten)."""
     chosen = store.newest_valid() if step is None else step
     if chosen is None:
         raise CheckpointError(f"{store.root}: no valid checkpoint to export")
     verdict = store.verify(chosen)
     if not verdict.valid:
         raise CheckpointError(f"{store.root}: checkpoint {chosen} is not valid: {verdict.reason}")
+    if destination.is_symlink() or (destination.exists() and not _empty_dir(destination)):
+        raise CheckpointError(f"{destination}: exists and is not an empty folder: export to a new one")
     state = store.load(chosen)
-    dcp_save(to_dcp_form(state), checkpoint_id=str(destination), no_dist=True)
+    try:
+        dcp_save(to_dcp_form(state), checkpoint_id=str(destination), no_dist=True)
+    except OSError as exc:
+        raise CheckpointError(f"{destination}: not written: {exc}") from exc
     return chosen
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 #: States a torchtitan-style checkpoint keeps beside the model and optimizer (not imported, bar the step).
