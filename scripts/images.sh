@@ -419,10 +419,16 @@ with open(sys.argv[1] + ".tmp", "w") as f:
     json.dump(images, f, indent=2)
 PY
 mv "$manifest.tmp" "$manifest"
-# Archives and manifests of other keys not used for two days go (a clone on another commit keeps its own).
-keep=$(for n in $IMPORTED; do archive "$n"; done; echo "$manifest")
-find "$out" -maxdepth 1 \( -name '*.oci.tar' -o -name 'manifest-*.json' \) -mtime +2 -print |
-  { grep -vxF "$keep" || true; } | xargs -r rm -f # grep finds nothing to drop: not a failure
+# Of each image, this build's archive and the newest other one stay (a clone on another commit may
+# alternate with this one); older ones go whatever their age: a tiny-lm archive is 2.8 GB, and a machine
+# that builds many commits a day filled its disk with them. Manifests (a few hundred bytes) of other
+# keys go after two days. (grep finding nothing to drop is not a failure.)
+for n in $IMPORTED; do
+  find "$out" -maxdepth 1 -name "$n-*.oci.tar" -printf '%T@ %p\n' | sort -rn | cut -d' ' -f2- |
+    { grep -vxF "$(archive "$n")" || true; } | tail -n +2 | xargs -r rm -f
+done
+find "$out" -maxdepth 1 -name 'manifest-*.json' -mtime +2 -print |
+  { grep -vxF "$manifest" || true; } | xargs -r rm -f
 log "all images ready in $(since "$total")"
 if [ "$mode" = push ]; then
   # The images a cluster pulls. skopeo copies the archive's manifest and blobs byte for byte (no new
