@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
-from trainguard_operator.status import TERMINAL_PHASES, JobStatus
+from trainguard_operator.status import TERMINAL_PHASES, JobStatus, parse_time
 
 from trainer_sidecar.exitcodes import describe_exit
 from trainer_sidecar.status import WorkerStatus, parse_status
@@ -177,7 +177,12 @@ def pod_process(pod: Mapping[str, Any], report: SidecarReport | None) -> Process
         return ProcessState(lost=lost)
     if terminated is not None:
         code = 1 if code is None else code
-        return ProcessState(exit_code=code, exit_reason=_exit_reason(pod, code, report))
+        finished = parse_time(terminated.get("finishedAt"))
+        return ProcessState(
+            exit_code=code,
+            exit_reason=_exit_reason(pod, code, report),
+            ended_at=finished.timestamp() if finished is not None else None,
+        )
     container = _container_status(pod, WORKER_CONTAINER) or {}
     restarted = as_int(container.get("restartCount")) or 0
     if restarted > 0:

@@ -85,6 +85,8 @@ class RankProcesses:
     probe_failures: int = 0
     failed_since: float | None = None
     exit_reason: str | None = None
+    #: When the runner first saw the worker ended (``time.monotonic()``; None while it runs).
+    ended_at: float | None = None
     #: The worker's status as its sidecar last served it (None: not read yet).
     status: WorkerStatus | None = None
 
@@ -453,13 +455,17 @@ class LocalRunner:
         """What the policy sees now."""
         view = self.gang_view()
         ranks = []
+        now = time.monotonic()  # one reading: exits first seen in one observation tie
         for rank in self.ranks:
             code = rank.worker.poll()
+            if code is not None and rank.ended_at is None:
+                rank.ended_at = now
             process = ProcessState(
                 exit_code=code,
                 alive=rank.alive,
                 health_reason=rank.health_reason,
                 exit_reason=self.exit_reason(rank),
+                ended_at=rank.ended_at,
             )
             ranks.append(view.rank_observation(rank.rank, process))
         return Observation(

@@ -122,7 +122,8 @@ class ProcessState:
     ``exit_code``: None while it runs (or before it started); negative means killed by that signal.
     ``alive``: the liveness verdict (None: not known). ``health_reason``: why it is not alive.
     ``exit_reason``: how it ended in words (default: the exit code described). ``lost``: why the rank is
-    gone without an exit code of its own (deleted, evicted, node lost), or "".
+    gone without an exit code of its own (deleted, evicted, node lost), or "". ``ended_at``: when it
+    ended, in seconds on the executor's clock for all ranks (None: running, or not known).
     """
 
     exit_code: int | None = None
@@ -130,6 +131,7 @@ class ProcessState:
     health_reason: str = ""
     exit_reason: str = ""
     lost: str = ""
+    ended_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,9 @@ def rank_observation(rank: int, state: RankState | None, process: ProcessState) 
     if code == ExitCode.DIVERGED or (state is not None and state.phase is Phase.DIVERGED):
         own = state.message if state is not None and state.phase is Phase.DIVERGED else ""
         why = own or process.exit_reason or process.health_reason
-        return RankObservation(rank=rank, exit_code=code, alive=alive, reason=why, diverged=True)
+        return RankObservation(
+            rank=rank, exit_code=code, alive=alive, reason=why, diverged=True, ended_at=process.ended_at
+        )
     if process.lost:
         return RankObservation(rank=rank, alive=None, lost=True, reason=process.lost)
     if code is not None:
@@ -220,7 +224,9 @@ def rank_observation(rank: int, state: RankState | None, process: ProcessState) 
         says_why = state is not None and (state.phase is Phase.FAILED or code == ExitCode.CONFIG_ERROR)
         if says_why and state is not None and state.message and state.message not in reason:
             reason = f"{reason}: {state.message}"
-        return RankObservation(rank=rank, exit_code=code, alive=None, reason=reason)
+        return RankObservation(
+            rank=rank, exit_code=code, alive=None, reason=reason, ended_at=process.ended_at
+        )
     return RankObservation(rank=rank, alive=alive, reason=process.health_reason if alive is False else "")
 
 

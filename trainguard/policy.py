@@ -7,6 +7,11 @@ cannot rejoin a running collective.
 Idempotence: an observation names the attempt it was made in and the last attempt whose failure was
 already acted on. A failure of an attempt that was already handled yields WAIT, so an operator that
 restarts in the middle of a recovery does not restart the gang twice.
+
+Attribution: when several ranks have failed by the time the executor looks, the decision names one. A
+misconfigured, fenced or diverged rank comes before a crashed one, a crash before a lost or hung rank;
+among ranks failing alike, the one that ended first (then one killed by a signal, then the lowest rank),
+since a rank whose peer died usually exits 1 from the collective a moment later.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class RankObservation:
 
     ``exit_code`` is None while the process (container) runs; negative means killed by that signal.
     ``alive`` is the sidecar's liveness verdict (None: not known yet); ``lost`` means the pod or node
-    is gone without an exit code (deleted, evicted, node lost).
+    is gone without an exit code (deleted, evicted, node lost). ``ended_at`` is when the process ended,
+    in seconds on any clock the executor uses for all ranks alike (None: running, or not known).
     """
 
     rank: int
@@ -56,6 +62,7 @@ class RankObservation:
     reason: str = ""
     diverged: bool = False
     lost: bool = False
+    ended_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,21 @@ _PRIORITY = [
 ]
 
 
+def killed_by_signal(exit_code: int | None) -> bool:
+    """Whether an exit code says the process was killed by a signal (negative: the signal's number, as
+    Python reports it; 129 to 192: 128 + N, as a shell or a container runtime reports it)."""
+    return exit_code is not None and (exit_code < 0 or 128 < exit_code <= 192)
+
+
+def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, bool, int]:
+    # Among ranks failing alike, the one that ended first is the cause, its peers' failures the effect
+    # (a rank whose peer vanished exits 1 from the collective). Ending times may tie (a container's is
+    # in whole seconds): then a rank killed by a signal (OOM, a liveness kill) is the likelier cause
+    # than one that exited by itself; then the lowest rank.
+    ended = rank.ended_at if rank.ended_at is not None else float("inf")
+    return (_PRIORITY.index(kind), ended, not killed_by_signal(rank.exit_code), rank.rank)
+
+
 def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     """Decide what to do about a gang. See the module docstring for the guarantees."""
     restarts = observation.restarts
@@ -133,12 +155,14 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     if observation.attempt <= observation.handled_attempt:
         return Decision(Action.WAIT, "this attempt's failure is already being handled", restarts=restarts)
 
-    kind, rank = min(failures, key=lambda f: (_PRIORITY.index(f[0]), f[1].rank))
+    kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
     what = rank.reason or (
         describe_exit(rank.exit_code) if rank.exit_code is not None else kind.value.lower()
     )
     alike = sorted(r.rank for k, r in failures if k is kind)
     who = f"rank {rank.rank}" if len(alike) == 1 else f"ranks {', '.join(map(str, alike))}"
+    if len(alike) > 1 and rank.ended_at is not None:
+        who += f" (rank {rank.rank} first)"
     reason = f"{who} {kind.value.lower()}: {what}"
     failed = Decision(
         Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts

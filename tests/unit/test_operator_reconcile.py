@@ -80,6 +80,7 @@ def pod(
     phase: str = "Running",
     exit_code: int | None = None,
     container_reason: str | None = None,
+    finished_at: str | None = None,
     job: str = "tiny-lm",
     **status: Any,
 ) -> dict[str, Any]:
@@ -93,6 +94,8 @@ def pod(
                 "reason": container_reason or ("Completed" if exit_code == 0 else "Error"),
             }
         }
+        if finished_at is not None:
+            state["terminated"]["finishedAt"] = finished_at
         phase = "Succeeded" if exit_code == 0 else "Failed"
     return {
         "metadata": {
@@ -368,6 +371,37 @@ def test_oom_kill_is_named() -> None:
     cluster.step(T0 + timedelta(seconds=60))
     assert cluster.status.last_failure is not None
     assert "OOMKilled" in cluster.status.last_failure.message
+
+
+@pytest.mark.parametrize(
+    ("master_finished", "worker_finished"),
+    [("2030-01-01T00:01:05Z", "2030-01-01T00:01:04Z"), ("2030-01-01T00:01:04Z", "2030-01-01T00:01:04Z")],
+    ids=["worker-ended-first", "same-second"],
+)
+def test_a_peer_that_exited_1_after_an_oom_kill_is_not_blamed_for_it(
+    master_finished: str, worker_finished: str
+) -> None:
+    # The OOM-killed rank 1 took rank 0 down with it (exit 1 from the collective); the operator sees both
+    # ended at its next look. The container's finishedAt is in whole seconds: a tie goes to the signal.
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=1, finished_at=master_finished))
+    cluster.set_pod(pod(1, 1, exit_code=137, container_reason="OOMKilled", finished_at=worker_finished))
+    cluster.step(T0 + timedelta(seconds=60))
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.rank, failure.exit_code) == (1, 137), failure
+    assert "OOMKilled" in failure.message, failure.message
+    assert "rank 1 first" in failure.message, failure.message
+
+
+def test_a_rank_that_crashed_first_is_blamed_though_a_later_one_was_killed() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(pod(1, 0, exit_code=1, finished_at="2030-01-01T00:01:02Z"))
+    cluster.set_pod(pod(1, 1, exit_code=137, finished_at="2030-01-01T00:01:09Z"))
+    cluster.step(T0 + timedelta(seconds=60))
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.rank, failure.exit_code) == (0, 1), failure
 
 
 def test_eviction_and_disruption_are_a_lost_rank() -> None:

@@ -6,7 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_sidecar.exitcodes import ExitCode
-from trainguard.policy import Action, FailureKind, Observation, RankObservation, backoff_seconds, decide
+from trainguard.policy import (
+    Action,
+    FailureKind,
+    Observation,
+    RankObservation,
+    backoff_seconds,
+    classify,
+    decide,
+    killed_by_signal,
+)
 from trainguard.spec import RecoverySpec
 
 RECOVERY = RecoverySpec()
@@ -84,6 +93,7 @@ rank_states = st.builds(
     alive=st.one_of(st.none(), st.booleans()),
     diverged=st.booleans(),
     lost=st.booleans(),
+    ended_at=st.one_of(st.none(), st.integers(0, 3).map(float)),
 )
 
 
@@ -140,3 +150,39 @@ def test_a_diverged_restart_always_carries_remediation(ranks: list[RankObservati
 def test_several_ranks_failing_alike_are_all_named() -> None:
     decision = decide(RECOVERY, gang(running(0, alive=False), running(1, alive=False), running(2)))
     assert decision.reason.startswith("ranks 0, 1 hung")
+
+
+def test_of_ranks_that_crashed_the_one_that_ended_first_is_the_cause() -> None:
+    # Rank 1 died; rank 0's collective then failed and it exited 1 a second later.
+    decision = decide(
+        RECOVERY, gang(running(0, exit_code=1, ended_at=11.0), running(1, exit_code=1, ended_at=10.0))
+    )
+    assert decision.rank == 1
+    assert decision.reason.startswith("ranks 0, 1 (rank 1 first) crashed")
+
+
+def test_ranks_that_ended_together_blame_the_one_killed_by_a_signal() -> None:
+    decision = decide(
+        RECOVERY, gang(running(0, exit_code=1, ended_at=10.0), running(1, exit_code=137, ended_at=10.0))
+    )
+    assert (decision.rank, decision.exit_code) == (1, 137)
+    assert "signal 9" in decision.reason
+
+
+@settings(max_examples=400)
+@given(ranks=st.lists(rank_states, min_size=1, max_size=6, unique_by=lambda r: r.rank))
+def test_the_rank_blamed_ended_no_later_than_any_rank_failing_alike(ranks: list[RankObservation]) -> None:
+    decision = decide(RECOVERY, gang(*ranks))
+    if decision.action not in (Action.RESTART, Action.FAIL) or decision.failure is not FailureKind.CRASH:
+        return
+    blamed = next(r for r in ranks if r.rank == decision.rank)
+    crashed = [r for r in ranks if classify(r) is FailureKind.CRASH]
+    assert blamed in crashed
+    if blamed.ended_at is None:
+        assert all(r.ended_at is None for r in crashed)
+        return
+    ended = [r.ended_at for r in crashed if r.ended_at is not None]
+    assert blamed.ended_at == min(ended)
+    tied = [r for r in crashed if r.ended_at == blamed.ended_at]
+    if any(killed_by_signal(r.exit_code) for r in tied):
+        assert killed_by_signal(blamed.exit_code)
