@@ -144,15 +144,17 @@ class KubeApi:
 
     async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """The pods labelled with ``job`` (every attempt), as JSON dicts."""
+        return await self._pods_labelled(namespace, f"{JOB_LABEL}={job}")
+
+    async def _pods_labelled(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         response = await asyncio.to_thread(
             self._core.list_namespaced_pod,
             namespace,
-            label_selector=f"{JOB_LABEL}={job}",
+            label_selector=selector,
             _preload_content=False,
             _request_timeout=REQUEST_TIMEOUT,
         )
-        document = json.loads(response.data)
-        return list(document.get("items") or [])
+        return list(json.loads(response.data).get("items") or [])
 
     async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> bool:
         """Create a PyTorchJob; False when one of that name already exists (creation is idempotent)."""
@@ -177,15 +179,8 @@ class KubeApi:
         """Delete the pods of a PyTorchJob with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than
         their own (a pod already stopping with a shorter grace keeps it); the number of pods asked to
         stop. A pod gone meanwhile is skipped."""
-        response = await asyncio.to_thread(
-            self._core.list_namespaced_pod,
-            namespace,
-            label_selector=f"{PYTORCHJOB_NAME_LABEL}={pytorchjob}",
-            _preload_content=False,
-            _request_timeout=REQUEST_TIMEOUT,
-        )
         stopped = 0
-        for pod in json.loads(response.data).get("items") or []:
+        for pod in await self._pods_labelled(namespace, f"{PYTORCHJOB_NAME_LABEL}={pytorchjob}"):
             try:
                 await asyncio.to_thread(
                     self._core.delete_namespaced_pod,
