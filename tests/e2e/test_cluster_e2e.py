@@ -267,13 +267,9 @@ def test_a_nan_burst_rolls_back_and_a_hang_while_the_operator_is_down_is_killed_
     assert "Stopping container pytorch" in killing, killing
     cluster.wait_operator_watching()
 
-    job = namespace.finished(timeout=300)
-    diagnostics = cluster.diagnostics(namespace.name)
-    assert condition(job, "Succeeded"), diagnostics
-    status = job["status"]
+    status, diagnostics = namespace.succeeded(timeout=300, restarts=1)
     assert status["rollbacks"] >= 1, diagnostics
     assert status["skippedSteps"] >= 1
-    assert status["restarts"] == 1, diagnostics
     assert "RollbackSeen" in namespace.reasons()
     # Attempt 2 resumed from a checkpoint the gang wrote before the hang, on the shared volume, and
     # trained past the hang step.
@@ -287,7 +283,6 @@ def test_a_nan_burst_rolls_back_and_a_hang_while_the_operator_is_down_is_killed_
 def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_gang_restarts(
     e2e_cluster: Cluster, namespace: JobNamespace
 ) -> None:
-    cluster = e2e_cluster
     documents = example(memory_limit="1536Mi", command=["python", "-c", LEAKING_TRAINER])
     namespace.apply(documents)
     killed = namespace.wait(
@@ -298,11 +293,7 @@ def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_gang_restarts(
     assert killed["reason"] == "OOMKilled", killed
     assert killed["exitCode"] == 137, killed
 
-    job = namespace.finished(timeout=300)
-    diagnostics = cluster.diagnostics(namespace.name)
-    assert condition(job, "Succeeded"), diagnostics
-    status = job["status"]
-    assert status["restarts"] == 1, diagnostics
+    status, _ = namespace.succeeded(timeout=300, restarts=1)
     failure = status["lastFailure"]
     assert failure["reason"] == "Crashed", failure
     assert failure["exitCode"] == 137, failure
@@ -320,14 +311,9 @@ def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_gang_restarts(
 def test_the_fsdp_example_trains_sharded_across_two_pods_and_resumes_its_shards_after_a_crash(
     e2e_cluster: Cluster, namespace: JobNamespace
 ) -> None:
-    cluster = e2e_cluster
     namespace.apply(fsdp_example())  # a NaN burst at step 12 on rank 0, a crash of rank 1 at step 33
-    job = namespace.finished(timeout=450)
-    diagnostics = cluster.diagnostics(namespace.name)
-    assert condition(job, "Succeeded"), diagnostics
-    status = job["status"]
+    status, diagnostics = namespace.succeeded(timeout=450, restarts=1)
     assert status["rollbacks"] == 1, diagnostics
-    assert status["restarts"] == 1, diagnostics
     assert status["lastFailure"]["rank"] == 1, status["lastFailure"]
     history = {h["attempt"]: h for h in status["stepHistory"]}
     assert history[2]["resumedStep"] == 30, history  # the last sharded checkpoint before the crash

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.support.cluster import Cluster, Operator
-from tests.support.jobs import JOB, JobNamespace, condition, example, operator_refusals
+from tests.support.jobs import JOB, JobNamespace, example, operator_refusals
 
 # The gang restart waits this long after the crash before it creates the next attempt: the window in
 # which the active operator is deleted.
@@ -64,11 +64,7 @@ def test_deleting_the_active_operator_in_the_middle_of_a_gang_restart_restarts_t
         assert active == f"{operator.service}-1"
         cluster.kubectl("delete", "pod", active, "-n", operator.namespace, "--wait=false")
 
-        job = namespace.finished(timeout=400)
-        diagnostics = cluster.diagnostics(namespace.name)
-        assert condition(job, "Succeeded"), diagnostics
-        status = job["status"]
-        assert status["restarts"] == 1, diagnostics
+        status, diagnostics = namespace.succeeded(timeout=400, restarts=1)
         assert status["attempt"] == 2, diagnostics
         reasons = namespace.reasons()
         assert reasons.count("GangRestart") == 1, reasons

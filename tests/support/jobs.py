@@ -159,6 +159,16 @@ class JobNamespace:
         result: dict[str, Any] = self.wait(f"{self.name}/{JOB} to finish", done, timeout)
         return result
 
+    def succeeded(self, timeout: float, restarts: int) -> tuple[dict[str, Any], str]:
+        """The job's status once it finished, asserted Succeeded after ``restarts`` gang restarts, and the
+        namespace's diagnostics (for the caller's further assertions)."""
+        job = self.finished(timeout)
+        diagnostics = self.cluster.diagnostics(self.name)
+        assert condition(job, "Succeeded"), diagnostics
+        status: dict[str, Any] = job["status"]
+        assert status["restarts"] == restarts, diagnostics
+        return status, diagnostics
+
     def stepping_past(self, step: int, timeout: float) -> dict[str, Any]:
         """The job once its status shows a step of at least ``step``."""
 
