@@ -57,6 +57,11 @@ class DataFeed:
         if name in self._pending:
             stateful.load_state_dict(self._pending.pop(name))
 
+    @property
+    def tracked(self) -> tuple[Stateful, ...]:
+        """What the loop gave ``track``."""
+        return tuple(self._tracked.values())
+
     def state(self) -> dict[str, Any]:
         """``{"data": loader position, "tracked": {name: state}}``, the parts that exist."""
         state: dict[str, Any] = {}

@@ -218,6 +218,7 @@ class Guardian:
         self.resumed_step = 0
         self.nan_location: str | None = None
         self._micro = 0
+        self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
         self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
         self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
@@ -481,6 +482,8 @@ class Guardian:
         elif self._micro == 0:
             raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
         self._micro = 0
+        if not self._adoption_checked:
+            self._check_adoption()
         if self.store is not None and self.store.fenced is not None:
             self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
@@ -496,6 +499,16 @@ class Guardian:
         if agreed.stop:
             self._stop_now()
         return outcome
+
+    def _check_adoption(self) -> None:
+        """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
+        whose own learning-rate scheduler checkpoints would not keep."""
+        self._adoption_checked = True
+        try:
+            self.training.check_scheduler_kept(self.feed.tracked)
+        except ConfigError as error:
+            self._misused(error)
+            raise
 
     def _measure(self, step_loss: torch.Tensor) -> _Agreed:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,

@@ -5,7 +5,7 @@ to them as a whole: apply or drop an update, remediate, check that they are fini
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -194,6 +194,24 @@ class TrainingObjects:
 
         self.optimizer.register_step_pre_hook(refuse)
         self._report = report
+
+    def check_scheduler_kept(self, tracked: Iterable[object]) -> None:
+        """Raise ConfigError when a learning-rate scheduler is attached to the optimizer but the guardian
+        neither steps it (``scheduler=``) nor keeps it (``tracked``: what the loop gave
+        ``guardian.track``): a resume or a rollback would restore the learning rate and restart the
+        schedule, so it silently drifts (a per-epoch StepLR decays epochs late). ReduceLROnPlateau
+        attaches nothing and cannot be noticed."""
+        # An LRScheduler wraps its optimizer's step() to warn about call order, and marks the wrapper.
+        if self.scheduler is not None or not hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            return
+        if any(getattr(kept, "optimizer", None) is self.optimizer for kept in tracked):
+            return
+        raise ConfigError(
+            "the optimizer has a learning-rate scheduler the guardian was not given: a resume or a rollback "
+            "would restart its schedule from the start. Give it as Guardian(scheduler=...) when it steps "
+            "once per optimizer step (the guardian then steps it), or keep stepping it in the loop (per "
+            'epoch) and call guardian.track("scheduler", scheduler) so that checkpoints keep it'
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward ``loss`` (scaled by the GradScaler when there is one). Raises TypeError when ``loss``

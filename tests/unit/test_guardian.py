@@ -1133,6 +1133,56 @@ def test_the_scheduler_check_survives_a_rollback_and_a_resume(tmp_path: Path) ->
     assert resumed.step(loss_of(model)).applied
 
 
+@pytest.mark.parametrize("created", ["before the guardian", "after the guardian"])
+def test_a_scheduler_the_guardian_neither_steps_nor_keeps_is_refused_at_the_first_step(
+    created: str, tmp_path: Path
+) -> None:
+    # The MNIST example's shape: a per-epoch StepLR the loop steps itself. Unkept, a resume restored the
+    # decayed learning rate but restarted the schedule: every later decay came epochs late.
+    model = tiny_model()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    if created == "before the guardian":
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    status_file = tmp_path / "status.json"
+    guardian = Guardian(model, optimizer, status_file=status_file, resume=False)
+    if created == "after the guardian":
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    before = clone_state(model)
+    with pytest.raises(ConfigError, match="learning-rate scheduler the guardian was not given") as caught:
+        guardian.step(loss_of(model))
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    assert 'guardian.track("scheduler", scheduler)' in str(caught.value)
+    assert all(torch.equal(before[k], v) for k, v in clone_state(model).items())  # refused before stepping
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.phase is Phase.FAILED
+    assert "learning-rate scheduler" in status.message
+
+
+def test_a_scheduler_the_loop_steps_itself_and_tracks_is_kept_across_a_resume(tmp_path: Path) -> None:
+    def build() -> tuple[torch.nn.Module, torch.optim.lr_scheduler.StepLR, Guardian]:
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        config = settings(checkpoint={"everySteps": 5})
+        guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+        guardian.track("scheduler", scheduler)
+        return model, scheduler, guardian
+
+    model, scheduler, guardian = build()
+    for step in range(1, 8):  # "epochs" of 2 steps: the loop steps its scheduler after steps 2, 4, 6
+        assert guardian.step(loss_of(model)).applied
+        if step % 2 == 0:
+            scheduler.step()
+    assert guardian.store is not None
+    guardian.store.wait()
+    guardian.close()  # a crash after step 7: the newest checkpoint is step 5's, after two epochs' ends
+    model, scheduler, resumed = build()
+    assert resumed.step_count == 5
+    assert scheduler.last_epoch == 2
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+
+
 def test_a_loop_that_changes_weights_between_steps_without_settle_gets_no_torn_checkpoint(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
