@@ -203,8 +203,8 @@ class FaultInjector:
         return bool(self._pending)
 
     def _read_ledger(self) -> FiredSteps:
-        if self._ledger is None:
-            return FiredSteps()
+        if self._ledger is None or not self._faults or not self._ledger.parent.exists():
+            return FiredSteps()  # nothing to fire, or a new directory: nothing fired yet
         try:
             with fs.open_side_dir(self._ledger.parent) as dir_fd:
                 raw = fs.read_if_present(dir_fd, self._ledger.name, MAX_LEDGER_BYTES, str(self._ledger))

@@ -221,3 +221,17 @@ def test_the_config_reads_the_schedule_from_the_environment(tmp_path: Path) -> N
     assert GuardianConfig.from_env({}).faults == FaultSchedule()
     with pytest.raises(ConfigError, match="'oops'"):
         GuardianConfig.from_env({FAULTS_ENV: "oops"})
+
+
+@pytest.mark.parametrize("schedule", ["", "nan_loss@5"])
+def test_a_new_checkpoint_directory_is_no_ledger_warning(
+    schedule: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A first run's directory does not exist before the guardian makes it: "faults may fire again" was
+    # a false alarm every new user saw.
+    injector = FaultInjector(parse_faults(schedule), rank=0, ledger_dir=tmp_path / "new")
+    assert injector.active is bool(schedule)
+    assert "fault ledger" not in caplog.text
+    (tmp_path / "file").write_text("not a directory")
+    FaultInjector(parse_faults("nan_loss@5"), rank=0, ledger_dir=tmp_path / "file")
+    assert "fault ledger not read" in caplog.text  # an unreadable one is still reported
