@@ -679,8 +679,8 @@ class Guardian:
         unclean = self._unclean_state()
         if unclean is not None:
             return unclean
-        if snapshot_due:
-            self._take_snapshot()
+        # A checkpoint is a snapshot too: a rollback never returns behind the newest clean checkpoint.
+        self._take_snapshot()
         if checkpoint_due:
             self._save_checkpoint()
         return None

@@ -108,7 +108,11 @@ class CheckpointPolicy(_Section):
         2000, ge=1, le=MAX_STEPS, description="A disk checkpoint every this many steps (at most 10^9)."
     )
     snapshot_every_steps: int = Field(
-        100, ge=1, le=MAX_STEPS, description="An in-memory snapshot every this many steps (at most 10^9)."
+        100,
+        ge=1,
+        le=MAX_STEPS,
+        description="An in-memory snapshot (what a rollback returns to) every this many steps, and at every "
+        "disk checkpoint (at most 10^9).",
     )
     every_seconds: int | None = Field(
         600,

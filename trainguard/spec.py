@@ -75,18 +75,7 @@ class _Model(BaseModel):
 class CheckpointSpec(GuardianCheckpointPolicy):
     """Where checkpoints live (a ReadWriteMany claim shared by all workers) and how often they are written."""
 
-    model_config = ConfigDict(
-        strict=True,
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.snapshotEverySteps <= self.everySteps",
-                    "snapshotEverySteps must not exceed everySteps",
-                    ".snapshotEverySteps",
-                )
-            ]
-        },
-    )
+    model_config = ConfigDict(strict=True)
 
     claim_name: str = Field(
         min_length=1,
@@ -101,12 +90,6 @@ class CheckpointSpec(GuardianCheckpointPolicy):
         pattern=r"^/",
         description="Where the claim is mounted in the worker (an absolute path).",
     )
-
-    @model_validator(mode="after")
-    def _snapshots_not_rarer_than_checkpoints(self) -> CheckpointSpec:
-        if self.snapshot_every_steps > self.every_steps:
-            raise ValueError("snapshotEverySteps must not exceed everySteps")
-        return self
 
     def policy(self) -> GuardianCheckpointPolicy:
         """The part the in-process guardian needs."""

@@ -567,6 +567,23 @@ POISONS: dict[str, Any] = {
 }
 
 
+def test_a_rollback_returns_to_the_newest_checkpoint_when_snapshots_are_rarer(tmp_path: Path) -> None:
+    # everySteps 3 with the default snapshotEverySteps (100), a new user's first job: it used to be
+    # refused, and would have rolled back to the start past three clean checkpoints.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = settings(checkpoint={"everySteps": 3}, guard={"maxConsecutiveBadSteps": 2})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+    for _ in range(6):
+        assert guardian.step(loss_of(model)).applied
+    at_six = clone_state(model)
+    assert guardian.step(loss_of(model)).applied
+    outcomes = [guardian.step(loss_of(model) * math.nan) for _ in range(2)]
+    assert outcomes[-1].rolled_back
+    assert guardian.step_count == 6
+    assert all(torch.equal(at_six[k], v) for k, v in clone_state(model).items())
+
+
 @pytest.mark.parametrize("poison", list(POISONS))
 def test_a_poisoned_state_is_never_saved_as_clean_and_rolls_back(tmp_path: Path, poison: str) -> None:
     model = Poisonable()

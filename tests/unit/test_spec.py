@@ -42,6 +42,11 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
     return document
 
 
+def test_checkpoints_more_often_than_the_default_snapshots_are_accepted() -> None:
+    document = with_change("spec.checkpoint", {"claimName": "c", "everySteps": 10})
+    assert spec.parse_job(document, "job.yaml").spec.checkpoint.every_steps == 10
+
+
 def test_defaults_are_the_documented_ones() -> None:
     job = spec.parse_job(VALID, "job.yaml")
     s = job.spec
@@ -74,11 +79,6 @@ def test_defaults_are_the_documented_ones() -> None:
         ("spec.recovery", {"backoffSeconds": [0, 10]}, "spec.recovery.backoffSeconds"),
         ("spec.guard", {"lossSpikeFactor": 1.0}, "spec.guard.lossSpikeFactor"),
         ("spec.guard", {"lossSpikeWindow": -5}, "spec.guard.lossSpikeWindow"),
-        (
-            "spec.checkpoint",
-            {"claimName": "c", "everySteps": 10, "snapshotEverySteps": 20},
-            "spec.checkpoint",
-        ),
         ("spec.template", {"spec": {"containers": [{"name": "trainer"}]}}, "spec.template.spec.containers"),
         ("spec.replicas", 0, "spec.replicas"),
         ("spec.gaurd", {}, "spec.gaurd"),
@@ -259,7 +259,6 @@ def test_every_cross_field_rule_has_a_cel_twin() -> None:
     }
     assert rules == {
         ".spec.template.spec": ["self.containers.exists(c, c.name == 'pytorch')"],
-        ".spec.checkpoint": ["self.snapshotEverySteps <= self.everySteps"],
         ".spec.guard": ["!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow"],
         ".spec.health": ["self.hangTimeoutSeconds > self.probePeriodSeconds"],
         ".spec.recovery.backoffSeconds": ["self.isSorted()"],
@@ -298,7 +297,6 @@ CEL_TWINS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "self.containers.exists(c, c.name == 'pytorch')": lambda n: any(
         c.get("name") == "pytorch" for c in n["containers"]
     ),
-    "self.snapshotEverySteps <= self.everySteps": lambda n: bool(n["snapshotEverySteps"] <= n["everySteps"]),
     "!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow": lambda n: bool(
         n.get("spikeMinHistory") is None or n["spikeMinHistory"] <= n["lossSpikeWindow"]
     ),
