@@ -17,11 +17,12 @@ from trainer_sidecar.checkpoint import step_dir_name
 from trainer_sidecar.tensorstate import flatten
 
 
-def make_training(seed: int = 0) -> tuple[nn.Module, torch.optim.AdamW]:
-    """A small model with parameters and buffers (BatchNorm, including an int64 counter) and its AdamW."""
+def make_training(seed: int = 0, lr: float | torch.Tensor = 3e-3) -> tuple[nn.Module, torch.optim.AdamW]:
+    """A small model with parameters and buffers (BatchNorm, including an int64 counter) and its AdamW
+    (``lr`` may be a tensor, as torch allows)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(12, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Linear(24, 3))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     return model, optimizer
 
 

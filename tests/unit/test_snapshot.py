@@ -9,32 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.checkpoints import assert_same_state, clone_state
+from tests.support.checkpoints import assert_same_state, clone_state, make_training, train
 from tests.support.copies import copies_held
 from trainer_sidecar.snapshot import Snapshot
 from trainer_sidecar.tensorstate import HostBuffers
-
-
-def make_training(lr: float | torch.Tensor = 1e-2) -> tuple[nn.Module, torch.optim.AdamW]:
-    """A small model with parameters and buffers (BatchNorm, with an int64 counter) and its AdamW."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 20), nn.BatchNorm1d(20), nn.ReLU(), nn.Linear(20, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    return model, optimizer
-
-
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> list[float]:
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        inputs = torch.randn(12, 10, generator=generator)
-        targets = torch.randn(12, 2, generator=generator)
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        torch.autograd.backward(loss)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def live_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -59,7 +37,7 @@ def lrs(optimizer: torch.optim.Optimizer) -> list[float]:
 @pytest.mark.parametrize("lr_kind", ["float", "tensor"])
 def test_restore_after_more_adamw_steps_is_bit_exact_and_in_place(lr_kind: str) -> None:
     lr: float | torch.Tensor = 1e-2 if lr_kind == "float" else torch.tensor(1e-2)
-    model, optimizer = make_training(lr)
+    model, optimizer = make_training(lr=lr)
     train(model, optimizer, 3, seed=1)
     small = {"scheduler": {"last_epoch": 3, "values": [1, 2]}, "scaler": None}
     extra = {"losses": [1.0, 0.9], "optimizer_steps": 3}
@@ -99,7 +77,7 @@ def test_restore_after_more_adamw_steps_is_bit_exact_and_in_place(lr_kind: str) 
     assert snapshot.extra == {"losses": [1.0, 0.9], "optimizer_steps": 3}
 
     # The restored state trains exactly like the original did from the same point.
-    reference_model, reference_optimizer = make_training(lr)
+    reference_model, reference_optimizer = make_training(lr=lr)
     train(reference_model, reference_optimizer, 3, seed=1)
     assert train(model, optimizer, 3, seed=5) == train(reference_model, reference_optimizer, 3, seed=5)
     assert_same_state(live_state(model, optimizer), live_state(reference_model, reference_optimizer))
@@ -136,7 +114,7 @@ def test_restore_of_a_snapshot_taken_before_the_optimizer_had_state() -> None:
 
     assert_same_state(clone_state(model.state_dict()), expected_model)
     assert len(optimizer.state) == 0  # the moments are gone, as at step 0
-    assert lrs(optimizer) == [1e-2]
+    assert lrs(optimizer) == [3e-3]  # the learning rate it was made with
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == param_pointers
     # From here training is that of a fresh model and optimizer.
     fresh_model, fresh_optimizer = make_training()
