@@ -141,6 +141,10 @@ def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, fl
     return (_PRIORITY.index(kind), ended, not killed_by_signal(rank.exit_code), rank.rank)
 
 
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     """Decide what to do about a gang. See the module docstring for the guarantees."""
     restarts = observation.restarts
@@ -160,10 +164,13 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
         describe_exit(rank.exit_code) if rank.exit_code is not None else kind.value.lower()
     )
     alike = sorted(r.rank for k, r in failures if k is kind)
-    who = f"rank {rank.rank}" if len(alike) == 1 else f"ranks {', '.join(map(str, alike))}"
-    if len(alike) > 1 and rank.ended_at is not None:
-        who += f" (rank {rank.rank} first)"
-    reason = f"{who} {kind.value.lower()}: {what}"
+    others = [r for r in alike if r != rank.rank]
+    if not others:
+        reason = f"rank {rank.rank} {kind.value.lower()}: {what}"
+    elif rank.ended_at is not None:  # ordered by when they ended: name the first
+        reason = f"rank {rank.rank} {kind.value.lower()} first: {what}; {_ranks(others)} too"
+    else:
+        reason = f"{_ranks(alike)} {kind.value.lower()}: {what}"
     failed = Decision(
         Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts
     )

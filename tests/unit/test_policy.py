@@ -158,7 +158,7 @@ def test_of_ranks_that_crashed_the_one_that_ended_first_is_the_cause() -> None:
         RECOVERY, gang(running(0, exit_code=1, ended_at=11.0), running(1, exit_code=1, ended_at=10.0))
     )
     assert decision.rank == 1
-    assert decision.reason.startswith("ranks 0, 1 (rank 1 first) crashed")
+    assert decision.reason == "rank 1 crashed first: exited with code 1; rank 0 too"
 
 
 def test_ranks_that_ended_together_blame_the_one_killed_by_a_signal() -> None:
