@@ -62,6 +62,7 @@ from trainer_sidecar.rng import RngStateError, rng_state, set_rng_state
 from trainer_sidecar.settings import GuardianSettings, Remediation
 from trainer_sidecar.snapshot import Snapshot
 from trainer_sidecar.status import (
+    STATUS_FILE_ENV,
     CheckpointRef,
     Phase,
     StatusPublisher,
@@ -238,6 +239,7 @@ class Guardian:
         self._locator = NaNLocator(self.module)
         self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
         self._publishing = threading.Lock()  # the main thread and the peer watch both publish
+        self._status_failing = False  # see ``_status_unwritable``
         self._busy = BusySections()
         self._stop = STOP
         self._holding_stop = False
@@ -1019,7 +1021,23 @@ class Guardian:
     def _publish(self, force: bool = False) -> None:
         with self._publishing:
             if force or self._status.due(self.phase):
-                self._status.publish(self.status(), force=True)
+                try:
+                    self._status.publish(self.status(), force=True)
+                except OSError as exc:
+                    self._status_unwritable(exc)
+                else:
+                    self._status_failing = False
+
+    def _status_unwritable(self, exc: OSError) -> None:
+        """A status file never written is a setting that cannot work (ConfigError, at construction); one
+        that stops being writable (a full disk) is logged once per outage, and training goes on: the
+        sidecar sees no progress meanwhile and judges that as it judges a hang."""
+        where = f"the status file {self._status.path} ({STATUS_FILE_ENV} or status_file=)"
+        if not self._status.written:
+            raise ConfigError(f"{where} cannot be written: {exc}") from exc
+        if not self._status_failing:
+            log.error("%s cannot be written; the sidecar sees no progress until it can: %s", where, exc)
+        self._status_failing = True
 
     def finish(self) -> None:
         """Write a final checkpoint (if not already written and the state is clean), wait for every

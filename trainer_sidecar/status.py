@@ -325,8 +325,12 @@ def write_termination_message(path: Path, status: WorkerStatus) -> None:
 def write_status(path: Path, status: WorkerStatus) -> None:
     """Replace the status file atomically (temp file and rename), so a reader sees old or new, never half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(status.to_document(), separators=(",", ":")))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(status.to_document(), separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk or a directory in the way: leave nothing behind
+        raise
 
 
 class StatusPublisher:
@@ -337,8 +341,11 @@ class StatusPublisher:
         self.interval_seconds = interval_seconds
         self._last_write = 0.0
         self._last_phase: Phase | None = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def written(self) -> bool:
+        """Whether a status was ever written."""
+        return self._last_phase is not None
 
     def due(self, phase: Phase) -> bool:
         """Whether a write would happen now: the interval passed or the phase changed."""
@@ -347,11 +354,14 @@ class StatusPublisher:
         return phase != self._last_phase or time.monotonic() - self._last_write >= self.interval_seconds
 
     def publish(self, status: WorkerStatus, *, force: bool = False) -> bool:
-        """Write the status if forced or due. Returns whether it wrote."""
+        """Write the status if forced or due (making its folder first). Returns whether it wrote; raises
+        OSError when it cannot."""
         if self.path is None or not (force or self.due(status.phase)):
             return False
         now = time.monotonic()
         status.updated_at = time.time()
+        if not self.written:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         write_status(self.path, status)
         self._last_write = now
         self._last_phase = status.phase

@@ -1232,3 +1232,37 @@ def test_a_loop_that_changes_weights_between_steps_without_settle_gets_no_torn_c
     assert kept == [4, 6]  # step 2's copy ran after the clamp: not written; later copies synchronous
     for step in kept:
         assert_same(store.load(step)["model"], at_step[step])
+
+
+def test_a_status_file_that_cannot_be_written_is_a_configuration_error_naming_it(tmp_path: Path) -> None:
+    # It used to be a traceback (exit 1) from the constructor.
+    in_the_way = tmp_path / "status.json"
+    in_the_way.mkdir()
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="TRAINGUARD_STATUS_FILE") as caught:
+        Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=in_the_way, resume=False)
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    assert str(in_the_way) in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]  # no temp file left behind
+
+
+def test_a_status_file_that_stops_being_writable_is_logged_once_and_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    config = settings(statusIntervalSeconds=0)
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file, settings=config
+    )
+    assert guardian.step(loss_of(model)).applied
+    status_file.unlink()
+    status_file.mkdir()  # a write now fails, as on a full disk
+    for _ in range(3):
+        assert guardian.step(loss_of(model)).applied
+    assert caplog.text.count("cannot be written") == 1
+    status_file.rmdir()
+    assert guardian.step(loss_of(model)).applied
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.step == 5
