@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from trainer_sidecar.checkpoint import CheckpointError
 from trainer_sidecar.checkpoint.format import serialize
@@ -96,5 +96,27 @@ def taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
         )
     if source.batch_size is None:
         raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
-    shuffle = isinstance(source.sampler, RandomSampler)
-    return source.dataset, source.batch_size, shuffle, source.collate_fn, source.num_workers
+    return source.dataset, source.batch_size, _shuffles(source.sampler), source.collate_fn, source.num_workers
+
+
+def _shuffles(sampler: object) -> bool:
+    """Whether a DataLoader's sampler shuffles, for a sampler whose epoch is a permutation of the whole
+    dataset (what the guardian's order is); TypeError for one that chooses samples otherwise: its
+    choice would be silently dropped."""
+    if isinstance(sampler, SequentialSampler):
+        return False
+    if isinstance(sampler, DistributedSampler):  # the guardian shards by rank itself
+        return bool(sampler.shuffle)
+    if isinstance(sampler, RandomSampler):
+        if not sampler.replacement and sampler.num_samples == len(sampler.data_source):
+            return True
+        what = "draws with replacement" if sampler.replacement else f"draws {sampler.num_samples} samples"
+    else:
+        what = f"is a {type(sampler).__name__}"
+    raise TypeError(
+        f"Guardian.loader(): the DataLoader's sampler {what}, which chooses the samples an epoch sees; the "
+        "guardian's order (each epoch a permutation of the whole dataset) would silently drop that "
+        "choice. Give it a dataset of exactly those samples (torch.utils.data.Subset for a subset), or "
+        "keep the loader and give the guardian its state instead: torchdata's StatefulDataLoader with "
+        "guardian.track(...)"
+    )

@@ -7,7 +7,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -979,6 +979,56 @@ def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
 
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
+
+
+def _sampled(kind: str, dataset: torch.utils.data.TensorDataset) -> torch.utils.data.Sampler[int]:
+    from torch.utils import data
+
+    samplers: dict[str, Callable[[], data.Sampler[int]]] = {
+        "distributed shuffling": lambda: data.DistributedSampler(dataset, num_replicas=1, rank=0),
+        "distributed in order": lambda: data.DistributedSampler(
+            dataset, num_replicas=1, rank=0, shuffle=False
+        ),
+        "sequential": lambda: data.SequentialSampler(dataset),
+        "subset": lambda: data.SubsetRandomSampler(range(20)),
+        "weighted": lambda: data.WeightedRandomSampler([1.0] * 40, 40),
+        "with replacement": lambda: data.RandomSampler(dataset, replacement=True),
+        "fewer samples": lambda: data.RandomSampler(dataset, num_samples=10),
+    }
+    return samplers[kind]()
+
+
+@pytest.mark.parametrize(
+    ("kind", "shuffles"),
+    [("distributed shuffling", True), ("distributed in order", False), ("sequential", False)],
+)
+def test_a_dataloaders_sampler_that_orders_the_whole_dataset_is_taken_over(kind: str, shuffles: bool) -> None:
+    # A DistributedSampler (shuffling by default) used to be taken as "no shuffling".
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    source = torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_sampled(kind, dataset))
+    assert guardian.loader(source).shuffle is shuffles
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [
+        ("subset", "is a SubsetRandomSampler"),
+        ("weighted", "is a WeightedRandomSampler"),
+        ("with replacement", "draws with replacement"),
+        ("fewer samples", "draws 10 samples"),
+    ],
+)
+def test_a_dataloaders_sampler_that_chooses_samples_is_refused_not_dropped(kind: str, named: str) -> None:
+    # A SubsetRandomSampler (a train split) used to be replaced by the whole dataset, silently.
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    source = torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_sampled(kind, dataset))
+    with pytest.raises(TypeError, match=named) as caught:
+        guardian.loader(source)
+    assert "torch.utils.data.Subset" in str(caught.value)
 
 
 def test_each_local_rank_of_a_pod_writes_a_status_file_of_its_own(tmp_path: Path) -> None:
