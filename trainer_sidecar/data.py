@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -240,7 +240,8 @@ class GuardedLoader:
 
     Iterating yields ``GuardedBatch`` objects from the current position to the end of the epoch, then
     advances the epoch; ``position`` always names the next batch, so a checkpoint taken between two
-    steps resumes at exactly the next batch.
+    steps resumes at exactly the next batch. ``loading`` holds further ``DataLoader`` arguments on how
+    batches are loaded (``worker_init_fn``, ``pin_memory``, ...), passed on unchanged.
     """
 
     def __init__(
@@ -252,6 +253,7 @@ class GuardedLoader:
         seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        loading: Mapping[str, Any] | None = None,
         rank: int = 0,
         world_size: int = 1,
         dead_letters: DeadLetters | None = None,
@@ -265,6 +267,7 @@ class GuardedLoader:
         self.seed = seed
         self.collate = _FilteringCollate(collate_fn or default_collate)
         self.num_workers = num_workers
+        self.loading = dict(loading or {})
         self.rank = rank
         self.world_size = world_size
         self.position = DataPosition()
@@ -338,6 +341,7 @@ class GuardedLoader:
             # a job resumed mid-epoch would then consume that RNG at a different point than the
             # original run, and dropout masks (so the weights) would differ after the resume.
             generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch),
+            **self.loading,
         )
         for b, data, ids, seen, dropped in loader:
             if self.inject_bad_sample is not None and self.inject_bad_sample():

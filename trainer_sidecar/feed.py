@@ -9,7 +9,7 @@ guardian restores anyway).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
@@ -86,9 +86,23 @@ class DataFeed:
                 self._pending[name] = saved
 
 
-def taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
-    """(dataset, batch size, shuffle, collate function, workers) of a DataLoader the guardian replaces
-    with its own resumable order. Raises TypeError for one it cannot replace, saying what to do."""
+class TakenOver(NamedTuple):
+    """What the guardian keeps of a DataLoader it replaces with its own resumable order."""
+
+    dataset: Any
+    batch_size: int
+    shuffle: bool
+    collate_fn: Any
+    num_workers: int
+    #: How its batches are loaded, passed on unchanged: worker_init_fn, pin_memory, timeout, the
+    #: multiprocessing context and, with workers, the prefetch factor.
+    loading: dict[str, Any]
+
+
+def taken_over(source: DataLoader[Any]) -> TakenOver:
+    """What the guardian keeps of a DataLoader it replaces with its own resumable order: the dataset, the
+    batch size, whether it shuffles, the collate function, the workers and how they load. Raises
+    TypeError for one it cannot replace, saying what to do."""
     if isinstance(source.dataset, IterableDataset):
         raise TypeError(
             "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
@@ -96,7 +110,22 @@ def taken_over(source: DataLoader[Any]) -> tuple[Any, int, bool, Any, int]:
         )
     if source.batch_size is None:
         raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
-    return source.dataset, source.batch_size, _shuffles(source.sampler), source.collate_fn, source.num_workers
+    loading: dict[str, Any] = {
+        "worker_init_fn": source.worker_init_fn,
+        "pin_memory": source.pin_memory,
+        "timeout": source.timeout,
+        "multiprocessing_context": source.multiprocessing_context,
+    }
+    if source.num_workers > 0:
+        loading["prefetch_factor"] = source.prefetch_factor
+    return TakenOver(
+        source.dataset,
+        source.batch_size,
+        _shuffles(source.sampler),
+        source.collate_fn,
+        source.num_workers,
+        loading,
+    )
 
 
 def _shuffles(sampler: object) -> bool:

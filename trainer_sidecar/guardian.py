@@ -383,8 +383,9 @@ class Guardian:
         ``dataset`` is a map-style dataset, or a ``torch.utils.data.DataLoader`` over one, whose batch size,
         shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``).
         """
+        loading: dict[str, Any] = {}
         if isinstance(dataset, DataLoader):
-            dataset, batch_size, shuffle, collate_fn, num_workers = taken_over(dataset)
+            dataset, batch_size, shuffle, collate_fn, num_workers, loading = taken_over(dataset)
         assert not isinstance(dataset, DataLoader)
         if batch_size is None:
             raise TypeError("Guardian.loader() needs batch_size for a dataset (a DataLoader brings its own)")
@@ -395,6 +396,7 @@ class Guardian:
             seed=seed,
             collate_fn=collate_fn,
             num_workers=num_workers,
+            loading=loading,
             rank=self.rank,
             world_size=self.world_size,
             dead_letters=self.dead_letters,

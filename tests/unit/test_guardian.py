@@ -981,6 +981,40 @@ def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
         guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
 
 
+def _mark_worker(worker_id: int) -> None:
+    torch.utils.data.get_worker_info().dataset.dataset.marks.append(worker_id)  # type: ignore[union-attr]
+
+
+class _Marked(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self) -> None:
+        self.marks: list[int] = []
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), float(len(self.marks))])  # the worker's init ran: 1
+
+
+def test_a_dataloader_taken_over_keeps_how_its_workers_load() -> None:
+    # worker_init_fn (a per-worker handle, a seed) used to be dropped with the rest of the DataLoader.
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    source = torch.utils.data.DataLoader(
+        _Marked(), batch_size=4, num_workers=1, worker_init_fn=_mark_worker, prefetch_factor=3, timeout=60
+    )
+    loader = guardian.loader(source)
+    assert loader.loading == {
+        "worker_init_fn": _mark_worker,
+        "pin_memory": False,
+        "timeout": 60,
+        "multiprocessing_context": None,
+        "prefetch_factor": 3,
+    }
+    first = next(iter(loader))
+    assert bool((first.data[:, 1] == 1).all())
+
+
 def _sampled(kind: str, dataset: torch.utils.data.TensorDataset) -> torch.utils.data.Sampler[int]:
     from torch.utils import data
 
