@@ -38,3 +38,11 @@ def describe_exit(code: int) -> str:
     if 128 < code <= 192:
         return f"killed by signal {code - 128}"
     return f"exited with code {code}"
+
+
+def with_detail(description: str, detail: str) -> str:
+    """``description: detail``, without a leading "what: " of ``detail`` that ``description`` already
+    says ("configuration error (permanent)" and "configuration error: X" make
+    "configuration error (permanent): X")."""
+    what, colon, rest = detail.partition(": ")
+    return f"{description}: {rest if colon and rest and what in description else detail}"

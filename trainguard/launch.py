@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from trainer_sidecar.exitcodes import describe_exit
+from trainer_sidecar.exitcodes import describe_exit, with_detail
 from trainer_sidecar.status import parse_status
 
 #: Signals that stop a run like Ctrl-C; the exit code is 128 + the signal's number (130, 143, 129).
@@ -319,4 +319,4 @@ def exit_detail(code: int | None, termination_file: Path, log_file: Path) -> str
     if code is None or code <= 0:
         return ""
     detail = termination_message(termination_file) or log_tail(log_file)
-    return f"{describe_exit(code)}: {detail}" if detail else ""
+    return with_detail(describe_exit(code), detail) if detail else ""

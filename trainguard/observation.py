@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_sidecar.exitcodes import ExitCode, describe_exit
+from trainer_sidecar.exitcodes import ExitCode, describe_exit, with_detail
 from trainer_sidecar.status import Phase, WorkerStatus, parse_status_document
 from trainguard.policy import RankObservation
 
@@ -223,7 +223,7 @@ def rank_observation(rank: int, state: RankState | None, process: ProcessState) 
         reason = process.exit_reason or describe_exit(code)
         says_why = state is not None and (state.phase is Phase.FAILED or code == ExitCode.CONFIG_ERROR)
         if says_why and state is not None and state.message and state.message not in reason:
-            reason = f"{reason}: {state.message}"
+            reason = with_detail(reason, state.message)
         return RankObservation(
             rank=rank, exit_code=code, alive=None, reason=reason, ended_at=process.ended_at
         )

@@ -114,6 +114,16 @@ def classify(rank: RankObservation) -> FailureKind | None:
     return None
 
 
+#: How a failure of each kind reads after "rank N".
+_VERBS = {
+    FailureKind.CRASH: "crashed",
+    FailureKind.HANG: "hung",
+    FailureKind.DIVERGED: "diverged",
+    FailureKind.CONFIG: "stopped",
+    FailureKind.FENCED: "stopped",
+    FailureKind.LOST: "lost",
+}
+
 # Which failure explains a gang's state best, when several ranks fail at once: a diverged or
 # misconfigured rank makes its peers crash or hang in the collective, not the other way round.
 _PRIORITY = [
@@ -160,22 +170,20 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
         return Decision(Action.WAIT, "this attempt's failure is already being handled", restarts=restarts)
 
     kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
-    what = rank.reason or (
-        describe_exit(rank.exit_code) if rank.exit_code is not None else kind.value.lower()
-    )
+    what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
     alike = sorted(r.rank for k, r in failures if k is kind)
     others = [r for r in alike if r != rank.rank]
     if not others:
-        reason = f"rank {rank.rank} {kind.value.lower()}: {what}"
+        reason = f"rank {rank.rank} {_VERBS[kind]}: {what}"
     elif rank.ended_at is not None:  # ordered by when they ended: name the first
-        reason = f"rank {rank.rank} {kind.value.lower()} first: {what}; {_ranks(others)} too"
+        reason = f"rank {rank.rank} {_VERBS[kind]} first: {what}; {_ranks(others)} too"
     else:
-        reason = f"{_ranks(alike)} {kind.value.lower()}: {what}"
+        reason = f"{_ranks(alike)} {_VERBS[kind]}: {what}"
     failed = Decision(
         Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts
     )
-    if kind in (FailureKind.CONFIG, FailureKind.FENCED):
-        return replace(failed, reason=f"{reason} (a restart cannot fix it)")
+    if kind in (FailureKind.CONFIG, FailureKind.FENCED):  # the exit code's description says permanent
+        return failed
     if restarts >= recovery.max_restarts:
         return replace(
             failed, reason=f"restarts exhausted ({restarts} of {recovery.max_restarts}); last: {reason}"

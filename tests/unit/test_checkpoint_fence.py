@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.support.checkpoints import assert_same_state, small_state
 from trainer_sidecar.checkpoint import (
+    CheckpointError,
     CheckpointId,
     CheckpointStore,
     EpochOwner,
@@ -105,6 +106,23 @@ def test_a_fenced_store_refuses_every_save_naming_the_newer_owner(
     reader = CheckpointStore(tmp_path)
     stores.append(reader)
     assert reader.newest_valid_id() == CheckpointId(10, 1)  # inherited by epoch 2
+
+
+def test_another_job_is_refused_a_directory_a_job_claimed_and_the_same_job_is_not(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
+    # Two jobs given one claim (a shared volume) used to fence each other out, and the later one
+    # resumed from the other's weights.
+    claim_epoch(tmp_path, EpochOwner(job="train-a", attempt=1))
+    first = CheckpointStore(tmp_path, epoch=1)
+    stores.append(first)
+    with pytest.raises(CheckpointError, match="belongs to job train-a") as caught:
+        claim_epoch(tmp_path, EpochOwner(job="train-b", attempt=1))
+    assert "not to job train-b" in str(caught.value)
+    assert first.save(10, tagged(10, "a"), {}) is not None  # not fenced
+    assert sorted(os.listdir(tmp_path / "epochs")) == ["epoch-000001.json"]
+    assert claim_epoch(tmp_path, EpochOwner(job="train-a", attempt=2)).epoch == 2  # its next attempt
+    assert claim_epoch(tmp_path).epoch == 3  # a writer naming no job (a guardian run by hand) may
 
 
 def test_a_writer_without_an_epoch_or_with_an_unclaimed_one_is_fenced(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer_sidecar.exitcodes import with_detail
 from trainer_sidecar.status import Phase, WorkerStatus, write_termination_message
 from trainguard import launch
 from trainguard.launch import RunRefused, Stopped, StopSignals
@@ -220,3 +221,26 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+@pytest.mark.parametrize(
+    ("description", "detail", "joined"),
+    [
+        (
+            "configuration error (permanent)",
+            "configuration error: X: bad",
+            "configuration error (permanent): X: bad",
+        ),
+        ("exited with code 1", "Traceback: boom", "exited with code 1: Traceback: boom"),
+        ("exited with code 1", "no colon here", "exited with code 1: no colon here"),
+        (
+            "configuration error (permanent)",
+            "configuration error: ",
+            "configuration error (permanent): configuration error: ",
+        ),
+    ],
+)
+def test_an_exit_described_with_its_detail_says_nothing_twice(
+    description: str, detail: str, joined: str
+) -> None:
+    assert with_detail(description, detail) == joined

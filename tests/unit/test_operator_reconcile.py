@@ -543,10 +543,7 @@ def test_a_configuration_error_names_the_field_and_reason_in_the_condition_and_t
     failed = cluster.status.condition("Failed")
     assert failed is not None
     assert (failed.status, failed.reason) == ("True", "ConfigError")
-    assert (
-        failed.message
-        == f"rank 1 configerror: configuration error (permanent): {why} (a restart cannot fix it)"
-    )
+    assert failed.message == f"rank 1 stopped: configuration error (permanent): {why}"
     events = {e.reason: e.message for e in plan.events}
     assert why in events["ConfigError"]
     assert cluster.status.last_failure is not None

@@ -220,6 +220,13 @@ def _create_claim(epochs_fd: int, name: str, payload: bytes) -> bool:
 def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> EpochRecord | None:
     """One attempt at claiming the epoch after the highest; None if another claimer took that number."""
     fence = read_fence(root_fd, root)
+    holder = fence.record.owner.job if fence.record is not None else ""
+    if owner.job and holder and holder != owner.job:
+        raise CheckpointError(
+            f"checkpoint directory {root} belongs to job {holder} ({fence.describe()}), not to job "
+            f"{owner.job}: claiming it would fence that job out and resume from its checkpoints. Give "
+            "each job a checkpoint claim of its own (a job of the same name resumes from it)"
+        )
     record = EpochRecord(epoch=fence.highest + 1, owner=owner, inherits=_inheritance(root_fd, root, fence))
     payload = record.model_dump_json(indent=1).encode()
     if not _publish_claim(epochs_fd, epoch_file_name(record.epoch), payload):
@@ -233,7 +240,9 @@ def claim_epoch(root: Path, owner: EpochOwner | None = None) -> EpochRecord:
 
     Fences every older epoch out: from now on their saves fail with FencedError and readers trust only
     this epoch's checkpoints and those it inherits (the complete ones trusted until now). Concurrent
-    claims get distinct epochs. Only rank 0 of a gang claims; the others are given the epoch.
+    claims get distinct epochs. Only rank 0 of a gang claims; the others are given the epoch. A directory
+    whose highest epoch another job claimed (both owners named) is refused with CheckpointError: two jobs
+    sharing one claim would fence each other out and resume from each other's weights.
     """
     root = Path(root)
     owner = owner if owner is not None else EpochOwner()
