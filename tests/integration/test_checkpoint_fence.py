@@ -99,7 +99,7 @@ def test_the_older_writer_is_fenced_and_every_save_holds_its_own_weights(tmp_pat
     new: Writer | None = None
     try:
         old.wait_for_saves(3)
-        new = Writer(root, "new", "--resume", "--saves", "5")
+        new = Writer(root, "new", "--resume", "--saves", "5", "--attempt", "2")
         new.finish()
         old.finish()
     finally:
@@ -114,7 +114,7 @@ def test_the_older_writer_is_fenced_and_every_save_holds_its_own_weights(tmp_pat
     assert new.saved() == [CheckpointId(resumed.step + k, 2) for k in range(1, 6)]
     fenced = old.events[-1]
     assert fenced["event"] == "fenced", old.events[-3:]
-    assert "epoch 2 (job new attempt 1" in fenced["error"]
+    assert "epoch 2 (job train attempt 2" in fenced["error"]
     reader = CheckpointStore(root)
     _weights_match_their_writer(reader, {1: "old", 2: "new"})
     # The old writer's checkpoints a reader may use are exactly those the new epoch inherited, all of
@@ -132,7 +132,7 @@ def test_a_writer_blind_to_the_fence_is_never_read_after_it(tmp_path: Path) -> N
     new: Writer | None = None
     try:
         old.wait_for_saves(3)
-        new = Writer(root, "new", "--resume", "--saves", "3")
+        new = Writer(root, "new", "--resume", "--saves", "3", "--attempt", "2")
         new.finish()
         old.wait_for_saves(len(old.saved()) + 5)  # it goes on committing after the fence
     finally:

@@ -48,9 +48,11 @@ def main() -> int:
     parser.add_argument("--pause", type=float, default=0.0)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--blind", action="store_true")
+    parser.add_argument("--attempt", type=int, default=1, help="the attempt of the job it stands for")
     args = parser.parse_args()
 
-    record = claim_epoch(args.root, EpochOwner(job=args.name, attempt=1, pid=os.getpid()))
+    # Every writer stands for a gang of one job ("train"): another job is refused the directory.
+    record = claim_epoch(args.root, EpochOwner(job="train", attempt=args.attempt, pid=os.getpid()))
     say(event="claimed", epoch=record.epoch, inherits=record.inherits)
     if args.blind:
         mock.patch.object(checkpoint_store, "check_fence", return_value=None).start()
