@@ -5,9 +5,9 @@ in a cluster), against one of two API servers:
 * by default kmock's Kubernetes API emulator, served by this script on loopback (200 jobs);
 * with ``--real`` a real kube-apiserver v1.33 with etcd (500 jobs), started by ``tests.support.controlplane``
   from the binaries ``bash scripts/control-plane.sh`` builds, or an already-running cluster given by
-  ``--kubeconfig``. The GuardedTrainingJob CRD (``crds/``) and Kubeflow's PyTorchJob CRD
-  (``../shared/reference/kubeflow/``) are applied server-side first, and the jobs go to a fresh namespace
-  that is deleted afterwards (when the cluster outlives the run).
+  ``--kubeconfig``. The GuardedTrainingJob CRD (``crds/``) and Kubeflow's PyTorchJob CRD (which
+  ``bash scripts/control-plane.sh`` fetches, ``tests.support.kubeflow``) are applied server-side first,
+  and the jobs go to a fresh namespace that is deleted afterwards (when the cluster outlives the run).
 
 Everything else is one code path (``measure``):
 
@@ -78,11 +78,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import controlplane
 from tests.support.kube_emulator import Emulator as BaseEmulator
-from tests.support.paths import GTJ_CRD, REPO_ROOT, SHARED
+from tests.support.kubeflow import pytorchjob_crd
+from tests.support.paths import GTJ_CRD, REPO_ROOT
 from tests.support.ports import free_port
 
-#: Where Kubeflow's CRDs are kept, beside the repository (``/work/shared/...`` here, the same in CI).
-KUBEFLOW_REFERENCE = SHARED / "reference" / "kubeflow"
 NS = "default"
 GTJ_API = "/apis/trainguard.dev/v1alpha1"
 GTJ_PLURAL = "guardedtrainingjobs"
@@ -513,14 +512,6 @@ class RealCluster(Cluster):
             await self.request("DELETE", collection, ok=(404,))
         await self.request("DELETE", f"/api/v1/namespaces/{self.namespace}/events", ok=(404,))
         await self.request("DELETE", f"/api/v1/namespaces/{self.namespace}", ok=(404, 409))
-
-
-def pytorchjob_crd() -> Path:
-    """Kubeflow's PyTorchJob CRD, beside the repository (the newest version there)."""
-    found = sorted(KUBEFLOW_REFERENCE.glob("kubeflow.org_pytorchjobs*.yaml"))
-    if not found:
-        raise FileNotFoundError(f"no kubeflow.org_pytorchjobs*.yaml in {KUBEFLOW_REFERENCE}")
-    return found[-1]
 
 
 @contextlib.asynccontextmanager

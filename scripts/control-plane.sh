@@ -9,6 +9,8 @@
 #   bin/<component>-<version>/<component>   one directory per component and version: a version bump
 #                                            builds afresh, an unchanged one is reused as is
 #   bin/control-plane-<key>/<component>     symlinks to the above; <key> hashes the versions
+#   kubeflow/training-operator-<version>/    the PyTorchJob CRD and Kubeflow's simple PyTorchJob example,
+#                                            copied from the module the training operator is built from
 #   go/{mod,build,path}                      GOMODCACHE, GOCACHE, GOPATH (shared with scripts/tools.sh)
 #
 # Versions. The preinstalled kubectl is 1.32 (Google Cloud CLI's dispatcher, which also ships kubectl
@@ -30,6 +32,8 @@
 # Usage:
 #   bash scripts/control-plane.sh [build]       build what is missing; print the bin directory on stdout
 #   bash scripts/control-plane.sh --bin-dir     print the bin directory only (builds nothing)
+#   bash scripts/control-plane.sh kubeflow      fetch Kubeflow's manifests only (seconds); print their dir
+#   bash scripts/control-plane.sh --kubeflow-dir  print that directory only (fetches nothing)
 #   bash scripts/control-plane.sh start [DIR]   build if needed (and the images, scripts/images.sh, and
 #                                               helm, scripts/tools.sh), then run the whole test cluster
 #                                               (tests/support/cluster.py: the control plane on free
@@ -49,8 +53,8 @@ STAGING_VERSION=v0.${KUBERNETES_VERSION#v1.}
 ETCD_VERSION=v3.5.35
 # etcd's client/v2 module is versioned v2.305.P for etcd v3.5.P.
 ETCD_CLIENT_V2_VERSION=v2.305.${ETCD_VERSION##*.}
-# The Kubeflow training operator v1 (PyTorchJob), at the newest v1.9 patch; its CRD is the v1.9.0 one in
-# ../shared/reference/kubeflow/ (the PyTorchJob schema did not change in the v1.9 patches).
+# The Kubeflow training operator v1 (PyTorchJob), at the newest v1.9 patch. Its module holds the CRD the
+# tests install and validate renders against (fetch_kubeflow_manifests).
 TRAINING_OPERATOR_VERSION=v1.9.3
 COREDNS_VERSION=v1.15.0
 # The plugins the test node's Corefile uses (tests/support/node.py), in CoreDNS's order (build_coredns).
@@ -61,6 +65,7 @@ cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
 key=$(printf 'kubernetes %s\netcd %s\ntraining-operator %s\ncoredns %s %s\n' "$KUBERNETES_VERSION" "$ETCD_VERSION" \
   "$TRAINING_OPERATOR_VERSION" "$COREDNS_VERSION" "$COREDNS_PLUGINS" | sha256sum | cut -c1-12)
 bin_dir="$cache/bin/control-plane-$key"
+kubeflow_dir="$cache/kubeflow/training-operator-$TRAINING_OPERATOR_VERSION"
 
 mode=${1:-build}
 case "$mode" in
@@ -68,9 +73,13 @@ case "$mode" in
     echo "$bin_dir"
     exit 0
     ;;
-  build | start) ;;
+  --kubeflow-dir)
+    echo "$kubeflow_dir"
+    exit 0
+    ;;
+  build | start | kubeflow) ;;
   *)
-    echo "usage: bash scripts/control-plane.sh [build | --bin-dir | start [DIR]]" >&2
+    echo "usage: bash scripts/control-plane.sh [build | kubeflow | --bin-dir | --kubeflow-dir | start [DIR]]" >&2
     exit 2
     ;;
 esac
@@ -99,6 +108,42 @@ export CGO_ENABLED=0 # static binaries, as Kubernetes releases them; no C toolch
 mkdir -p "$cache/bin" "$GOPATH" "$GOMODCACHE" "$GOCACHE"
 
 total=$(now)
+
+# Kubeflow's manifests the tests use, taken from the training operator's own module at the version built
+# below (the Go module proxy serves a module's whole tree): the PyTorchJob CRD (installed on the test
+# cluster, and the schema every rendered PyTorchJob is checked against) and the simple PyTorchJob example
+# (the admission test creates it). The module cache is read-only, so the files are copied out, into a
+# temp dir renamed into place: a fetch interrupted or run twice at once leaves a whole directory or none.
+fetch_kubeflow_manifests() {
+  local module_dir tmp started
+  if [ -f "$kubeflow_dir/kubeflow.org_pytorchjobs.yaml" ] && [ -f "$kubeflow_dir/pytorchjob-simple.yaml" ]; then
+    log "kubeflow manifests $TRAINING_OPERATOR_VERSION: cached in $kubeflow_dir"
+    return 0
+  fi
+  started=$(now)
+  module_dir=$(cd "${TMPDIR:-/tmp}" &&
+    go mod download -json "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION" |
+    sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+  if [ -z "$module_dir" ] || [ ! -f "$module_dir/manifests/base/crds/kubeflow.org_pytorchjobs.yaml" ]; then
+    log "error: github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION has no PyTorchJob CRD" \
+      "(manifests/base/crds/kubeflow.org_pytorchjobs.yaml) in the module cache"
+    return 1
+  fi
+  mkdir -p "$(dirname "$kubeflow_dir")"
+  tmp=$(mktemp -d "$kubeflow_dir.XXXXXX")
+  cp "$module_dir/manifests/base/crds/kubeflow.org_pytorchjobs.yaml" "$tmp/kubeflow.org_pytorchjobs.yaml"
+  cp "$module_dir/examples/pytorch/simple.yaml" "$tmp/pytorchjob-simple.yaml"
+  chmod 755 "$tmp"
+  chmod 644 "$tmp"/*.yaml
+  rm -rf "$kubeflow_dir"
+  mv -T "$tmp" "$kubeflow_dir" 2>/dev/null || rm -rf "$tmp" # another fetch won the race: keep its copy
+  log "kubeflow manifests $TRAINING_OPERATOR_VERSION: fetched in $(since "$started") into $kubeflow_dir"
+}
+fetch_kubeflow_manifests
+if [ "$mode" = kubeflow ]; then
+  echo "$kubeflow_dir"
+  exit 0
+fi
 
 # One builder at a time (a developer's shell and CI may start together); the loser then finds the
 # binaries built and reuses them.

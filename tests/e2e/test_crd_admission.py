@@ -20,15 +20,13 @@ import pytest
 import yaml
 
 from tests.support.controlplane import ControlPlane
+from tests.support.kubeflow import pytorchjob_crd, pytorchjob_example
 from tests.support.paths import REPO_ROOT
 from trainguard import spec
 from trainguard.crd import build_crd
 
 CRD_FILE = REPO_ROOT / "crds" / "guardedtrainingjobs.trainguard.dev.yaml"
 EXAMPLE_JOB = REPO_ROOT / "examples" / "local" / "job.yaml"
-KUBEFLOW = REPO_ROOT.parent / "shared" / "reference" / "kubeflow"
-PYTORCHJOB_CRD = KUBEFLOW / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
-PYTORCHJOB_EXAMPLE = KUBEFLOW / "pytorchjob-simple.example.yaml"
 NAMESPACE = "default"
 
 
@@ -411,19 +409,19 @@ def test_kubectl_apply_refuses_an_invalid_job_naming_the_field(api: Api) -> None
 
 
 def test_the_control_plane_hosts_the_kubeflow_pytorchjob_crd(plain_api: Api) -> None:
-    """The Kubeflow training operator's PyTorchJob CRD (v1.9.0) is established, and its example job
+    """The Kubeflow training operator's PyTorchJob CRD is established, and its example job
     passes a server-side dry-run create (its namespace is created first)."""
-    plain_api.plane.kubectl("apply", "--server-side", f"--filename={PYTORCHJOB_CRD}")
+    plain_api.plane.kubectl("apply", "--server-side", f"--filename={pytorchjob_crd()}")
     crd = plain_api.wait_established("pytorchjobs.kubeflow.org")
     assert "pytorchjob" in crd["status"]["acceptedNames"]["singular"]
-    example = yaml.safe_load(PYTORCHJOB_EXAMPLE.read_text())
+    example = yaml.safe_load(pytorchjob_example().read_text())
     namespace = example["metadata"].get("namespace", NAMESPACE)
     plain_api.plane.kubectl("create", "namespace", namespace, check=False)
     wait_until(
         lambda: plain_api.plane.kubectl("get", "pytorchjobs", "-n", namespace, check=False).returncode == 0
     )
     out = plain_api.plane.kubectl(
-        "create", "--dry-run=server", f"--filename={PYTORCHJOB_EXAMPLE}", "--output=json"
+        "create", "--dry-run=server", f"--filename={pytorchjob_example()}", "--output=json"
     )
     created = json.loads(out.stdout)
     assert created["kind"] == "PyTorchJob"

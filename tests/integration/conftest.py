@@ -10,7 +10,7 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from tests.support.manifests import REFERENCE
+from tests.support.kubeflow import pytorchjob_crd
 from tests.support.operator_harness import Sidecars, configure_operator, install_crd, prepare_cluster
 
 
@@ -25,7 +25,7 @@ async def bare_cluster(
 @pytest_asyncio.fixture
 async def cluster(bare_cluster: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     """``bare_cluster`` with the Kubeflow PyTorchJob CRD installed."""
-    await install_crd(bare_cluster, REFERENCE)
+    await install_crd(bare_cluster, pytorchjob_crd())
     return bare_cluster
 
 

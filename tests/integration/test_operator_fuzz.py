@@ -24,7 +24,7 @@ from trainguard_operator.render import JOB_LABEL, Owner, RenderError, render_pyt
 from trainguard_operator.settings import OperatorSettings
 
 from tests.support.kube_emulator import Emulator
-from tests.support.manifests import REFERENCE
+from tests.support.kubeflow import pytorchjob_crd
 from tests.support.operator_harness import (
     GTJ_PATH,
     PTJ,
@@ -207,7 +207,7 @@ async def test_fuzzed_specs_never_crash_the_handlers_nor_loop_hot(
     kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = await prepare_cluster(kmock, tmp_path, monkeypatch)
-    await install_crd(cluster, REFERENCE)
+    await install_crd(cluster, pytorchjob_crd())
     configure_operator(monkeypatch, free_port(), crd_retry_seconds="5")
     loop = asyncio.get_running_loop()
     serial = itertools.count()

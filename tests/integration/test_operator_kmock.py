@@ -21,7 +21,7 @@ from trainguard_operator.render import (
 from trainguard_operator.status import parse_time
 
 from tests.support.kube_emulator import Emulator
-from tests.support.manifests import REFERENCE
+from tests.support.kubeflow import pytorchjob_crd
 from tests.support.operator_harness import (
     GTJ_PATH,
     NS,
@@ -229,7 +229,7 @@ async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_opera
         assert len(cluster) - before < 60
 
         # The Kubeflow training operator gets installed: the job starts, the broken one still does not.
-        await install_crd(cluster, REFERENCE)
+        await install_crd(cluster, pytorchjob_crd())
         await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="the PyTorchJob once the CRD exists")
         await eventually(lambda: conditions(cluster)["PyTorchJobCRDMissing"]["status"] == "False")
         assert alive(cluster, PTJ, "broken-1") is None

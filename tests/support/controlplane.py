@@ -50,8 +50,8 @@ from typing import Any
 
 import yaml
 
-from tests.support import images
-from tests.support.paths import REPO_ROOT, SHARED
+from tests.support import images, kubeflow
+from tests.support.paths import REPO_ROOT
 from tests.support.ports import free_ports
 
 CONTROL_PLANE_SCRIPT = REPO_ROOT / "scripts" / "control-plane.sh"
@@ -77,7 +77,6 @@ COMPONENT_BINARIES = ("kube-controller-manager", "kube-scheduler", "training-ope
 # v1.33): none. The test node's pods have bridge addresses, which Endpoints and EndpointSlices take, and
 # kube-proxy routes Services to them.
 DISABLED_CONTROLLERS: tuple[str, ...] = ()
-PYTORCHJOB_CRD = SHARED / "reference" / "kubeflow" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 TRAINING_OPERATOR_NAMESPACE = "kubeflow"
 # What the training operator's cert rotator (open-policy-agent/cert-controller) keeps its webhook CA and
 # serving certificate in; it must exist before the operator starts (the rotator only updates it).
@@ -780,7 +779,7 @@ def start_training_operator(
     """
     name = "training-operator"
     started = time.monotonic()
-    plane.kubectl("apply", "--server-side", "--force-conflicts", f"--filename={PYTORCHJOB_CRD}")
+    plane.kubectl("apply", "--server-side", "--force-conflicts", f"--filename={kubeflow.pytorchjob_crd()}")
     _wait_until("PyTorchJob CRD established", lambda: _pytorchjob_crd_served(plane), plane.apiserver, timeout)
     plane.startup_seconds["pytorchjob-crd"] = time.monotonic() - started
     setup = [

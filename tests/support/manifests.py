@@ -1,4 +1,4 @@
-"""GuardedTrainingJob manifests for tests, and the Kubeflow PyTorchJob v1.9.0 schema to check renders."""
+"""GuardedTrainingJob manifests for tests, and Kubeflow's PyTorchJob schema to check renders."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import yaml
 
-from tests.support.paths import SHARED
+from tests.support import kubeflow
 from trainguard.spec import GuardedTrainingJob, parse_job
 
-#: The PyTorchJob CRD of the Kubeflow training operator v1.9.0.
-REFERENCE = SHARED / "reference/kubeflow/kubeflow.org_pytorchjobs.v1.9.0.yaml"
 USER_ENV: list[dict[str, Any]] = [
     {"name": "TRAINGUARD_FAULTS", "value": "nan_loss@100x4"},
     {"name": "DATA_DIR", "value": "/data"},
@@ -91,7 +89,7 @@ def _strict(schema: Any) -> Any:
 @cache
 def validator() -> jsonschema.Draft7Validator:
     """The strict PyTorchJob v1 schema (see ``_strict``)."""
-    crd = yaml.load(REFERENCE.read_text(), Loader=yaml.CSafeLoader)
+    crd = yaml.load(kubeflow.pytorchjob_crd().read_text(), Loader=yaml.CSafeLoader)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     schema = _strict(version["schema"]["openAPIV3Schema"])
     jsonschema.Draft7Validator.check_schema(schema)
