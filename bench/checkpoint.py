@@ -68,8 +68,8 @@ from tests.support.paths import REPO_ROOT
 from trainer_sidecar.checkpoint import CheckpointStore, data_file_name, step_dir_name
 from trainer_sidecar.checkpoint import format as checkpoint_format
 from trainer_sidecar.checkpoint import writer as checkpoint_writer
-from trainer_sidecar.snapshot import Snapshot, stable_storage
-from trainer_sidecar.tensorstate import flatten
+from trainer_sidecar.guardian.snapshot import Snapshot, stable_storage
+from trainer_sidecar.tensors.tensorstate import flatten
 
 _CHUNK = 8 << 20  # the raw write's chunk (the store writes and hashes large tensors in 8 MiB pieces)
 _LAYERS = 8

@@ -23,7 +23,7 @@ import torch
 
 from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.checkpoint.format import Piece, Serialized
-from trainer_sidecar.tensorstate import Slot, unflatten
+from trainer_sidecar.tensors.tensorstate import Slot, unflatten
 
 FORMAT_VERSION = 2
 """The version of the data files and of the manifests that describe them."""

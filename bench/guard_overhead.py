@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from trainer_sidecar import CheckpointPolicy, Guardian, GuardianSettings, GuardThresholds
-from trainer_sidecar.snapshot import Snapshot
+from trainer_sidecar.guardian.snapshot import Snapshot
 
 # The guardian reads these when an argument is missing; none may leak into the benchmark.
 _GUARDIAN_ENV = (

@@ -2,7 +2,7 @@
 
 Goodput is the share of wall time, since the job's first attempt was created (``status.jobStartedAt``),
 spent computing steps that the final model kept: the definition of ``trainguard run``, computed with
-the same arithmetic (``trainguard.summary``: ``stretches``, ``kept_time``, ``goodput``). Work that a
+the same arithmetic (``trainguard.core.summary``: ``stretches``, ``kept_time``, ``goodput``). Work that a
 later attempt redid because it resumed from an older checkpoint, steps undone by an in-process
 rollback, backoffs, pod start-up and checkpoint loading all count as wall time but not as kept time.
 
@@ -11,7 +11,7 @@ attempt, when the attempt was created, the checkpoint step it resumed from (as i
 the first and the last step seen and when they were first seen (the operator's clock, one look every
 ``probePeriodSeconds``). A new record starts with each attempt, and within an attempt when the step went
 backwards (a rollback). Each record becomes the samples of its first and last step for
-``trainguard.summary.stretches``, which ``trainguard run`` uses too: when the next attempt resumed from a
+``trainguard.core.summary.stretches``, which ``trainguard run`` uses too: when the next attempt resumed from a
 step beyond the last one seen, the record is carried on to that step at its own rate (bounded by the
 next attempt's creation), so progress made after the last look is not lost; the first stretch of an
 attempt is extrapolated back to its resume step (bounded by the attempt's creation, so no time is
@@ -36,7 +36,7 @@ from datetime import datetime
 
 from trainguard_operator.status import FoldedHistory, StepRecord, iso_precise, parse_time
 
-from trainguard.summary import Sample, Stretch, goodput, kept_time, stretches
+from trainguard.core.summary import Sample, Stretch, goodput, kept_time, stretches
 
 #: Records kept in ``status.stepHistory``; older ones are folded into ``status.stepHistoryFolded``.
 MAX_RECORDS = 20
@@ -87,7 +87,7 @@ def record_progress(
 
 
 def _record_runs(record: StepRecord, following: StepRecord | None) -> list[Stretch]:
-    """The stretches of one record (see the module docstring), by ``trainguard.summary.stretches``:
+    """The stretches of one record (see the module docstring), by ``trainguard.core.summary.stretches``:
     extrapolated back to the attempt's resume step (not before the attempt's creation), and on to the
     next attempt's resume step (not past that attempt's creation)."""
     first_t = _seconds(record.first_step_at) or 0.0

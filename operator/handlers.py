@@ -41,7 +41,7 @@ from trainguard_operator.reconcile import (
 )
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
-from trainguard.spec import GROUP, PLURAL, VERSION
+from trainguard.core.spec import GROUP, PLURAL, VERSION
 
 RUNTIME_KEY = "trainguard_runtime"
 SETTINGS_KEY = "trainguard_settings"

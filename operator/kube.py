@@ -24,7 +24,7 @@ from trainguard_operator.render import (
     PYTORCHJOB_VERSION,
 )
 
-from trainguard.spec import GROUP, PLURAL, VERSION
+from trainguard.core.spec import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 #: Seconds an API call may take before it counts as failed (and is retried).

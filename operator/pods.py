@@ -4,7 +4,7 @@ What the state machine (``reconcile``) needs of the current attempt: which pod i
 rank's process is doing (running, exited and how, lost to a disruption, restarted in place), what each
 rank last reported (its sidecar's ``/status``, or once the worker ended, the final status the guardian
 left in its container's termination message), and which sidecars to ask next. Nothing here decides:
-the ranks are handed to ``trainguard.policy.decide`` as ``trainguard.observation`` builds them.
+the ranks are handed to ``trainguard.core.policy.decide`` as ``trainguard.core.observation`` builds them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
 from trainguard_operator.status import TERMINAL_PHASES, JobStatus, parse_time
 
-from trainer_sidecar.exitcodes import describe_exit
-from trainer_sidecar.status import WorkerStatus, parse_status
-from trainguard.observation import (
+from trainer_sidecar.contract.exitcodes import describe_exit
+from trainer_sidecar.contract.status import WorkerStatus, parse_status
+from trainguard.core.observation import (
     GangView,
     ProcessState,
     RankState,
@@ -27,8 +27,8 @@ from trainguard.observation import (
     observe_gang,
     rank_observation,
 )
-from trainguard.policy import RankObservation, classify
-from trainguard.spec import WORKER_CONTAINER
+from trainguard.core.policy import RankObservation, classify
+from trainguard.core.spec import WORKER_CONTAINER
 
 _POD_NAME = re.compile(r"-(master|worker)-(\d+)$")
 #: The longest line of a plain-text termination message quoted in a failure's reason.

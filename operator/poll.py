@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from trainguard.observation import SidecarReport
+from trainguard.core.observation import SidecarReport
 
 
 class SidecarPoller:

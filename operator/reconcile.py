@@ -3,9 +3,9 @@ show: ``reconcile(World, OperatorSettings) -> Plan``. No I/O, no clock (``World.
 
 The plan says what to do (create attempt N's PyTorchJob now; delete attempt N's PyTorchJob and schedule
 attempt N+1 at a time, with a remediation; mark the job Succeeded; mark it Failed; wait; nothing), the
-whole new status, and the Events to post. Restarts are decided only by ``trainguard.policy.decide``.
+whole new status, and the Events to post. Restarts are decided only by ``trainguard.core.policy.decide``.
 This module is the state machine; ``pods`` reads the attempt's pods and sidecars into the gang view of
-``trainguard.observation`` (the same view ``trainguard run`` decides from).
+``trainguard.core.observation`` (the same view ``trainguard run`` decides from).
 
 Every fact a decision needs is in the object's status (see ``status.JobStatus``), so a reconcile after an
 operator restart, from the status read back, takes the same decision, and never a second restart for the
@@ -60,9 +60,9 @@ from trainguard_operator.status import (
     set_condition,
 )
 
-from trainguard.observation import GangView, SidecarReport
-from trainguard.policy import Action, Decision, Observation, decide
-from trainguard.spec import GuardedTrainingJobSpec, SpecError, parse_job
+from trainguard.core.observation import GangView, SidecarReport
+from trainguard.core.policy import Action, Decision, Observation, decide
+from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
 IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")

@@ -26,10 +26,10 @@ from typing import Any
 
 from trainguard_operator.settings import OperatorSettings
 
-from trainer_sidecar.settings import Remediation
-from trainer_sidecar.status import LOCAL_RANKS_ENV
-from trainguard.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
-from trainguard.torchrun import NodeLaunch, NotPython, under_torchrun
+from trainer_sidecar.contract.settings import Remediation
+from trainer_sidecar.contract.status import LOCAL_RANKS_ENV
+from trainguard.core.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
+from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
 
 PYTORCHJOB_GROUP = "kubeflow.org"
 PYTORCHJOB_VERSION = "v1"
@@ -352,7 +352,7 @@ KUBEFLOW_NODE = NodeLaunch(
 
 
 def _run_under_torchrun(worker: dict[str, Any]) -> None:
-    """The worker's command and arguments as one command run by torchrun (``trainguard.torchrun``)."""
+    """The worker's command and arguments as one command run by torchrun (``trainguard.core.torchrun``)."""
     command = [*worker.get("command", []), *worker.get("args", [])]
     try:
         worker["command"] = under_torchrun(command, KUBEFLOW_NODE)

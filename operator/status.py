@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 from trainguard_operator.render import RemediationOrder
 
-from trainguard.spec import CheckpointStatus, Condition, GuardedTrainingJobStatus, LastFailure
+from trainguard.core.spec import CheckpointStatus, Condition, GuardedTrainingJobStatus, LastFailure
 
 
 class Phase(StrEnum):

@@ -11,27 +11,32 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
-    from trainer_sidecar.data import GuardedLoader
-    from trainer_sidecar.exitcodes import ExitCode
-    from trainer_sidecar.guardian import ConfigError, Diverged, Guardian, StepOutcome
-    from trainer_sidecar.settings import CheckpointPolicy, GuardianSettings, GuardThresholds, Remediation
-    from trainer_sidecar.status import Phase, WorkerStatus
+    from trainer_sidecar.contract.exitcodes import ExitCode
+    from trainer_sidecar.contract.settings import (
+        CheckpointPolicy,
+        GuardianSettings,
+        GuardThresholds,
+        Remediation,
+    )
+    from trainer_sidecar.contract.status import Phase, WorkerStatus
+    from trainer_sidecar.guardian.data import GuardedLoader
+    from trainer_sidecar.guardian.guardian import ConfigError, Diverged, Guardian, StepOutcome
 
 _EXPORTS = {
     "CheckpointError": "checkpoint",
     "CheckpointStore": "checkpoint",
-    "GuardedLoader": "data",
-    "ExitCode": "exitcodes",
-    "ConfigError": "guardian",
-    "Diverged": "guardian",
-    "Guardian": "guardian",
-    "StepOutcome": "guardian",
-    "CheckpointPolicy": "settings",
-    "GuardianSettings": "settings",
-    "GuardThresholds": "settings",
-    "Remediation": "settings",
-    "Phase": "status",
-    "WorkerStatus": "status",
+    "GuardedLoader": "guardian.data",
+    "ExitCode": "contract.exitcodes",
+    "ConfigError": "guardian.guardian",
+    "Diverged": "guardian.guardian",
+    "Guardian": "guardian.guardian",
+    "StepOutcome": "guardian.guardian",
+    "CheckpointPolicy": "contract.settings",
+    "GuardianSettings": "contract.settings",
+    "GuardThresholds": "contract.settings",
+    "Remediation": "contract.settings",
+    "Phase": "contract.status",
+    "WorkerStatus": "contract.status",
 }
 
 __all__ = [

@@ -12,18 +12,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer_sidecar.files import read_small_file
-from trainguard.spec import GuardedTrainingJob, SpecError, load_job
+from trainer_sidecar.contract.files import read_small_file
+from trainguard.core.spec import GuardedTrainingJob, SpecError, load_job
 
 MAX_SUMMARY_BYTES = 64 << 20
 
 if TYPE_CHECKING:
-    from trainguard.launch import StopSignals
-    from trainguard.local import LocalRunner
+    from trainguard.local.launch import StopSignals
+    from trainguard.local.runner import LocalRunner
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trainguard.launch import RunRefused, Stopped, StopSignals
+    from trainguard.local.launch import RunRefused, Stopped, StopSignals
 
     try:
         job = load_job(args.job)
@@ -57,8 +57,8 @@ def _run_job(
     checkpoint_root: Path,
     signals: StopSignals,
 ) -> tuple[int, LocalRunner]:
-    from trainguard.local import LocalRunner
-    from trainguard.view import LiveView, PlainView
+    from trainguard.local.runner import LocalRunner
+    from trainguard.local.view import LiveView, PlainView
 
     interactive = sys.stdout.isatty() and not args.plain
     view = LiveView() if interactive else PlainView()
@@ -81,7 +81,7 @@ def _report_run(args: argparse.Namespace, runner: LocalRunner, code: int) -> int
     if args.summary:
         _write_or_say(args.summary, lambda: text, summary_path)
     if args.plot:
-        from trainguard.report import SummaryView, render_png
+        from trainguard.local.report import SummaryView, render_png
 
         _write_or_say(args.plot, lambda: render_png(SummaryView.model_validate(summary)), summary_path)
     brief = {
@@ -126,7 +126,7 @@ def output_problem(flag: str, path: Path, *, png: bool) -> str | None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from trainguard.report import load_summary, render_png
+    from trainguard.local.report import load_summary, render_png
 
     problem = output_problem("--output", args.output, png=True)
     if problem:
@@ -149,7 +149,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
-    from trainer_sidecar.checkpoint.dcp import export_dcp, import_dcp
+    from trainer_sidecar.guardian.dcp import export_dcp, import_dcp
 
     source = args.checkpoint_dir if args.action == "export-dcp" else args.dcp_dir
     if not source.is_dir():  # a read must not create the folder it reads

@@ -33,8 +33,8 @@ import yaml
 from tests.support.paths import REPO_ROOT
 from tests.support.ports import free_port
 from tests.support.tools import tool
-from trainer_sidecar.sidecar import WorkerStatusCollector
-from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus, write_status
+from trainer_sidecar.contract.status import CheckpointRef, Phase, WorkerStatus, write_status
+from trainer_sidecar.sidecar.server import WorkerStatusCollector
 
 CHART = REPO_ROOT / "charts" / "trainguard"
 DEFAULTS: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())

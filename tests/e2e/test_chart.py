@@ -26,7 +26,7 @@ import yaml
 from tests.support.paths import CHART
 from tests.support.paths import REPO_ROOT as ROOT
 from tests.support.tools import helm, tool
-from trainguard import crd
+from trainguard.core import crd
 
 CHART_CRD_COPY = CHART / "files" / crd.CRD_PATH.name
 PEERING_CRDS = CHART / "crds" / "kopfpeerings.kopf.dev.yaml"
@@ -555,7 +555,7 @@ def test_pods_the_operator_renders_pass_the_restricted_profile(custom: Rendered)
     from trainguard_operator.render import Owner, render_pytorchjob
     from trainguard_operator.settings import OperatorSettings
 
-    from trainguard.spec import GuardedTrainingJob
+    from trainguard.core.spec import GuardedTrainingJob
 
     env = {e["name"]: e["value"] for e in _container(custom, "StatefulSet")["env"] if "value" in e}
     settings = OperatorSettings.from_env(
@@ -782,8 +782,8 @@ def test_the_metrics_service_selects_the_operator(default: Rendered) -> None:
 
 def test_the_chart_carries_the_generated_crd_unchanged() -> None:
     assert CHART_CRD_COPY.read_text() == crd.CRD_PATH.read_text() == crd.render(), (
-        f"the chart's CRD copy drifted: run python -m trainguard.crd && "
-        f"python -m trainguard.crd --output {CHART_CRD_COPY.relative_to(ROOT)}"
+        f"the chart's CRD copy drifted: run python -m trainguard.core.crd && "
+        f"python -m trainguard.core.crd --output {CHART_CRD_COPY.relative_to(ROOT)}"
     )
 
 

@@ -12,7 +12,7 @@ from trainguard_operator.settings import OperatorSettings
 from tests.support import controlplane
 from tests.support.paths import CHART, REPO_ROOT
 from tests.support.tools import helm
-from trainguard.spec import load_job
+from trainguard.core.spec import load_job
 
 NAMESPACE = "trainguard-system"
 WORKLOADS = "research"

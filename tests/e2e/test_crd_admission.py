@@ -3,7 +3,7 @@
 These run against the ``control_plane`` fixture (a real etcd + kube-apiserver built from the Go module
 proxy by ``scripts/control-plane.sh``), not an emulator: the API server itself compiles the CEL rules
 (within its cost budget), checks the schema is structural, fills in defaults and enforces every rule.
-The property-style test pins the promise in ``trainguard/spec.py``: the pydantic model and the CRD
+The property-style test pins the promise in ``trainguard/core/spec.py``: the pydantic model and the CRD
 accept and refuse the same objects.
 """
 
@@ -22,8 +22,8 @@ import yaml
 from tests.support.controlplane import ControlPlane
 from tests.support.kubeflow import pytorchjob_crd, pytorchjob_example
 from tests.support.paths import REPO_ROOT
-from trainguard import spec
-from trainguard.crd import build_crd
+from trainguard.core import spec
+from trainguard.core.crd import build_crd
 
 CRD_FILE = REPO_ROOT / "crds" / "guardedtrainingjobs.trainguard.dev.yaml"
 EXAMPLE_JOB = REPO_ROOT / "examples" / "local" / "job.yaml"
@@ -324,7 +324,7 @@ def _api_accepts(api: Api, document: dict[str, Any]) -> tuple[bool, str]:
 
 def test_api_server_and_pydantic_model_give_the_same_verdicts(api: Api) -> None:
     """For every case the real API server (server-side dry run, strict field validation, as kubectl
-    apply does) accepts exactly when trainguard.spec.parse_job does; both verdicts occur."""
+    apply does) accepts exactly when trainguard.core.spec.parse_job does; both verdicts occur."""
     verdicts: dict[str, tuple[bool, bool, str]] = {}
     for name, document in VERDICT_CASES.items():
         accepted, answer = _api_accepts(api, document)

@@ -161,7 +161,7 @@ def test_a_pod_runs_as_its_images_numeric_user_and_kubectl_logs_and_exec_reach_i
     # The operator and the sidecar are the image's programs; torch is not in it.
     out = ns.cluster.kubectl(
         "exec", "-n", ns.name, "whoami", "--", "python3", "-c",
-        "import importlib.util as u, trainguard_operator.handlers, trainer_sidecar.sidecar;"
+        "import importlib.util as u, trainguard_operator.handlers, trainer_sidecar.sidecar.server;"
         "print(u.find_spec('torch'))",
     )  # fmt: skip
     assert out.strip() == "None"

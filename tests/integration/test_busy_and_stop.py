@@ -14,7 +14,7 @@ import pytest
 from tests.support.ports import free_port
 from tests.support.procs import finish, start_worker, successful_reports, worker_env
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainer_sidecar.status import Phase, WorkerStatus, read_status
+from trainer_sidecar.contract.status import Phase, WorkerStatus, read_status
 
 pytestmark = pytest.mark.slow
 

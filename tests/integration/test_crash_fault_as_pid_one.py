@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainer_sidecar.faults import FaultInjector, parse_faults
+from trainer_sidecar.guardian.faults import FaultInjector, parse_faults
 
 print("pid", os.getpid(), flush=True)
 injector = FaultInjector(parse_faults("crash@3"), 0, Path(sys.argv[1]))

@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.procs import run_gang, successful_reports
 from trainer_sidecar.checkpoint import CheckpointStore, data_file_name
-from trainer_sidecar.exitcodes import ExitCode
+from trainer_sidecar.contract.exitcodes import ExitCode
 
 pytestmark = pytest.mark.slow
 

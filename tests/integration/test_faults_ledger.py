@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainer_sidecar.faults import FaultInjector, FaultKind, parse_faults
+from trainer_sidecar.guardian.faults import FaultInjector, FaultKind, parse_faults
 
 rank, ledger_dir, steps = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 injector = FaultInjector(parse_faults(f"nan_loss@0x{steps},hang@0x{steps}:{rank}"), rank, ledger_dir)

@@ -19,7 +19,7 @@ from tests.support.ports import free_port
 from tests.support.procs import FSDP_WORKER, finish, run_gang, successful_reports, worker_env
 from tests.support.workers.fsdp_train import make_dataset
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainer_sidecar.data import GuardedLoader
+from trainer_sidecar.guardian.data import GuardedLoader
 
 pytestmark = pytest.mark.slow
 

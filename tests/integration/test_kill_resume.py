@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import finish, start_worker, worker_env
-from trainer_sidecar.status import read_status
+from trainer_sidecar.contract.status import read_status
 
 pytestmark = pytest.mark.slow
 

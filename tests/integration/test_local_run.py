@@ -16,7 +16,7 @@ import yaml
 
 from tests.support import procs
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainguard.sidecars import LIVENESS_FAILURE_THRESHOLD
+from trainguard.local.sidecars import LIVENESS_FAILURE_THRESHOLD
 
 pytestmark = pytest.mark.slow
 

@@ -39,7 +39,7 @@ from tests.support.operator_harness import (
     prepare_cluster,
 )
 from tests.support.ports import free_port
-from trainguard.spec import GuardedTrainingJobSpec, SpecError, parse_job
+from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 

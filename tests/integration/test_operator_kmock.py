@@ -50,7 +50,7 @@ from tests.support.operator_harness import (
     value,
 )
 from tests.support.paths import REPO_ROOT as ROOT
-from trainer_sidecar.status import Phase
+from trainer_sidecar.contract.status import Phase
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 

@@ -23,8 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar.sidecar import SidecarServer, main
-from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus, parse_status_document, write_status
+from trainer_sidecar.contract.status import (
+    CheckpointRef,
+    Phase,
+    WorkerStatus,
+    parse_status_document,
+    write_status,
+)
+from trainer_sidecar.sidecar.server import SidecarServer, main
 
 #: Long enough that no test is judged hung by the time it takes on a loaded machine; a hung worker is
 #: written with a last step ten hang timeouts old.

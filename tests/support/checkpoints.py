@@ -14,7 +14,7 @@ from torch import nn
 
 from trainer_sidecar.checkpoint import format as checkpoint_format
 from trainer_sidecar.checkpoint import step_dir_name
-from trainer_sidecar.tensorstate import flatten
+from trainer_sidecar.tensors.tensorstate import flatten
 
 
 def make_training(seed: int = 0, lr: float | torch.Tensor = 3e-3) -> tuple[nn.Module, torch.optim.AdamW]:

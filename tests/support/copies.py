@@ -1,4 +1,4 @@
-"""Control over the background copier that snapshots and checkpoints use (``trainer_sidecar.tensorstate``),
+"""Control over the background copier that snapshots and checkpoints use (``tensors.tensorstate``),
 for tests that must decide what a training loop does before a copy runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from trainer_sidecar import tensorstate
+from trainer_sidecar.tensors import tensorstate
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import jsonschema  # type: ignore[import-untyped]
 import yaml
 
 from tests.support import kubeflow
-from trainguard.spec import GuardedTrainingJob, parse_job
+from trainguard.core.spec import GuardedTrainingJob, parse_job
 
 USER_ENV: list[dict[str, Any]] = [
     {"name": "TRAINGUARD_FAULTS", "value": "nan_loss@100x4"},

@@ -29,8 +29,8 @@ from tests.support.kube_emulator import VERBS
 from tests.support.manifests import gtj_manifest
 from tests.support.paths import GTJ_CRD
 from tests.support.ports import free_port
-from trainer_sidecar.sidecar import SidecarServer
-from trainer_sidecar.status import Phase, WorkerStatus, write_status
+from trainer_sidecar.contract.status import Phase, WorkerStatus, write_status
+from trainer_sidecar.sidecar.server import SidecarServer
 
 NS = "default"
 GTJ = "trainguard.dev/v1alpha1/guardedtrainingjobs"

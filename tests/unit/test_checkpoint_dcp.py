@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainer_sidecar import Guardian
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
-from trainer_sidecar.checkpoint.dcp import export_dcp, import_dcp
-from trainer_sidecar.counters import GuardCounters
-from trainer_sidecar.training import TrainingObjects
+from trainer_sidecar.guardian.counters import GuardCounters
+from trainer_sidecar.guardian.dcp import export_dcp, import_dcp
+from trainer_sidecar.guardian.training import TrainingObjects
 from trainguard import cli
 
 

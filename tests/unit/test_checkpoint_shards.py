@@ -20,8 +20,8 @@ from trainer_sidecar.checkpoint import CheckpointError, data_file_name
 from trainer_sidecar.checkpoint import format as checkpoint_format
 from trainer_sidecar.checkpoint.shards import CheckpointReader, open_reader
 from trainer_sidecar.checkpoint.store import files_to_verify
-from trainer_sidecar.sharding import Box
-from trainer_sidecar.tensorstate import flatten
+from trainer_sidecar.tensors.sharding import Box
+from trainer_sidecar.tensors.tensorstate import flatten
 
 W = torch.arange(24, dtype=torch.float32).reshape(6, 4)
 V = torch.arange(5, dtype=torch.int64) * 10

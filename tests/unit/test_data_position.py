@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_sidecar.data import DeadLetters, GuardedLoader
+from trainer_sidecar.guardian.data import DeadLetters, GuardedLoader
 
 
 def dataset(n: int) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_sidecar.explosion import ExplosionPattern, classify_explosion
+from trainer_sidecar.guardian.explosion import ExplosionPattern, classify_explosion
 
 NAN = math.nan
 INF = math.inf

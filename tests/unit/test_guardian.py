@@ -17,12 +17,12 @@ import torch
 from tests.support.copies import copies_held
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainer_sidecar.config import GuardianConfig
-from trainer_sidecar.data import GuardedLoader, sample_is_bad
-from trainer_sidecar.guardian import Fenced, UncleanState
-from trainer_sidecar.status import read_status
-from trainer_sidecar.stopping import STOP, StopRequest
-from trainer_sidecar.training import fit_keys
+from trainer_sidecar.contract.status import read_status
+from trainer_sidecar.guardian.config import GuardianConfig
+from trainer_sidecar.guardian.data import GuardedLoader, sample_is_bad
+from trainer_sidecar.guardian.guardian import Fenced, UncleanState
+from trainer_sidecar.guardian.stopping import STOP, StopRequest
+from trainer_sidecar.guardian.training import fit_keys
 
 
 def settings(**sections: Any) -> GuardianSettings:

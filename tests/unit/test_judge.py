@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_sidecar.judge import (
+from trainer_sidecar.contract.settings import GuardThresholds
+from trainer_sidecar.guardian.judge import (
     GRAD_NORM_SPIKE,
     LOSS_SPIKE,
     NON_FINITE_GRADIENTS,
@@ -23,7 +24,6 @@ from trainer_sidecar.judge import (
     judge_step,
     rollbacks_in_window,
 )
-from trainer_sidecar.settings import GuardThresholds
 
 DEFAULT = GuardThresholds(spike_min_history=10)  # the rules, with a short history to judge spikes on
 

@@ -1,4 +1,4 @@
-"""trainguard.launch: stop signals, command checks, and why a worker exited (in-process, no children)."""
+"""trainguard.local.launch: stop signals, command checks, and why a worker exited (in-process)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer_sidecar.exitcodes import with_detail
-from trainer_sidecar.status import Phase, WorkerStatus, write_termination_message
-from trainguard import launch
-from trainguard.launch import RunRefused, Stopped, StopSignals
+from trainer_sidecar.contract.exitcodes import with_detail
+from trainer_sidecar.contract.status import Phase, WorkerStatus, write_termination_message
+from trainguard.local import launch
+from trainguard.local.launch import RunRefused, Stopped, StopSignals
 
 
 def signal_self(sig: signal.Signals, wait: float = 5.0) -> None:

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from trainguard.launch import RunRefused
-from trainguard.local import LocalRunner
-from trainguard.spec import GuardedTrainingJob, parse_job
+from trainguard.core.spec import GuardedTrainingJob, parse_job
+from trainguard.local.launch import RunRefused
+from trainguard.local.runner import LocalRunner
 
 MANIFEST: dict[str, Any] = {
     "apiVersion": "trainguard.dev/v1alpha1",

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_sidecar.exitcodes import ExitCode
-from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus
-from trainguard.observation import ProcessState, SidecarReport, observe_gang
-from trainguard.policy import FailureKind, classify
+from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.status import CheckpointRef, Phase, WorkerStatus
+from trainguard.core.observation import ProcessState, SidecarReport, observe_gang
+from trainguard.core.policy import FailureKind, classify
 
 
 def status(step: int = 0, **fields: Any) -> WorkerStatus:

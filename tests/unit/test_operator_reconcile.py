@@ -41,8 +41,8 @@ from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso
 
 from tests.support.manifests import gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar.status import WorkerStatus
-from trainguard.observation import SidecarReport
+from trainer_sidecar.contract.status import WorkerStatus
+from trainguard.core.observation import SidecarReport
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 GTJ_CRD = REPO_ROOT / "crds/guardedtrainingjobs.trainguard.dev.yaml"

@@ -33,12 +33,12 @@ from trainguard_operator.settings import OperatorSettings
 
 from tests.support.manifests import USER_ENV, gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar import sidecar
-from trainer_sidecar.settings import GuardianSettings, Remediation
-from trainer_sidecar.status import LOCAL_RANKS_ENV, STATUS_FILE_ENV
-from trainguard.launch import GANG_ENV, RUN_ENV
-from trainguard.local import LocalRunner
-from trainguard.spec import load_job
+from trainer_sidecar.contract.settings import GuardianSettings, Remediation
+from trainer_sidecar.contract.status import LOCAL_RANKS_ENV, STATUS_FILE_ENV
+from trainer_sidecar.sidecar import server as sidecar
+from trainguard.core.spec import load_job
+from trainguard.local.launch import GANG_ENV, RUN_ENV
+from trainguard.local.runner import LocalRunner
 
 SETTINGS = OperatorSettings(sidecar_image="registry.example/trainguard:test")
 OWNER = Owner(name="tiny-lm", namespace="research", uid="0b7d7c4e-5f0e-4a55-9d61-0123456789ab")

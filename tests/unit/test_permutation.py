@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_sidecar.data import GuardedLoader
-from trainer_sidecar.permutation import Permutation
+from trainer_sidecar.guardian.data import GuardedLoader
+from trainer_sidecar.guardian.permutation import Permutation
 
 
 @given(st.integers(1, 5000), st.integers(0, 2**64 - 1))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_sidecar.exitcodes import ExitCode
-from trainguard.policy import (
+from trainer_sidecar.contract.exitcodes import ExitCode
+from trainguard.core.policy import (
     Action,
     FailureKind,
     Observation,
@@ -16,7 +16,7 @@ from trainguard.policy import (
     decide,
     killed_by_signal,
 )
-from trainguard.spec import RecoverySpec
+from trainguard.core.spec import RecoverySpec
 
 RECOVERY = RecoverySpec()
 running = RankObservation

@@ -10,11 +10,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar.exitcodes import ExitCode
-from trainer_sidecar.faults import FaultKind
-from trainer_sidecar.sidecar import WorkerStatusCollector
-from trainer_sidecar.status import CheckpointRef, WorkerStatus, write_status
-from trainguard.spec import GuardedTrainingJobSpec
+from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.status import CheckpointRef, WorkerStatus, write_status
+from trainer_sidecar.guardian.faults import FaultKind
+from trainer_sidecar.sidecar.server import WorkerStatusCollector
+from trainguard.core.spec import GuardedTrainingJobSpec
 
 README = (REPO_ROOT / "README.md").read_text()
 SECTIONS_WITH_CHILDREN = {"template"}

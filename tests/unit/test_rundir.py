@@ -1,4 +1,4 @@
-"""trainguard.rundir: paths stay inside their roots, each run its own folder, one run per job."""
+"""trainguard.local.rundir: paths stay inside their roots, each run its own folder, one run per job."""
 
 from __future__ import annotations
 
@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.launch import RunRefused
-from trainguard.rundir import LATEST, LOCK_NAME, CheckpointLock, make_dir_inside, new_run_folder, plain_name
+from trainguard.local.launch import RunRefused
+from trainguard.local.rundir import (
+    LATEST,
+    LOCK_NAME,
+    CheckpointLock,
+    make_dir_inside,
+    new_run_folder,
+    plain_name,
+)
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../x", "/abs", "a\0b"])

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_sidecar.settings import (
+from trainer_sidecar.contract.settings import (
     SETTINGS_ENV,
     CheckpointPolicy,
     GuardianSettings,

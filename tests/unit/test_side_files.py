@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer_sidecar.data import DEAD_LETTER_NAME, DeadLetters
-from trainer_sidecar.faults import FaultInjector, parse_faults
-from trainer_sidecar.forensics import FORENSICS_DIR, FORENSICS_KEEP, Anomaly, write_bundle
+from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters
+from trainer_sidecar.guardian.faults import FaultInjector, parse_faults
+from trainer_sidecar.guardian.forensics import FORENSICS_DIR, FORENSICS_KEEP, Anomaly, write_bundle
 
 
 def anomaly(step: int) -> Anomaly:
@@ -90,7 +90,7 @@ def test_a_fault_ledger_planted_as_a_link_or_at_its_temp_name_is_never_written_t
     # the temp name used to be derived from the PID alone, so it could be planted in advance
     (root / f".faults-fired-rank0.json.{os.getpid()}.tmp").symlink_to(outside / "other")
     injector = FaultInjector(parse_faults("nan_loss@2"), rank=0, ledger_dir=root)
-    from trainer_sidecar.faults import FaultKind
+    from trainer_sidecar.guardian.faults import FaultKind
 
     assert injector.fires(FaultKind.NAN_LOSS, 2)
     assert (outside / "victim").read_text() == "precious\n"

@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer_sidecar.sidecar import COUNTER_FIELDS, WorkerStatusCollector, fold_counters
-from trainer_sidecar.status import Phase, WorkerStatus, parse_status_document, write_status
+from trainer_sidecar.contract.status import Phase, WorkerStatus, parse_status_document, write_status
+from trainer_sidecar.sidecar.server import COUNTER_FIELDS, WorkerStatusCollector, fold_counters
 
 WALL0 = 1_700_000_000.0
 HANG = 30.0

@@ -1,4 +1,4 @@
-"""The sidecar's health rules (``trainer_sidecar.health``), pure: readings and clock values in, verdicts out.
+"""The sidecar's health rules (``sidecar.health``), pure: readings and clock values in, verdicts out.
 
 Most tests drive a sidecar that started at monotonic 0 and wall ``WALL0`` through a sequence of readings;
 the properties hold for any timestamps a worker may write."""
@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_sidecar.health import (
+from trainer_sidecar.contract.status import Phase, WorkerStatus
+from trainer_sidecar.sidecar.health import (
     Clocks,
     Health,
     HealthPolicy,
@@ -24,7 +25,6 @@ from trainer_sidecar.health import (
     judge,
     track,
 )
-from trainer_sidecar.status import Phase, WorkerStatus
 
 WALL0 = 1_700_000_000.0
 HANG = 30.0

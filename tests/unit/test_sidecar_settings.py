@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_sidecar.sidecar import (
+from trainer_sidecar.sidecar.server import (
     MAX_DURATION_SECONDS,
     SETTING_SOURCES,
     SettingsError,

@@ -1,4 +1,4 @@
-"""trainguard.sidecars: liveness judged as the kubelet does, restarts backed off as the kubelet does."""
+"""trainguard.local.sidecars: liveness judged as the kubelet does, restarts backed off as the kubelet does."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from trainguard_operator.render import probe_timing
 
-from trainguard import sidecars
+from trainguard.local import sidecars
 
 
 def test_the_threshold_is_the_one_rendered_for_the_kubelet() -> None:

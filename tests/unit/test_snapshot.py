@@ -11,8 +11,8 @@ from torch import nn
 
 from tests.support.checkpoints import assert_same_state, clone_state, make_training, train
 from tests.support.copies import copies_held
-from trainer_sidecar.snapshot import Snapshot
-from trainer_sidecar.tensorstate import HostBuffers
+from trainer_sidecar.guardian.snapshot import Snapshot
+from trainer_sidecar.tensors.tensorstate import HostBuffers
 
 
 def live_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

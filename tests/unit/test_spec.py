@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainguard import crd, spec
+from trainguard.core import crd, spec
 
 VALID: dict[str, Any] = {
     "apiVersion": "trainguard.dev/v1alpha1",
@@ -208,7 +208,7 @@ def test_a_job_file_that_is_not_a_small_text_file_is_refused_at_once(
 
 
 def test_checked_in_crd_matches_the_model() -> None:
-    assert crd.CRD_PATH.read_text() == crd.render(), "stale CRD: run python -m trainguard.crd"
+    assert crd.CRD_PATH.read_text() == crd.render(), "stale CRD: run python -m trainguard.core.crd"
 
 
 def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from trainer_sidecar.status import (
+from trainer_sidecar.contract.status import (
     MAX_MESSAGE_CHARS,
     MAX_STATUS_BYTES,
     TERMINATION_MESSAGE_LIMIT,

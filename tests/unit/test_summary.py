@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_sidecar.status import CheckpointRef, Phase, WorkerStatus
-from trainguard.observation import GangView, observe_gang
-from trainguard.policy import Action, Decision, FailureKind
-from trainguard.summary import (
+from trainer_sidecar.contract.status import CheckpointRef, Phase, WorkerStatus
+from trainguard.core.observation import GangView, observe_gang
+from trainguard.core.policy import Action, Decision, FailureKind
+from trainguard.core.summary import (
     Incident,
     Note,
     RunRecord,

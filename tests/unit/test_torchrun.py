@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.torchrun import NodeLaunch, NotPython, launches_torchrun, under_torchrun
+from trainguard.core.torchrun import NodeLaunch, NotPython, launches_torchrun, under_torchrun
 
 NODE = NodeLaunch("2", "4", "1", "10.0.0.7", "29500")
 ARGS = [

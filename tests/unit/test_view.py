@@ -9,10 +9,10 @@ from typing import Any
 
 from rich.console import Console
 
-from trainer_sidecar.status import Phase, WorkerStatus
-from trainguard.local import Event
-from trainguard.observation import observe_gang
-from trainguard.view import LiveView, PlainView, state_text, step_text
+from trainer_sidecar.contract.status import Phase, WorkerStatus
+from trainguard.core.observation import observe_gang
+from trainguard.local.runner import Event
+from trainguard.local.view import LiveView, PlainView, state_text, step_text
 
 
 def fake_runner(step: int) -> Any:

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from trainer_sidecar.checkpoint.errors import CheckpointError
-from trainer_sidecar.sharding import Box
-from trainer_sidecar.tensorstate import Slot, unflatten
+from trainer_sidecar.tensors.sharding import Box
+from trainer_sidecar.tensors.tensorstate import Slot, unflatten
 
 FORMAT_VERSION = 3
 """The version of the data files (in their metadata) and of the manifests that describe them."""

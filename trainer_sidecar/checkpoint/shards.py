@@ -31,8 +31,8 @@ from trainer_sidecar.checkpoint import fs
 from trainer_sidecar.checkpoint.errors import CheckpointError
 from trainer_sidecar.checkpoint.format import Layout, TensorSpec, pread_exact, read_layout
 from trainer_sidecar.checkpoint.layout import data_file_name
-from trainer_sidecar.sharding import Box, read_all
-from trainer_sidecar.tensorstate import unflatten
+from trainer_sidecar.tensors.sharding import Box, read_all
+from trainer_sidecar.tensors.tensorstate import unflatten
 
 log = logging.getLogger(__name__)
 

@@ -67,9 +67,9 @@ from trainer_sidecar.checkpoint.manifest import (
     read_manifest,
 )
 from trainer_sidecar.checkpoint.shards import open_reader
-from trainer_sidecar.sharding import Box, box_of, is_sharded, read_all
-from trainer_sidecar.status import CheckpointRef
-from trainer_sidecar.tensorstate import HostBuffers, PendingCopy, flatten
+from trainer_sidecar.contract.status import CheckpointRef
+from trainer_sidecar.tensors.sharding import Box, box_of, is_sharded, read_all
+from trainer_sidecar.tensors.tensorstate import HostBuffers, PendingCopy, flatten
 
 log = logging.getLogger(__name__)
 

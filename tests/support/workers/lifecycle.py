@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer_sidecar.status import Phase, WorkerStatus, write_status, write_termination_message
+from trainer_sidecar.contract.status import Phase, WorkerStatus, write_status, write_termination_message
 
 
 def record(pid_dir: Path, role: str, rank: int) -> None:

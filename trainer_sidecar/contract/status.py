@@ -1,0 +1,377 @@
+"""The status channel from a worker's guardian to its sidecar: one small JSON file, written atomically, and
+the one contract every reader of it validates against.
+
+The guardian rewrites the file at most every ``status_interval_seconds`` (and at once on a phase change);
+the sidecar reads it, and the operator and the local runner receive it again as JSON (the sidecar's
+``/status`` body, a container's termination message). Every reader goes through ``read_status`` (a file)
+or ``parse_status`` / ``parse_status_document`` (JSON from elsewhere), which validate with
+``WorkerStatus`` and never raise: a missing, half-written, oversized, special or garbage input reads as
+``None`` with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, NamedTuple, Self, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    model_validator,
+)
+
+from trainer_sidecar.contract.files import FileRefused, read_small_file
+
+STATUS_FILE_ENV = "TRAINGUARD_STATUS_FILE"
+#: How many worker processes share a pod (torchrun's --nproc-per-node); each writes a status file of its own.
+LOCAL_RANKS_ENV = "TRAINGUARD_LOCAL_RANKS"
+MAX_LOCAL_RANKS = 256
+#: Where the guardian writes its final status when the worker ends (a container's terminationMessagePath).
+TERMINATION_MESSAGE_ENV = "TRAINGUARD_TERMINATION_MESSAGE_PATH"
+#: The kubelet keeps at most this much of a container's termination message.
+TERMINATION_MESSAGE_LIMIT = 4096
+SCHEMA_VERSION = 1
+
+#: A status is a few hundred bytes; a reader refuses (without reading them) inputs larger than this.
+MAX_STATUS_BYTES = 64 * 1024
+#: The worker's free-text message is cut to this many characters (it is a reason, not a log).
+MAX_MESSAGE_CHARS = 1024
+#: Longest checkpoint path accepted (Linux's PATH_MAX).
+MAX_PATH_CHARS = 4096
+#: Largest counter or step accepted: every such value stays exact as a JSON number and a float sample.
+MAX_COUNT = 2**53
+#: Largest process id (pid_t is a signed 32-bit integer).
+MAX_PID = 2**31 - 1
+#: Largest gang accepted (well above what the operator's spec allows).
+MAX_WORLD_SIZE = 2**20
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _shorten(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+# Integers are strict (no bools, no numeric strings, no floats); floats are finite (the models set
+# allow_inf_nan=False) and strict (no bools or strings; integers are fine).
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
+Timestamp = Annotated[float, Strict(), Field(ge=0.0)]
+#: A busy section's bound is at most a week (the sidecar caps it at its startup grace in any case).
+MAX_BUSY_SECONDS = 7 * 24 * 3600.0
+MAX_BUSY_REASON_CHARS = 200
+FiniteFloat = Annotated[float, Strict()]
+NonNegativeFloat = Annotated[float, Strict(), Field(ge=0.0)]
+Message = Annotated[str, AfterValidator(_shorten)]
+
+
+class Phase(StrEnum):
+    """What the worker is doing, as far as its guardian knows."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    #: Restoring the last clean snapshot and validating it: no step for a while (``busy_since``).
+    ROLLING_BACK = "rolling-back"
+    #: Inside ``Guardian.busy`` (an evaluation, a save of the loop's own), or waiting for a busy peer:
+    #: no step for a while, at most ``busy_seconds`` (``busy_since``, ``busy_reason``).
+    BUSY = "busy"
+    DIVERGED = "diverged"
+    FINISHED = "finished"
+    #: Told to stop (SIGTERM, Ctrl-C): the worker wrote its checkpoint (when clean) and is exiting.
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class CheckpointRef(BaseModel):
+    """A clean checkpoint on the shared volume: its step, folder, rank 0's file hash and write time."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    step: Count
+    path: str = Field(max_length=MAX_PATH_CHARS)
+    sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="Lower-case hex, or empty: unknown.")
+    time: Timestamp = 0.0
+
+
+class WorkerStatus(BaseModel):
+    """One worker's published state. Counters are cumulative over the job (restored on resume).
+
+    Validation is strict where a reader relies on it: integers are integers (not bools, strings or
+    floats) and non-negative counters, floats are finite, timestamps are non-negative, the phase is a known
+    one, the rank is below the world size, and strings are bounded (``message`` is shortened to
+    ``MAX_MESSAGE_CHARS``; an over-long checkpoint path is refused). Whether timestamps are *plausible*
+    (not in the future) is for the reader to judge against its own clock. Unknown fields are ignored, so a
+    newer writer's additions do not make a status unreadable.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    schema_version: Annotated[int, Strict(), Field(ge=1)] = SCHEMA_VERSION
+    rank: Annotated[int, Strict(), Field(ge=0, lt=MAX_WORLD_SIZE)] = 0
+    world_size: Annotated[int, Strict(), Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    pid: Annotated[int, Strict(), Field(ge=0, le=MAX_PID)] = 0
+    phase: Phase = Phase.STARTING
+    started_at: Timestamp = Field(description="Wall-clock time the guardian was created (unix seconds).")
+    updated_at: Timestamp = 0.0
+    step: Count = 0
+    resumed_step: Count = Field(
+        0, description="The checkpoint step this process resumed from (0: a fresh start)."
+    )
+    last_step_time: Timestamp | None = None
+    busy_since: Timestamp | None = Field(
+        None,
+        description="While the phase is rolling-back (restoring the snapshot, then validating it) or busy: "
+        "when that began (unix seconds). None otherwise.",
+    )
+    busy_reason: str = Field(
+        "", max_length=MAX_BUSY_REASON_CHARS, description="What the worker is busy with."
+    )
+    busy_seconds: Annotated[float, Strict(), Field(gt=0.0, le=MAX_BUSY_SECONDS)] | None = Field(
+        None, description="While busy: how long the worker asked to be allowed (None: the startup grace)."
+    )
+    loss: FiniteFloat | None = None
+    grad_norm: NonNegativeFloat | None = None
+    lr_scale: NonNegativeFloat = 1.0
+    max_grad_norm: NonNegativeFloat = 0.0
+    steps_total: Count = 0
+    skipped_steps: Count = 0
+    consecutive_bad_steps: Count = 0
+    rollbacks: Count = 0
+    spikes: Count = 0
+    samples_seen: Count = 0
+    samples_dropped: Count = 0
+    explosion_pattern: str | None = Field(None, max_length=64)
+    last_clean_checkpoint: CheckpointRef | None = None
+    message: Message = ""
+    checkpoint_seconds: NonNegativeFloat | None = Field(
+        None, description="How long the worker's last checkpoint took to be written and durable (seconds)."
+    )
+    exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
+        None,
+        description="The code the guardian ends its process with, once it knows (a launcher between the "
+        "worker and the orchestrator, such as torchrun, may report another).",
+    )
+
+    @model_validator(mode="after")
+    def _rank_in_gang(self) -> Self:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        return self
+
+    @property
+    def drop_rate(self) -> float:
+        """Dropped samples over samples seen (0 before any sample)."""
+        return self.samples_dropped / self.samples_seen if self.samples_seen else 0.0
+
+    def to_document(self) -> dict[str, object]:
+        """The JSON object every writer publishes: the fields, plus the derived ``drop_rate``."""
+        payload: dict[str, object] = self.model_dump(mode="json")
+        payload["drop_rate"] = self.drop_rate
+        return payload
+
+
+class StatusRead(NamedTuple):
+    """The outcome of reading or parsing a status: ``(status, "")`` or ``(None, why not)``."""
+
+    status: WorkerStatus | None
+    reason: str
+
+
+def _validate(
+    model: type[_Model], data: object, source: str, what: str, limit: int
+) -> tuple[_Model | None, str]:
+    """``data`` (JSON text or bytes of at most ``limit`` bytes, or a decoded object) validated as ``model``,
+    or None and a reason naming ``source`` and the first offending field. Never raises."""
+    try:
+        if isinstance(data, (str, bytes)):
+            size = len(data.encode() if isinstance(data, str) else data)
+            if size > limit:
+                return None, f"{source} is {size} bytes, more than the {limit} allowed"
+            return model.model_validate_json(data), ""
+        if not isinstance(data, Mapping):
+            return None, f"{source} is not a JSON object"
+        return model.model_validate(data), ""
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(document)"
+        return None, f"{source} is not a valid {what} ({where}: {first['msg']})"
+    except Exception as exc:  # a reader never trusts its input, nor the parser's error paths
+        return None, f"{source} cannot be parsed: {type(exc).__name__}"
+
+
+def parse_status(data: object, source: str = "the status") -> StatusRead:
+    """Validate a worker status that arrived as JSON text or bytes, or as an already decoded JSON object
+    (a ``/status`` body's ``status``, a termination message). Never raises; ``source`` names the input in
+    the reason. Text beyond ``MAX_STATUS_BYTES`` is refused unparsed."""
+    return StatusRead(*_validate(WorkerStatus, data, source, "worker status", MAX_STATUS_BYTES))
+
+
+def _read_status_bytes(path: Path) -> bytes | str:
+    """The bytes of the regular status file at ``path`` (symlinks followed), or why they cannot be had."""
+    source = f"status file {path}"
+    try:
+        return read_small_file(path, MAX_STATUS_BYTES, source)
+    except FileNotFoundError:
+        return f"{source} does not exist yet"
+    except FileRefused as exc:
+        return str(exc)
+
+
+def read_status(path: Path) -> StatusRead:
+    """Read and validate a worker's status file. Never raises and never blocks on a special file: only a
+    regular file (a symlink to one is fine) of at most ``MAX_STATUS_BYTES`` is read, and no more than
+    that. Returns ``(status, "")`` or ``(None, why it could not be read)``; the reason names the path."""
+    data = _read_status_bytes(Path(path))
+    if isinstance(data, str):
+        return StatusRead(None, data)
+    return parse_status(data, f"status file {path}")
+
+
+#: The sidecar's reasons (health, read errors) are cut to this many characters.
+MAX_REASON_CHARS = 8192
+
+
+def _shorten_reason(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+Reason = Annotated[str, AfterValidator(_shorten_reason)]
+
+
+class HealthReport(BaseModel):
+    """The sidecar's verdict on its worker: ``alive`` is what ``/healthz`` answers, ``ready`` what
+    ``/readyz`` answers, ``reason`` why (also when both are true)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    alive: Annotated[bool, Strict()]
+    ready: Annotated[bool, Strict()]
+    reason: Reason = ""
+
+
+class SidecarInfo(BaseModel):
+    """The settings a sidecar judges with: when it started (unix seconds) and its two time limits."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    started_at: Timestamp
+    hang_timeout_seconds: NonNegativeFloat
+    startup_grace_seconds: NonNegativeFloat
+
+
+class SidecarStatusDocument(BaseModel):
+    """The body of a sidecar's ``GET /status``: the worker's status as the sidecar read it (None when it
+    could not, then ``read_error`` says why), the health verdict, the sidecar's time (unix seconds) and
+    settings. The sidecar builds its answer with this model, and the operator and the local runner parse
+    it with ``parse_status_document``."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    status: WorkerStatus | None
+    read_error: Reason = ""
+    health: HealthReport
+    time: Timestamp
+    sidecar: SidecarInfo
+
+    def to_document(self) -> dict[str, object]:
+        """The JSON object served: the fields, with ``status.drop_rate`` added when there is a status."""
+        payload: dict[str, object] = self.model_dump(mode="json")
+        if self.status is not None:
+            payload["status"] = self.status.to_document()
+        return payload
+
+
+class DocumentRead(NamedTuple):
+    """The outcome of parsing a sidecar's ``/status`` body: ``(document, "")`` or ``(None, why not)``."""
+
+    document: SidecarStatusDocument | None
+    reason: str
+
+
+def parse_status_document(data: object, source: str = "the sidecar's /status") -> DocumentRead:
+    """Validate a sidecar's ``/status`` body (JSON text or bytes, or an already decoded object) with the
+    same ``WorkerStatus`` the sidecar read. Never raises; anything malformed is ``(None, reason)``, the
+    reason naming ``source`` and the first offending field. Text beyond ``MAX_STATUS_BYTES`` plus room for
+    the reasons is refused unparsed."""
+    limit = MAX_STATUS_BYTES + 4 * MAX_REASON_CHARS
+    return DocumentRead(*_validate(SidecarStatusDocument, data, source, "sidecar status", limit))
+
+
+def write_termination_message(path: Path, status: WorkerStatus) -> None:
+    """Write ``status`` as compact JSON, within the kubelet's 4096-byte limit, to a container's
+    termination message file, so that the final state outlives the pod's sidecar (it lands in the pod's
+    ``state.terminated.message``). The free-text message is shortened first if the limit requires it."""
+    payload = status.to_document()
+    text = json.dumps(payload, separators=(",", ":"))
+    overflow = len(text.encode()) - TERMINATION_MESSAGE_LIMIT
+    if overflow > 0:
+        message = str(payload.get("message", ""))
+        payload["message"] = message[: max(0, len(message) - overflow - 3)] + "..."
+        text = json.dumps(payload, separators=(",", ":"))
+    path.write_text(text)
+
+
+def write_status(path: Path, status: WorkerStatus) -> None:
+    """Replace the status file atomically (temp file and rename), so a reader sees old or new, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(status.to_document(), separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk or a directory in the way: leave nothing behind
+        raise
+
+
+class StatusPublisher:
+    """Rate-limited writer of one worker's status file; costs a dict and a rename at most twice a second."""
+
+    def __init__(self, path: Path | None, interval_seconds: float) -> None:
+        self.path = path
+        self.interval_seconds = interval_seconds
+        self._last_write = 0.0
+        self._last_phase: Phase | None = None
+
+    @property
+    def written(self) -> bool:
+        """Whether a status was ever written."""
+        return self._last_phase is not None
+
+    def due(self, phase: Phase) -> bool:
+        """Whether a write would happen now: the interval passed or the phase changed."""
+        if self.path is None:
+            return False
+        return phase != self._last_phase or time.monotonic() - self._last_write >= self.interval_seconds
+
+    def publish(self, status: WorkerStatus, *, force: bool = False) -> bool:
+        """Write the status if forced or due (making its folder first). Returns whether it wrote; raises
+        OSError when it cannot."""
+        if self.path is None or not (force or self.due(status.phase)):
+            return False
+        now = time.monotonic()
+        status.updated_at = time.time()
+        if not self.written:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_status(self.path, status)
+        self._last_write = now
+        self._last_phase = status.phase
+        return True
+
+
+def local_status_file(path: Path, local_rank: int, local_ranks: int) -> Path:
+    """The status file of one of ``local_ranks`` worker processes in a pod: ``path`` itself for a pod of
+    one, ``<stem>-<local rank><suffix>`` beside it otherwise (the guardian writes it, the sidecar reads
+    every one)."""
+    if local_ranks <= 1:
+        return path
+    return path.with_name(f"{path.stem}-{local_rank}{path.suffix}")

@@ -1,0 +1,151 @@
+"""Where the data stands, as a checkpoint keeps it: the guardian's own loader and the loop's own stateful
+objects (``DataFeed``), restored on resume into whatever the loop attaches later.
+
+A loop resumes its data exactly in one of three ways: the guardian's ``GuardedLoader`` (its position), an
+object the loop asks the guardian to track (anything with ``state_dict`` and ``load_state_dict``, such
+as torchdata's StatefulDataLoader), or a batch function drawing from the random generators (which the
+guardian restores anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from trainer_sidecar.checkpoint import CheckpointError
+from trainer_sidecar.checkpoint.format import serialize
+from trainer_sidecar.guardian.data import GuardedLoader
+from trainer_sidecar.tensors.tensorstate import flatten
+
+
+class Stateful(Protocol):
+    """What ``Guardian.track`` keeps in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class DataFeed:
+    """The data positions of one rank: ``state()`` for a checkpoint, ``restore()`` from one. Anything
+    restored before it is attached is kept and applied when it is."""
+
+    def __init__(self) -> None:
+        self.loader: GuardedLoader | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._pending: dict[str, Any] = {}
+
+    def attach(self, loader: GuardedLoader) -> None:
+        """Keep ``loader``'s position (restoring a resumed one into it)."""
+        self.loader = loader
+        if "data" in self._pending:
+            loader.load_state_dict(self._pending.pop("data"))
+
+    def span(self, epoch: int, batch: int) -> tuple[int, int] | None:
+        """The positions of ``epoch``'s order that ``batch`` covers over all ranks (None without a
+        loader: a loop feeding its own batches)."""
+        return self.loader.span(epoch, batch) if self.loader is not None else None
+
+    def track(self, name: str, stateful: Stateful) -> None:
+        """Keep ``stateful``'s state; raises TypeError at once when it cannot be checkpointed."""
+        try:
+            serialize(*flatten({name: stateful.state_dict()}))
+        except CheckpointError as exc:
+            raise TypeError(f"Guardian.track({name!r}): its state cannot be checkpointed: {exc}") from exc
+        self._tracked[name] = stateful
+        if name in self._pending:
+            stateful.load_state_dict(self._pending.pop(name))
+
+    @property
+    def tracked(self) -> tuple[Stateful, ...]:
+        """What the loop gave ``track``."""
+        return tuple(self._tracked.values())
+
+    def state(self) -> dict[str, Any]:
+        """``{"data": loader position, "tracked": {name: state}}``, the parts that exist."""
+        state: dict[str, Any] = {}
+        if self.loader is not None:
+            state["data"] = self.loader.state_dict()
+        if self._tracked:
+            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Apply a checkpoint's ``state()`` now where attached, later where not yet."""
+        if "data" in state:
+            if self.loader is not None:
+                self.loader.load_state_dict(state["data"])
+            else:
+                self._pending["data"] = state["data"]
+        tracked = state.get("tracked")
+        for name, saved in tracked.items() if isinstance(tracked, dict) else ():
+            if name in self._tracked:
+                self._tracked[name].load_state_dict(saved)
+            else:
+                self._pending[name] = saved
+
+
+class TakenOver(NamedTuple):
+    """What the guardian keeps of a DataLoader it replaces with its own resumable order."""
+
+    dataset: Any
+    batch_size: int
+    shuffle: bool
+    collate_fn: Any
+    num_workers: int
+    #: How its batches are loaded, passed on unchanged: worker_init_fn, pin_memory, timeout, the
+    #: multiprocessing context and, with workers, the prefetch factor.
+    loading: dict[str, Any]
+
+
+def taken_over(source: DataLoader[Any]) -> TakenOver:
+    """What the guardian keeps of a DataLoader it replaces with its own resumable order: the dataset, the
+    batch size, whether it shuffles, the collate function, the workers and how they load. Raises
+    TypeError for one it cannot replace, saying what to do."""
+    if isinstance(source.dataset, IterableDataset):
+        raise TypeError(
+            "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
+            "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
+        )
+    if source.batch_size is None:
+        raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
+    loading: dict[str, Any] = {
+        "worker_init_fn": source.worker_init_fn,
+        "pin_memory": source.pin_memory,
+        "timeout": source.timeout,
+        "multiprocessing_context": source.multiprocessing_context,
+    }
+    if source.num_workers > 0:
+        loading["prefetch_factor"] = source.prefetch_factor
+    return TakenOver(
+        source.dataset,
+        source.batch_size,
+        _shuffles(source.sampler),
+        source.collate_fn,
+        source.num_workers,
+        loading,
+    )
+
+
+def _shuffles(sampler: object) -> bool:
+    """Whether a DataLoader's sampler shuffles, for a sampler whose epoch is a permutation of the whole
+    dataset (what the guardian's order is); TypeError for one that chooses samples otherwise: its
+    choice would be silently dropped."""
+    if isinstance(sampler, SequentialSampler):
+        return False
+    if isinstance(sampler, DistributedSampler):  # the guardian shards by rank itself
+        return bool(sampler.shuffle)
+    if isinstance(sampler, RandomSampler):
+        if not sampler.replacement and sampler.num_samples == len(sampler.data_source):
+            return True
+        what = "draws with replacement" if sampler.replacement else f"draws {sampler.num_samples} samples"
+    else:
+        what = f"is a {type(sampler).__name__}"
+    raise TypeError(
+        f"Guardian.loader(): the DataLoader's sampler {what}, which chooses the samples an epoch sees; the "
+        "guardian's order (each epoch a permutation of the whole dataset) would silently drop that "
+        "choice. Give it a dataset of exactly those samples (torch.utils.data.Subset for a subset), or "
+        "keep the loader and give the guardian its state instead: torchdata's StatefulDataLoader with "
+        "guardian.track(...)"
+    )

@@ -1,0 +1,1096 @@
+"""The Guardian: a training step that cannot be poisoned and checkpoints that cannot be lost.
+
+Adopting it in a plain PyTorch loop::
+
+    guardian = Guardian(model, optimizer, scheduler=scheduler)
+    loader = guardian.loader(dataset, batch_size=32)
+    for batch in guardian.run(loader, max_steps=10_000):
+        loss = compute_loss(model, batch)
+        guardian.step(loss)          # replaces backward(), optimizer.step(), scheduler.step(), zero_grad()
+
+Every step: backward (always, on every rank: skipping it alone would deadlock DDP's all-reduce), unscale,
+one fused total-norm reduction, one tiny all-reduce of (loss, non-finite flag, norm) under DDP so every
+rank takes the same decision, and one host sync to read those three numbers. What to do with the step
+is decided by the pure step judge (``trainer_sidecar.guardian.judge``); the Guardian carries the verdict out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
+from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.settings import GuardianSettings, Remediation
+from trainer_sidecar.contract.status import (
+    STATUS_FILE_ENV,
+    CheckpointRef,
+    Phase,
+    StatusPublisher,
+    WorkerStatus,
+    write_termination_message,
+)
+from trainer_sidecar.guardian.busy import BusySections
+from trainer_sidecar.guardian.config import (
+    CHECKPOINT_DIR_ENV,
+    ConfigError,
+    GuardianConfig,
+    RemediationOrder,
+    report_config_error,
+)
+from trainer_sidecar.guardian.counters import CountersError, GuardCounters
+from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
+from trainer_sidecar.guardian.faults import FaultInjector
+from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
+from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
+from trainer_sidecar.guardian.gang import Gang
+from trainer_sidecar.guardian.judge import (
+    NON_FINITE_GRADIENTS,
+    NON_FINITE_LOSS,
+    Action,
+    StepReading,
+    Verdict,
+    judge_saved_state,
+    judge_step,
+)
+from trainer_sidecar.guardian.localize import NaNLocator
+from trainer_sidecar.guardian.resume import claim_gang_epoch, restore_newest
+from trainer_sidecar.guardian.snapshot import Snapshot
+from trainer_sidecar.guardian.stopping import STOP
+from trainer_sidecar.guardian.training import StateMismatch, TrainingObjects, check_training_objects
+from trainer_sidecar.tensors.rng import RngStateError, rng_state, set_rng_state
+
+log = logging.getLogger("trainguard")
+
+__all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
+
+
+class Diverged(SystemExit):
+    """Raised by ``Guardian.step`` when rollbacks are exhausted; exits with ExitCode.DIVERGED.
+
+    In a process group of more than one rank the process exits with that code at once instead (after
+    closing the checkpoints and writing the status), without raising: see ``Guardian._diverge``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.DIVERGED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Fenced(SystemExit):
+    """A newer writer claimed the checkpoint directory; the worker exits with ExitCode.FENCED."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.FENCED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UncleanState(RuntimeError):
+    """``Guardian.finish`` found the final training state not finite: it rolled back instead of saving it.
+
+    The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
+    on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
+    gang from the last clean checkpoint)."""
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """A step's numbers as agreed by every rank, and what this rank alone saw."""
+
+    reading: StepReading
+    locally_nonfinite: bool
+    stop: bool
+    checkpoint_due: bool
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one call to ``Guardian.step`` did."""
+
+    boundary: bool
+    applied: bool = False
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    reason: str = ""
+    rolled_back: bool = False
+
+
+def _json_float(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class Guardian:
+    """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
+
+    Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
+    decision; a state is saved (snapshot or checkpoint) only when every value in it is finite, and a
+    checkpoint only counts once durable; on start the newest valid checkpoint (agreed by all ranks) is
+    restored with the exact data position.
+
+    Configuration comes from ``config`` when given (nothing is read from the environment), else from the
+    orchestrator's ``TRAINGUARD_*`` variables (``GuardianConfig.from_env``) and the explicit
+    ``checkpoint_dir``, ``settings`` and ``status_file`` arguments, which must agree with them. With
+    ``resume`` (the default) the constructor ends by restoring the newest valid checkpoint (``resume``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        settings: GuardianSettings | None = None,
+        status_file: str | os.PathLike[str] | None = None,
+        accumulation_steps: int = 1,
+        validate: Callable[[], float] | None = None,
+        resume: bool = True,
+        config: GuardianConfig | None = None,
+    ) -> None:
+        try:
+            if config is None:
+                config = GuardianConfig.from_env(
+                    settings=settings, checkpoint_dir=checkpoint_dir, status_file=status_file
+                )
+            check_training_objects(model, optimizer, scheduler, scaler)
+            if (
+                isinstance(accumulation_steps, bool)
+                or not isinstance(accumulation_steps, int)
+                or accumulation_steps < 1
+            ):
+                raise ConfigError(
+                    f"accumulation_steps must be an integer of at least 1, got {accumulation_steps!r}"
+                )
+            self._wire(model, optimizer, scheduler, scaler, config, accumulation_steps, validate)
+            self._open_checkpoints()
+            self._publish(force=True)
+            if resume:
+                self.resume()
+        except ConfigError as exc:
+            report_config_error(config, exc)
+            raise
+        self._begin()
+
+    # ------------------------------------------------------------------------------------- set-up ---
+    def _wire(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        scaler: torch.amp.GradScaler | None,
+        config: GuardianConfig,
+        accumulation_steps: int,
+        validate: Callable[[], float] | None,
+    ) -> None:
+        self.config = config
+        self.settings = config.settings
+        self.gang = Gang.current()
+        self.training = TrainingObjects(model, optimizer, scheduler, scaler)
+        self.model, self.module, self.optimizer = model, self.training.module, optimizer
+        self.training.refuse_loop_steps(self._misused)
+        self.accumulation_steps = accumulation_steps
+        self.validate = validate
+        self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
+        self.phase = Phase.STARTING
+        self.message = ""
+        self.exit_code: int | None = None
+        self.busy_since: float | None = None
+        self.last_step_time: float | None = None
+        self.last_grad_norm: float | None = None
+        self.started_at = time.time()
+        self.resumed_step = 0
+        self.nan_location: str | None = None
+        self._micro = 0
+        self._adoption_checked = False  # see ``_check_adoption``
+        self._loss_sum: torch.Tensor | None = None
+        self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
+        self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
+        self.feed = DataFeed()
+        self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
+        self._current_batch: BatchRef | None = None
+        self._step_batches: list[BatchRef] = []
+        self._window_batches: list[BatchRef] = []
+        self._snapshot = Snapshot()
+        # Parameters and optimizer state are copied while the next forward and backward run, until the
+        # loop is seen changing them in place between steps without ``settle`` (see ``settle``).
+        self._copies_in_background = True
+        # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
+        # each rank's store has seen complete, so decisions taken on it need no agreement.
+        self._checkpointed_step: int | None = None
+        self._checkpoint_clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
+        self._locator = NaNLocator(self.module)
+        self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
+        self._publishing = threading.Lock()  # the main thread and the peer watch both publish
+        self._status_failing = False  # see ``_status_unwritable``
+        self._busy = BusySections()
+        self._stop = STOP
+        self._holding_stop = False
+        self.checkpoint_dir = config.checkpoint_dir
+        self.dead_letters = DeadLetters(
+            self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
+        )
+        self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
+
+    def _open_checkpoints(self) -> None:
+        self.store: CheckpointStore | None = None
+        if self.checkpoint_dir is None:
+            log.warning(
+                "no checkpoint directory (argument or %s): nothing survives a restart", CHECKPOINT_DIR_ENV
+            )
+            return
+        owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
+        try:
+            epoch = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
+            self.store = CheckpointStore(
+                self.checkpoint_dir,
+                rank=self.gang.rank,
+                world_size=self.gang.world_size,
+                keep_clean=self.settings.checkpoint.keep_clean,
+                epoch=epoch,
+            )
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from exc
+        self.dead_letters.load()
+        # Where a loop draws its own batches from the random generators, a resumed run draws the same
+        # ones only if the generators are saved as they were before the next step's batch was drawn. A
+        # loop that prefetches (draws the next batch after the forward pass, before the step ends) has
+        # drawn it by the step boundary; after the last forward pass it has not: save them as of then.
+        self.model.register_forward_hook(self._capture_rng)
+
+    def _capture_rng(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        self._rng_after_forward = rng_state()
+
+    def _begin(self) -> None:
+        if not self._snapshot.taken:
+            self._take_snapshot()  # the starting weights are the first thing a rollback can return to
+        self._apply_orchestrator_remediation()
+        self._stop.acquire()
+        self._holding_stop = True
+        if self.gang.distributed:
+            self._busy.watch_peers(self.rank, lambda: self._publish(force=True))
+        self.phase = Phase.RUNNING
+        self._publish(force=True)
+
+    # ---------------------------------------------------------------------------------------- busy ---
+    @contextmanager
+    def busy(self, reason: str, seconds: float | None = None) -> Iterator[None]:
+        """Mark a section that makes no training step (an evaluation, a save of the loop's own) as busy,
+        so that it is not mistaken for a hang: the sidecar allows it ``seconds`` (at most its startup
+        grace; the grace when not given) instead of the hang timeout, so a real hang inside it is still
+        caught. Peers that wait for this rank meanwhile (in their next collective) report themselves
+        busy too. Sections nest; each rank enters its own (``with guardian.busy("eval"):`` around the
+        evaluation only rank 0 runs is enough). Usable as a decorator as well."""
+        since = self._busy.enter(reason, seconds)
+        self._publish(force=True)
+        try:
+            yield
+        finally:
+            self._busy.leave(since)
+            self._publish(force=True)
+
+    # --------------------------------------------------------------------------- counters, compat ---
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job (0 without a process group)."""
+        return self.gang.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the job (1 without a process group)."""
+        return self.gang.world_size
+
+    @property
+    def step_count(self) -> int:
+        """Steps kept in the model (a rollback reverts it)."""
+        return self.counters.step
+
+    @property
+    def iterations(self) -> int:
+        """Every step boundary ever attempted (never reverts)."""
+        return self.counters.iterations
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer updates kept in the model."""
+        return self.counters.optimizer_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped over the job."""
+        return self.counters.skipped_steps
+
+    @property
+    def spikes(self) -> int:
+        """Loss and gradient-norm spikes over the job."""
+        return self.counters.spikes
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks over the job."""
+        return self.counters.rollbacks
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor the remediation applied to the learning rates (1: none)."""
+        return self.counters.lr_scale
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The clipping norm in force (tightened by remediation)."""
+        return self.counters.max_grad_norm
+
+    @property
+    def losses(self) -> list[float]:
+        """The finite losses of the recent kept steps, oldest first."""
+        return list(self.counters.history.losses)
+
+    @property
+    def last_loss(self) -> float | None:
+        """The loss of the newest kept step."""
+        return self.counters.last_loss
+
+    # ---------------------------------------------------------------------------------------- data ---
+    def loader(
+        self,
+        dataset: SizedDataset | DataLoader[Any],
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+    ) -> GuardedLoader:
+        """A GuardedLoader for this worker's rank, positioned where the resumed checkpoint left off.
+
+        ``dataset`` is a map-style dataset, or a ``torch.utils.data.DataLoader`` over one, whose batch size,
+        shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``).
+        """
+        loading: dict[str, Any] = {}
+        if isinstance(dataset, DataLoader):
+            dataset, batch_size, shuffle, collate_fn, num_workers, loading = taken_over(dataset)
+        assert not isinstance(dataset, DataLoader)
+        if batch_size is None:
+            raise TypeError("Guardian.loader() needs batch_size for a dataset (a DataLoader brings its own)")
+        loader = GuardedLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            loading=loading,
+            rank=self.rank,
+            world_size=self.world_size,
+            dead_letters=self.dead_letters,
+            inject_bad_sample=self._faults.bad_sample_hook(lambda: self.counters.step)
+            if self._faults.active
+            else None,
+        )
+        self.feed.attach(loader)
+        return loader
+
+    def track(self, name: str, stateful: Stateful) -> None:
+        """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
+        StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
+        rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
+        Raises TypeError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
+        int, float, bool, None and tensors can)."""
+        self.feed.track(name, stateful)
+
+    def attach_loader(self, loader: GuardedLoader) -> None:
+        """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
+        self.feed.attach(loader)
+
+    def run(self, loader: GuardedLoader | DataLoader[Any], max_steps: int) -> Iterator[Any]:
+        """Yield batches (one per micro-step) until ``max_steps`` steps are kept, then ``finish``.
+
+        Epochs follow one another; a resumed job starts at the exact next batch. A DataLoader is taken
+        over first (``loader``). Should the final state not be clean, the guardian rolls back and
+        training goes on until it is.
+        """
+        if isinstance(loader, DataLoader):
+            loader = self.loader(loader)
+        if self.feed.loader is not loader:
+            self.feed.attach(loader)
+        while True:
+            yield from self._batches_until(loader, max_steps)
+            try:
+                self.finish()
+                return
+            except UncleanState as exc:
+                log.warning("%s; training on", exc)
+
+    def _batches_until(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
+        empty_epochs = 0
+        while self.counters.step < max_steps:
+            yielded = False
+            for batch in loader:
+                yielded = True
+                self._current_batch = BatchRef(batch.epoch, batch.index, batch.sample_ids)
+                yield batch.data
+                if self.counters.step >= max_steps and self._micro == 0:
+                    return
+            empty_epochs = 0 if yielded else empty_epochs + 1
+            if empty_epochs >= 2:
+                raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
+
+    # ---------------------------------------------------------------------------------------- step ---
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch's ``loss``: exactly what the loop would call ``.backward()`` on.
+
+        The guardian never rescales a loss: under gradient accumulation, divide by the number of
+        micro-batches where the loop already does (or not, as it does not), and the gradients are the
+        ones the loop had without the guardian. The loss is scaled by the GradScaler when there is one.
+        Call ``step()`` at the accumulation boundary.
+        """
+        if self._micro == 0 and self._faults.active:
+            loss = self._faults.loss_hook(loss, self.counters.step)
+        self.training.backward(loss)
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
+        if self._current_batch is not None:
+            self._step_batches.append(self._current_batch)
+        self._micro += 1
+
+    def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
+        """Check, clip and step the optimizer (or skip the update, or roll back) at a step boundary.
+
+        With a ``loss``, it is first given to ``backward``, and with ``accumulation_steps=k`` only every
+        k-th call is a boundary. Without one, the micro-batches given to ``backward`` since the last step
+        make the step (a loop keeps its own accumulation). The step's loss, as reported and judged, is the
+        sum of those micro-batch losses. ``replay`` optionally re-runs this step's forward pass; on the
+        first non-finite loss it is used to name the module whose output went non-finite first.
+        """
+        if loss is not None:
+            self.backward(loss)
+            if self._micro < self.accumulation_steps:
+                return StepOutcome(boundary=False)
+        elif self._micro == 0:
+            raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
+        self._micro = 0
+        if not self._adoption_checked:
+            self._check_adoption()
+        if self.store is not None and self.store.fenced is not None:
+            self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
+        assert self._loss_sum is not None
+        agreed = self._measure(self._loss_sum)
+        reading = agreed.reading
+        verdict = judge_step(self.settings.guard, self.counters.history, reading)
+        batches, self._step_batches = self._step_batches, []
+        if verdict.action is Action.APPLY:
+            outcome = self._apply(verdict, reading, batches, agreed.checkpoint_due)
+        else:
+            outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
+        self._busy.progressed()
+        if agreed.stop:
+            self._stop_now()
+        return outcome
+
+    def _check_adoption(self) -> None:
+        """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
+        whose own learning-rate scheduler checkpoints would not keep."""
+        self._adoption_checked = True
+        try:
+            self.training.check_scheduler_kept(self.feed.tracked)
+        except ConfigError as error:
+            self._misused(error)
+            raise
+
+    def _measure(self, step_loss: torch.Tensor) -> _Agreed:
+        """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
+        whether this rank's own loss was non-finite, and whether any rank was told to stop.
+
+        Alone, the norm is this process's. In a gang each rank contributes the squared norm of its local
+        gradients, each value counted once over the world (``TrainingObjects.norm_contribution``: a DDP
+        replica's share is 1/world size, an FSDP shard's 1/its replicas), the collective sums them and the
+        norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
+        a NaN, and still one small collective."""
+        if self._faults.active:
+            self._faults.grad_hook(self.training.params, self.counters.step)
+        self.training.unscale()
+        self._grads = self.training.local_grads()
+        distributed = self.gang.distributed
+        if distributed:
+            norm_part = self.training.norm_contribution(self.gang.world_size)
+        else:
+            # The clipping multiply waits for the host sync below and is skipped when the norm is already
+            # within bounds (or the step is skipped anyway).
+            norm_part = self._norm = torch.nn.utils.get_total_norm(self._grads, foreach=True)
+        device = step_loss.device
+        loss = step_loss.double()
+        flags = torch.tensor(
+            [float(self._stop.requested), float(self._checkpoint_time_due())], dtype=torch.float64
+        ).to(device)
+        measured = [loss, (~torch.isfinite(loss)).double(), norm_part.double().to(device)]
+        local = torch.cat([torch.stack(measured), flags])
+        if distributed:
+            reduced = self.gang.all_reduce(local)
+            self._norm = reduced[2].sqrt()
+            # One host sync for both the agreed values and this rank's own loss flag.
+            loss_sum, bad_ranks, squares, stops, due, local_bad = torch.cat(
+                [reduced, local[1:2].to(reduced.device)]
+            ).tolist()
+            loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
+            norm_v = math.sqrt(squares) if not squares < 0 else math.nan
+        else:
+            loss_v, bad_ranks, norm_v, stops, due = local.tolist()  # the one host sync of the step
+            locally_nonfinite = bad_ranks > 0
+        reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0)
+
+    def _checkpoint_time_due(self) -> bool:
+        """Whether ``every_seconds`` passed since this rank's last checkpoint (or start): any rank's clock
+        makes the whole gang checkpoint at the same boundary (it is agreed within the step's collective)."""
+        every = self.settings.checkpoint.every_seconds
+        return (
+            self.store is not None
+            and every is not None
+            and time.monotonic() - self._checkpoint_clock >= every
+        )
+
+    def _stop_now(self) -> None:
+        """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
+        last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
+        received = self._stop.signal or signal.SIGTERM
+        saved = self._checkpointed_step == self.counters.step
+        if not saved and self.store is not None and self.counters.history.consecutive_bad == 0:
+            saved = self.save_checkpoint()
+        if self.store is not None:
+            try:
+                self.store.wait()
+                self.store.close()
+            except FencedError as exc:
+                self._fenced(exc)
+        self.gang.barrier()
+        what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
+        if self.store is None:
+            what = "no checkpoint directory"
+        message = f"stopped by {received.name} at step {self.counters.step}; {what}"
+        self._log_gang(logging.WARNING, "%s", message)
+        code = 128 + int(received)
+        self._report_end(Phase.STOPPED, message, code)
+        self._release()
+        self._exit_now(code, SystemExit(code))
+
+    def _benign_overflow(self, norm: float) -> bool:
+        """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
+        is below 1, where a non-finite gradient cannot be blamed on the scale. (Asked only for a
+        non-finite norm: reading the scale is a host sync.)"""
+        scaler = self.training.scaler
+        if math.isfinite(norm) or scaler is None or not scaler.is_enabled():
+            return False
+        return scaler.get_scale() >= 1.0
+
+    def _apply(
+        self, verdict: Verdict, reading: StepReading, batches: list[BatchRef], time_due: bool = False
+    ) -> StepOutcome:
+        counters = self.counters
+        self.settle()
+        self.training.apply_update(
+            reading.grad_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
+        )
+        counters.history, counters.explosion_pattern = verdict.history, None
+        counters.optimizer_steps += 1
+        counters.step += 1
+        self.last_grad_norm = reading.grad_norm
+        self.last_step_time = time.time()
+        self._window_batches.extend(batches)
+        if self._locator.armed:
+            self._located(self._locator.after_good_step())
+        unclean = self._save_if_due(time_due)
+        self._publish()
+        return StepOutcome(
+            boundary=True, applied=unclean is None, loss=reading.loss, grad_norm=reading.grad_norm,
+            reason=unclean.reason if unclean else "", rolled_back=unclean is not None,
+        )  # fmt: skip
+
+    def _reject(
+        self,
+        verdict: Verdict,
+        reading: StepReading,
+        batches: list[BatchRef],
+        replay: Callable[[], Any] | None,
+        locally_nonfinite: bool,
+    ) -> StepOutcome:
+        """A bad step: nothing reaches the weights; then skip, roll back or diverge as the judge says."""
+        self.training.drop_update()
+        counters = self.counters
+        in_a_row = counters.history.consecutive_bad + int(verdict.counts_as_bad)
+        counters.history = verdict.history
+        counters.skipped_steps += 1
+        counters.step += 1
+        counters.spikes += int(verdict.spike)
+        counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
+        self.last_grad_norm = reading.grad_norm
+        self.last_step_time = time.time()
+        self._log_gang(
+            logging.WARNING,
+            "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
+            counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
+            in_a_row, f", pattern {verdict.pattern}" if verdict.pattern else "",
+        )  # fmt: skip
+        if verdict.cause in (NON_FINITE_LOSS, NON_FINITE_GRADIENTS):
+            for batch in batches:
+                self.dead_letters.add(
+                    batch.epoch, batch.index, write=self.rank == 0, step=counters.step - 1,
+                    reason=verdict.reason, kind="non-finite", span=self.feed.span(batch.epoch, batch.index),
+                )  # fmt: skip
+        if verdict.cause == NON_FINITE_LOSS:
+            self._localize(replay, locally_nonfinite)
+        self._forensics(verdict.cause, reading, batches)
+        self._carry_out(verdict)
+        self._publish(force=True)
+        return StepOutcome(
+            boundary=True, applied=False, loss=reading.loss, grad_norm=reading.grad_norm,
+            reason=verdict.reason, rolled_back=verdict.action is Action.ROLL_BACK,
+        )  # fmt: skip
+
+    def _carry_out(self, verdict: Verdict) -> None:
+        if verdict.action is Action.DIVERGE:
+            self._diverge(verdict.reason)
+        elif verdict.action is Action.ROLL_BACK:
+            self._rollback(verdict.reason)
+
+    # --------------------------------------------------------------------- snapshots, checkpoints ---
+    def _save_if_due(self, time_due: bool = False) -> Verdict | None:
+        """After a kept step: snapshot and checkpoint when due (by steps, or by time as the gang agreed), if
+        the whole state is finite. Returns the verdict that rolled back (or diverged) when the state was
+        not clean, else None."""
+        policy = self.settings.checkpoint
+        step = self.counters.step
+        snapshot_due = step % policy.snapshot_every_steps == 0
+        checkpoint_due = self.store is not None and (step % policy.every_steps == 0 or time_due)
+        if not (snapshot_due or checkpoint_due):
+            return None
+        unclean = self._unclean_state()
+        if unclean is not None:
+            return unclean
+        # A checkpoint is a snapshot too: a rollback never returns behind the newest clean checkpoint.
+        self._take_snapshot()
+        if checkpoint_due:
+            self._save_checkpoint()
+        return None
+
+    def _unclean_state(self) -> Verdict | None:
+        """None when the whole training state is finite on every rank (one collective, one host sync).
+
+        When it is not, the judge decides (roll back at once, or diverge when the budget is spent), the
+        verdict is carried out and returned."""
+        flag = self.training.nonfinite_flag()
+        finite = not bool(self.gang.all_reduce(flag.reshape(1), _MAX).item())
+        verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
+        if verdict.action is Action.APPLY:
+            return None
+        self._log_gang(
+            logging.ERROR,
+            "step %d: the training state holds non-finite values; it is not saved",
+            self.counters.step,
+        )
+        self.counters.history = verdict.history
+        self.message = verdict.reason
+        self._carry_out(verdict)
+        return verdict
+
+    def _take_snapshot(self) -> None:
+        # Parameters and optimizer state are copied while the next forward and backward passes run; the
+        # next optimizer step (or a rollback) waits for the copy first (``_settle_copies``).
+        self._snapshot.capture(
+            self.counters.step,
+            self.module,
+            self.optimizer,
+            self.training.small_state(),
+            {"counters": self.counters.copy()},
+            background=self._copies_in_background,
+        )
+        self._window_batches.clear()
+
+    def settle(self) -> None:
+        """Wait until the snapshot and checkpoint copies running in the background have read the state.
+
+        The guardian copies parameters and optimizer state while the next forward and backward passes
+        run, and waits only before the next optimizer step. A loop that changes parameters or optimizer
+        state in place between steps (weight clamping, a manual re-initialisation) calls this first; on
+        a GPU the current stream waits, not the host. A loop that does not is noticed at the next step
+        (by the tensors' version counters): nothing torn is kept, and copies are synchronous after."""
+        snapshot_changed = self._snapshot.settle()
+        checkpoint_changed = self.store is not None and self.store.settle()
+        if snapshot_changed or checkpoint_changed:
+            self._changed_before_settle(checkpoint_changed)
+
+    def _changed_before_settle(self, checkpoint_changed: bool) -> None:
+        """The loop changed parameters or optimizer state in place after a step without calling ``settle``
+        first, so a background copy may hold part of the change. The snapshot has copied the state again
+        (as it is now); a checkpoint whose copy had not landed first is not written. Every later copy is
+        synchronous: one stall per snapshot and checkpoint, and no torn copy again."""
+        if self._copies_in_background:
+            self._log_gang(
+                logging.WARNING,
+                "step %d: the training loop changed parameters or optimizer state in place between steps "
+                "without calling guardian.settle() first; snapshots and checkpoints are copied "
+                "synchronously from now on%s",
+                self.counters.step,
+                f" (the checkpoint of step {self._checkpointed_step} may be lost)"
+                if checkpoint_changed
+                else "",
+            )
+        self._copies_in_background = False
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state(), **self.feed.state()}
+        if self.rank == 0:
+            state.update(guardian=self.counters.to_state(), **self.training.state())
+        else:
+            state.update(self.training.shard_state())  # a sharded model's shards of this rank (else none)
+        return state
+
+    def _save_checkpoint(self) -> None:
+        assert self.store is not None
+        meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
+        try:
+            self.store.save_async(
+                self.counters.step,
+                self._checkpoint_state(),
+                meta,
+                stable=self.training.stable_storage() if self._copies_in_background else None,
+            )
+        except FencedError as exc:
+            self._fenced(exc)
+        self._checkpointed_step = self.counters.step
+        self._checkpoint_clock = time.monotonic()
+
+    def save_checkpoint(self) -> bool:
+        """Start an asynchronous checkpoint of the current step if the whole state is clean.
+
+        Returns False without a checkpoint directory, or when the state is not clean (then the guardian
+        rolled back, or diverged). Every rank must call it at the same step (it agrees collectively).
+        """
+        if self.store is None or self._unclean_state() is not None:
+            return False
+        self._save_checkpoint()
+        return True
+
+    # ----------------------------------------------------------------------------------- rollback ---
+    def _rollback(self, reason: str) -> None:
+        # A rollback makes no steps for a while (the restore, then the held-out validation, which may take
+        # minutes on a large model): the status says so, and the sidecar gives it the startup grace
+        # instead of the hang timeout.
+        self.phase = Phase.ROLLING_BACK
+        self.busy_since = time.time()
+        self._publish(force=True)
+        from_step = self.counters.step
+        self.settle()
+        self.training.load_small_state(self._snapshot.restore(self.module, self.optimizer))
+        self.counters.rewind_to(self._snapshot.extra["counters"])
+        # The data does not rewind: the window that led here is skipped, and remembered for replays.
+        for batch in self._window_batches:
+            span = self.feed.span(batch.epoch, batch.index)
+            self.dead_letters.add(
+                batch.epoch, batch.index, write=self.rank == 0, kind="rolled-back window", span=span
+            )
+        self.counters.rollbacks += 1
+        self._remediate(self.settings.remediation)
+        # The restored state is clean; re-snapshot it so a further rollback compounds the remediation.
+        self._take_snapshot()
+        self._log_gang(
+            logging.WARNING,
+            "rolled back from step %d to step %d after %s; lr scale now %.4g, max grad norm %.4g",
+            from_step, self.counters.step, reason, self.counters.lr_scale, self.counters.max_grad_norm,
+        )  # fmt: skip
+        self._check_validation("rollback")
+        # Every rank stays "rolling back" until the slowest one has validated: otherwise the faster
+        # ranks would wait for it in their next all-reduce and look hung.
+        self.gang.barrier()
+        self.phase = Phase.RUNNING
+        self.busy_since = None
+        self.last_step_time = time.time()  # the rollback itself is progress: the hang clock restarts
+        self._publish(force=True)
+
+    def _remediate(self, remediation: Remediation) -> None:
+        # The learning rates are scaled when the optimizer steps (``TrainingObjects.apply_update``), so a
+        # loop that sets its own learning rate every iteration cannot undo the remediation.
+        self.counters.lr_scale *= remediation.lr_scale
+        if remediation.max_grad_norm is not None:
+            self.counters.max_grad_norm = min(self.counters.max_grad_norm, remediation.max_grad_norm)
+
+    def _apply_orchestrator_remediation(self) -> None:
+        order: RemediationOrder | None = self.config.remediation
+        if order is None or order.id in self.counters.remediations_applied:
+            return
+        self._remediate(order)
+        self.counters.remediations_applied.append(order.id)
+        self._log_gang(
+            logging.WARNING,
+            "applied remediation %s from the orchestrator: lr scale %.4g",
+            order.id,
+            self.lr_scale,
+        )
+
+    def _diverge(self, message: str) -> None:
+        log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
+        self._report_end(Phase.DIVERGED, message, ExitCode.DIVERGED)
+        if self.store is not None:
+            try:
+                self.store.close()
+            except CheckpointError as exc:
+                log.error("%s", exc)
+        # Every rank diverges at the same step (the decision is collective) and ends here, now.
+        self._exit_now(ExitCode.DIVERGED, Diverged(message))
+
+    def _log_gang(self, level: int, message: str, *args: object) -> None:
+        """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
+        log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
+
+    def _fenced(self, error: FencedError) -> None:
+        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
+        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
+        message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
+        self._report_end(Phase.FAILED, message, ExitCode.FENCED)
+        self._exit_now(ExitCode.FENCED, Fenced(message))
+
+    def _misused(self, error: ConfigError) -> None:
+        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
+        configuration error, published before it is raised."""
+        self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
+
+    def _report_end(self, phase: Phase, message: str, code: int) -> None:
+        """Publish the worker's final phase, message and exit code, in the status and the termination
+        message (which outlives the sidecar)."""
+        self.phase, self.message, self.exit_code = phase, message, code
+        self._publish(force=True)
+        self._write_termination_message()
+
+    def _exit_now(self, code: int, error: SystemExit) -> None:
+        """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
+        the interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its worker threads
+        still hold DDP's work) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to
+        40 under load (destroy_process_group first did not change that); the orchestrator needs the code.
+        With one process, ``error`` (a SystemExit carrying the code) is raised."""
+        if self.gang.distributed:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        raise error
+
+    def _check_validation(self, when: str) -> None:
+        if self.validate is None:
+            return
+        value = float(self.validate())
+        self.message = f"held-out loss after {when}: {value:.4g}"
+        log.info("%s", self.message)
+
+    # ------------------------------------------------------------------------- localisation, forensics ---
+    def _localize(self, replay: Callable[[], Any] | None, locally_nonfinite: bool) -> None:
+        if self.nan_location is not None or not locally_nonfinite:
+            return
+        budget = self.settings.guard.max_consecutive_bad_steps
+        self._located(self._locator.after_nonfinite_loss(replay, budget))
+
+    def _located(self, where: str | None) -> None:
+        if where is not None:
+            self.nan_location = where
+            log.warning("NaN localisation: first non-finite output from %s", where)
+
+    def _forensics(self, reason: str, reading: StepReading, batches: list[BatchRef]) -> None:
+        if self.checkpoint_dir is None:
+            return
+        history = self.counters.history
+        anomaly = Anomaly(
+            step=self.counters.step - 1,
+            iteration=history.iteration,
+            rank=self.rank,
+            reason=reason,
+            loss=reading.loss,
+            grad_norm=reading.grad_norm,
+            explosion_pattern=self.counters.explosion_pattern,
+            nan_location=self.nan_location,
+            batches=batches,
+            losses=history.losses,
+            grad_norms=history.grad_norms,
+        )
+        write_bundle(self.checkpoint_dir, anomaly)
+
+    # ------------------------------------------------------------------------------------- resume ---
+    def resume(self) -> int | None:
+        """Restore the newest checkpoint every rank can load (weights, optimizer, scheduler, scaler, RNG,
+        data position, counters); returns its step, or None for a fresh start.
+
+        A checkpoint that turns out not to load (damaged after it was verified, counters or RNG state
+        malformed) is skipped for the next older one, on every rank alike (``guardian.resume``). A
+        checkpoint of another model or optimizer is a configuration error (nothing is deleted).
+        """
+        if self.store is None:
+            return None
+        checkpoint = restore_newest(self.store, self.gang, self._try_restore)
+        if checkpoint is None:
+            return None
+        self.resumed_step = self._checkpointed_step = checkpoint.step
+        self._take_snapshot()
+        self._log_gang(
+            logging.WARNING,
+            "resumed from the clean checkpoint at step %d (%s)",
+            checkpoint.step,
+            self.store.root,
+        )
+        self._check_validation("resume")
+        return checkpoint.step
+
+    def _try_restore(self, checkpoint: CheckpointId) -> bool:
+        """Load and apply one checkpoint; False (with the reason logged) when its content is unusable.
+
+        Only what this rank holds is read: of a sharded model, its own box of every tensor, gathered
+        from the shards of whatever world size wrote them."""
+        assert self.store is not None
+        try:
+            with self.store.open(checkpoint) as state:
+                window = self.settings.guard.loss_spike_window
+                counters = GuardCounters.from_state(state.get("guardian"), window)
+                if "rng" in state:
+                    set_rng_state(state["rng"])
+                self._load_training(checkpoint, state)
+        except (CheckpointError, CountersError, RngStateError) as exc:
+            log.error("checkpoint %s cannot be restored, trying an older one: %s", checkpoint.dir_name, exc)
+            return False
+        self.counters = counters
+        self.feed.restore(state)
+        return True
+
+    def _load_training(self, checkpoint: CheckpointId, state: dict[str, Any]) -> None:
+        try:
+            self.training.load(state)
+        except StateMismatch as exc:
+            where = f"checkpoint {checkpoint.dir_name} under {self.checkpoint_dir}"
+            raise ConfigError(f"{where} {exc}") from exc
+
+    # ------------------------------------------------------------------------------------- status ---
+    def status(self) -> WorkerStatus:
+        """The worker's current status, as published to the sidecar."""
+        data = self.feed.loader.counters if self.feed.loader is not None else None
+        counters = self.counters
+        phase, busy_since, busy_reason, busy_seconds = self._busy.view(self.phase, self.busy_since)
+        return WorkerStatus(
+            rank=self.rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            phase=phase,
+            started_at=self.started_at,
+            step=counters.step,
+            resumed_step=self.resumed_step,
+            last_step_time=self.last_step_time,
+            busy_since=busy_since,
+            busy_reason=busy_reason,
+            busy_seconds=busy_seconds,
+            loss=_json_float(counters.last_loss),
+            grad_norm=_json_float(self.last_grad_norm),
+            lr_scale=counters.lr_scale,
+            max_grad_norm=counters.max_grad_norm,
+            steps_total=counters.iterations,
+            skipped_steps=counters.skipped_steps,
+            consecutive_bad_steps=counters.history.consecutive_bad,
+            rollbacks=counters.rollbacks,
+            spikes=counters.spikes,
+            samples_seen=data.seen if data else 0,
+            samples_dropped=data.dropped if data else 0,
+            explosion_pattern=counters.explosion_pattern,
+            last_clean_checkpoint=self._last_clean(),
+            message=self.message,
+            exit_code=self.exit_code,
+            checkpoint_seconds=self.store.last_write_seconds if self.store is not None else None,
+        )
+
+    def _last_clean(self) -> CheckpointRef | None:
+        return self.store.last_clean if self.store is not None else None
+
+    def _publish(self, force: bool = False) -> None:
+        with self._publishing:
+            if force or self._status.due(self.phase):
+                try:
+                    self._status.publish(self.status(), force=True)
+                except OSError as exc:
+                    self._status_unwritable(exc)
+                else:
+                    self._status_failing = False
+
+    def _status_unwritable(self, exc: OSError) -> None:
+        """A status file never written is a setting that cannot work (ConfigError, at construction); one
+        that stops being writable (a full disk) is logged once per outage, and training goes on: the
+        sidecar sees no progress meanwhile and judges that as it judges a hang."""
+        where = f"the status file {self._status.path} ({STATUS_FILE_ENV} or status_file=)"
+        if not self._status.written:
+            raise ConfigError(f"{where} cannot be written: {exc}") from exc
+        if not self._status_failing:
+            log.error("%s cannot be written; the sidecar sees no progress until it can: %s", where, exc)
+        self._status_failing = True
+
+    def finish(self) -> None:
+        """Write a final checkpoint (if not already written and the state is clean), wait for every
+        write, and publish ``finished``.
+
+        Raises UncleanState (after rolling back) when the final state is not finite: the job is not done.
+        """
+        self.settle()  # the loop may have changed the state in place since its last step
+        if self.store is not None:
+            self.store.wait()  # a save of this very step may still be in flight
+            final = self.counters.step
+            if self._checkpointed_step != final and not self.save_checkpoint():
+                raise UncleanState(
+                    f"the final state at step {final} holds non-finite values; rolled back to step "
+                    f"{self.counters.step}"
+                )
+            try:
+                self.store.wait()
+                self.store.close()
+            except FencedError as exc:
+                self._fenced(exc)
+        # No rank reports success before every rank's final checkpoint is durable, and ranks leave
+        # together (a rank tearing down gloo while a peer is still in it can abort the peer).
+        self.gang.barrier()
+        self._release()
+        self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+
+    def _write_termination_message(self) -> None:
+        """The final status into the container's termination message (``TRAINGUARD_TERMINATION_MESSAGE_PATH``,
+        set by the orchestrator): it is read from the pod after the sidecar has gone. Best effort: a
+        worker never fails for it."""
+        path = self.config.termination_message_path
+        if path is None:
+            return
+        try:
+            write_termination_message(path, self.status())
+        except OSError as exc:
+            log.warning("could not write the termination message to %s: %s", path, exc)
+
+    def close(self) -> None:
+        """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
+        self._release()
+        if self.store is not None:
+            self.store.close()
+
+    def _release(self) -> None:
+        """Stop watching peers and put back the signal handlers (the guardian's work is over)."""
+        if self._holding_stop:
+            self._holding_stop = False
+            self._stop.release()
+        self._busy.stop()
+
+
+_MAX = torch.distributed.ReduceOp.MAX

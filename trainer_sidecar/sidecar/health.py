@@ -1,0 +1,269 @@
+"""How the sidecar judges its worker alive and ready. Pure: a reading of the status and of the sidecar's
+clocks in, a verdict and the new tracking state out; no I/O, no clock of its own.
+
+The worker's wall-clock timestamps are untrusted. On its own monotonic clock the sidecar remembers when it
+first saw the worker (identified by ``pid`` and ``started_at``) and when the worker's progress (``phase``,
+``step``, ``steps_total``) last changed, and it measures every time limit from those. A worker's
+timestamps may only make a verdict stricter (a plausible past ``last_step_time`` older than the hang
+timeout is a hang even when the sidecar itself has just started), never looser. A timestamp in the future
+(beyond ``clock_skew_seconds``) is a failure to report: the worker gets the startup grace, then is not
+alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from trainer_sidecar.contract.status import Phase, WorkerStatus
+
+#: How far in the future a worker's timestamp may be before it is implausible. The worker and its sidecar
+#: read the same host clock, so this only has to absorb the clock being stepped back a little.
+DEFAULT_CLOCK_SKEW_SECONDS = 30.0
+
+#: A worker's identity: its process id and the wall-clock time its guardian was created.
+WorkerIdentity = tuple[int, float]
+#: What changes when a worker makes progress: its phase, step and cumulative step count.
+Progress = tuple[Phase, int, int]
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """The limits a worker is judged by, in seconds: no progress for longer than ``hang_timeout_seconds``
+    is a hang; a fresh worker (or a rollback) gets ``startup_grace_seconds``; timestamps more than
+    ``clock_skew_seconds`` ahead of the sidecar's wall clock are implausible."""
+
+    hang_timeout_seconds: float
+    startup_grace_seconds: float
+    clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """One reading of the sidecar's two clocks: ``monotonic`` (time limits are measured on it) and
+    ``wall`` (unix seconds; the worker's timestamps are checked against it)."""
+
+    monotonic: float
+    wall: float
+
+
+@dataclass(frozen=True)
+class Health:
+    """A verdict on a worker: ``alive`` drives liveness, ``ready`` readiness; ``reason`` says why."""
+
+    alive: bool
+    ready: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """What the sidecar remembers of its worker between readings; every time is on its monotonic clock.
+
+    ``identity_since`` is where the current worker's startup grace counts from: the sidecar's start for
+    the first worker it sees (as for no worker at all), the moment a later one (a worker restarted beside
+    the sidecar) was first seen; ``progress_since`` when its progress last changed; ``stepped`` whether its
+    step or step count changed while the sidecar watched it."""
+
+    identity: WorkerIdentity | None
+    identity_since: float
+    progress: Progress | None
+    progress_since: float
+    stepped: bool = False
+
+    @classmethod
+    def begin(cls, monotonic: float) -> Tracking:
+        """The state of a sidecar that started at ``monotonic`` and has not seen a status yet."""
+        return cls(identity=None, identity_since=monotonic, progress=None, progress_since=monotonic)
+
+
+def track(tracking: Tracking, status: WorkerStatus | None, monotonic: float) -> Tracking:
+    """``tracking`` after reading ``status`` at ``monotonic``. An unreadable status changes nothing: it is
+    no evidence of progress. A new identity (a worker restarted beside the sidecar) starts afresh."""
+    if status is None:
+        return tracking
+    identity = (status.pid, status.started_at)
+    progress = (status.phase, status.step, status.steps_total)
+    if identity != tracking.identity:
+        grace_from = tracking.identity_since if tracking.identity is None else monotonic
+        return Tracking(identity, grace_from, progress, monotonic)
+    if progress == tracking.progress:
+        return tracking
+    stepped = tracking.progress is None or progress[1:] != tracking.progress[1:]
+    return replace(tracking, progress=progress, progress_since=monotonic, stepped=tracking.stepped or stepped)
+
+
+def implausible_timestamps(status: WorkerStatus, wall: float, clock_skew_seconds: float) -> str:
+    """Which of the worker's timestamps lie in the future of ``wall`` by more than the skew allowance
+    (empty: none). Anything that does not compare as at most the limit (NaN included) counts."""
+    limit = wall + clock_skew_seconds
+    stamps = {
+        "started_at": status.started_at,
+        "updated_at": status.updated_at,
+        "last_step_time": status.last_step_time,
+        "busy_since": status.busy_since,
+    }
+    late = [
+        f"{name} is {value - wall:.6g} s ahead of the sidecar's clock"
+        for name, value in stamps.items()
+        if value is not None and not value <= limit
+    ]
+    return "; ".join(late)
+
+
+def _elapsed(since: float, clocks: Clocks, wall_start: float | None = None) -> float:
+    """Seconds since ``since`` on the monotonic clock, or since ``wall_start`` on the wall clock if that
+    is longer (a worker's timestamp may only make a limit come sooner)."""
+    elapsed = clocks.monotonic - since
+    if wall_start is not None:
+        elapsed = max(elapsed, clocks.wall - wall_start)
+    return elapsed
+
+
+def _graced(elapsed: float, grace: float, within: str, after: str) -> Health:
+    """Alive but not ready while ``elapsed`` is inside the grace, not alive after it."""
+    if elapsed < grace:
+        return Health(alive=True, ready=False, reason=within)
+    return Health(alive=False, ready=False, reason=after)
+
+
+def _unreported(tracking: Tracking, read_error: str, clocks: Clocks, policy: HealthPolicy) -> Health:
+    grace, hang = policy.startup_grace_seconds, policy.hang_timeout_seconds
+    stalled = _elapsed(tracking.progress_since, clocks)
+    if tracking.stepped and stalled > hang:
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"no readable worker status and no step for {stalled:.1f} s (hang timeout {hang:g} s): "
+            f"{read_error}",
+        )
+    waited = _elapsed(tracking.identity_since, clocks)
+    return _graced(
+        waited,
+        grace,
+        f"waiting for the worker status ({waited:.0f} s into the startup grace of {grace:g} s): {read_error}",
+        f"no readable worker status after the startup grace of {grace:g} s: {read_error}",
+    )
+
+
+def _implausible(tracking: Tracking, what: str, clocks: Clocks, grace: float) -> Health:
+    elapsed = _elapsed(tracking.identity_since, clocks)
+    return _graced(
+        elapsed,
+        grace,
+        f"worker status has implausible timestamps ({what}); {elapsed:.0f} s into the startup grace "
+        f"of {grace:g} s",
+        f"worker status has implausible timestamps after the startup grace of {grace:g} s: {what}",
+    )
+
+
+def _rolling_back(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grace: float) -> Health:
+    busy = _elapsed(tracking.progress_since, clocks, status.busy_since)
+    return _graced(
+        busy,
+        grace,
+        f"rolling back at step {status.step}: restoring and validating for {busy:.0f} s "
+        f"(allowed: the startup grace of {grace:g} s)",
+        f"rollback at step {status.step} not done within the startup grace of {grace:g} s ({busy:.0f} s)",
+    )
+
+
+def _busy(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grace: float) -> Health:
+    busy = _elapsed(tracking.progress_since, clocks, status.busy_since)
+    allowed = min(status.busy_seconds, grace) if status.busy_seconds is not None else grace
+    what = status.busy_reason or "busy"
+    return _graced(
+        busy,
+        allowed,
+        f"busy at step {status.step} ({what}) for {busy:.0f} s (allowed: {allowed:g} s)",
+        f"busy at step {status.step} ({what}) for {busy:.0f} s, longer than the {allowed:g} s allowed",
+    )
+
+
+def _starting(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grace: float) -> Health:
+    since_start = _elapsed(tracking.identity_since, clocks, status.started_at)
+    return _graced(
+        since_start,
+        grace,
+        f"starting: no step yet, {since_start:.0f} s into the startup grace of {grace:g} s",
+        f"no step within startup grace of {grace:g} s (worker started {since_start:.0f} s ago)",
+    )
+
+
+def _step_of_this_run(status: WorkerStatus) -> float | None:
+    """The worker's claimed last step time, if it is a step of this process (not of the run before)."""
+    last = status.last_step_time
+    return last if last is not None and last >= status.started_at else None
+
+
+def _stepping(tracking: Tracking, status: WorkerStatus, clocks: Clocks, hang: float) -> Health:
+    age = _elapsed(tracking.progress_since, clocks, _step_of_this_run(status))
+    if age > hang:
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"no step for {age:.1f} s (hang timeout {hang:g} s), last step {status.step}",
+        )
+    return Health(
+        alive=True,
+        ready=True,
+        reason=f"{status.phase.value}: step {status.step}, last step {max(age, 0.0):.1f} s ago",
+    )
+
+
+def judge(
+    tracking: Tracking, status: WorkerStatus | None, read_error: str, clocks: Clocks, policy: HealthPolicy
+) -> Health:
+    """The verdict on a worker whose latest reading is ``status`` (None: unreadable, ``read_error`` says
+    why), given the ``tracking`` that already includes that reading. Promises, in order of precedence:
+
+    The startup grace counts from the sidecar's start for the first worker it sees, from the moment it
+    first saw a later one (a restart beside it) for that one (``Tracking.identity_since``).
+
+    * no status: alive but not ready for the startup grace, then not alive; the reason carries
+      ``read_error``. A worker seen stepping before is not alive as soon as its last progress is older
+      than the hang timeout (an unreadable status is no progress).
+    * phase diverged or failed: not alive; the reason names the phase and the worker's message.
+    * phase finished: alive and ready. Phase stopped (told to stop, exiting): alive, not ready.
+    * a timestamp in the future: alive but not ready for the startup grace, then not alive; the reason
+      names the timestamps.
+    * phase rolling-back with ``busy_since`` set: alive but not ready while the rollback has taken less
+      than the startup grace (since the sidecar saw it begin, or since ``busy_since`` if that is earlier);
+      then not alive. A rollback makes no steps, and its validation may take far longer than the hang
+      timeout.
+    * phase busy with ``busy_since`` set (``Guardian.busy``, or waiting for a busy peer): the same, for at
+      most ``busy_seconds`` (capped at the startup grace; the grace when not given).
+    * no step in this run of the worker (none seen by the sidecar, and ``last_step_time`` is None or older
+      than ``started_at``): alive but not ready for the startup grace (counted from ``started_at`` if
+      that is earlier), then not alive.
+    * otherwise: not alive once its progress has not changed for longer than the hang timeout (or its
+      ``last_step_time`` of this run is older than that); else alive and ready.
+    """
+    grace = policy.startup_grace_seconds
+    if status is None:
+        return _unreported(tracking, read_error, clocks, policy)
+    if status.phase in (Phase.DIVERGED, Phase.FAILED):
+        detail = f": {status.message}" if status.message else ""
+        return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
+    if status.phase is Phase.FINISHED:
+        return Health(alive=True, ready=True, reason=f"worker finished at step {status.step}")
+    if status.phase is Phase.STOPPED:
+        detail = f": {status.message}" if status.message else ""
+        return Health(alive=True, ready=False, reason=f"worker stopped at step {status.step}{detail}")
+    implausible = implausible_timestamps(status, clocks.wall, policy.clock_skew_seconds)
+    if implausible:
+        return _implausible(tracking, implausible, clocks, grace)
+    if status.phase is Phase.ROLLING_BACK and status.busy_since is not None:
+        return _rolling_back(tracking, status, clocks, grace)
+    if status.phase is Phase.BUSY and status.busy_since is not None:
+        return _busy(tracking, status, clocks, grace)
+    if not tracking.stepped and _step_of_this_run(status) is None:
+        return _starting(tracking, status, clocks, grace)
+    return _stepping(tracking, status, clocks, policy.hang_timeout_seconds)
+
+
+def assess_health(
+    tracking: Tracking, status: WorkerStatus | None, read_error: str, clocks: Clocks, policy: HealthPolicy
+) -> tuple[Health, Tracking]:
+    """Fold one reading into ``tracking`` and judge it: the verdict (see ``judge``) and the new state."""
+    tracked = track(tracking, status, clocks.monotonic)
+    return judge(tracked, status, read_error, clocks, policy), tracked

@@ -1,0 +1,722 @@
+"""The sidecar: a tiny HTTP server beside the training container that turns the worker's status file into
+probes and metrics.
+
+Endpoints (one port):
+
+* ``GET /healthz`` - 200 ``ok`` while the worker is alive, 503 with the reason otherwise. This is the
+  *training container's* liveness probe target: a hung or diverged worker gets restarted by the kubelet.
+* ``GET /readyz`` - 200 once the worker is stepping (or finished), 503 with the reason otherwise.
+* ``GET /status`` - JSON: the worker status as read, the health verdict and the sidecar's settings. Always
+  200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
+* ``GET /metrics`` - Prometheus text exposition from a private registry.
+
+The status file is re-read on every request (it is a few hundred bytes; only a regular file of at most
+``MAX_STATUS_BYTES`` is read). A missing, half-written, oversized, special or garbage file is a reason in the
+answer, never an exception or a hang: the sidecar itself must not be what fails. Health is judged on the
+sidecar's own clock (``sidecar.health``); the configuration is one model (``SidecarSettings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any, cast
+from urllib.parse import urlsplit
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.status import (
+    LOCAL_RANKS_ENV,
+    MAX_LOCAL_RANKS,
+    STATUS_FILE_ENV,
+    HealthReport,
+    Phase,
+    SidecarInfo,
+    SidecarStatusDocument,
+    WorkerStatus,
+    local_status_file,
+    read_status,
+)
+from trainer_sidecar.sidecar.health import (
+    DEFAULT_CLOCK_SKEW_SECONDS,
+    Clocks,
+    Health,
+    HealthPolicy,
+    Tracking,
+    assess_health,
+    implausible_timestamps,
+)
+
+logger = logging.getLogger(__name__)
+
+PORT_ENV = "TRAINGUARD_SIDECAR_PORT"
+HOST_ENV = "TRAINGUARD_SIDECAR_HOST"
+HANG_TIMEOUT_ENV = "TRAINGUARD_HANG_TIMEOUT_SECONDS"
+STARTUP_GRACE_ENV = "TRAINGUARD_STARTUP_GRACE_SECONDS"
+JOB_NAME_ENV = "TRAINGUARD_JOB_NAME"
+NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
+
+DEFAULT_PORT = 9400
+DEFAULT_HOST = "0.0.0.0"
+DEFAULT_HANG_TIMEOUT_SECONDS = 300.0
+DEFAULT_STARTUP_GRACE_SECONDS = 600.0
+DEFAULT_JOB_NAME = "local"
+DEFAULT_NAMESPACE = "default"
+
+#: The only labels any sample carries (plus ``phase`` on the phase gauge): bounded cardinality.
+LABEL_NAMES = ("job", "namespace")
+
+#: Worker status field -> exported counter name. The worker's values are cumulative over the job.
+COUNTER_FIELDS: Mapping[str, str] = {
+    "steps_total": "trainguard_worker_steps_total",
+    "skipped_steps": "trainguard_worker_skipped_steps_total",
+    "rollbacks": "trainguard_worker_rollbacks_total",
+    "spikes": "trainguard_worker_loss_spikes_total",
+    "samples_seen": "trainguard_worker_samples_total",
+    "samples_dropped": "trainguard_worker_dropped_samples_total",
+}
+
+_COUNTER_HELP: Mapping[str, str] = {
+    "steps_total": "Training steps the worker completed (skipped steps included).",
+    "skipped_steps": "Steps the guardian skipped (non-finite loss or gradients, spikes).",
+    "rollbacks": "Rollbacks to the last clean snapshot or checkpoint.",
+    "spikes": "Loss or gradient-norm spikes detected.",
+    "samples_seen": "Training samples the worker's data pipeline produced.",
+    "samples_dropped": "Training samples dropped as corrupt or unreadable.",
+}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One read of the status file: what was read (or why nothing was), the sidecar's clocks at the time,
+    the verdict, the sidecar's age of the worker's last step, and the counter totals after it."""
+
+    clocks: Clocks
+    status: WorkerStatus | None
+    read_error: str
+    health: Health
+    seconds_since_step: float | None = None
+    counters: Mapping[str, float] = field(default_factory=dict)
+
+
+def fold_counters(
+    last_seen: Mapping[str, int], totals: Mapping[str, float], status: WorkerStatus
+) -> tuple[dict[str, int], dict[str, float]]:
+    """The monotonic totals after reading ``status``: each counter grows by what the worker's count rose
+    since ``last_seen``; a decrease (a resume from an older checkpoint) only moves the baseline."""
+    seen = dict(last_seen)
+    grown = dict(totals)
+    for name in COUNTER_FIELDS:
+        value: int = getattr(status, name)
+        grown[name] += max(0, value - seen[name])
+        seen[name] = value
+    return seen, grown
+
+
+@dataclass
+class _Watched:
+    """One local rank's status file, its health tracking and its counter baselines."""
+
+    path: Path
+    tracking: Tracking
+    last_seen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0))
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0.0))
+
+    def read(self, clocks: Clocks, policy: HealthPolicy) -> Reading:
+        """Read and judge the file, and fold its counts into this file's totals."""
+        status, read_error = read_status(self.path)
+        health, self.tracking = assess_health(self.tracking, status, read_error, clocks, policy)
+        if status is not None:
+            self.last_seen, self.totals = fold_counters(self.last_seen, self.totals, status)
+        return Reading(
+            clocks=clocks,
+            status=status,
+            read_error=read_error,
+            health=health,
+            seconds_since_step=_seconds_since_step(self.tracking, status, clocks, policy),
+            counters=dict(self.totals),
+        )
+
+
+#: Counters of data each rank reads for itself (summed over local ranks); the others count decisions
+#: every rank takes alike (the largest is taken).
+SHARDED_COUNTERS = frozenset({"samples_seen", "samples_dropped"})
+
+
+def _shown(readings: Sequence[Reading], failing: Sequence[int]) -> int:
+    """The local rank whose status stands for the pod: the first failing one, else the slowest."""
+    if failing:
+        return failing[0]
+    steps = {i: r.status.step for i, r in enumerate(readings) if r.status is not None}
+    return min(steps, key=lambda i: steps[i]) if steps else 0
+
+
+def _combined(readings: Sequence[Reading], watched: Sequence[_Watched]) -> Reading:
+    """One reading for a pod of several local ranks (see ``WorkerStatusCollector.read``)."""
+    failing = [i for i, r in enumerate(readings) if not r.health.alive]
+    worst = failing or [i for i, r in enumerate(readings) if not r.health.ready]
+    shown = _shown(readings, failing)
+    reason = (
+        "; ".join(f"local rank {i}: {readings[i].health.reason}" for i in worst)
+        if worst
+        else f"{len(readings)} local ranks: {readings[shown].health.reason}"
+    )
+    counters = {
+        name: (sum if name in SHARDED_COUNTERS else max)(r.counters[name] for r in readings)
+        for name in COUNTER_FIELDS
+    }
+    errors = [f"{w.path}: {r.read_error}" for w, r in zip(watched, readings, strict=True) if r.read_error]
+    ages = [r.seconds_since_step for r in readings if r.seconds_since_step is not None]
+    return Reading(
+        clocks=readings[shown].clocks,
+        status=readings[shown].status,
+        read_error="; ".join(errors),
+        health=Health(alive=not failing, ready=not worst, reason=reason),
+        seconds_since_step=max(ages, default=None),
+        counters=counters,
+    )
+
+
+def _seconds_since_step(
+    tracking: Tracking, status: WorkerStatus | None, clocks: Clocks, policy: HealthPolicy
+) -> float | None:
+    """Seconds since the worker's last step of this run: since its progress last changed on the sidecar's
+    clock, or since its claimed ``last_step_time`` if longer. None without a plausible step of this run."""
+    if status is None or status.last_step_time is None or status.last_step_time < status.started_at:
+        return None
+    if implausible_timestamps(status, clocks.wall, policy.clock_skew_seconds):
+        return None  # no age to tell; the verdict reports the timestamps
+    return max(0.0, clocks.monotonic - tracking.progress_since, clocks.wall - status.last_step_time)
+
+
+class WorkerStatusCollector(Collector):
+    """Reads the status file on every scrape (and every probe), judges the worker's health on the sidecar's
+    own clock (``trainer_sidecar.sidecar.health``), and exposes both as ``trainguard_*`` metrics.
+
+    Counters stay monotonic for the collector's lifetime. The worker's counts are cumulative over the job,
+    but they go *down* when the worker resumes from a checkpoint older than its last status (the steps after
+    that checkpoint are redone). Exporting them raw would look like a counter reset to Prometheus, and the
+    redone work would vanish from ``increase()``. So per counter the collector keeps ``(last_seen, total)``
+    and adds ``max(0, new - last_seen)`` on each read: a decrease only moves the baseline, the increase after
+    it is counted again. ``last_seen`` starts at 0, so the first read exports the worker's cumulative count,
+    and a restarted sidecar picks up where the worker is rather than at zero.
+
+    Gauges whose value is unknown (no status, no step yet, no loss) are omitted rather than exported as NaN.
+    Reads are serialised: the health tracking must see the file's versions in the order they were read.
+    """
+
+    def __init__(
+        self,
+        status_file: Path,
+        *,
+        hang_timeout_seconds: float,
+        startup_grace_seconds: float,
+        job: str,
+        namespace: str,
+        local_ranks: int = 1,
+        clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.status_file = status_file
+        self.policy = HealthPolicy(hang_timeout_seconds, startup_grace_seconds, clock_skew_seconds)
+        self.job = job
+        self.namespace = namespace
+        self._monotonic = monotonic
+        self._wall = wall
+        self.started_at = wall()
+        self._lock = threading.Lock()
+        begun = monotonic()
+        self._watched = [
+            _Watched(local_status_file(status_file, local, local_ranks), Tracking.begin(begun))
+            for local in range(local_ranks)
+        ]
+
+    def read(self) -> Reading:
+        """Read every local rank's status file, judge health, fold the counts into the monotonic totals.
+        Never raises, and never blocks on a file (``read_status`` reads regular files only, boundedly).
+
+        With several local ranks (processes of one pod), the pod is alive and ready only when all of
+        them are; the status shown is the first failing local rank's, else the slowest one's."""
+        with self._lock:
+            clocks = Clocks(monotonic=self._monotonic(), wall=self._wall())
+            readings = [watched.read(clocks, self.policy) for watched in self._watched]
+        if len(readings) == 1:
+            return readings[0]
+        return _combined(readings, self._watched)
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing declared up front: the registry is private, and describing must not read the file."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """The metric families for one fresh read of the status file."""
+        reading = self.read()
+        labels = [self.job, self.namespace]
+        yield from _health_families(reading, labels)
+        if reading.status is not None:
+            yield from _status_families(reading, reading.status, labels)
+        yield from _counter_families(reading, labels)
+
+    def document(self, reading: Reading) -> SidecarStatusDocument:
+        """The ``/status`` body for ``reading``: the status or why none, health, the sidecar's settings."""
+        return SidecarStatusDocument(
+            status=reading.status,
+            read_error=reading.read_error,
+            health=HealthReport(**asdict(reading.health)),
+            time=reading.clocks.wall,
+            sidecar=SidecarInfo(
+                started_at=self.started_at,
+                hang_timeout_seconds=self.policy.hang_timeout_seconds,
+                startup_grace_seconds=self.policy.startup_grace_seconds,
+            ),
+        )
+
+
+def _gauge(name: str, doc: str, labels: list[str], value: float | None) -> Iterable[Metric]:
+    """A one-sample gauge family, or nothing when the value is unknown or not finite."""
+    if value is None or not math.isfinite(value):
+        return []
+    family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
+    family.add_metric(labels, value)
+    return [family]
+
+
+def _health_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    """The alive and ready gauges of the verdict."""
+    yield from _gauge(
+        "trainguard_worker_alive",
+        "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
+        labels,
+        float(reading.health.alive),
+    )
+    yield from _gauge(
+        "trainguard_worker_ready",
+        "1 while the worker is stepping or finished (its readiness probe passes), else 0.",
+        labels,
+        float(reading.health.ready),
+    )
+
+
+def _status_families(reading: Reading, status: WorkerStatus, labels: list[str]) -> Iterable[Metric]:
+    """The phase family and the gauges of a status that could be read."""
+    phase = GaugeMetricFamily(
+        "trainguard_worker_phase",
+        "The worker's phase: 1 for the current one, 0 for the others.",
+        labels=[*LABEL_NAMES, "phase"],
+    )
+    for each in Phase:
+        phase.add_metric([*labels, each.value], float(status.phase is each))
+    yield phase
+    for name, doc, value in _status_gauges(reading, status):
+        yield from _gauge(name, doc, labels, value)
+
+
+def _status_gauges(reading: Reading, status: WorkerStatus) -> list[tuple[str, str, float | None]]:
+    """(name, help, value) of every gauge taken from the worker's status; a None value is omitted."""
+    gauges: list[tuple[str, str, float | None]] = [
+        ("trainguard_worker_step", "The worker's current training step.", status.step),
+        ("trainguard_worker_loss", "Loss of the last finite step.", status.loss),
+        (
+            "trainguard_worker_grad_norm",
+            "Total L2 gradient norm of the last step, before clipping.",
+            status.grad_norm,
+        ),
+        (
+            "trainguard_worker_drop_ratio",
+            "Dropped samples over samples seen, over the job.",
+            status.drop_rate,
+        ),
+        (
+            "trainguard_worker_lr_scale",
+            "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
+            status.lr_scale,
+        ),
+    ]
+    if reading.seconds_since_step is not None:
+        gauges += [
+            (
+                "trainguard_worker_last_step_timestamp_seconds",
+                "Wall-clock time of the worker's last step (unix seconds).",
+                status.last_step_time,
+            ),
+            (
+                "trainguard_worker_seconds_since_last_step",
+                "Seconds since the worker's last step, as of this scrape (on the sidecar's own clock; the "
+                "worker's timestamp only when it is older).",
+                reading.seconds_since_step,
+            ),
+        ]
+    checkpoint = status.last_clean_checkpoint
+    if checkpoint is not None:
+        gauges += [
+            (
+                "trainguard_worker_last_clean_checkpoint_step",
+                "Step of the newest clean checkpoint on the checkpoint volume.",
+                checkpoint.step,
+            ),
+            (
+                "trainguard_worker_last_clean_checkpoint_timestamp_seconds",
+                "Wall-clock time the newest clean checkpoint was written (unix seconds).",
+                checkpoint.time if checkpoint.time > 0 else None,
+            ),
+        ]
+    return gauges
+
+
+def _counter_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
+    """The monotonic counters, also without a status (they keep their totals)."""
+    for name, metric_name in COUNTER_FIELDS.items():
+        counter = CounterMetricFamily(
+            metric_name,
+            f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
+            labels=LABEL_NAMES,
+        )
+        counter.add_metric(labels, reading.counters[name])
+        yield counter
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Serves the four endpoints from the server's collector; logs access at debug level only."""
+
+    server_version = "trainguard-sidecar"
+    protocol_version = "HTTP/1.1"
+    timeout = 10.0  # a stalled client must not hold a handler thread for ever
+
+    def _sidecar(self) -> _SidecarHTTPServer:
+        return cast(_SidecarHTTPServer, self.server)
+
+    def do_GET(self) -> None:
+        """Dispatch a GET by path (the query string is ignored)."""
+        path = urlsplit(self.path).path
+        try:
+            self._dispatch(path)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("client went away during %s", path)
+        except Exception:
+            logger.exception("error serving %s", path)
+            with contextlib.suppress(OSError):
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n", "text/plain; charset=utf-8")
+
+    def _dispatch(self, path: str) -> None:
+        collector = self._sidecar().collector
+        if path == "/healthz":
+            health = collector.read().health
+            self._send_verdict(health.alive, health.reason)
+        elif path == "/readyz":
+            health = collector.read().health
+            self._send_verdict(health.ready, health.reason)
+        elif path == "/status":
+            document = collector.document(collector.read()).to_document()
+            body = json.dumps(document, indent=2) + "\n"
+            self._send(HTTPStatus.OK, body.encode(), "application/json")
+        elif path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._send(HTTPStatus.OK, encoder(self._sidecar().registry), content_type)
+        else:
+            self._send(HTTPStatus.NOT_FOUND, f"not found: {path}\n".encode(), "text/plain; charset=utf-8")
+
+    def _send_verdict(self, good: bool, reason: str) -> None:
+        if good:
+            self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+        else:
+            # A path from the command line may hold bytes that are not UTF-8 (surrogates in str).
+            body = f"{reason}\n".encode(errors="backslashreplace")
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain; charset=utf-8")
+
+    def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        """Access and error lines go to the logging module at debug level, not to stderr."""
+        logger.debug("%s - %s", self.address_string(), format % args)
+
+
+class _SidecarHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server (daemon handler threads) that carries the collector and its registry."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        collector: WorkerStatusCollector,
+        registry: CollectorRegistry,
+        address_family: socket.AddressFamily,
+    ) -> None:
+        self.address_family = address_family
+        self.collector = collector
+        self.registry = registry
+        super().__init__(address, _Handler)
+
+
+class SidecarServer:
+    """The sidecar's HTTP server, embeddable: binds in the constructor, serves on a daemon thread after
+    ``start()``, and releases the port on ``stop()``.
+
+    ``port=0`` picks a free port; ``port`` and ``url`` tell which. The metrics live on a private
+    ``CollectorRegistry`` (``registry``), never on prometheus_client's global one.
+    """
+
+    def __init__(
+        self,
+        status_file: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        hang_timeout_seconds: float = DEFAULT_HANG_TIMEOUT_SECONDS,
+        startup_grace_seconds: float = DEFAULT_STARTUP_GRACE_SECONDS,
+        job: str = DEFAULT_JOB_NAME,
+        namespace: str = DEFAULT_NAMESPACE,
+        local_ranks: int = 1,
+    ) -> None:
+        settings = SidecarSettings(
+            status_file=Path(status_file),
+            host=host,
+            port=port,
+            hang_timeout_seconds=hang_timeout_seconds,
+            startup_grace_seconds=startup_grace_seconds,
+            job=job,
+            namespace=namespace,
+            local_ranks=local_ranks,
+        )
+        self.host = settings.host
+        self.collector = WorkerStatusCollector(
+            settings.status_file,
+            hang_timeout_seconds=settings.hang_timeout_seconds,
+            startup_grace_seconds=settings.startup_grace_seconds,
+            job=settings.job,
+            namespace=settings.namespace,
+            local_ranks=settings.local_ranks,
+        )
+        self.registry = CollectorRegistry()
+        self.registry.register(self.collector)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._httpd = _SidecarHTTPServer((self.host, settings.port), self.collector, self.registry, family)
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, settings: SidecarSettings) -> SidecarServer:
+        """A server configured by validated ``settings`` (bound, not yet serving)."""
+        return cls(**settings.model_dump())
+
+    @property
+    def port(self) -> int:
+        """The port actually bound (the chosen one when constructed with port 0)."""
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` of the server (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Serve requests on a background daemon thread; returns at once. Starting twice is an error."""
+        if self._thread is not None:
+            raise RuntimeError("sidecar server already started")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="trainguard-sidecar-http",
+            daemon=True,
+        )
+        self._thread.start()
+        logger.info("trainguard-sidecar serving %s for %s", self.url, self.collector.status_file)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket; waits for the serving thread. Safe to call more than once."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> SidecarServer:
+        """Start serving; ``with SidecarServer(...) as server:`` stops it on exit."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Stop serving."""
+        self.stop()
+
+
+#: Longest hang timeout or startup grace accepted: a week. Limits are measured on a float monotonic clock
+#: that stays exact far beyond; a week bounds what a probe can sensibly wait for and refuses absurd values.
+MAX_DURATION_SECONDS = 7 * 24 * 3600.0
+
+Seconds = Annotated[float, Field(allow_inf_nan=False, le=MAX_DURATION_SECONDS)]
+
+
+class SidecarSettings(BaseModel):
+    """The sidecar's configuration, validated in one place: every flag defaults from its environment
+    variable (``SETTING_SOURCES``), then from the field's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    status_file: Path = Field(description="The worker's status file (required).")
+    host: str = Field(DEFAULT_HOST, min_length=1, max_length=255, description="Address to listen on.")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Port to listen on; 0 picks a free one.")
+    hang_timeout_seconds: Seconds = Field(
+        DEFAULT_HANG_TIMEOUT_SECONDS,
+        gt=0,
+        description="A worker without progress for this long is not alive.",
+    )
+    startup_grace_seconds: Seconds = Field(
+        DEFAULT_STARTUP_GRACE_SECONDS,
+        ge=0,
+        description="Time a worker gets to publish its status and make its first step (and a rollback).",
+    )
+    job: str = Field(DEFAULT_JOB_NAME, min_length=1, max_length=253, description="The job label on metrics.")
+    namespace: str = Field(
+        DEFAULT_NAMESPACE, min_length=1, max_length=253, description="The namespace label on metrics."
+    )
+    local_ranks: int = Field(
+        1,
+        ge=1,
+        le=MAX_LOCAL_RANKS,
+        description="Worker processes in the pod (torchrun's --nproc-per-node): with more than one, each "
+        "writes <status file stem>-<local rank><suffix>, and the pod is alive only while all are.",
+    )
+
+    @field_validator("status_file", mode="before")
+    @classmethod
+    def _required_path(cls, value: object) -> object:
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            raise ValueError("must be a path (not empty, no NUL byte)")
+        return value
+
+
+#: Field name -> (flag, environment variable) it is set from.
+SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
+    "status_file": ("--status-file", STATUS_FILE_ENV),
+    "host": ("--host", HOST_ENV),
+    "port": ("--port", PORT_ENV),
+    "hang_timeout_seconds": ("--hang-timeout-seconds", HANG_TIMEOUT_ENV),
+    "startup_grace_seconds": ("--startup-grace-seconds", STARTUP_GRACE_ENV),
+    "job": ("--job", JOB_NAME_ENV),
+    "namespace": ("--namespace", NAMESPACE_ENV),
+    "local_ranks": ("--local-ranks", LOCAL_RANKS_ENV),
+}
+
+
+class SettingsError(ValueError):
+    """A flag or environment value is invalid; the message names the flag and the variable."""
+
+
+def load_settings(flags: Mapping[str, str | None], environ: Mapping[str, str]) -> SidecarSettings:
+    """The settings from ``flags`` (field name -> the flag's value, None when not given) over ``environ``
+    over the defaults. Raises ``SettingsError`` naming the flag and the variable of the first bad value."""
+    raw: dict[str, str] = {}
+    for name, (_, env) in SETTING_SOURCES.items():
+        value = flags.get(name)
+        if value is None:
+            value = environ.get(env)
+        if value is not None:
+            raw[name] = value
+    try:
+        return SidecarSettings.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        name = str(error["loc"][0]) if error["loc"] else ""
+        flag, env = SETTING_SOURCES.get(name, ("--status-file", STATUS_FILE_ENV))
+        given = f", got {raw[name]!r}" if name in raw else ""
+        problem = "is required" if error["type"] == "missing" else error["msg"]
+        raise SettingsError(f"{flag} (or ${env}): {problem}{given}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard-sidecar",
+        description="Serve a training worker's status file as liveness/readiness probes, JSON and metrics.",
+    )
+    for name, (flag, env) in SETTING_SOURCES.items():
+        info = SidecarSettings.model_fields[name]
+        default = "required" if info.is_required() else f"default {info.default}"
+        parser.add_argument(flag, dest=name, default=None, help=f"{info.description} (env {env}; {default})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``trainguard-sidecar`` command. Serves until SIGTERM or SIGINT, then shuts down and returns 0.
+
+    Every flag defaults from its environment variable. Invalid values return 2 (``ExitCode.CONFIG_ERROR``)
+    with a message on stderr naming the flag and the variable; so does a port that cannot be bound. Once
+    listening it prints ``trainguard-sidecar listening on http://HOST:PORT`` to stdout (flushed), so a
+    parent that passed ``--port 0`` learns the port.
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage errors (already printed)
+        return exc.code if isinstance(exc.code, int) else int(ExitCode.CONFIG_ERROR)
+    try:
+        settings = load_settings(vars(args), os.environ)
+    except SettingsError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = SidecarServer.from_settings(settings)
+    except OSError as exc:
+        print(
+            f"{parser.prog}: error: cannot listen on {settings.host}:{settings.port} "
+            f"(--host/${HOST_ENV}, --port/${PORT_ENV}): {exc}",
+            file=sys.stderr,
+        )
+        return int(ExitCode.CONFIG_ERROR)
+    _serve_until_signalled(server)
+    logger.info("trainguard-sidecar stopped")
+    return int(ExitCode.SUCCEEDED)
+
+
+def _serve_until_signalled(server: SidecarServer) -> None:
+    """Serve until SIGTERM or SIGINT, then stop the server and restore the previous signal handlers."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        print(f"trainguard-sidecar listening on {server.url}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

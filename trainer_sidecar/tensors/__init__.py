@@ -1,0 +1,4 @@
+"""Tensor helpers the guardian and the checkpoint package share: finiteness, sharding, state, RNG.
+
+Imports torch and the contract only.
+"""

@@ -1,0 +1,284 @@
+"""One observation of a gang, shared by the operator, ``trainguard run`` and the live view. Pure.
+
+In: each rank's ``WorkerStatus`` as last reported (None: the rank has not reported). Out: an immutable
+``GangView`` with the rules of aggregation written once:
+
+* progress: the slowest rank's step is the gang's step (a step is done when every rank did it, and a
+  checkpoint holds what every rank did); the fastest rank's step beside it, and which ranks are which;
+* the resumed step and whether the gang has stepped in this attempt (a rank has stepped when its last
+  step is not older than its own process start: both times come from the same worker clock);
+* rollbacks and skipped steps are one collective decision, equal on every rank: the largest reported
+  (the newest report) is taken;
+* samples are sharded: seen and dropped are summed over the ranks, and the drop rate is their ratio;
+* the newest clean checkpoint any rank reports;
+* the failing ranks (phase diverged or failed), and the first of them (the lowest step, then rank).
+
+``GangView.rank_observation`` turns a rank and what the executor knows of its process into the
+policy's ``RankObservation``; the rule that a diverged phase counts before the exit code lives there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
+from trainer_sidecar.contract.status import Phase, WorkerStatus, parse_status_document
+from trainguard.core.policy import RankObservation
+
+#: Phases in which a rank has failed by its own account.
+FAILING_PHASES = frozenset({Phase.DIVERGED, Phase.FAILED})
+
+
+@dataclass(frozen=True)
+class SidecarReport:
+    """One sidecar's ``/status`` answer (its liveness verdict and the worker's status), or why it could
+    not be had."""
+
+    reachable: bool
+    alive: bool | None = None
+    reason: str = ""
+    status: WorkerStatus | None = None
+
+    @classmethod
+    def from_document(cls, document: Any) -> SidecarReport:
+        """Read a ``/status`` body (JSON text or bytes, or a decoded object) with the status contract's
+        parser; anything it refuses reads as an unreachable sidecar, with its reason (never raises)."""
+        parsed, why = parse_status_document(document)
+        if parsed is None:
+            return cls(reachable=False, reason=why)
+        health = parsed.health
+        return cls(reachable=True, alive=health.alive, reason=health.reason, status=parsed.status)
+
+
+@dataclass(frozen=True)
+class CleanCheckpoint:
+    """A clean checkpoint a rank reported: its step, where it is, its digest, when it was written."""
+
+    step: int
+    path: str
+    sha256: str
+    time: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The checkpoint as a plain JSON-ready mapping."""
+        return {"step": self.step, "path": self.path, "sha256": self.sha256, "time": self.time}
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What one rank reported, as the view keeps it (a frozen copy: later reports do not change it).
+
+    ``resumed_step`` is None while the rank is starting (it has not resumed yet); ``stepped`` says
+    whether it completed a step since its process started.
+    """
+
+    rank: int
+    phase: Phase
+    step: int
+    resumed_step: int | None
+    stepped: bool
+    started_at: float
+    last_step_time: float | None
+    loss: float | None
+    grad_norm: float | None
+    message: str
+    exit_code: int | None = None
+
+    @classmethod
+    def of(cls, rank: int, status: WorkerStatus) -> RankState:
+        """The state of ``rank`` from its status."""
+        last = status.last_step_time
+        return cls(
+            rank=rank,
+            phase=status.phase,
+            step=status.step,
+            resumed_step=None if status.phase is Phase.STARTING else status.resumed_step,
+            stepped=last is not None and last >= status.started_at,
+            started_at=status.started_at,
+            last_step_time=last,
+            loss=status.loss,
+            grad_norm=status.grad_norm,
+            message=status.message,
+            exit_code=status.exit_code,
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The gang's step (the slowest rank's) and the fastest rank's step, with the ranks at each."""
+
+    step: int
+    fastest_step: int
+    slowest_ranks: tuple[int, ...]
+    fastest_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """What the executor knows of one rank's process apart from its status.
+
+    ``exit_code``: None while it runs (or before it started); negative means killed by that signal.
+    ``alive``: the liveness verdict (None: not known). ``health_reason``: why it is not alive.
+    ``exit_reason``: how it ended in words (default: the exit code described). ``lost``: why the rank is
+    gone without an exit code of its own (deleted, evicted, node lost), or "". ``ended_at``: when it
+    ended, in seconds on the executor's clock for all ranks (None: running, or not known).
+    """
+
+    exit_code: int | None = None
+    alive: bool | None = None
+    health_reason: str = ""
+    exit_reason: str = ""
+    lost: str = ""
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True)
+class GangView:
+    """The gang as its ranks reported it (see the module docstring for every rule)."""
+
+    world_size: int
+    ranks: tuple[RankState, ...]
+    progress: Progress | None
+    resumed_step: int | None
+    stepped: bool
+    rollbacks: int | None
+    skipped_steps: int | None
+    samples_seen: int | None
+    samples_dropped: int | None
+    checkpoint: CleanCheckpoint | None
+    checkpoint_seconds: float | None = None
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        """The ranks of the world that have not reported."""
+        reported = {r.rank for r in self.ranks}
+        return tuple(r for r in range(self.world_size) if r not in reported)
+
+    @property
+    def phases(self) -> dict[int, Phase]:
+        """Each reporting rank's phase."""
+        return {r.rank: r.phase for r in self.ranks}
+
+    @property
+    def failing(self) -> tuple[int, ...]:
+        """The ranks whose phase says they failed (diverged or failed), by rank."""
+        return tuple(r.rank for r in self.ranks if r.phase in FAILING_PHASES)
+
+    @property
+    def first_failing(self) -> int | None:
+        """The failing rank that failed first: the lowest step (then the lowest rank); None if none."""
+        failing = [r for r in self.ranks if r.phase in FAILING_PHASES]
+        return min(failing, key=lambda r: (r.step, r.rank)).rank if failing else None
+
+    @property
+    def drop_rate(self) -> float | None:
+        """Dropped over seen samples over all reporting ranks (0 before any sample; None: no report)."""
+        if self.samples_seen is None or self.samples_dropped is None:
+            return None
+        return self.samples_dropped / self.samples_seen if self.samples_seen else 0.0
+
+    def rank(self, rank: int) -> RankState | None:
+        """What ``rank`` reported, or None."""
+        return next((r for r in self.ranks if r.rank == rank), None)
+
+    @property
+    def lead(self) -> RankState | None:
+        """The lowest reporting rank (rank 0 when it reported): the one whose loss a chart shows."""
+        return self.ranks[0] if self.ranks else None
+
+    def rank_observation(self, rank: int, process: ProcessState) -> RankObservation:
+        """The policy's view of ``rank``: see ``rank_observation``."""
+        return rank_observation(rank, self.rank(rank), process)
+
+
+def rank_observation(rank: int, state: RankState | None, process: ProcessState) -> RankObservation:
+    """The policy's view of one rank: its process as the executor saw it, and its own last report.
+
+    A failed exit is judged by the code the worker's guardian declared in its last report when there is
+    one (a launcher such as torchrun exits 1 whatever its workers' codes were). A rank that reports
+    ``diverged`` (or exited with the diverged code) is diverged, whatever else its
+    exit code (or none yet), its liveness or its pod say: a diverged worker fails its liveness probe and
+    may die in its teardown, and neither is a hang nor a crash. A rank that exited with a failure
+    carries its own last message when that says why (phase ``failed``, or a configuration error: the
+    message names the field and the reason).
+    """
+    code = process.exit_code
+    if code not in (None, 0) and state is not None and state.exit_code not in (None, 0):
+        # The worker's own code, where a launcher (torchrun) reported its generic failure instead.
+        code = state.exit_code
+    if code == ExitCode.SUCCEEDED:
+        return RankObservation(rank=rank, exit_code=0, alive=None)
+    alive = process.alive if code is None else None
+    if code == ExitCode.DIVERGED or (state is not None and state.phase is Phase.DIVERGED):
+        own = state.message if state is not None and state.phase is Phase.DIVERGED else ""
+        why = own or process.exit_reason or process.health_reason
+        return RankObservation(
+            rank=rank, exit_code=code, alive=alive, reason=why, diverged=True, ended_at=process.ended_at
+        )
+    if process.lost:
+        return RankObservation(rank=rank, alive=None, lost=True, reason=process.lost)
+    if code is not None:
+        reason = process.exit_reason or describe_exit(code)
+        says_why = state is not None and (state.phase is Phase.FAILED or code == ExitCode.CONFIG_ERROR)
+        if says_why and state is not None and state.message and state.message not in reason:
+            reason = with_detail(reason, state.message)
+        return RankObservation(
+            rank=rank, exit_code=code, alive=None, reason=reason, ended_at=process.ended_at
+        )
+    return RankObservation(rank=rank, alive=alive, reason=process.health_reason if alive is False else "")
+
+
+def _collective(values: Iterable[int]) -> int | None:
+    found = list(values)
+    return max(found) if found else None
+
+
+def _newest_checkpoint(statuses: Iterable[WorkerStatus]) -> CleanCheckpoint | None:
+    refs = [s.last_clean_checkpoint for s in statuses if s.last_clean_checkpoint is not None]
+    if not refs:
+        return None
+    ref = max(refs, key=lambda c: c.step)
+    return CleanCheckpoint(step=ref.step, path=ref.path, sha256=ref.sha256, time=ref.time)
+
+
+def _progress(ranks: tuple[RankState, ...]) -> Progress | None:
+    if not ranks:
+        return None
+    slowest = min(r.step for r in ranks)
+    fastest = max(r.step for r in ranks)
+    return Progress(
+        step=slowest,
+        fastest_step=fastest,
+        slowest_ranks=tuple(r.rank for r in ranks if r.step == slowest),
+        fastest_ranks=tuple(r.rank for r in ranks if r.step == fastest),
+    )
+
+
+def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -> GangView:
+    """The gang view of ``world_size`` ranks from their statuses by rank (None or absent: not reported;
+    a rank outside ``0 .. world_size - 1`` is ignored)."""
+    reported = {
+        rank: status
+        for rank, status in sorted(statuses.items())
+        if status is not None and 0 <= rank < world_size
+    }
+    ranks = tuple(RankState.of(rank, status) for rank, status in reported.items())
+    values = list(reported.values())
+    counted = bool(values)
+    return GangView(
+        world_size=world_size,
+        ranks=ranks,
+        progress=_progress(ranks),
+        # Every rank resumes from the same checkpoint; the largest is taken should they disagree.
+        resumed_step=_collective(r.resumed_step for r in ranks if r.resumed_step is not None),
+        stepped=any(r.stepped for r in ranks),
+        rollbacks=_collective(s.rollbacks for s in values),
+        skipped_steps=_collective(s.skipped_steps for s in values),
+        samples_seen=sum(s.samples_seen for s in values) if counted else None,
+        samples_dropped=sum(s.samples_dropped for s in values) if counted else None,
+        checkpoint=_newest_checkpoint(values),
+        # The slowest rank's write is what a stop must wait for.
+        checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
+    )

@@ -1,0 +1,197 @@
+"""The recovery policy: given what was observed of a gang, what to do next. Pure: no I/O, no clock.
+
+Both the operator and ``trainguard run`` call ``decide`` and carry out its decision; nothing about
+restarts is decided anywhere else. A gang is restarted as a whole because a single restarted rank
+cannot rejoin a running collective.
+
+Idempotence: an observation names the attempt it was made in and the last attempt whose failure was
+already acted on. A failure of an attempt that was already handled yields WAIT, so an operator that
+restarts in the middle of a recovery does not restart the gang twice.
+
+Attribution: when several ranks have failed by the time the executor looks, the decision names one. A
+misconfigured, fenced or diverged rank comes before a crashed one, a crash before a lost or hung rank;
+among ranks failing alike, the one that ended first (then one killed by a signal, then the lowest rank),
+since a rank whose peer died usually exits 1 from the collective a moment later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit
+from trainer_sidecar.contract.settings import Remediation
+from trainguard.core.spec import RecoverySpec
+
+
+class Action(StrEnum):
+    """What the executor does."""
+
+    CONTINUE = "continue"  # nothing wrong: keep watching
+    WAIT = "wait"  # a decision was already taken for this attempt: carry it out, decide nothing new
+    RESTART = "restart"  # stop the whole gang now, start the next attempt after delay_seconds
+    SUCCEED = "succeed"  # the job finished: final
+    FAIL = "fail"  # give up: final
+
+
+class FailureKind(StrEnum):
+    """Why a rank counts as failed."""
+
+    CRASH = "Crashed"
+    HANG = "Hung"
+    DIVERGED = "Diverged"
+    CONFIG = "ConfigError"
+    FENCED = "Fenced"
+    LOST = "Lost"
+
+
+@dataclass(frozen=True)
+class RankObservation:
+    """One rank as seen by the executor.
+
+    ``exit_code`` is None while the process (container) runs; negative means killed by that signal.
+    ``alive`` is the sidecar's liveness verdict (None: not known yet); ``lost`` means the pod or node
+    is gone without an exit code (deleted, evicted, node lost). ``ended_at`` is when the process ended,
+    in seconds on any clock the executor uses for all ranks alike (None: running, or not known).
+    """
+
+    rank: int
+    exit_code: int | None = None
+    alive: bool | None = True
+    reason: str = ""
+    diverged: bool = False
+    lost: bool = False
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the policy looks at, as plain values."""
+
+    attempt: int
+    ranks: Sequence[RankObservation]
+    restarts: int = 0
+    handled_attempt: int = 0
+    terminal: Action | None = None
+    terminal_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer."""
+
+    action: Action
+    reason: str = ""
+    delay_seconds: float = 0.0
+    remediation: Remediation | None = None
+    failure: FailureKind | None = None
+    rank: int | None = None
+    exit_code: int | None = None
+    restarts: int = 0
+
+
+def backoff_seconds(recovery: RecoverySpec, restarts_done: int) -> float:
+    """Wait before the next restart when ``restarts_done`` restarts already happened (last entry caps)."""
+    schedule = recovery.backoff_seconds
+    return float(schedule[min(max(restarts_done, 0), len(schedule) - 1)])
+
+
+def classify(rank: RankObservation) -> FailureKind | None:
+    """Whether one rank has failed, and how."""
+    if rank.exit_code == ExitCode.DIVERGED or rank.diverged:
+        return FailureKind.DIVERGED
+    if rank.exit_code == ExitCode.CONFIG_ERROR:
+        return FailureKind.CONFIG
+    if rank.exit_code == ExitCode.FENCED:
+        return FailureKind.FENCED
+    if rank.exit_code not in (None, 0):
+        return FailureKind.CRASH
+    if rank.lost:
+        return FailureKind.LOST
+    if rank.exit_code is None and rank.alive is False:
+        return FailureKind.HANG
+    return None
+
+
+#: How a failure of each kind reads after "rank N".
+_VERBS = {
+    FailureKind.CRASH: "crashed",
+    FailureKind.HANG: "hung",
+    FailureKind.DIVERGED: "diverged",
+    FailureKind.CONFIG: "stopped",
+    FailureKind.FENCED: "stopped",
+    FailureKind.LOST: "lost",
+}
+
+# Which failure explains a gang's state best, when several ranks fail at once: a diverged or
+# misconfigured rank makes its peers crash or hang in the collective, not the other way round.
+_PRIORITY = [
+    FailureKind.CONFIG,
+    FailureKind.FENCED,
+    FailureKind.DIVERGED,
+    FailureKind.CRASH,
+    FailureKind.LOST,
+    FailureKind.HANG,
+]
+
+
+def killed_by_signal(exit_code: int | None) -> bool:
+    """Whether an exit code says the process was killed by a signal (negative: the signal's number, as
+    Python reports it; 129 to 192: 128 + N, as a shell or a container runtime reports it)."""
+    return exit_code is not None and (exit_code < 0 or 128 < exit_code <= 192)
+
+
+def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, bool, int]:
+    # Among ranks failing alike, the one that ended first is the cause, its peers' failures the effect
+    # (a rank whose peer vanished exits 1 from the collective). Ending times may tie (a container's is
+    # in whole seconds): then a rank killed by a signal (OOM, a liveness kill) is the likelier cause
+    # than one that exited by itself; then the lowest rank.
+    ended = rank.ended_at if rank.ended_at is not None else float("inf")
+    return (_PRIORITY.index(kind), ended, not killed_by_signal(rank.exit_code), rank.rank)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
+    """Decide what to do about a gang. See the module docstring for the guarantees."""
+    restarts = observation.restarts
+    if observation.terminal in (Action.SUCCEED, Action.FAIL):
+        return Decision(observation.terminal, observation.terminal_reason, restarts=restarts)
+
+    failures = [(kind, r) for r in observation.ranks if (kind := classify(r)) is not None]
+    if not failures:
+        if observation.ranks and all(r.exit_code == 0 for r in observation.ranks):
+            return Decision(Action.SUCCEED, "every rank exited 0", restarts=restarts)
+        return Decision(Action.CONTINUE, restarts=restarts)
+    if observation.attempt <= observation.handled_attempt:
+        return Decision(Action.WAIT, "this attempt's failure is already being handled", restarts=restarts)
+
+    kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
+    what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
+    alike = sorted(r.rank for k, r in failures if k is kind)
+    others = [r for r in alike if r != rank.rank]
+    if not others:
+        reason = f"rank {rank.rank} {_VERBS[kind]}: {what}"
+    elif rank.ended_at is not None:  # ordered by when they ended: name the first
+        reason = f"rank {rank.rank} {_VERBS[kind]} first: {what}; {_ranks(others)} too"
+    else:
+        reason = f"{_ranks(alike)} {_VERBS[kind]}: {what}"
+    failed = Decision(
+        Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts
+    )
+    if kind in (FailureKind.CONFIG, FailureKind.FENCED):  # the exit code's description says permanent
+        return failed
+    if restarts >= recovery.max_restarts:
+        return replace(
+            failed, reason=f"restarts exhausted ({restarts} of {recovery.max_restarts}); last: {reason}"
+        )
+    return replace(
+        failed,
+        action=Action.RESTART,
+        delay_seconds=backoff_seconds(recovery, restarts),
+        remediation=recovery.on_divergence if kind is FailureKind.DIVERGED else None,
+        restarts=restarts + 1,
+    )

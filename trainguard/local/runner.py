@@ -1,0 +1,600 @@
+"""``trainguard run``: a GuardedTrainingJob on one machine, with the operator's recovery policy.
+
+Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in
+its ``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its
+own free port. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
+kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
+``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
+``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
+waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
+
+Nothing outlives the runner (see ``trainguard.local.launch``): every child is registered for cleanup the
+moment it exists and dies with the runner even when the runner is killed; SIGINT, SIGTERM and SIGHUP
+stop the gang and end the run with 128 + the signal's number. The command and working directory are
+checked, and the checkpoint directory locked against a second run of the job, before anything starts
+(see ``trainguard.local.rundir``). Each run writes into a folder of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from trainer_sidecar.contract.settings import Remediation
+from trainer_sidecar.contract.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
+from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
+from trainguard.core.policy import Action, Decision, Observation, decide
+from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
+from trainguard.core.summary import Incident, RunRecord, fault_time
+from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
+from trainguard.local.launch import (
+    GANG_ENV,
+    RUN_ENV,
+    RunRefused,
+    Stopped,
+    StopSignals,
+    check_working_dir,
+    exit_detail,
+    kill_marked,
+    marked_processes,
+    omp_threads,
+    printable,
+    resolve_command,
+    signal_group,
+    spawn,
+)
+from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
+from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
+
+log = logging.getLogger("trainguard.run")
+
+_CONTAINER = f"spec.template.spec.containers[{WORKER_CONTAINER}]"
+TERMINATION_MESSAGE_FILE = "termination-log"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class RankProcesses:
+    """One rank of one attempt: the worker, its sidecar, and where their files are."""
+
+    rank: int
+    worker: subprocess.Popen[bytes]
+    sidecar: SidecarProcess
+    status_file: Path
+    log_path: Path
+    alive: bool | None = None
+    health_reason: str = ""
+    probe_failures: int = 0
+    failed_since: float | None = None
+    exit_reason: str | None = None
+    #: When the runner first saw the worker ended (``time.monotonic()``; None while it runs).
+    ended_at: float | None = None
+    #: The worker's status as its sidecar last served it (None: not read yet).
+    status: WorkerStatus | None = None
+
+    @property
+    def sidecar_url(self) -> str:
+        """Where the rank's sidecar answers ("" while it is down)."""
+        return self.sidecar.url
+
+    @property
+    def termination_file(self) -> Path:
+        """The worker's termination-message file (``TRAINGUARD_TERMINATION_MESSAGE_PATH``)."""
+        return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
+
+
+@dataclass
+class Event:
+    """A line of the job's timeline."""
+
+    time: float
+    kind: str
+    message: str
+    attempt: int
+    step: int | None = None
+
+    def as_dict(self, origin: float) -> dict[str, Any]:
+        """JSON form, with the time relative to the run's start."""
+        return {
+            "t": round(self.time - origin, 3),
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "step": self.step,
+            "message": self.message,
+        }
+
+
+class LocalRunner:
+    """Runs one GuardedTrainingJob to success or failure on this machine. See the module docstring."""
+
+    def __init__(
+        self,
+        job: GuardedTrainingJob,
+        *,
+        checkpoint_root: Path,
+        run_dir: Path,
+        stop_grace_seconds: float = 10.0,
+        view: Any = None,
+        signals: StopSignals | None = None,
+    ) -> None:
+        """Check the job against this machine (command, working directory, names); nothing starts yet.
+
+        ``run_dir`` is the job's run root: each ``run()`` writes into a new folder under it
+        (``run_folder``). Raises SpecError or RunRefused naming the field.
+        """
+        self.job = job
+        self.spec = job.spec
+        self.checkpoint_root = checkpoint_root.absolute()
+        claim = plain_name(self.spec.checkpoint.claim_name, "spec.checkpoint.claimName")
+        self.checkpoint_dir = self.checkpoint_root / claim
+        self.run_root = run_dir.absolute()
+        self.run_folder: Path | None = None
+        self.stop_grace_seconds = stop_grace_seconds
+        self.view = view
+        self.signals = signals
+        self.worker = self.spec.template.spec.worker()
+        self.template_env = self._template_env()
+        self.working_dir = check_working_dir(self.worker.working_dir, field=f"{_CONTAINER}.workingDir")
+        self.command = self._command()
+        self.lock = CheckpointLock(self.checkpoint_dir)
+        # Every process of the current attempt, registered the moment it exists (see _spawn).
+        self._workers: list[subprocess.Popen[Any]] = []
+        self._sidecars: list[subprocess.Popen[Any]] = []
+        self._files: list[IO[bytes]] = []
+        self.attempt = 0
+        self.gang_id = ""  # set per attempt: the marker every process of the gang carries (GANG_ENV)
+        self.restarts = 0
+        self.remediation: Remediation | None = None
+        # The attempt that introduced the remediation names it: workers apply a given id once, so a
+        # later restart for another reason (a crash) does not lower the learning rate again.
+        self.remediation_id = ""
+        self.ranks: list[RankProcesses] = []
+        self.events: list[Event] = []
+        self.backoff_total = 0.0
+        self.started = time.time()
+        self.attempt_started = self.started
+        self.record = RunRecord(self.started)
+        self.final_decision: Decision | None = None
+
+    @property
+    def incidents(self) -> list[Incident]:
+        """The gang restarts so far (appended by the run loop; their recovery is filled in as seen)."""
+        return self.record.incidents
+
+    # ---------------------------------------------------------------------------------- template ---
+    def _command(self) -> list[str]:
+        command = [*(self.worker.command or []), *(self.worker.args or [])]
+        if not command:
+            raise SpecError(f"{_CONTAINER}.command: a local run needs a command")
+        field_name = f"{_CONTAINER}.command[0]" if self.worker.command else f"{_CONTAINER}.args[0]"
+        path = self.template_env.get("PATH", os.environ.get("PATH", os.defpath))
+        resolved = resolve_command(command, field=field_name, cwd=self.working_dir, path=path)
+        if self.spec.nproc_per_node > 1:
+            try:
+                under_torchrun(resolved, NodeLaunch("1", "1", "0", "127.0.0.1", "0"))
+            except NotPython as exc:
+                raise SpecError(f"{_CONTAINER}.command: {exc}") from exc
+        return resolved
+
+    def _template_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for index, item in enumerate(self.worker.env or []):
+            where = f"spec.template.spec.containers[pytorch].env[{index}]"
+            if "name" not in item:
+                raise SpecError(f"{where}: needs a name")
+            if "valueFrom" in item:
+                raise SpecError(f"{where} ({item['name']}): valueFrom cannot be resolved without a cluster")
+            env[str(item["name"])] = str(item.get("value", ""))
+        return env
+
+    def worker_env(self, rank: int, port: int, status_file: Path) -> dict[str, str]:
+        """The environment of one worker process in the current attempt.
+
+        As torchrun does, ``OMP_NUM_THREADS`` shares this machine's cores among the workers unless the
+        user set it. The termination-message file sits beside the status file.
+        """
+        spec = self.spec
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env.update(self.template_env)
+        env.setdefault("OMP_NUM_THREADS", omp_threads(spec.replicas * spec.nproc_per_node))
+        env.update(
+            PYTHONUNBUFFERED="1",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.replicas),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TRAINGUARD_SETTINGS=spec.guardian_settings().model_dump_json(by_alias=True),
+            TRAINGUARD_CHECKPOINT_DIR=str(self.checkpoint_dir),
+            TRAINGUARD_STATUS_FILE=str(status_file),
+            TRAINGUARD_JOB_NAME=self.job.metadata.name,
+            TRAINGUARD_NAMESPACE=self.job.metadata.namespace,
+            TRAINGUARD_ATTEMPT=str(self.attempt),
+        )
+        env[GANG_ENV] = self.gang_id
+        env[RUN_ENV] = self.run_marker
+        env[TERMINATION_MESSAGE_ENV] = str(status_file.with_name(TERMINATION_MESSAGE_FILE))
+        if self.remediation is not None:
+            payload = {"id": self.remediation_id, **self.remediation.model_dump(by_alias=True)}
+            env["TRAINGUARD_REMEDIATION"] = json.dumps(payload)
+        return env
+
+    # ------------------------------------------------------------------------------------ events ---
+    def event(self, kind: str, message: str, step: int | None = None) -> None:
+        """Record a timeline event and show it."""
+        entry = Event(time.time(), kind, message, self.attempt, step)
+        self.events.append(entry)
+        if self.view is not None:
+            self.view.event(entry)
+
+    # ------------------------------------------------------------------------------ gang control ---
+    def prepare(self) -> None:
+        """Create and lock the checkpoint directory, then this run's own folder (RunRefused if another
+        run holds the lock or a path leads outside its root). No process is started."""
+        self.checkpoint_dir = make_dir_inside(
+            self.checkpoint_root, self.checkpoint_dir, "spec.checkpoint.claimName", "--checkpoint-root"
+        )
+        self.lock.acquire(job=f"{self.job.metadata.namespace}/{self.job.metadata.name}")
+        self._kill_leftovers()
+        self.run_folder = new_run_folder(self.run_root)
+
+    @property
+    def run_marker(self) -> str:
+        """The value of RUN_ENV in every worker this job's runs start: one per checkpoint directory."""
+        return hashlib.sha256(str(self.checkpoint_dir).encode()).hexdigest()[:16]
+
+    def _kill_leftovers(self, wait_seconds: float = 10.0) -> None:
+        """Kill the workers an earlier run of this job left (a runner killed with SIGKILL takes its own
+        children with it, but not a launcher's workers, which live in sessions of their own), and give
+        them a moment to go (a GPU's memory is freed only then). Holding the lock, this run is the only
+        one of the job: whatever carries its marker is left over."""
+        leftovers = kill_marked(RUN_ENV, self.run_marker)
+        if not leftovers:
+            return
+        log.warning("killed %d process(es) an earlier run of this job left: %s", len(leftovers), leftovers)
+        deadline = time.monotonic() + wait_seconds
+        while set(marked_processes(RUN_ENV, self.run_marker)) & set(leftovers):
+            if time.monotonic() > deadline:
+                log.warning("processes an earlier run left are still exiting; going on")
+                return
+            time.sleep(0.1)
+
+    def _spawn(self, argv: list[str], *, worker: bool, **options: Any) -> subprocess.Popen[Any]:
+        """Start a child and register it for cleanup before a stop signal can interrupt."""
+        signals = self.signals if self.signals is not None else StopSignals()
+        with signals.deferred():
+            try:
+                proc = spawn(argv, **options)
+            except OSError as exc:
+                raise RunRefused(f"cannot start {argv[0]}: {exc}") from exc
+            (self._workers if worker else self._sidecars).append(proc)
+        return proc
+
+    def _sidecar_argv(self, status_file: Path) -> list[str]:
+        health = self.spec.health
+        return [
+            sys.executable, "-m", "trainer_sidecar.sidecar",
+            "--status-file", str(status_file),
+            "--host", "127.0.0.1", "--port", "0",
+            "--hang-timeout-seconds", str(health.hang_timeout_seconds),
+            "--startup-grace-seconds", str(health.startup_grace_seconds),
+            "--job", self.job.metadata.name, "--namespace", self.job.metadata.namespace,
+            "--local-ranks", str(self.spec.nproc_per_node),
+        ]  # fmt: skip
+
+    def _pod_command(self, pod: int, port: int) -> list[str]:
+        """The command of one pod: the job's, or with nprocPerNode above 1 the same under torchrun (as the
+        operator renders it, with this machine's numbers in place of the training operator's)."""
+        nproc = self.spec.nproc_per_node
+        if nproc == 1:
+            return self.command
+        node = NodeLaunch(str(self.spec.replicas), str(nproc), str(pod), "127.0.0.1", str(port))
+        return under_torchrun(self.command, node)
+
+    def start_gang(self) -> None:
+        """Start the sidecars and workers of a new attempt (``prepare`` first)."""
+        assert self.run_folder is not None, "prepare() before start_gang()"
+        self.attempt += 1
+        self.attempt_started = time.time()
+        self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
+        attempt_dir = self.run_folder / f"attempt-{self.attempt}"
+        logs = self.run_folder / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.ranks = []
+        for rank in range(self.spec.replicas):
+            status_file = attempt_dir / f"rank-{rank}" / "status.json"
+            status_file.parent.mkdir(parents=True, exist_ok=True)
+            sidecar = SidecarProcess(
+                self._sidecar_argv(status_file),
+                status_file.with_name("sidecar.log"),
+                lambda argv, **options: self._spawn(argv, worker=False, **options),
+            )
+            if not sidecar.start():
+                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
+            log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"
+            log_file = open(log_path, "xb")  # noqa: SIM115 - closed by stop_gang
+            self._files.append(log_file)
+            worker = self._spawn(
+                self._pod_command(rank, port),
+                worker=True,
+                env=self.worker_env(rank, port, status_file),
+                cwd=self.working_dir,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                pass_fds=(self.lock.fd,),  # the checkpoint lock lives as long as the gang
+            )
+            self.ranks.append(RankProcesses(rank, worker, sidecar, status_file, log_path))
+        remediation = ""
+        if self.remediation is not None:
+            remediation = f" with remediation lrScale={self.remediation.lr_scale}"
+        nproc = self.spec.nproc_per_node
+        each = f" of {nproc} processes each" if nproc > 1 else ""
+        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}")
+
+    def stop_gang(self) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.
+
+        Stops every process registered in this attempt, also those of a rank that was still starting.
+        """
+        workers, sidecars, files = self._workers, self._sidecars, self._files
+        self._workers, self._sidecars, self._files = [], [], []
+        for worker in workers:
+            signal_group(worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_seconds
+        for worker in workers:
+            try:
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(worker, signal.SIGKILL)
+                worker.wait()
+            signal_group(worker, signal.SIGKILL)  # stray children (data loader workers)
+        strays = kill_marked(GANG_ENV, self.gang_id)  # a launcher's workers, in sessions of their own
+        if strays:
+            log.warning(
+                "attempt %d: killed %d process(es) left by the gang: %s", self.attempt, len(strays), strays
+            )
+        for sidecar in sidecars:
+            if sidecar.poll() is None:  # a restarted sidecar's predecessor is gone (its pid may be reused)
+                signal_group(sidecar, signal.SIGTERM)
+        for sidecar in sidecars:
+            try:
+                sidecar.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                signal_group(sidecar, signal.SIGKILL)
+                sidecar.wait()
+            if sidecar.stdout is not None:
+                sidecar.stdout.close()
+        for file in files:
+            file.close()
+
+    # --------------------------------------------------------------------------------- watching ---
+    def probe(self) -> None:
+        """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
+
+        A sidecar that exited is restarted first (with backoff). A failed or unanswered probe counts
+        towards the failure threshold; a rank is not alive only once the threshold is reached.
+        """
+        timeout = min(5.0, float(self.spec.health.probe_period_seconds))
+        for rank in self.ranks:
+            if rank.worker.poll() is not None:
+                continue
+            happened = rank.sidecar.keep_running()
+            if happened:
+                self.event("sidecar", f"rank {rank.rank}: {happened}")
+            self.read_status(rank)
+            code, body = rank.sidecar.healthz(timeout)
+            rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
+            rank.alive = self._liveness(rank)
+            rank.health_reason = "" if probe_passed(code) else self._probe_failure(rank, code, body)
+
+    def _liveness(self, rank: RankProcesses) -> bool | None:
+        """The kubelet's verdict, except that a worker that published its final status ("failed") gets
+        the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
+        if rank.status is None or rank.status.phase is not Phase.FAILED:
+            rank.failed_since = None
+            return liveness(rank.probe_failures)
+        now = time.monotonic()
+        rank.failed_since = rank.failed_since if rank.failed_since is not None else now
+        return liveness(rank.probe_failures, now - rank.failed_since, self.stop_grace_seconds)
+
+    @staticmethod
+    def _probe_failure(rank: RankProcesses, code: int, body: bytes) -> str:
+        answer = printable(body.decode(errors="replace")) if code else ""
+        if not answer:
+            answer = f"HTTP {code}" if code else "no answer (the sidecar is down)"
+        times = "once" if rank.probe_failures == 1 else f"{rank.probe_failures} times in a row"
+        return f"liveness probe failed {times}: {answer}"
+
+    def exit_reason(self, rank: RankProcesses) -> str:
+        """Why an exited worker exited, from its termination message or log ("" if running or unknown)."""
+        code = rank.worker.poll()
+        if code is None:
+            return ""
+        if rank.exit_reason is None:
+            rank.exit_reason = exit_detail(code, rank.termination_file, rank.log_path)
+        return rank.exit_reason
+
+    def read_status(self, rank: RankProcesses) -> None:
+        """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had)."""
+        code, body = rank.sidecar.get("/status", 2.0)
+        if code != 200:
+            return
+        report = SidecarReport.from_document(body)
+        if report.status is not None:
+            rank.status = report.status
+
+    def read_statuses(self) -> None:
+        """Refresh every rank's status: the gang's step is its slowest rank's, so all are needed."""
+        for rank in self.ranks:
+            self.read_status(rank)
+
+    def gang_view(self) -> GangView:
+        """The current attempt's gang as its ranks last reported."""
+        return observe_gang({r.rank: r.status for r in self.ranks}, self.spec.replicas)
+
+    def observe(self) -> Observation:
+        """What the policy sees now."""
+        view = self.gang_view()
+        ranks = []
+        now = time.monotonic()  # one reading: exits first seen in one observation tie
+        for rank in self.ranks:
+            code = rank.worker.poll()
+            if code is not None and rank.ended_at is None:
+                rank.ended_at = now
+            process = ProcessState(
+                exit_code=code,
+                alive=rank.alive,
+                health_reason=rank.health_reason,
+                exit_reason=self.exit_reason(rank),
+                ended_at=rank.ended_at,
+            )
+            ranks.append(view.rank_observation(rank.rank, process))
+        return Observation(
+            attempt=self.attempt, ranks=ranks, restarts=self.restarts, handled_attempt=self.attempt - 1
+        )
+
+    def record_progress(self) -> None:
+        """Take in the gang's progress and turn what changed into timeline events."""
+        if not self.ranks:
+            return
+        for note in self.record.see(self.attempt, self.attempt_started, self.gang_view(), time.time()):
+            self.event(note.kind, note.message, note.step)
+
+    # ------------------------------------------------------------------------------------- main ---
+    def run(self) -> int:
+        """Run to the end; returns the exit code: 0 success, 1 failure, 128 + N when stopped by signal N
+        (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). Raises RunRefused when the run cannot start; no process
+        is left running either way."""
+        if self.signals is not None:
+            return self._run(self.signals)
+        with StopSignals() as signals:
+            self.signals = signals
+            return self._run(signals)
+
+    def _run(self, signals: StopSignals) -> int:
+        try:
+            self.prepare()
+            self.start_gang()
+            return self._watch(signals)
+        except Stopped as stop:
+            self.event("interrupted", f"stopped by {stop.name}; checkpoints are intact")
+            return stop.exit_code
+        finally:
+            signals.disarm()  # from here on a stop signal cannot cut the cleanup short
+            self.stop_gang()
+            self.lock.release()
+
+    def _watch(self, signals: StopSignals) -> int:
+        period = float(self.spec.health.probe_period_seconds)
+        next_probe = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_probe:
+                self.probe()
+                next_probe = now + period
+            else:
+                self.read_statuses()
+            self.record_progress()
+            if self.view is not None:
+                self.view.update(self)
+            decision = decide(self.spec.recovery, self.observe())
+            if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
+                time.sleep(0.25)
+                continue
+            if decision.action is Action.SUCCEED:
+                signals.disarm()  # the job has finished: a late signal does not make it "interrupted"
+                self.finish(decision)
+                self.event("succeeded", "every rank exited 0")
+                return 0
+            if not self._recover(decision, signals):
+                return 1
+            next_probe = time.monotonic() + period
+
+    def _recover(self, decision: Decision, signals: StopSignals) -> bool:
+        """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False)."""
+        fault_at = self._fault_time(decision)
+        detected = time.time()
+        self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
+        if decision.action is Action.FAIL:
+            signals.disarm()
+            self.final_decision = decision
+            self.stop_gang()
+            return False
+        with signals.deferred():
+            self.stop_gang()
+        self.restarts = decision.restarts
+        if decision.remediation is not None:
+            self.remediation = decision.remediation
+            self.remediation_id = f"attempt-{self.attempt + 1}"
+        self.incidents.append(
+            Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
+        )
+        self.event(
+            "restart",
+            f"restarting the whole gang in {decision.delay_seconds:g} s "
+            f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
+        )
+        time.sleep(decision.delay_seconds)
+        self.backoff_total += decision.delay_seconds
+        self.start_gang()
+        return True
+
+    def finish(self, decision: Decision) -> None:
+        """Record the final decision and let the workers' sidecars go."""
+        self.final_decision = decision
+        for rank in self.ranks:
+            self.read_status(rank)
+        self.record_progress()
+        self.stop_gang()
+
+    def _fault_time(self, decision: Decision) -> float:
+        view = self.gang_view()
+        return fault_time(decision, view, attempt_started=self.attempt_started, now=time.time())
+
+    # ---------------------------------------------------------------------------------- summary ---
+    def summary(self) -> dict[str, Any]:
+        """The run's figures (see the README's summary reference)."""
+        from trainer_sidecar.checkpoint import CheckpointStore  # imports torch: only when summarising
+
+        wall = time.time() - self.started
+        store = CheckpointStore(self.checkpoint_dir)
+        newest = store.newest_valid()
+        checkpoint = None
+        if newest is not None:
+            ref = store.reference(newest)
+            if ref is not None:
+                checkpoint = {"step": ref.step, "path": ref.path, "sha256": ref.sha256}
+        decision = self.final_decision
+        if decision is None:
+            result = "interrupted"
+        else:
+            result = "succeeded" if decision.action is Action.SUCCEED else "failed"
+        return {
+            "job": {"name": self.job.metadata.name, "namespace": self.job.metadata.namespace},
+            "result": result,
+            "reason": decision.reason if decision else "interrupted",
+            "attempts": self.attempt,
+            **self.record.figures(wall, self.backoff_total),
+            "final_checkpoint": checkpoint,
+            "timeline": [e.as_dict(self.started) for e in self.events],
+            "series": self.record.series,
+        }
