@@ -28,6 +28,7 @@ from trainguard_operator.settings import OperatorSettings
 
 from trainer_sidecar.contract.settings import Remediation
 from trainer_sidecar.contract.status import LOCAL_RANKS_ENV
+from trainguard.core.probes import probe_timing
 from trainguard.core.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
 
@@ -137,19 +138,6 @@ PYTORCHJOB_NAME_LABEL = "training.kubeflow.org/job-name"
 
 #: Kubernetes' default terminationMessagePath.
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
-
-
-def probe_timing(period_seconds: int) -> dict[str, int]:
-    """Liveness probe numbers for a probe period.
-
-    * ``failureThreshold`` 3: the sidecar's ``/healthz`` already waits the hang timeout (and the startup
-      grace before the first step) before it fails, so the kubelet only needs to ride out a transient
-      miss (a sidecar starved of CPU for a moment); three periods of failure is the Kubernetes default
-      and adds at most ~3 periods to detection.
-    * ``timeoutSeconds`` min(5, period): the answer is a file read, but the pod's cores may be saturated
-      by training and data loading; 1 s (the default) would produce false failures.
-    """
-    return {"liveness_failure_threshold": 3, "timeout_seconds": max(1, min(5, period_seconds))}
 
 
 def _env_map(env: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:

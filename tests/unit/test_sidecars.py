@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from trainguard_operator.render import probe_timing
 
+from trainguard.core.probes import probe_timing
 from trainguard.local import sidecars
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard_operator.render import probe_timing
+from trainguard.core.probes import probe_timing
 
 #: Failed probes in a row after which a rank is not alive (the kubelet's failureThreshold we render).
 LIVENESS_FAILURE_THRESHOLD = probe_timing(1)["liveness_failure_threshold"]
