@@ -41,6 +41,9 @@ for tool in pytest:pytest mypy:mypy torchrun:torch.distributed.run; do
   printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m %s "$@"\n' "${tool#*:}" > "$venv/bin/${tool%%:*}"
   chmod +x "$venv/bin/${tool%%:*}"
 done
+# import-linter has no `python -m` entry point; its console script's function, run the same way.
+printf '#!/bin/sh\nexec "$(dirname "$0")/python" -c "from importlinter.cli import lint_imports_command; lint_imports_command()" "$@"\n' > "$venv/bin/lint-imports"
+chmod +x "$venv/bin/lint-imports"
 # The project itself, editable, into this clone's .venv only (cheap, so on every run).
 "$deps/bin/pip" --python "$venv/bin/python" install --quiet --no-deps --no-build-isolation -e "$root"
 
