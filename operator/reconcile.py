@@ -37,7 +37,6 @@ from trainguard_operator.render import (
     HUNG_WORKER_GRACE_SECONDS,
     JOB_LABEL,
     Owner,
-    RemediationOrder,
     RenderError,
     pytorchjob_name,
     render_pytorchjob,
@@ -60,6 +59,7 @@ from trainguard_operator.status import (
     set_condition,
 )
 
+from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView, SidecarReport
 from trainguard.core.policy import Action, Decision, Observation, decide
 from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job

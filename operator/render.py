@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -26,8 +25,8 @@ from typing import Any
 
 from trainguard_operator.settings import OperatorSettings
 
-from trainer_sidecar.contract.settings import Remediation
-from trainer_sidecar.contract.status import LOCAL_RANKS_ENV
+from trainer_sidecar.contract.settings import RemediationOrder
+from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.probes import probe_timing
 from trainguard.core.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
@@ -74,25 +73,6 @@ _HASH_CHARS = 8
 
 class RenderError(ValueError):
     """The job's template cannot be combined with trainguard's pieces; the message names the field."""
-
-
-class RemediationOrder(Remediation):
-    """A remediation handed to an attempt's workers (``TRAINGUARD_REMEDIATION``), with its ``id``.
-
-    ``id`` names the attempt that introduced it (``attempt-N``). Later attempts pass the same id, so a
-    guardian that already applied it (the id is in its checkpoint) does not apply it a second time.
-    """
-
-    id: str
-
-    @classmethod
-    def introduced_by(cls, attempt: int, remediation: Remediation) -> RemediationOrder:
-        """The order for ``remediation`` first handed to ``attempt``."""
-        return cls(id=f"attempt-{attempt}", **remediation.model_dump())
-
-    def payload(self) -> dict[str, Any]:
-        """The JSON object the guardian reads: ``{"id": ..., "lrScale": ..., "maxGradNorm": ...}``."""
-        return self.model_dump(by_alias=True, mode="json")
 
 
 @dataclass(frozen=True)
@@ -158,7 +138,6 @@ def _worker_env(
 
 
 def _sidecar(job: GuardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:
-    health = job.spec.health
     return {
         "name": SIDECAR_CONTAINER,
         "image": settings.sidecar_image,
@@ -169,13 +148,12 @@ def _sidecar(job: GuardedTrainingJob, settings: OperatorSettings) -> dict[str, A
         # container would keep a finished pod Running, so the PyTorchJob would never succeed.
         "restartPolicy": "Always",
         "env": [
-            {"name": "TRAINGUARD_STATUS_FILE", "value": STATUS_FILE},
-            {"name": "TRAINGUARD_SIDECAR_PORT", "value": str(settings.sidecar_port)},
-            {"name": "TRAINGUARD_HANG_TIMEOUT_SECONDS", "value": str(health.hang_timeout_seconds)},
-            {"name": "TRAINGUARD_STARTUP_GRACE_SECONDS", "value": str(health.startup_grace_seconds)},
-            {"name": "TRAINGUARD_JOB_NAME", "value": job.metadata.name},
-            {"name": "TRAINGUARD_NAMESPACE", "value": job.metadata.namespace},
-            {"name": LOCAL_RANKS_ENV, "value": str(job.spec.nproc_per_node)},
+            {"name": name, "value": value}
+            for name, value in sidecar_environment(
+                job, status_file=STATUS_FILE, host=None, port=settings.sidecar_port
+            )
+            .variables()
+            .items()
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": settings.sidecar_port, "protocol": "TCP"}],
         "volumeMounts": [{"name": STATUS_VOLUME, "mountPath": STATUS_DIR, "readOnly": True}],
@@ -245,21 +223,14 @@ def _owned_env(
     job: GuardedTrainingJob, attempt: int, remediation: RemediationOrder | None, worker: Mapping[str, Any]
 ) -> dict[str, str]:
     """trainguard's own variables of the worker (they replace any the user set of the same name)."""
-    spec = job.spec
-    owned = {
-        "TRAINGUARD_SETTINGS": spec.guardian_settings().model_dump_json(by_alias=True),
-        "TRAINGUARD_CHECKPOINT_DIR": spec.checkpoint.mount_path,
-        "TRAINGUARD_STATUS_FILE": STATUS_FILE,
-        # The guardian's final status outlives the sidecar in the pod's state.terminated.message.
-        "TRAINGUARD_TERMINATION_MESSAGE_PATH": worker.get("terminationMessagePath")
-        or TERMINATION_MESSAGE_PATH,
-        "TRAINGUARD_JOB_NAME": job.metadata.name,
-        "TRAINGUARD_NAMESPACE": job.metadata.namespace,
-        "TRAINGUARD_ATTEMPT": str(attempt),
-    }
-    if remediation is not None:
-        owned["TRAINGUARD_REMEDIATION"] = json.dumps(remediation.payload(), separators=(",", ":"))
-    return owned
+    return worker_environment(
+        job,
+        attempt=attempt,
+        remediation=remediation,
+        checkpoint_dir=job.spec.checkpoint.mount_path,
+        status_file=STATUS_FILE,
+        termination_message_path=worker.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH,
+    ).variables()
 
 
 #: The stop grace of a pod before anything is known of its checkpoints (Kubernetes' default is 30 s).

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
-from trainguard_operator.render import RemediationOrder
 
+from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.spec import CheckpointStatus, Condition, GuardedTrainingJobStatus, LastFailure
 
 

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.contract.env import FAULTS_ENV
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig
 from trainer_sidecar.guardian.faults import (
-    FAULTS_ENV,
     Fault,
     FaultInjector,
     FaultKind,

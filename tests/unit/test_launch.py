@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer_sidecar.contract.env import GANG_ENV
 from trainer_sidecar.contract.exitcodes import with_detail
 from trainer_sidecar.contract.status import Phase, WorkerStatus, write_termination_message
 from trainguard.local import launch
@@ -196,7 +197,7 @@ def test_a_gang_is_killed_down_to_the_workers_a_launcher_started_in_sessions_of_
         f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
         "time.sleep(600)\n"
     )
-    env = {**os.environ, launch.GANG_ENV: "test-gang-1"}
+    env = {**os.environ, GANG_ENV: "test-gang-1"}
     child = launch.spawn([sys.executable, str(launcher)], env=env)
     deadline = time.monotonic() + 30
     while not pid_file.exists() or not pid_file.read_text():
@@ -206,9 +207,9 @@ def test_a_gang_is_killed_down_to_the_workers_a_launcher_started_in_sessions_of_
     launch.signal_group(child, signal.SIGKILL)
     child.wait()
     assert os.path.exists(f"/proc/{grandchild}"), "the worker died with its launcher's group after all"
-    assert launch.marked_processes(launch.GANG_ENV, "test-gang-2") == []  # another gang's marker: none
-    assert launch.marked_processes(launch.GANG_ENV, "") == []
-    assert launch.kill_marked(launch.GANG_ENV, "test-gang-1") == [grandchild]
+    assert launch.marked_processes(GANG_ENV, "test-gang-2") == []  # another gang's marker: none
+    assert launch.marked_processes(GANG_ENV, "") == []
+    assert launch.kill_marked(GANG_ENV, "test-gang-1") == [grandchild]
     deadline = time.monotonic() + 10
     while _alive(grandchild):
         assert time.monotonic() < deadline, "the launcher's worker outlived kill_marked"

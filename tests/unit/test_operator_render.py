@@ -22,7 +22,6 @@ from trainguard_operator.render import (
     STATUS_DIR,
     STATUS_FILE,
     Owner,
-    RemediationOrder,
     RenderError,
     is_dns1035_label,
     pytorchjob_name,
@@ -33,11 +32,20 @@ from trainguard_operator.settings import OperatorSettings
 
 from tests.support.manifests import USER_ENV, gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar.contract.settings import GuardianSettings, Remediation
-from trainer_sidecar.contract.status import LOCAL_RANKS_ENV, STATUS_FILE_ENV
-from trainer_sidecar.sidecar import server as sidecar
+from trainer_sidecar.contract.env import (
+    GANG_ENV,
+    HANG_TIMEOUT_ENV,
+    JOB_NAME_ENV,
+    LOCAL_RANKS_ENV,
+    NAMESPACE_ENV,
+    RUN_ENV,
+    SIDECAR_HOST_ENV,
+    SIDECAR_PORT_ENV,
+    STARTUP_GRACE_ENV,
+    STATUS_FILE_ENV,
+)
+from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
 from trainguard.core.spec import load_job
-from trainguard.local.launch import GANG_ENV, RUN_ENV
 from trainguard.local.runner import LocalRunner
 
 SETTINGS = OperatorSettings(sidecar_image="registry.example/trainguard:test")
@@ -222,18 +230,18 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         # Exactly the variables the sidecar reads its flags from, with values matching the worker's.
         assert set(side_env) == {
             STATUS_FILE_ENV,
-            sidecar.PORT_ENV,
-            sidecar.HANG_TIMEOUT_ENV,
-            sidecar.STARTUP_GRACE_ENV,
-            sidecar.JOB_NAME_ENV,
-            sidecar.NAMESPACE_ENV,
+            SIDECAR_PORT_ENV,
+            HANG_TIMEOUT_ENV,
+            STARTUP_GRACE_ENV,
+            JOB_NAME_ENV,
+            NAMESPACE_ENV,
             LOCAL_RANKS_ENV,
         }
         assert side_env[LOCAL_RANKS_ENV] == "1"
         assert side_env[STATUS_FILE_ENV] == env["TRAINGUARD_STATUS_FILE"]
-        assert side_env[sidecar.PORT_ENV] == "9400"
-        assert side_env[sidecar.HANG_TIMEOUT_ENV] == "300"
-        assert side_env[sidecar.STARTUP_GRACE_ENV] == "605"
+        assert side_env[SIDECAR_PORT_ENV] == "9400"
+        assert side_env[HANG_TIMEOUT_ENV] == "300"
+        assert side_env[STARTUP_GRACE_ENV] == "605"
 
 
 def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None:
@@ -241,8 +249,7 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
     job = load(gtj_manifest(env=USER_ENV[:2]))  # no valueFrom: the local runner has no cluster
     runner = LocalRunner(job, checkpoint_root=tmp_path, run_dir=tmp_path)
     runner.attempt = 2
-    runner.remediation = Remediation()
-    runner.remediation_id = "attempt-2"  # introduced by attempt 2, as the operator's order below
+    runner.remediation = RemediationOrder.introduced_by(2, Remediation())
     local = {
         k: v
         for k, v in runner.worker_env(0, 29500, tmp_path / "s.json").items()
@@ -264,6 +271,25 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
     ):
         assert rendered[key] == local[key], key
     assert json.loads(rendered["TRAINGUARD_REMEDIATION"]) == json.loads(local["TRAINGUARD_REMEDIATION"])
+
+
+def test_the_sidecar_environment_matches_the_local_runner(tmp_path: Path) -> None:
+    """Both runners tell a sidecar the same job and timing; only its file and address are their own."""
+    health = {"hangTimeoutSeconds": 120, "startupGraceSeconds": 30}
+    job = load(gtj_manifest(env=[], health=health, nprocPerNode=2))
+    runner = LocalRunner(job, checkpoint_root=tmp_path, run_dir=tmp_path)
+    local = {k: v for k, v in runner.sidecar_env(tmp_path / "s.json").items() if k.startswith("TRAINGUARD_")}
+    manifest = render_pytorchjob(job, OWNER, 1, None, SETTINGS)
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    rendered = env_of(named(pod["initContainers"], SIDECAR_CONTAINER))
+    own = {STATUS_FILE_ENV, SIDECAR_PORT_ENV, SIDECAR_HOST_ENV}
+    assert set(rendered) - own == set(local) - own
+    for key in set(rendered) - own:
+        assert rendered[key] == local[key], key
+    assert local[HANG_TIMEOUT_ENV] == "120"
+    assert local[LOCAL_RANKS_ENV] == "2"
+    assert local[STATUS_FILE_ENV] == str(tmp_path / "s.json")
+    assert (local[SIDECAR_HOST_ENV], local[SIDECAR_PORT_ENV]) == ("127.0.0.1", "0")
 
 
 def test_trainguard_variables_replace_the_users_like_the_local_runner() -> None:

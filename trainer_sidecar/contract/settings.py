@@ -135,6 +135,30 @@ class Remediation(_Section):
     )
 
 
+class RemediationOrder(Remediation):
+    """A remediation handed to an attempt's workers (``TRAINGUARD_REMEDIATION``), with its ``id``.
+
+    ``id`` names the attempt that introduced it (``attempt-N``). Later attempts pass the same id, and a
+    guardian applies an id once (the ids applied are kept in its checkpoints), so a restart for another
+    reason does not apply it a second time. Both runners build it with ``introduced_by``.
+    """
+
+    id: str
+
+    @classmethod
+    def introduced_by(cls, attempt: int, remediation: Remediation) -> RemediationOrder:
+        """The order for ``remediation`` first handed to ``attempt``."""
+        return cls(id=f"attempt-{attempt}", **remediation.model_dump())
+
+    def payload(self) -> dict[str, object]:
+        """The JSON object the guardian reads: ``{"id": ..., "lrScale": ..., "maxGradNorm": ...}``."""
+        return self.model_dump(by_alias=True, mode="json")
+
+    def to_json(self) -> str:
+        """``payload()`` as the compact JSON text of the environment variable."""
+        return json.dumps(self.payload(), separators=(",", ":"))
+
+
 class GuardianSettings(_Section):
     """Everything the in-process guardian is configured with."""
 

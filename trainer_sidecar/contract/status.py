@@ -31,12 +31,7 @@ from pydantic import (
 
 from trainer_sidecar.contract.files import FileRefused, read_small_file
 
-STATUS_FILE_ENV = "TRAINGUARD_STATUS_FILE"
-#: How many worker processes share a pod (torchrun's --nproc-per-node); each writes a status file of its own.
-LOCAL_RANKS_ENV = "TRAINGUARD_LOCAL_RANKS"
 MAX_LOCAL_RANKS = 256
-#: Where the guardian writes its final status when the worker ends (a container's terminationMessagePath).
-TERMINATION_MESSAGE_ENV = "TRAINGUARD_TERMINATION_MESSAGE_PATH"
 #: The kubelet keeps at most this much of a container's termination message.
 TERMINATION_MESSAGE_LIMIT = 4096
 SCHEMA_VERSION = 1

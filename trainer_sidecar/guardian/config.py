@@ -21,34 +21,37 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trainer_sidecar.contract.env import (
+    ATTEMPT_ENV,
+    CHECKPOINT_DIR_ENV,
+    FAULTS_ENV,
+    JOB_NAME_ENV,
+    NAMESPACE_ENV,
+    REMEDIATION_ENV,
+    STATUS_FILE_ENV,
+    TERMINATION_MESSAGE_ENV,
+)
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.settings import (
+    SETTINGS_ENV,
     GuardianSettings,
-    Remediation,
+    RemediationOrder,
     SettingsError,
     describe_validation_error,
     load_settings,
 )
 from trainer_sidecar.contract.status import (
     MAX_LOCAL_RANKS,
-    STATUS_FILE_ENV,
-    TERMINATION_MESSAGE_ENV,
     Phase,
     WorkerStatus,
     local_status_file,
     write_status,
     write_termination_message,
 )
-from trainer_sidecar.guardian.faults import FAULTS_ENV, FaultSchedule, FaultSpecError, parse_faults
+from trainer_sidecar.guardian.faults import FaultSchedule, FaultSpecError, parse_faults
 from trainer_sidecar.guardian.gang import Gang
 
 log = logging.getLogger("trainguard")
-
-CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
-REMEDIATION_ENV = "TRAINGUARD_REMEDIATION"
-JOB_NAME_ENV = "TRAINGUARD_JOB_NAME"
-NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
-ATTEMPT_ENV = "TRAINGUARD_ATTEMPT"
 
 
 class ConfigError(SystemExit):
@@ -67,16 +70,6 @@ class ConfigError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-class RemediationOrder(Remediation):
-    """A remediation handed down by the orchestrator (``TRAINGUARD_REMEDIATION``), with its ``id``.
-
-    The id names the attempt that introduced it; a guardian applies an id once (the ids applied are kept
-    in its checkpoints), so a later restart for another reason does not apply it again.
-    """
-
-    id: str
 
 
 class GuardianConfig(BaseModel):
@@ -169,7 +162,7 @@ def _agreed_path(
 
 def _settings(env: Mapping[str, str], explicit: GuardianSettings | None) -> GuardianSettings:
     try:
-        from_env = load_settings(env) if env.get("TRAINGUARD_SETTINGS", "").strip() else None
+        from_env = load_settings(env) if env.get(SETTINGS_ENV, "").strip() else None
     except SettingsError as exc:
         raise ConfigError(str(exc)) from exc
     if explicit is not None and from_env is not None and explicit != from_env:

@@ -36,11 +36,11 @@ import torch
 
 from trainer_sidecar.checkpoint import fs
 from trainer_sidecar.checkpoint.errors import CheckpointError
+from trainer_sidecar.contract.env import FAULTS_ENV
 from trainer_sidecar.tensors.sharding import local_tensor
 
 log = logging.getLogger(__name__)
 
-FAULTS_ENV = "TRAINGUARD_FAULTS"
 MAX_LEDGER_BYTES = 1 << 20
 MAX_STEP = 1 << 53
 MAX_RANK = 1 << 20

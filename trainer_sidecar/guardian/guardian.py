@@ -32,10 +32,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
+from trainer_sidecar.contract.env import CHECKPOINT_DIR_ENV, STATUS_FILE_ENV
 from trainer_sidecar.contract.exitcodes import ExitCode
-from trainer_sidecar.contract.settings import GuardianSettings, Remediation
+from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
 from trainer_sidecar.contract.status import (
-    STATUS_FILE_ENV,
     CheckpointRef,
     Phase,
     StatusPublisher,
@@ -43,13 +43,7 @@ from trainer_sidecar.contract.status import (
     write_termination_message,
 )
 from trainer_sidecar.guardian.busy import BusySections
-from trainer_sidecar.guardian.config import (
-    CHECKPOINT_DIR_ENV,
-    ConfigError,
-    GuardianConfig,
-    RemediationOrder,
-    report_config_error,
-)
+from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import CountersError, GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.guardian.faults import FaultInjector

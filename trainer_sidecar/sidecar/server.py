@@ -43,11 +43,19 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector, CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from trainer_sidecar.contract.env import (
+    HANG_TIMEOUT_ENV,
+    JOB_NAME_ENV,
+    LOCAL_RANKS_ENV,
+    NAMESPACE_ENV,
+    SIDECAR_HOST_ENV,
+    SIDECAR_PORT_ENV,
+    STARTUP_GRACE_ENV,
+    STATUS_FILE_ENV,
+)
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.status import (
-    LOCAL_RANKS_ENV,
     MAX_LOCAL_RANKS,
-    STATUS_FILE_ENV,
     HealthReport,
     Phase,
     SidecarInfo,
@@ -68,12 +76,6 @@ from trainer_sidecar.sidecar.health import (
 
 logger = logging.getLogger(__name__)
 
-PORT_ENV = "TRAINGUARD_SIDECAR_PORT"
-HOST_ENV = "TRAINGUARD_SIDECAR_HOST"
-HANG_TIMEOUT_ENV = "TRAINGUARD_HANG_TIMEOUT_SECONDS"
-STARTUP_GRACE_ENV = "TRAINGUARD_STARTUP_GRACE_SECONDS"
-JOB_NAME_ENV = "TRAINGUARD_JOB_NAME"
-NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
 
 DEFAULT_PORT = 9400
 DEFAULT_HOST = "0.0.0.0"
@@ -615,8 +617,8 @@ class SidecarSettings(BaseModel):
 #: Field name -> (flag, environment variable) it is set from.
 SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
     "status_file": ("--status-file", STATUS_FILE_ENV),
-    "host": ("--host", HOST_ENV),
-    "port": ("--port", PORT_ENV),
+    "host": ("--host", SIDECAR_HOST_ENV),
+    "port": ("--port", SIDECAR_PORT_ENV),
     "hang_timeout_seconds": ("--hang-timeout-seconds", HANG_TIMEOUT_ENV),
     "startup_grace_seconds": ("--startup-grace-seconds", STARTUP_GRACE_ENV),
     "job": ("--job", JOB_NAME_ENV),
@@ -689,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(
             f"{parser.prog}: error: cannot listen on {settings.host}:{settings.port} "
-            f"(--host/${HOST_ENV}, --port/${PORT_ENV}): {exc}",
+            f"(--host/${SIDECAR_HOST_ENV}, --port/${SIDECAR_PORT_ENV}): {exc}",
             file=sys.stderr,
         )
         return int(ExitCode.CONFIG_ERROR)

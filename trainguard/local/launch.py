@@ -171,10 +171,8 @@ def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
-GANG_ENV = "TRAINGUARD_GANG_ID"
 """Carried by every process of one attempt's gang, and inherited by their children."""
 
-RUN_ENV = "TRAINGUARD_RUN_OF"
 """Carried by every worker process ``trainguard run`` starts for one checkpoint directory, and inherited
 by their children: what finds the processes a runner killed with SIGKILL left behind."""
 

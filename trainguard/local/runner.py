@@ -18,7 +18,6 @@ checked, and the checkpoint directory locked against a second run of the job, be
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import secrets
@@ -31,16 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from trainer_sidecar.contract.settings import Remediation
-from trainer_sidecar.contract.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
+from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
+from trainer_sidecar.contract.settings import RemediationOrder
+from trainer_sidecar.contract.status import Phase, WorkerStatus
+from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
 from trainguard.core.policy import Action, Decision, Observation, decide
 from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.core.summary import Incident, RunRecord, fault_time
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
 from trainguard.local.launch import (
-    GANG_ENV,
-    RUN_ENV,
     RunRefused,
     Stopped,
     StopSignals,
@@ -162,10 +161,9 @@ class LocalRunner:
         self.attempt = 0
         self.gang_id = ""  # set per attempt: the marker every process of the gang carries (GANG_ENV)
         self.restarts = 0
-        self.remediation: Remediation | None = None
+        self.remediation: RemediationOrder | None = None
         # The attempt that introduced the remediation names it: workers apply a given id once, so a
         # later restart for another reason (a crash) does not lower the learning rate again.
-        self.remediation_id = ""
         self.ranks: list[RankProcesses] = []
         self.events: list[Event] = []
         self.backoff_total = 0.0
@@ -212,7 +210,7 @@ class LocalRunner:
         user set it. The termination-message file sits beside the status file.
         """
         spec = self.spec
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
         env.update(self.template_env)
         env.setdefault("OMP_NUM_THREADS", omp_threads(spec.replicas * spec.nproc_per_node))
         env.update(
@@ -222,19 +220,19 @@ class LocalRunner:
             WORLD_SIZE=str(spec.replicas),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            TRAINGUARD_SETTINGS=spec.guardian_settings().model_dump_json(by_alias=True),
-            TRAINGUARD_CHECKPOINT_DIR=str(self.checkpoint_dir),
-            TRAINGUARD_STATUS_FILE=str(status_file),
-            TRAINGUARD_JOB_NAME=self.job.metadata.name,
-            TRAINGUARD_NAMESPACE=self.job.metadata.namespace,
-            TRAINGUARD_ATTEMPT=str(self.attempt),
+        )
+        env.update(
+            worker_environment(
+                self.job,
+                attempt=self.attempt,
+                remediation=self.remediation,
+                checkpoint_dir=str(self.checkpoint_dir),
+                status_file=str(status_file),
+                termination_message_path=str(status_file.with_name(TERMINATION_MESSAGE_FILE)),
+            ).variables()
         )
         env[GANG_ENV] = self.gang_id
         env[RUN_ENV] = self.run_marker
-        env[TERMINATION_MESSAGE_ENV] = str(status_file.with_name(TERMINATION_MESSAGE_FILE))
-        if self.remediation is not None:
-            payload = {"id": self.remediation_id, **self.remediation.model_dump(by_alias=True)}
-            env["TRAINGUARD_REMEDIATION"] = json.dumps(payload)
         return env
 
     # ------------------------------------------------------------------------------------ events ---
@@ -288,17 +286,13 @@ class LocalRunner:
             (self._workers if worker else self._sidecars).append(proc)
         return proc
 
-    def _sidecar_argv(self, status_file: Path) -> list[str]:
-        health = self.spec.health
-        return [
-            sys.executable, "-m", "trainer_sidecar.sidecar",
-            "--status-file", str(status_file),
-            "--host", "127.0.0.1", "--port", "0",
-            "--hang-timeout-seconds", str(health.hang_timeout_seconds),
-            "--startup-grace-seconds", str(health.startup_grace_seconds),
-            "--job", self.job.metadata.name, "--namespace", self.job.metadata.namespace,
-            "--local-ranks", str(self.spec.nproc_per_node),
-        ]  # fmt: skip
+    def sidecar_env(self, status_file: Path) -> dict[str, str]:
+        """The environment of one rank's sidecar: the job's, as the operator renders it, on loopback."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+        env.update(
+            sidecar_environment(self.job, status_file=str(status_file), host="127.0.0.1", port=0).variables()
+        )
+        return env
 
     def _pod_command(self, pod: int, port: int) -> list[str]:
         """The command of one pod: the job's, or with nprocPerNode above 1 the same under torchrun (as the
@@ -324,9 +318,10 @@ class LocalRunner:
             status_file = attempt_dir / f"rank-{rank}" / "status.json"
             status_file.parent.mkdir(parents=True, exist_ok=True)
             sidecar = SidecarProcess(
-                self._sidecar_argv(status_file),
+                [sys.executable, "-m", "trainer_sidecar.sidecar"],
                 status_file.with_name("sidecar.log"),
                 lambda argv, **options: self._spawn(argv, worker=False, **options),
+                env=self.sidecar_env(status_file),
             )
             if not sidecar.start():
                 raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
@@ -543,8 +538,7 @@ class LocalRunner:
             self.stop_gang()
         self.restarts = decision.restarts
         if decision.remediation is not None:
-            self.remediation = decision.remediation
-            self.remediation_id = f"attempt-{self.attempt + 1}"
+            self.remediation = RemediationOrder.introduced_by(self.attempt + 1, decision.remediation)
         self.incidents.append(
             Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
         )

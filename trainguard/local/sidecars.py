@@ -98,8 +98,11 @@ class SidecarProcess:
     """One rank's sidecar process: started through ``spawn`` (which registers it for cleanup),
     restarted with backoff when it dies. ``url`` is "" while no sidecar answers."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, spawn: Spawner) -> None:
+    def __init__(
+        self, argv: Sequence[str], log_path: Path, spawn: Spawner, env: dict[str, str] | None = None
+    ) -> None:
         self.argv = list(argv)
+        self.env = env
         self.log_path = log_path
         self.spawn = spawn
         self.proc: subprocess.Popen[Any] | None = None
@@ -112,7 +115,7 @@ class SidecarProcess:
     def start(self) -> bool:
         """Start a sidecar and wait for its URL; False (and nothing left running) if it did not come up."""
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
-            self.proc = self.spawn(self.argv, stdout=subprocess.PIPE, stderr=log)
+            self.proc = self.spawn(self.argv, stdout=subprocess.PIPE, stderr=log, env=self.env)
         self.started = time.monotonic()
         self.url = listening_url(self.proc, SIDECAR_START_TIMEOUT)
         if not self.url:
