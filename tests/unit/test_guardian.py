@@ -981,6 +981,37 @@ def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
         guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_taken_over_dataloader_trains_its_last_partial_batch_unless_it_drops_it(drop_last: bool) -> None:
+    # shuffle=False, 50 samples in batches of 8: samples 48 and 49 were never trained, in any epoch.
+    data = torch.utils.data.TensorDataset(torch.randn(50, 4), torch.arange(50))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.01), resume=False)
+    source = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False, drop_last=drop_last)
+    plain = [ids.tolist() for _ in range(2) for _, ids in source]
+    trained = []
+    for x, ids in guardian.run(source, max_steps=len(plain)):
+        trained.append(ids.tolist())
+        guardian.step(model(x).square().mean())
+    assert trained == plain
+    assert ([48, 49] in trained) is not drop_last
+
+
+def test_a_dataloader_that_cannot_be_taken_over_is_refused_saying_why() -> None:
+    class Unsized(torch.utils.data.Dataset[int]):
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), resume=False)
+    with pytest.raises(TypeError, match=r"\(Unsized\) has no length.*needs __len__"):
+        guardian.loader(torch.utils.data.DataLoader(Unsized(), batch_size=4))
+    with pytest.raises(TypeError, match="batch_size=None"):
+        guardian.loader(
+            torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8)), batch_size=None)
+        )
+
+
 def _mark_worker(worker_id: int) -> None:
     torch.utils.data.get_worker_info().dataset.dataset.marks.append(worker_id)  # type: ignore[union-attr]
 
