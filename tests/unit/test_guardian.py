@@ -981,6 +981,37 @@ def test_a_dataloader_is_taken_over_with_its_batch_size_and_shuffling() -> None:
         guardian.loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_taken_over_dataloader_trains_its_last_partial_batch_unless_it_drops_it(drop_last: bool) -> None:
+    # shuffle=False, 50 samples in batches of 8: samples 48 and 49 were never trained, in any epoch.
+    data = torch.utils.data.TensorDataset(torch.randn(50, 4), torch.arange(50))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.01), resume=False)
+    source = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False, drop_last=drop_last)
+    plain = [ids.tolist() for _ in range(2) for _, ids in source]
+    trained = []
+    for x, ids in guardian.run(source, max_steps=len(plain)):
+        trained.append(ids.tolist())
+        guardian.step(model(x).square().mean())
+    assert trained == plain
+    assert ([48, 49] in trained) is not drop_last
+
+
+def test_a_dataloader_that_cannot_be_taken_over_is_refused_saying_why() -> None:
+    class Unsized(torch.utils.data.Dataset[int]):
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), resume=False)
+    with pytest.raises(TypeError, match=r"\(Unsized\) has no length.*needs __len__"):
+        guardian.loader(torch.utils.data.DataLoader(Unsized(), batch_size=4))
+    with pytest.raises(TypeError, match="batch_size=None"):
+        guardian.loader(
+            torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8)), batch_size=None)
+        )
+
+
 def _mark_worker(worker_id: int) -> None:
     torch.utils.data.get_worker_info().dataset.dataset.marks.append(worker_id)  # type: ignore[union-attr]
 
@@ -1243,11 +1274,11 @@ def test_a_scheduler_the_guardian_neither_steps_nor_keeps_is_refused_at_the_firs
     model = tiny_model()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     if created == "before the guardian":
-        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     status_file = tmp_path / "status.json"
     guardian = Guardian(model, optimizer, status_file=status_file, resume=False)
     if created == "after the guardian":
-        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     before = clone_state(model)
     with pytest.raises(ConfigError, match="learning-rate scheduler the guardian was not given") as caught:
         guardian.step(loss_of(model))
@@ -1258,6 +1289,104 @@ def test_a_scheduler_the_guardian_neither_steps_nor_keeps_is_refused_at_the_firs
     assert status is not None
     assert status.phase is Phase.FAILED
     assert "learning-rate scheduler" in status.message
+    assert "StepLR `scheduler`" in status.message  # named by the loop's variable
+    assert scheduler.last_epoch == 0
+
+
+def test_a_second_scheduler_beside_the_given_one_is_refused_naming_it(tmp_path: Path) -> None:
+    # A warm-up the loop steps itself next to the cosine schedule it gave: only the given one was
+    # checkpointed, so a resume ran the warm-up again and the learning rate differed from then on.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+    status_file = tmp_path / "status.json"
+    guardian = Guardian(model, optimizer, scheduler=cosine, status_file=status_file, resume=False)
+    before = clone_state(model)
+    with pytest.raises(
+        ConfigError, match="scheduler the guardian was not given: LambdaLR `warmup`"
+    ) as caught:
+        guardian.step(loss_of(model))
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    assert "besides the one given, CosineAnnealingLR" in str(caught.value)
+    assert "ChainedScheduler or SequentialLR" in str(caught.value)
+    assert_same(before, clone_state(model))  # refused before stepping
+    status, _ = read_status(status_file)
+    assert status is not None
+    assert status.phase is Phase.FAILED
+    assert status.exit_code == ExitCode.CONFIG_ERROR
+    assert "LambdaLR `warmup`" in status.message
+    assert warmup.last_epoch == 0
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_an_untracked_plateau_scheduler_is_refused_and_a_tracked_one_kept(tracked: bool) -> None:
+    # ReduceLROnPlateau wraps nothing of the optimizer: it used to go unnoticed, its reductions lost.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+    guardian = Guardian(model, optimizer, resume=False)
+    if tracked:
+        guardian.track("plateau", plateau)
+        assert guardian.step(loss_of(model)).applied
+    else:
+        with pytest.raises(ConfigError, match="ReduceLROnPlateau `plateau`"):
+            guardian.step(loss_of(model))
+
+
+def test_a_scheduler_the_loop_dropped_is_not_refused() -> None:
+    # Nothing of a scheduler that no longer exists is lost, even one that waited in a reference cycle.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dropped = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    dropped.cycle = dropped  # type: ignore[attr-defined]
+    del dropped
+    guardian = Guardian(model, optimizer, resume=False)
+    assert guardian.step(loss_of(model)).applied
+
+
+def _wrapped_schedule(optimizer: torch.optim.Optimizer, wrapper: str) -> torch.optim.lr_scheduler.LRScheduler:
+    from torch.optim import lr_scheduler
+
+    warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    if wrapper == "SequentialLR":
+        cosine = lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
+        return lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+    return lr_scheduler.ChainedScheduler([warmup, lr_scheduler.ExponentialLR(optimizer, gamma=0.9)])
+
+
+@pytest.mark.parametrize("wrapper", ["SequentialLR", "ChainedScheduler"])
+def test_a_wrapper_scheduler_covers_its_children_and_resumes_bit_exactly(
+    tmp_path: Path, wrapper: str
+) -> None:
+    # The wrapper's state holds its children's: given it, the guardian keeps them all.
+    def build(directory: Path) -> tuple[torch.nn.Module, Guardian, list[float]]:
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        scheduler = _wrapped_schedule(optimizer, wrapper)
+        config = settings(checkpoint={"everySteps": 4})
+        guardian = Guardian(model, optimizer, scheduler=scheduler, checkpoint_dir=directory, settings=config)
+        return model, guardian, stepping_lrs(optimizer)
+
+    model, straight, lrs = build(tmp_path / "straight")
+    for step in range(10):
+        assert straight.step(loss_of(model, seed=step)).applied
+    straight.finish()
+    expected, expected_lrs = clone_state(model), lrs[4:]
+
+    model, crashed, _ = build(tmp_path / "crashed")
+    for step in range(6):
+        assert crashed.step(loss_of(model, seed=step)).applied
+    assert crashed.store is not None
+    crashed.store.wait()
+    crashed.close()  # a crash after step 6: the newest checkpoint is step 4's
+    model, resumed, lrs = build(tmp_path / "crashed")
+    assert resumed.step_count == 4
+    for step in range(4, 10):
+        assert resumed.step(loss_of(model, seed=step)).applied
+    resumed.finish()
+    assert lrs == expected_lrs
+    assert_same(expected, clone_state(model))
 
 
 def test_a_scheduler_the_loop_steps_itself_and_tracks_is_kept_across_a_resume(tmp_path: Path) -> None:

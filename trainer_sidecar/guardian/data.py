@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
@@ -157,7 +158,7 @@ class _LazyBatches(Sampler[list[tuple[int, int]]]):
         self.loader, self.epoch, self.start = loader, epoch, start
 
     def __len__(self) -> int:
-        return max(0, self.loader.batches_per_epoch - self.start)
+        return max(0, self.loader.batches_in(self.epoch) - self.start)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         loader = self.loader
@@ -258,6 +259,8 @@ class GuardedLoader:
         world_size: int = 1,
         dead_letters: DeadLetters | None = None,
         inject_bad_sample: Callable[[], bool] | None = None,
+        drop_last: bool = True,
+        pad_shards: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -270,7 +273,15 @@ class GuardedLoader:
         self.loading = dict(loading or {})
         self.rank = rank
         self.world_size = world_size
+        #: Whether each rank's last batch of an epoch is dropped when it is partial (DataLoader's
+        #: ``drop_last``), and whether the ranks' shards are evened out by repeating the epoch's first
+        #: samples (DistributedSampler's ``drop_last=False``) rather than by dropping the last few.
+        self.drop_last = drop_last
+        self.pad_shards = pad_shards
         self.position = DataPosition()
+        #: The epoch and start position of a resumed epoch (``DataPosition.start``), kept for that epoch
+        #: after the position moved on.
+        self._origin = (0, 0)
         self.counters = DataCounters()
         self.dead_letters = dead_letters or DeadLetters(None)
         #: Fault-injection hook, asked once per batch: True adds a NaN-poisoned copy of the batch's first
@@ -280,14 +291,22 @@ class GuardedLoader:
         self._permutation: tuple[int, Permutation] | None = None
         if self.batches_per_epoch == 0:
             raise ValueError(
-                f"dataset of {len(dataset)} samples gives no full batch of {batch_size} per rank "
-                f"with {world_size} ranks"
+                f"dataset of {len(dataset)} samples gives no "
+                f"{'full ' if drop_last else ''}batch of {batch_size} per rank with {world_size} ranks"
             )
+
+    def _per_rank(self, remaining: int) -> int:
+        """Samples each rank takes of ``remaining`` positions of an epoch's order: as many on every rank."""
+        return -(-remaining // self.world_size) if self.pad_shards else remaining // self.world_size
+
+    def _batches(self, per_rank: int) -> int:
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     @property
     def batches_per_epoch(self) -> int:
-        """Full batches each rank gets per epoch (a partial last batch is dropped to keep ranks in step)."""
-        return len(self.dataset) // self.world_size // self.batch_size
+        """Batches each rank gets in a whole epoch: the same on every rank, a partial last one included
+        unless ``drop_last``."""
+        return self._batches(self._per_rank(len(self.dataset)))
 
     @property
     def samples_per_batch(self) -> int:
@@ -295,17 +314,25 @@ class GuardedLoader:
         return self.batch_size * self.world_size
 
     def _start(self, epoch: int) -> int:
-        return self.position.start if epoch == self.position.epoch else 0
+        return self._origin[1] if epoch == self._origin[0] else 0
+
+    def _steps_in(self, epoch: int) -> int:
+        """Samples each rank takes in ``epoch`` from its start position."""
+        return self._per_rank(len(self.dataset) - self._start(epoch))
 
     def batches_in(self, epoch: int) -> int:
-        """Full batches of all ranks in ``epoch`` from its start position (``batches_per_epoch`` but in an
+        """Batches of each rank in ``epoch`` from its start position (``batches_per_epoch`` but in an
         epoch resumed under another world size or batch size)."""
-        return (len(self.dataset) - self._start(epoch)) // self.samples_per_batch
+        return self._batches(self._steps_in(epoch))
 
     def span(self, epoch: int, batch: int) -> tuple[int, int]:
-        """The positions ``[first, end)`` of ``epoch``'s order that ``batch`` covers over all ranks."""
-        first = self._start(epoch) + batch * self.samples_per_batch
-        return first, first + self.samples_per_batch
+        """The positions ``[first, end)`` of ``epoch``'s order that ``batch`` covers over all ranks (a
+        partial last batch ends with the epoch; positions repeated to even out the shards are not
+        counted)."""
+        start = self._start(epoch)
+        first = start + batch * self.samples_per_batch
+        end = min(first + self.samples_per_batch, start + self._steps_in(epoch) * self.world_size)
+        return first, min(end, len(self.dataset))
 
     def _order(self, epoch: int) -> Permutation | None:
         if not self.shuffle:
@@ -319,16 +346,21 @@ class GuardedLoader:
         goes to rank ``p % world_size``. Deterministic in (seed, epoch, rank, world size); O(batch) work
         and memory whatever the dataset's size."""
         first = batch * self.batch_size
-        steps = np.arange(first, first + self.batch_size, dtype=np.int64)
-        positions = self._start(epoch) + steps * self.world_size + self.rank
+        steps = np.arange(first, min(first + self.batch_size, self._steps_in(epoch)), dtype=np.int64)
+        return self._indices(epoch, self._start(epoch) + steps * self.world_size + self.rank)
+
+    def _indices(self, epoch: int, positions: npt.NDArray[np.int64]) -> list[int]:
+        """The sample index at each position of ``epoch``'s order; a position past the end (evening out
+        the shards) repeats one from the epoch's start, as DistributedSampler pads."""
+        positions = positions % len(self.dataset)
         order = self._order(epoch)
         return [int(i) for i in (order.at(positions) if order is not None else positions)]
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """Every sample index this rank takes in ``epoch``, in order (O(dataset): for tests and tools)."""
-        positions = np.arange(self.rank, len(self.dataset), self.world_size, dtype=np.int64)
-        order = self._order(epoch)
-        return [int(i) for i in (order.at(positions) if order is not None else positions)]
+        """Every sample index this rank takes in a whole ``epoch``, in order (O(dataset): for tests and
+        tools)."""
+        steps = np.arange(min(self._per_rank(len(self.dataset)), self.batches_per_epoch * self.batch_size))
+        return self._indices(epoch, (steps * self.world_size + self.rank).astype(np.int64))
 
     def __iter__(self) -> Iterator[GuardedBatch]:
         epoch, start = self.position.epoch, self.position.batch
@@ -350,7 +382,12 @@ class GuardedLoader:
                 dropped += int(sample_is_bad(poisoned))
             self.counters.seen += seen
             self.counters.dropped += dropped
-            self.position = DataPosition(epoch, b + 1, self.position.start)
+            # After an epoch's last batch the position is the next epoch's start, so that a checkpoint
+            # taken there resumes at it (a partial last batch has no next batch in its epoch).
+            last = b + 1 >= self.batches_in(epoch)
+            self.position = (
+                DataPosition(epoch + 1, 0) if last else DataPosition(epoch, b + 1, self.position.start)
+            )
             if data is None:
                 if self.world_size == 1:
                     log.warning("every sample of batch %d in epoch %d was bad; batch skipped", b, epoch)
@@ -392,4 +429,5 @@ class GuardedLoader:
             self.position = DataPosition(epoch, batch, start)
         else:
             self.position = DataPosition(epoch, int(state["batch"]))
+        self._origin = (self.position.epoch, self.position.start)
         self.counters = DataCounters(int(state.get("seen", 0)), int(state.get("dropped", 0)))

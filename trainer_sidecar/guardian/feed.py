@@ -97,19 +97,42 @@ class TakenOver(NamedTuple):
     #: How its batches are loaded, passed on unchanged: worker_init_fn, pin_memory, timeout, the
     #: multiprocessing context and, with workers, the prefetch factor.
     loading: dict[str, Any]
+    #: Its ``drop_last``: whether an epoch's last, partial batch is dropped (else it is trained).
+    drop_last: bool = False
+    #: Whether the ranks' shards are evened out by repeating samples (a DistributedSampler's default,
+    #: and what the guardian does when it shards a plain DataLoader) rather than by dropping the tail.
+    pad_shards: bool = True
 
 
 def taken_over(source: DataLoader[Any]) -> TakenOver:
     """What the guardian keeps of a DataLoader it replaces with its own resumable order: the dataset, the
-    batch size, whether it shuffles, the collate function, the workers and how they load. Raises
-    TypeError for one it cannot replace, saying what to do."""
+    batch size, whether it shuffles, the collate function, the workers and how they load, and which
+    samples an epoch trains (its ``drop_last``, and its DistributedSampler's). Raises TypeError for one
+    it cannot replace (an IterableDataset, a dataset without ``__len__``, ``batch_size=None``, a sampler
+    that chooses samples), saying what to do."""
     if isinstance(source.dataset, IterableDataset):
         raise TypeError(
             "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
             "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
         )
+    if source.batch_sampler is None:
+        raise TypeError(
+            "Guardian.loader(): the DataLoader has batch_size=None (each sample is its own batch, not "
+            "collated); the guardian's order is of batches: give it batch_size=1 (and take the batch's "
+            "first element), or keep the loader and give the guardian its state instead: torchdata's "
+            "StatefulDataLoader with guardian.track(...)"
+        )
     if source.batch_size is None:
         raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
+    try:
+        len(source.dataset)  # type: ignore[arg-type]  # may have none: that is the check
+    except TypeError as exc:
+        raise TypeError(
+            f"Guardian.loader(): the DataLoader's dataset ({type(source.dataset).__name__}) has no length "
+            f"({exc}); the guardian's order is a permutation of the whole dataset, so it needs __len__: "
+            "define it, or keep the loader and give the guardian its state instead: torchdata's "
+            "StatefulDataLoader with guardian.track(...)"
+        ) from exc
     loading: dict[str, Any] = {
         "worker_init_fn": source.worker_init_fn,
         "pin_memory": source.pin_memory,
@@ -118,13 +141,16 @@ def taken_over(source: DataLoader[Any]) -> TakenOver:
     }
     if source.num_workers > 0:
         loading["prefetch_factor"] = source.prefetch_factor
+    sampler = source.sampler
     return TakenOver(
         source.dataset,
         source.batch_size,
-        _shuffles(source.sampler),
+        _shuffles(sampler),
         source.collate_fn,
         source.num_workers,
         loading,
+        drop_last=bool(source.drop_last),
+        pad_shards=not (isinstance(sampler, DistributedSampler) and sampler.drop_last),
     )
 
 

@@ -371,15 +371,23 @@ class Guardian:
         seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        drop_last: bool = True,
     ) -> GuardedLoader:
         """A GuardedLoader for this worker's rank, positioned where the resumed checkpoint left off.
 
         ``dataset`` is a map-style dataset, or a ``torch.utils.data.DataLoader`` over one, whose batch size,
-        shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``).
+        shuffling, collate function and workers are taken over (``loader = guardian.loader(loader)``),
+        and which trains the samples it would: its last partial batch unless its ``drop_last``, the
+        ranks' shards evened out as its DistributedSampler does (or would, by default). For a dataset,
+        ``drop_last`` (the default) drops each epoch's partial last batch and the last samples that do
+        not share out evenly over the ranks.
         """
         loading: dict[str, Any] = {}
+        pad_shards = False
         if isinstance(dataset, DataLoader):
-            dataset, batch_size, shuffle, collate_fn, num_workers, loading = taken_over(dataset)
+            over = taken_over(dataset)
+            dataset, batch_size, shuffle, collate_fn, num_workers, loading = over[:6]
+            drop_last, pad_shards = over.drop_last, over.pad_shards
         assert not isinstance(dataset, DataLoader)
         if batch_size is None:
             raise TypeError("Guardian.loader() needs batch_size for a dataset (a DataLoader brings its own)")
@@ -393,6 +401,8 @@ class Guardian:
             loading=loading,
             rank=self.rank,
             world_size=self.world_size,
+            drop_last=drop_last,
+            pad_shards=pad_shards,
             dead_letters=self.dead_letters,
             inject_bad_sample=self._faults.bad_sample_hook(lambda: self.counters.step)
             if self._faults.active

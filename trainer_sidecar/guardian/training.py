@@ -4,6 +4,8 @@ to them as a whole: apply or drop an update, remediate, check that they are fini
 
 from __future__ import annotations
 
+import gc
+import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -100,6 +102,68 @@ def _caller() -> str:
     return "unknown line"
 
 
+def _is_scheduler(obj: object) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Every live learning-rate scheduler (``LRScheduler``, ``ReduceLROnPlateau``) of ``optimizer``.
+
+    Each holds its optimizer as ``.optimizer``, so it is among the objects that refer to the optimizer
+    (``gc.get_referrers``: one pass over the objects the collector tracks, about 25 ms per million) or,
+    once its ``__dict__`` was materialised (``load_state_dict`` does), that dict is, and the scheduler
+    refers to the dict. Neither torch's wrapping of ``optimizer.step`` (done once, by the first
+    scheduler only) nor a hook on the optimizer can count them. A scheduler unreachable but not yet
+    collected (in a reference cycle) is found too."""
+    found: dict[int, Any] = {}
+    for referrer in gc.get_referrers(optimizer):
+        if _is_scheduler(referrer) and referrer.optimizer is optimizer:
+            found[id(referrer)] = referrer
+        elif (
+            isinstance(referrer, dict)
+            and referrer.get("optimizer") is optimizer
+            and "last_epoch" in referrer  # a scheduler's attributes, not a module's globals
+        ):
+            for owner in gc.get_referrers(referrer):
+                if _is_scheduler(owner) and getattr(owner, "__dict__", None) is referrer:
+                    found[id(owner)] = owner
+    return list(found.values())
+
+
+def _with_children(scheduler: object) -> Iterator[object]:
+    """``scheduler`` and, for a ChainedScheduler or SequentialLR, the schedulers it wraps (whose state
+    its ``state_dict`` holds), recursively."""
+    yield scheduler
+    children = getattr(scheduler, "_schedulers", None) if _is_scheduler(scheduler) else None
+    for child in children if isinstance(children, list | tuple) else ():
+        yield from _with_children(child)
+
+
+def _progress(scheduler: object) -> tuple[int, ...]:
+    """How far ``scheduler`` was stepped: the ``last_epoch`` of it and of the schedulers it wraps (a
+    ChainedScheduler has none of its own); empty for None."""
+    epochs = (getattr(s, "last_epoch", None) for s in _with_children(scheduler))
+    return tuple(epoch for epoch in epochs if isinstance(epoch, int))
+
+
+def _shown(progress: tuple[int, ...]) -> str:
+    return str(progress[0]) if len(progress) == 1 else ", ".join(map(str, progress))
+
+
+def _describe(scheduler: object) -> str:
+    """``StepLR`` and, when a frame of the loop holds it in a variable, `` `decay` (train.py:12)``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "/torch/" not in frame.f_code.co_filename and "/trainer_sidecar/" not in frame.f_code.co_filename:
+            for names in (frame.f_locals, frame.f_globals):
+                for name, value in names.items():
+                    if value is scheduler:
+                        where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                        return f"{type(scheduler).__name__} `{name}` ({where})"
+        frame = frame.f_back  # type: ignore[assignment]
+    return type(scheduler).__name__
+
+
 def check_training_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any) -> None:
     """Raise ConfigError, naming the argument, unless these are objects the guardian can step, save and
     roll back: a Module; one Optimizer whose parameters all belong to it (a parameter outside the model
@@ -175,7 +239,7 @@ class TrainingObjects:
         self.param_names: list[str | None] = [names.get(id(p)) for p in self.params]
         self._stepping = False
         self._report: Callable[[ConfigError], None] = lambda error: None
-        self._scheduler_epoch = scheduler.last_epoch if scheduler is not None else 0
+        self._scheduler_epoch = _progress(scheduler)
 
     def refuse_loop_steps(self, report: Callable[[ConfigError], None]) -> None:
         """Make the loop's own ``optimizer.step()`` (or ``scaler.step(optimizer)``) raise ConfigError,
@@ -196,21 +260,35 @@ class TrainingObjects:
         self._report = report
 
     def check_scheduler_kept(self, tracked: Iterable[object]) -> None:
-        """Raise ConfigError when a learning-rate scheduler is attached to the optimizer but the guardian
-        neither steps it (``scheduler=``) nor keeps it (``tracked``: what the loop gave
-        ``guardian.track``): a resume or a rollback would restore the learning rate and restart the
-        schedule, so it silently drifts (a per-epoch StepLR decays epochs late). ReduceLROnPlateau
-        attaches nothing and cannot be noticed."""
-        # An LRScheduler wraps its optimizer's step() to warn about call order, and marks the wrapper.
-        if self.scheduler is not None or not hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+        """Raise ConfigError, naming it, when a learning-rate scheduler of the optimizer is one the guardian
+        neither steps (``scheduler=``) nor keeps (``tracked``: what the loop gave ``guardian.track``): a
+        resume or a rollback would restore the learning rate and restart that schedule, so it silently
+        drifts (a per-epoch StepLR decays epochs late, a second scheduler's warm-up runs again). A
+        ChainedScheduler or SequentialLR given or tracked covers the schedulers it wraps.
+
+        The schedulers are found by what refers to the optimizer (``schedulers_of``), once, at the first
+        step: every scheduler holds its optimizer, so none is missed, ReduceLROnPlateau included."""
+        kept: set[int] = set()
+        for root in (self.scheduler, *tracked):
+            if root is not None:
+                kept.update(id(s) for s in _with_children(root))
+        if not any(id(s) not in kept for s in schedulers_of(self.optimizer)):
             return
-        if any(getattr(kept, "optimizer", None) is self.optimizer for kept in tracked):
+        gc.collect()  # a scheduler the loop dropped may live on in a reference cycle until collected
+        unkept = [s for s in schedulers_of(self.optimizer) if id(s) not in kept]
+        if not unkept:
             return
+        named = ", ".join(_describe(s) for s in unkept)
+        given = (
+            f" (besides the one given, {type(self.scheduler).__name__})" if self.scheduler is not None else ""
+        )
         raise ConfigError(
-            "the optimizer has a learning-rate scheduler the guardian was not given: a resume or a rollback "
-            "would restart its schedule from the start. Give it as Guardian(scheduler=...) when it steps "
-            "once per optimizer step (the guardian then steps it), or keep stepping it in the loop (per "
-            'epoch) and call guardian.track("scheduler", scheduler) so that checkpoints keep it'
+            f"the optimizer has a learning-rate scheduler the guardian was not given: {named}{given}. A "
+            "resume or a rollback would restore the learning rate but restart its schedule. Give it as "
+            "Guardian(scheduler=...) when it steps once per optimizer step (the guardian then steps it; "
+            "several go in one ChainedScheduler or SequentialLR, given as the one scheduler), or keep "
+            'stepping it in the loop (per epoch) and call guardian.track("scheduler", scheduler) with it '
+            "so that checkpoints keep it"
         )
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -299,16 +377,17 @@ class TrainingObjects:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _step_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        if scheduler.last_epoch != self._scheduler_epoch:
+        if _progress(scheduler) != self._scheduler_epoch:
             error = ConfigError(
-                f"the training loop steps the scheduler itself (its last_epoch is {scheduler.last_epoch}, "
-                f"the guardian stepped it to {self._scheduler_epoch}): guardian.step() steps the scheduler "
-                "it was given; remove the loop's scheduler.step(), or do not pass scheduler="
+                "the training loop steps the scheduler itself (its last_epoch is "
+                f"{_shown(_progress(scheduler))}, the guardian stepped it to "
+                f"{_shown(self._scheduler_epoch)}): guardian.step() steps the scheduler it was given; "
+                "remove the loop's scheduler.step(), or do not pass scheduler="
             )
             self._report(error)
             raise error
         scheduler.step()
-        self._scheduler_epoch = scheduler.last_epoch
+        self._scheduler_epoch = _progress(scheduler)
 
     def drop_update(self) -> None:
         """Zero the gradients without stepping; the GradScaler backs off after an overflow."""
@@ -327,7 +406,7 @@ class TrainingObjects:
         """Put back ``small_state``'s output (a part that is None is left alone)."""
         if self.scheduler is not None and small.get("scheduler") is not None:
             self.scheduler.load_state_dict(small["scheduler"])
-            self._scheduler_epoch = self.scheduler.last_epoch
+            self._scheduler_epoch = _progress(self.scheduler)
         if self.scaler is not None and small.get("scaler") is not None:
             self.scaler.load_state_dict(small["scaler"])
 
