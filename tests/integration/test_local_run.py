@@ -278,3 +278,37 @@ def test_two_pods_of_two_processes_run_under_torchrun_and_one_hung_process_resta
     while (left := procs.processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == []
+
+
+def test_a_command_that_runs_torchrun_itself_is_not_declared_hung_and_finishes(tmp_path: Path) -> None:
+    # nprocPerNode stays 1 (the README allows it): the command launches torchrun with two processes,
+    # which write status-0.json and status-1.json beside the status.json the sidecar was told of. The
+    # run lasts well beyond the startup grace: a sidecar that waited for status.json alone failed the
+    # pod's liveness then, and the runner restarted the gang until its restarts ran out.
+    grace, steps, step_sleep = 20, 100, 0.25
+    path = job(tmp_path, steps=steps, replicas=1, hang_timeout=5, step_sleep=step_sleep)
+    document = yaml.safe_load(path.read_text())
+    spec = document["spec"]
+    container = spec["template"]["spec"]["containers"][0]
+    container["command"] = [
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        WORKER, "--steps", str(steps), "--step-sleep", str(step_sleep),
+    ]  # fmt: skip
+    spec["health"]["startupGraceSeconds"] = grace
+    spec["recovery"] = {"maxRestarts": 1, "backoffSeconds": [1]}
+    path.write_text(yaml.safe_dump(document))
+    started = time.monotonic()
+    code, summary, output = run(tmp_path, path)
+    assert code == 0, output
+    assert time.monotonic() - started > grace + LIVENESS_FAILURE_THRESHOLD  # long enough to have failed
+    assert summary["result"] == "succeeded", summary["reason"]
+    assert summary["restarts"] == []
+    assert summary["attempts"] == 1
+    assert summary["final_step"] == steps
+    rank_dir = tmp_path / "run" / "latest" / "attempt-1" / "rank-0"
+    assert sorted(p.name for p in rank_dir.glob("status*.json")) == ["status-0.json", "status-1.json"]
+    store = CheckpointStore(tmp_path / "run" / "volumes" / "ckpt")
+    newest = store.resolve(steps)
+    assert newest is not None
+    manifests = sorted(p.name for p in (store.root / newest.dir_name).glob("rank-*.json"))
+    assert manifests == ["rank-0.json", "rank-1.json"]  # both processes of the one pod wrote their part

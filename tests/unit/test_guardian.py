@@ -803,17 +803,88 @@ def test_a_busy_section_is_published_with_its_reason_and_bound(tmp_path: Path) -
     assert inside.busy_reason == "eval"
     assert inside.busy_seconds == 900
     assert inside.busy_since is not None
+    assert [(s.reason, s.seconds) for s in inside.busy_sections] == [("eval", 900)]
     assert nested is not None
     assert nested.busy_reason == "save"
-    assert nested.busy_seconds is None
+    # The eval's bound still ends the unbounded save inside it: what an older sidecar reads says so too.
+    assert nested.busy_seconds == 900
     assert nested.busy_since == inside.busy_since  # one busy stretch
+    assert [(s.reason, s.seconds) for s in nested.busy_sections] == [("eval", 900), ("save", None)]
+    assert nested.busy_sections[0].since == inside.busy_since
+    assert nested.busy_sections[1].since >= inside.busy_since  # the save's own start
     assert back is not None
     assert back.busy_reason == "eval"
+    assert [s.reason for s in back.busy_sections] == ["eval"]
     assert after is not None
     assert after.phase is Phase.RUNNING
     assert after.busy_since is None
+    assert after.busy_sections == []
     with pytest.raises(ValueError, match="busy seconds"), guardian.busy("eval", seconds=math.inf):
         pass
+
+
+def test_a_bounded_section_inside_an_unbounded_one_states_its_own_start_and_deadline(tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file)
+    guardian.step(loss_of(model))
+    with guardian.busy("eval"):
+        time.sleep(0.3)
+        with guardian.busy("save", seconds=4):
+            nested, _ = read_status(status_file)
+    assert nested is not None
+    assert nested.busy_since is not None
+    eval_section, save_section = nested.busy_sections
+    assert save_section.since - eval_section.since >= 0.3
+    # For an older sidecar: 4 s from the save's start, stated from the stretch's start.
+    assert nested.busy_seconds == pytest.approx(save_section.since + 4 - nested.busy_since)
+
+
+def test_busy_sections_close_by_token_in_any_order_and_once(tmp_path: Path) -> None:
+    from trainer_sidecar.contract.status import MAX_BUSY_SECTIONS
+    from trainer_sidecar.guardian.busy import BusySections
+
+    sections = BusySections()
+    outer = sections.enter("eval", None)
+    inner = sections.enter("save", 4.0)
+    started = sections.since
+    sections.leave(outer)  # out of order: the save stays open, the stretch goes on
+    view = sections.view(Phase.RUNNING, None)
+    assert [s.reason for s in view.sections] == ["save"]
+    assert view.since == started
+    sections.leave(outer)  # closed twice: nothing else is closed
+    assert [s.reason for s in sections.view(Phase.RUNNING, None).sections] == ["save"]
+    sections.leave(inner)
+    assert sections.view(Phase.RUNNING, None).phase is Phase.RUNNING
+    assert sections.since is None
+    tokens = [sections.enter(f"s{i}", None) for i in range(MAX_BUSY_SECTIONS)]
+    with pytest.raises(ValueError, match=f"at most {MAX_BUSY_SECTIONS} busy sections"):
+        sections.enter("one too many", None)
+    assert len(sections.view(Phase.RUNNING, None).sections) == MAX_BUSY_SECTIONS
+    for token in reversed(tokens):
+        sections.leave(token)
+    assert sections.since is None
+
+
+def test_the_end_of_a_busy_stretch_restarts_the_hang_clock(tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file)
+    guardian.step(loss_of(model))
+    stepped = guardian.last_step_time
+    with guardian.busy("eval"):
+        time.sleep(0.2)
+        with guardian.busy("save"):
+            pass
+        inner_closed, _ = read_status(status_file)
+        ended = time.time()
+    after, _ = read_status(status_file)
+    assert stepped is not None
+    assert inner_closed is not None
+    assert after is not None
+    assert inner_closed.last_step_time == stepped  # still busy: nothing to restart
+    assert after.last_step_time is not None
+    assert after.last_step_time >= ended  # else the sidecar reads "no step for" the whole evaluation
 
 
 @pytest.mark.parametrize("clean", [True, False])

@@ -202,3 +202,160 @@ def test_a_pod_of_several_local_ranks_is_alive_only_while_all_are(tmp_path: Path
     assert reading.health.reason.startswith("local rank 1: no step for")
     assert reading.status is not None
     assert reading.status.rank == 1  # the failing local rank's status stands for the pod
+
+
+# --- the pod's status files, found whatever nprocPerNode says -------------------------------------------
+
+
+def pod(tmp_path: Path, clocks: FakeClocks, local_ranks: int = 1) -> WorkerStatusCollector:
+    return WorkerStatusCollector(
+        tmp_path / "status.json", hang_timeout_seconds=HANG, startup_grace_seconds=GRACE, job="j",
+        namespace="n", local_ranks=local_ranks, monotonic=lambda: clocks.monotonic, wall=lambda: clocks.wall,
+    )  # fmt: skip
+
+
+def local(rank: int, step: int, clocks: FakeClocks, width: int = 2, **fields: Any) -> WorkerStatus:
+    """Local rank ``rank`` of a torchrun pod of ``width`` processes (global rank = local rank)."""
+    values: dict[str, Any] = {"rank": rank, "world_size": width, "pid": 10 + rank, "step": step}
+    values.update(steps_total=step, last_step_time=clocks.wall, local_rank=rank, local_world_size=width)
+    values.update(fields)
+    return worker(**values)
+
+
+def test_a_command_that_runs_torchrun_itself_is_judged_by_its_per_rank_files(tmp_path: Path) -> None:
+    # nprocPerNode 1 (local_ranks 1): the sidecar was told of status.json, the processes write status-N.
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    assert "status.json does not exist yet" in source.read().health.reason
+    for step in range(1, int(GRACE + HANG) + 10, 5):  # far beyond the startup grace: stepping all along
+        for rank in range(2):
+            write_status(tmp_path / f"status-{rank}.json", local(rank, step, clocks, samples_seen=step))
+        reading = source.read()
+        assert reading.health.alive, reading.health.reason
+        assert reading.health.ready, reading.health.reason
+        clocks.advance(5)
+    assert reading.health.reason.startswith("2 local ranks: running: step")
+    assert reading.read_error == ""  # status.json is not expected once the files say 2 local ranks
+    assert reading.counters["samples_seen"] == 2 * step  # summed over the two processes
+    # Then local rank 1 hangs: the pod is not alive, and says which process.
+    for later in range(step + 1, step + int(HANG) + 3):
+        write_status(tmp_path / "status-0.json", local(0, later, clocks))
+        reading = source.read()
+        clocks.advance(1)
+    assert not reading.health.alive
+    assert reading.health.reason.startswith("local rank 1: no step for")
+
+
+def test_a_missing_expected_rank_file_is_reported_then_fails_the_pod(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    write_status(tmp_path / "status-0.json", local(0, 1, clocks))
+    reading = source.read()
+    assert reading.health.alive  # within the startup grace
+    assert not reading.health.ready
+    assert reading.health.reason.startswith("local rank 1: waiting for the worker status")
+    assert f"{tmp_path / 'status-1.json'} does not exist yet" in reading.read_error
+    for step in range(2, int(GRACE) + 3):
+        write_status(tmp_path / "status-0.json", local(0, step, clocks))
+        clocks.advance(1)
+        reading = source.read()
+    assert not reading.health.alive
+    assert reading.health.reason.startswith("local rank 1: no readable worker status after the startup grace")
+
+
+def test_a_rank_file_that_goes_away_still_counts(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    for step in (1, 2):  # seen stepping
+        for rank in range(2):
+            write_status(tmp_path / f"status-{rank}.json", local(rank, step, clocks))
+        assert source.read().health.ready
+        clocks.advance(1)
+    (tmp_path / "status-1.json").unlink()
+    (tmp_path / "status-0.json").unlink()  # the claim of two processes goes with it: still expected
+    clocks.advance(HANG + 1)
+    reading = source.read()
+    assert not reading.health.alive
+    assert "local rank 0: no readable worker status and no step for" in reading.health.reason
+    assert "local rank 1: no readable worker status and no step for" in reading.health.reason
+
+
+def test_files_named_almost_like_status_files_are_never_judged(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    hung = local(1, 1, clocks, last_step_time=WALL0 - 10 * GRACE)
+    for name in (
+        "status-999999.json",
+        "status-x.json",
+        "status-01.json",
+        "status-256.json",
+        "status--1.json",
+    ):
+        write_status(tmp_path / name, hung)
+    (tmp_path / "status-7.json").write_bytes(b"\x00garbage{")
+    (tmp_path / "status-8.json").write_bytes(b" " * (2 * 1024 * 1024))
+    (tmp_path / "status-1.json").mkdir()  # a directory by a status file's name
+    write_status(tmp_path / "status.json", worker(step=1, steps_total=1, last_step_time=clocks.wall))
+    for step in range(2, int(GRACE + HANG), 10):
+        clocks.advance(10)
+        write_status(
+            tmp_path / "status.json", worker(step=step, steps_total=step, last_step_time=clocks.wall)
+        )
+        reading = source.read()
+        assert reading.health.alive, reading.health.reason
+        assert reading.health.ready, reading.health.reason
+    assert reading.status is not None
+    assert reading.status.pid == 3  # status.json's worker stands for the pod
+    for name in ("status-1.json", "status-7.json", "status-8.json"):
+        assert f"{tmp_path / name}: ignored, not a status this pod is expected to write" in reading.read_error
+    for name in ("999999", "-x.", "-01.", "256", "--1"):
+        assert name not in reading.read_error
+    assert samples(source)["trainguard_worker_alive"] == 1
+
+
+def test_an_expected_rank_file_that_is_a_directory_fails_the_pod_after_the_grace(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks, local_ranks=2)
+    (tmp_path / "status-1.json").mkdir()
+    for step in range(1, int(GRACE) + 3):
+        write_status(tmp_path / "status-0.json", local(0, step, clocks))
+        reading = source.read()
+        clocks.advance(1)
+    assert not reading.health.alive
+    assert "local rank 1: no readable worker status after the startup grace" in reading.health.reason
+    assert "status-1.json is a directory, not a regular file" in reading.health.reason
+
+
+def test_a_file_claiming_another_local_rank_than_its_name_is_not_believed(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    write_status(tmp_path / "status-0.json", local(0, 1, clocks))
+    write_status(tmp_path / "status-1.json", local(0, 1, clocks))  # a copy of local rank 0's
+    reading = source.read()
+    assert not reading.health.ready
+    assert "status-1.json claims local rank 0 of 2" in reading.health.reason
+    write_status(tmp_path / "status.json", local(1, 1, clocks))  # status.json is a pod of one's
+    assert "status.json claims local rank 1 of 2, not a pod of one" in source.read().read_error
+
+
+def test_a_claim_of_many_local_ranks_names_a_few_and_counts_the_rest(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    write_status(tmp_path / "status-0.json", local(0, 1, clocks, width=256, world_size=256))
+    reading = source.read()
+    assert not reading.health.ready
+    assert reading.health.reason.endswith("; and 247 more")
+    assert len(reading.health.reason) < 4096
+
+
+def test_a_monotonic_clock_that_goes_backwards_does_not_revive_a_hung_worker(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks)
+    write_status(tmp_path / "status.json", worker(step=5, steps_total=5, last_step_time=clocks.wall))
+    assert source.read().health.alive
+    clocks.advance(HANG + 1)
+    assert not source.read().health.alive
+    clocks.monotonic -= 1000  # and the monotonic clock jumps back
+    reading = source.read()
+    assert not reading.health.alive
+    assert reading.health.reason == "no step for 31.0 s (hang timeout 30 s), last step 5"

@@ -66,6 +66,9 @@ Timestamp = Annotated[float, Strict(), Field(ge=0.0)]
 #: A busy section's bound is at most a week (the sidecar caps it at its startup grace in any case).
 MAX_BUSY_SECONDS = 7 * 24 * 3600.0
 MAX_BUSY_REASON_CHARS = 200
+#: Open busy sections a status carries at most (the guardian refuses to open more, nested or not).
+MAX_BUSY_SECTIONS = 32
+BusySeconds = Annotated[float, Strict(), Field(gt=0.0, le=MAX_BUSY_SECONDS)]
 FiniteFloat = Annotated[float, Strict()]
 NonNegativeFloat = Annotated[float, Strict(), Field(ge=0.0)]
 Message = Annotated[str, AfterValidator(_shorten)]
@@ -97,6 +100,18 @@ class CheckpointRef(BaseModel):
     path: str = Field(max_length=MAX_PATH_CHARS)
     sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="Lower-case hex, or empty: unknown.")
     time: Timestamp = 0.0
+
+
+class BusySection(BaseModel):
+    """One open busy section of a worker: what, since when (the worker's wall clock, unix seconds), and
+    how long it asked to be allowed (None: the startup grace). Each is judged from its own start (see
+    ``trainer_sidecar.contract.allowance``)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    reason: str = Field("", max_length=MAX_BUSY_REASON_CHARS)
+    since: Timestamp
+    seconds: BusySeconds | None = None
 
 
 class WorkerStatus(BaseModel):
@@ -132,8 +147,25 @@ class WorkerStatus(BaseModel):
     busy_reason: str = Field(
         "", max_length=MAX_BUSY_REASON_CHARS, description="What the worker is busy with."
     )
-    busy_seconds: Annotated[float, Strict(), Field(gt=0.0, le=MAX_BUSY_SECONDS)] | None = Field(
-        None, description="While busy: how long the worker asked to be allowed (None: the startup grace)."
+    busy_seconds: BusySeconds | None = Field(
+        None,
+        description="While busy: how long the worker is allowed, counted from busy_since (None: the startup "
+        "grace). With nested sections, the earliest of their own deadlines as of busy_since: what a "
+        "sidecar that reads no busy_sections needs to judge the same.",
+    )
+    busy_sections: list[BusySection] = Field(
+        default_factory=list,
+        max_length=MAX_BUSY_SECTIONS,
+        description="While busy: every open section, outermost first, each with its own start and bound "
+        "(empty from a worker older than this field: then busy_since/busy_seconds are the one section).",
+    )
+    local_rank: Annotated[int, Strict(), Field(ge=0, lt=MAX_LOCAL_RANKS)] = Field(
+        0, description="This process's rank among the worker processes of its pod (torchrun's LOCAL_RANK)."
+    )
+    local_world_size: Annotated[int, Strict(), Field(ge=1, le=MAX_LOCAL_RANKS)] = Field(
+        1,
+        description="How many worker processes its pod runs (torchrun's LOCAL_WORLD_SIZE): each writes "
+        "<stem>-<local rank>.json when above 1, and the sidecar expects every one of them.",
     )
     loss: FiniteFloat | None = None
     grad_norm: NonNegativeFloat | None = None
@@ -162,6 +194,10 @@ class WorkerStatus(BaseModel):
     def _rank_in_gang(self) -> Self:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        if self.local_rank >= self.local_world_size:
+            raise ValueError(
+                f"local_rank {self.local_rank} is not below local_world_size {self.local_world_size}"
+            )
         return self
 
     @property

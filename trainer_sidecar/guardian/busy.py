@@ -26,7 +26,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer_sidecar.contract.status import MAX_BUSY_REASON_CHARS, MAX_BUSY_SECONDS, Phase
+from trainer_sidecar.contract.allowance import OpenSection, busy_allowance
+from trainer_sidecar.contract.status import (
+    MAX_BUSY_REASON_CHARS,
+    MAX_BUSY_SECONDS,
+    MAX_BUSY_SECTIONS,
+    BusySection,
+    Phase,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,36 +141,94 @@ class PeerWatch:
                     log.exception("reporting a busy peer failed")
 
 
+@dataclass(frozen=True)
+class BusyView:
+    """What a status says about busy sections: the phase, when the busy stretch began, what the rank is
+    busy with (the innermost section), the seconds allowed from ``since`` for a sidecar that reads no
+    ``sections`` (None: the startup grace), and every open section (outermost first)."""
+
+    phase: Phase
+    since: float | None
+    reason: str = ""
+    seconds: float | None = None
+    sections: tuple[BusySection, ...] = ()
+
+
+class _Section:
+    """One open section (a token: ``leave`` closes this one, whichever order sections are closed in)."""
+
+    __slots__ = ("reason", "seconds", "since")
+
+    def __init__(self, reason: str, seconds: float | None, since: float) -> None:
+        self.reason, self.seconds, self.since = reason, seconds, since
+
+
+def legacy_seconds(sections: tuple[BusySection, ...], since: float) -> float | None:
+    """The one bound, counted from ``since`` (when the busy stretch began), that gives a sidecar reading
+    only ``busy_since``/``busy_seconds`` the same verdict as the nested rule (``contract.allowance``):
+    the earliest deadline of the bounded sections (the sidecar caps it at its grace, as the rule does
+    for each section and for the stretch). None when no section is bounded. At least a millisecond (the
+    field must be positive), at most ``MAX_BUSY_SECONDS``."""
+    opened = [OpenSection(s.since, s.seconds, s.reason) for s in sections]
+    allowance = busy_allowance(opened, since, None)
+    if allowance is None:
+        return None
+    deadline = allowance.section.start + allowance.allowed
+    return min(MAX_BUSY_SECONDS, max(1e-3, deadline - since))
+
+
 class BusySections:
-    """The busy sections a rank is in (nested, innermost last), the busy peer it waits for, and when its
-    last progress was; ``view`` is what its status says about them."""
+    """The busy sections a rank is in (open ones in the order they were entered), the busy peer it waits
+    for, and when its last progress was; ``view`` is what its status says about them. Sections are
+    closed by their token, so closing out of order closes the right one, and closing one twice is a
+    no-op. Safe to use from several threads."""
 
     def __init__(self) -> None:
-        self._sections: list[tuple[str, float | None]] = []
-        self.since: float | None = None
+        self._sections: list[_Section] = []
+        self._stretch_since: float | None = None  # when the open sections began (the first of them opened)
+        self._lock = threading.Lock()
         self._peer: PeerBusy | None = None
         self._peer_noticed = 0.0
         self.last_progress = time.monotonic()
         self._board: PeerBoard | None = None
         self._watch: PeerWatch | None = None
 
-    def enter(self, reason: str, seconds: float | None) -> float | None:
-        """Begin a section; returns what ``since`` was, for ``leave``. Raises ValueError for a bound that
-        is not a positive number of at most ``MAX_BUSY_SECONDS``."""
+    @property
+    def since(self) -> float | None:
+        """When the busy stretch began: the first of the open sections opened then (None: none is open).
+        It stays while any section is open, whichever closes first."""
+        return self._stretch_since
+
+    def enter(self, reason: str, seconds: float | None) -> object:
+        """Begin a section; returns its token, for ``leave``. Raises ValueError for a bound that is not a
+        positive number of at most ``MAX_BUSY_SECONDS``, or beyond ``MAX_BUSY_SECTIONS`` open sections (a
+        status carries no more: a recursion through a busy-decorated function, most likely)."""
         if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_BUSY_SECONDS):
             raise ValueError(f"busy seconds must be a positive number of at most {MAX_BUSY_SECONDS:g}")
-        self._sections.append((reason[:MAX_BUSY_REASON_CHARS], seconds))
-        before, self.since = self.since, self.since or time.time()
+        section = _Section(reason[:MAX_BUSY_REASON_CHARS], seconds, time.time())
+        with self._lock:
+            if len(self._sections) >= MAX_BUSY_SECTIONS:
+                raise ValueError(f"at most {MAX_BUSY_SECTIONS} busy sections may be open at once")
+            self._sections.append(section)
+            if self._stretch_since is None:
+                self._stretch_since = section.since
         if self._board is not None:
             self._board.announce(reason, seconds)
-        return before
+        return section
 
-    def leave(self, since: float | None) -> None:
-        """End the innermost section (``since``: what ``enter`` returned); the hang clock restarts."""
-        self._sections.pop()
+    def leave(self, token: object) -> None:
+        """End the section ``enter`` returned ``token`` for; the hang clock restarts. A section that is
+        not open (closed before) is left alone, and the peers are told only once."""
+        with self._lock:
+            found = next((i for i, s in enumerate(self._sections) if s is token), None)
+            if found is None:
+                log.warning("a busy section was closed twice (or never opened); ignored")
+                return
+            del self._sections[found]
+            if not self._sections:
+                self._stretch_since = None
         if self._board is not None:
             self._board.withdraw()
-        self.since = since
         self.progressed()
 
     def progressed(self) -> None:
@@ -193,18 +258,23 @@ class BusySections:
         if self._watch is not None:
             self._watch.stop()
 
-    def view(self, phase: Phase, busy_since: float | None) -> tuple[Phase, float | None, str, float | None]:
-        """(phase, busy since, what, for how long) as the status says them: the rank's own ``phase``
-        (and ``busy_since``) unless it is running and in a section, or running and waiting for a busy
-        peer (then for at most what the peer asked, counted from its start)."""
+    def view(self, phase: Phase, busy_since: float | None) -> BusyView:
+        """What the status says: the rank's own ``phase`` (and ``busy_since``) unless it is running and
+        in sections (then every open section, see ``BusyView``), or running and waiting for a busy peer
+        (then for at most what the peer asked, counted from its start)."""
         if phase is not Phase.RUNNING:
-            return phase, busy_since, "", None
-        if self._sections:
-            reason, seconds = self._sections[-1]
-            return Phase.BUSY, self.since, reason, seconds
+            return BusyView(phase, busy_since)
+        with self._lock:
+            sections, since = list(self._sections), self._stretch_since
+        opened = tuple(BusySection(reason=s.reason, since=s.since, seconds=s.seconds) for s in sections)
+        if opened and since is not None:
+            since = min(since, *(s.since for s in opened))  # a wall clock stepped back: the earliest
+            return BusyView(Phase.BUSY, since, opened[-1].reason, legacy_seconds(opened, since), opened)
         peer = self._peer
         if peer is None:
-            return phase, None, "", None
+            return BusyView(phase, None)
         left = None if peer.seconds is None else max(1.0, peer.seconds - (time.time() - peer.since))
         left = None if left is None else min(left, MAX_BUSY_SECONDS)
-        return Phase.BUSY, self._peer_noticed, f"waiting for rank {peer.rank}: {peer.reason}", left
+        reason = f"waiting for rank {peer.rank}: {peer.reason}"
+        waiting = BusySection(reason=reason[:MAX_BUSY_REASON_CHARS], since=self._peer_noticed, seconds=left)
+        return BusyView(Phase.BUSY, self._peer_noticed, waiting.reason, left, (waiting,))

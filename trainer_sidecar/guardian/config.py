@@ -84,6 +84,10 @@ class GuardianConfig(BaseModel):
     settings: GuardianSettings = GuardianSettings()
     checkpoint_dir: Path | None = None
     status_file: Path | None = None
+    #: This process's rank among its pod's worker processes, and how many there are (torchrun's
+    #: LOCAL_RANK and LOCAL_WORLD_SIZE; 0 and 1 for a pod of one): the status carries them.
+    local_rank: int = 0
+    local_world_size: int = 1
     termination_message_path: Path | None = None
     faults: FaultSchedule = FaultSchedule()
     remediation: RemediationOrder | None = None
@@ -106,10 +110,14 @@ class GuardianConfig(BaseModel):
         argument contradicts what the orchestrator set.
         """
         env = os.environ if environ is None else environ
+        pod_status_file = _agreed_path(env, STATUS_FILE_ENV, status_file, "status_file")
+        local = (0, 1) if pod_status_file is None else _local(env)  # only a status file needs them
         return cls(
             settings=_settings(env, settings),
             checkpoint_dir=_agreed_path(env, CHECKPOINT_DIR_ENV, checkpoint_dir, "checkpoint_dir"),
-            status_file=_local(env, _agreed_path(env, STATUS_FILE_ENV, status_file, "status_file")),
+            status_file=None if pod_status_file is None else local_status_file(pod_status_file, *local),
+            local_rank=local[0],
+            local_world_size=local[1],
             termination_message_path=_path(env.get(TERMINATION_MESSAGE_ENV)),
             faults=_faults(env),
             remediation=_remediation(env),
@@ -126,20 +134,21 @@ def failure_paths(environ: Mapping[str, str] | None = None) -> tuple[Path | None
     return _path(env.get(STATUS_FILE_ENV)), _path(env.get(TERMINATION_MESSAGE_ENV))
 
 
-def _local(env: Mapping[str, str], status_file: Path | None) -> Path | None:
-    """This process's own status file when several share a pod (torchrun sets LOCAL_WORLD_SIZE and
-    LOCAL_RANK): ``status_file`` with the local rank in its name, as the pod's sidecar reads it. A launcher
-    that sets LOCAL_RANK alone runs one process per pod."""
+def _local(env: Mapping[str, str]) -> tuple[int, int]:
+    """(local rank, local world size) of this process when several share a pod (torchrun sets
+    LOCAL_WORLD_SIZE and LOCAL_RANK), else (0, 1): a launcher that sets LOCAL_RANK alone runs one
+    process per pod. With several, each writes the status file with its local rank in its name
+    (``local_status_file``), as the pod's sidecar reads it."""
     text = env.get("LOCAL_WORLD_SIZE", "").strip()
-    if status_file is None or not text or text == "1":
-        return status_file
+    if not text or text == "1":
+        return 0, 1
     try:
         local_rank, local_ranks = int(env.get("LOCAL_RANK", "0")), int(text)
     except ValueError:
         raise ConfigError("LOCAL_RANK and LOCAL_WORLD_SIZE must be integers, as torchrun sets them") from None
     if not 0 <= local_rank < local_ranks <= MAX_LOCAL_RANKS:
         raise ConfigError(f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_ranks} is out of range")
-    return local_status_file(status_file, local_rank, local_ranks)
+    return local_rank, local_ranks
 
 
 def _path(value: str | os.PathLike[str] | None) -> Path | None:

@@ -290,14 +290,20 @@ class Guardian:
         so that it is not mistaken for a hang: the sidecar allows it ``seconds`` (at most its startup
         grace; the grace when not given) instead of the hang timeout, so a real hang inside it is still
         caught. Peers that wait for this rank meanwhile (in their next collective) report themselves
-        busy too. Sections nest; each rank enters its own (``with guardian.busy("eval"):`` around the
-        evaluation only rank 0 runs is enough). Usable as a decorator as well."""
-        since = self._busy.enter(reason, seconds)
+        busy too. Sections nest (at most ``MAX_BUSY_SECTIONS`` open): each is measured from its own
+        start, and an outer section's bound still ends everything inside it (see
+        ``trainer_sidecar.contract.allowance``). Each rank enters its own (``with guardian.busy("eval"):``
+        around the evaluation only rank 0 runs is enough). Usable as a decorator as well."""
+        section = self._busy.enter(reason, seconds)
         self._publish(force=True)
         try:
             yield
         finally:
-            self._busy.leave(since)
+            self._busy.leave(section)
+            if self._busy.since is None and self.last_step_time is not None:
+                # The end of a busy stretch is progress, as a rollback's is: without it, the first status
+                # after an evaluation longer than the hang timeout reads "no step for" that long.
+                self.last_step_time = time.time()
             self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
@@ -990,19 +996,22 @@ class Guardian:
         """The worker's current status, as published to the sidecar."""
         data = self.feed.loader.counters if self.feed.loader is not None else None
         counters = self.counters
-        phase, busy_since, busy_reason, busy_seconds = self._busy.view(self.phase, self.busy_since)
+        busy = self._busy.view(self.phase, self.busy_since)
         return WorkerStatus(
             rank=self.rank,
             world_size=self.world_size,
             pid=os.getpid(),
-            phase=phase,
+            phase=busy.phase,
             started_at=self.started_at,
             step=counters.step,
             resumed_step=self.resumed_step,
             last_step_time=self.last_step_time,
-            busy_since=busy_since,
-            busy_reason=busy_reason,
-            busy_seconds=busy_seconds,
+            busy_since=busy.since,
+            busy_reason=busy.reason,
+            busy_seconds=busy.seconds,
+            busy_sections=list(busy.sections),
+            local_rank=self.config.local_rank,
+            local_world_size=self.config.local_world_size,
             loss=_json_float(counters.last_loss),
             grad_norm=_json_float(self.last_grad_norm),
             lr_scale=counters.lr_scale,

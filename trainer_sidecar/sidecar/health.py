@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from trainer_sidecar.contract.status import Phase, WorkerStatus
+from trainer_sidecar.contract.allowance import OpenSection, busy_allowance
+from trainer_sidecar.contract.status import BusySection, Phase, WorkerStatus
 
 #: How far in the future a worker's timestamp may be before it is implausible. The worker and its sidecar
 #: read the same host clock, so this only has to absorb the clock being stepped back a little.
@@ -24,6 +25,9 @@ DEFAULT_CLOCK_SKEW_SECONDS = 30.0
 WorkerIdentity = tuple[int, float]
 #: What changes when a worker makes progress: its phase, step and cumulative step count.
 Progress = tuple[Phase, int, int]
+#: A busy section as the sidecar tells sections apart: what, since when, for how long, and which of the
+#: sections alike it is (a section closed and opened again has another ``since``).
+SectionKey = tuple[str, float, float | None, int]
 
 
 @dataclass(frozen=True)
@@ -62,18 +66,41 @@ class Tracking:
     ``identity_since`` is where the current worker's startup grace counts from: the sidecar's start for
     the first worker it sees (as for no worker at all), the moment a later one (a worker restarted beside
     the sidecar) was first seen; ``progress_since`` when its progress last changed; ``stepped`` whether its
-    step or step count changed while the sidecar watched it."""
+    step or step count changed while the sidecar watched it; ``sections`` when it first saw each of the
+    worker's open busy sections (by ``SectionKey``)."""
 
     identity: WorkerIdentity | None
     identity_since: float
     progress: Progress | None
     progress_since: float
     stepped: bool = False
+    sections: tuple[tuple[SectionKey, float], ...] = ()
 
     @classmethod
     def begin(cls, monotonic: float) -> Tracking:
         """The state of a sidecar that started at ``monotonic`` and has not seen a status yet."""
         return cls(identity=None, identity_since=monotonic, progress=None, progress_since=monotonic)
+
+
+def section_keys(sections: list[BusySection]) -> list[SectionKey]:
+    """The key of each section (see ``SectionKey``), in order."""
+    counted: dict[tuple[str, float, float | None], int] = {}
+    keys: list[SectionKey] = []
+    for section in sections:
+        base = (section.reason, section.since, section.seconds)
+        counted[base] = counted.get(base, -1) + 1
+        keys.append((*base, counted[base]))
+    return keys
+
+
+def _seen_sections(
+    previous: tuple[tuple[SectionKey, float], ...], status: WorkerStatus, monotonic: float
+) -> tuple[tuple[SectionKey, float], ...]:
+    """When each open section of ``status`` was first seen: as remembered, or ``monotonic`` if new."""
+    if status.phase is not Phase.BUSY:
+        return ()
+    remembered = dict(previous)
+    return tuple((key, remembered.get(key, monotonic)) for key in section_keys(status.busy_sections))
 
 
 def track(tracking: Tracking, status: WorkerStatus | None, monotonic: float) -> Tracking:
@@ -85,23 +112,32 @@ def track(tracking: Tracking, status: WorkerStatus | None, monotonic: float) -> 
     progress = (status.phase, status.step, status.steps_total)
     if identity != tracking.identity:
         grace_from = tracking.identity_since if tracking.identity is None else monotonic
-        return Tracking(identity, grace_from, progress, monotonic)
+        sections = _seen_sections((), status, monotonic)
+        return Tracking(identity, grace_from, progress, monotonic, sections=sections)
+    sections = _seen_sections(tracking.sections, status, monotonic)
     if progress == tracking.progress:
-        return tracking
+        return tracking if sections == tracking.sections else replace(tracking, sections=sections)
     stepped = tracking.progress is None or progress[1:] != tracking.progress[1:]
-    return replace(tracking, progress=progress, progress_since=monotonic, stepped=tracking.stepped or stepped)
+    return replace(
+        tracking,
+        progress=progress,
+        progress_since=monotonic,
+        stepped=tracking.stepped or stepped,
+        sections=sections,
+    )
 
 
 def implausible_timestamps(status: WorkerStatus, wall: float, clock_skew_seconds: float) -> str:
     """Which of the worker's timestamps lie in the future of ``wall`` by more than the skew allowance
     (empty: none). Anything that does not compare as at most the limit (NaN included) counts."""
     limit = wall + clock_skew_seconds
-    stamps = {
+    stamps: dict[str, float | None] = {
         "started_at": status.started_at,
         "updated_at": status.updated_at,
         "last_step_time": status.last_step_time,
         "busy_since": status.busy_since,
     }
+    stamps.update({f"busy_sections[{i}].since": each.since for i, each in enumerate(status.busy_sections)})
     late = [
         f"{name} is {value - wall:.6g} s ahead of the sidecar's clock"
         for name, value in stamps.items()
@@ -167,15 +203,48 @@ def _rolling_back(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grac
     )
 
 
+def _start(since: float, clocks: Clocks, wall_start: float | None) -> float:
+    """Where a limit counts from on the monotonic clock: ``since``, or earlier if the worker's wall-clock
+    ``wall_start`` says so (a worker's timestamp may only make a limit come sooner)."""
+    return since if wall_start is None else min(since, clocks.monotonic - (clocks.wall - wall_start))
+
+
+def open_sections(tracking: Tracking, status: WorkerStatus, clocks: Clocks) -> list[OpenSection]:
+    """The busy sections the sidecar judges, each with its start on the monotonic clock.
+
+    A worker that lists its sections (``busy_sections``): each from when the sidecar first saw it (or its
+    claimed ``since``, if earlier), preceded by the whole busy stretch, from the worker's last progress
+    on the sidecar's clock, with no limit of its own (so at most the grace, whatever the worker claims).
+    An older worker (``busy_since`` only): the one section it states, from its last progress."""
+    if not status.busy_sections:
+        start = _start(tracking.progress_since, clocks, status.busy_since)
+        return [OpenSection(start, status.busy_seconds, status.busy_reason)]
+    first = min(section.since for section in status.busy_sections)
+    first = first if status.busy_since is None else min(first, status.busy_since)
+    outermost = status.busy_sections[0].reason
+    opened = [OpenSection(_start(tracking.progress_since, clocks, first), None, outermost)]
+    seen = dict(tracking.sections)
+    for key, section in zip(section_keys(status.busy_sections), status.busy_sections, strict=True):
+        since = seen.get(key, clocks.monotonic)  # not tracked (a caller's own tracking): first seen now
+        opened.append(OpenSection(_start(since, clocks, section.since), section.seconds, section.reason))
+    return opened
+
+
 def _busy(tracking: Tracking, status: WorkerStatus, clocks: Clocks, grace: float) -> Health:
-    busy = _elapsed(tracking.progress_since, clocks, status.busy_since)
-    allowed = min(status.busy_seconds, grace) if status.busy_seconds is not None else grace
-    what = status.busy_reason or "busy"
-    return _graced(
-        busy,
-        allowed,
-        f"busy at step {status.step} ({what}) for {busy:.0f} s (allowed: {allowed:g} s)",
-        f"busy at step {status.step} ({what}) for {busy:.0f} s, longer than the {allowed:g} s allowed",
+    allowance = busy_allowance(open_sections(tracking, status, clocks), clocks.monotonic, grace)
+    assert allowance is not None  # a cap bounds every section, and there is at least one
+    busy, allowed = allowance.elapsed, allowance.allowed
+    what = allowance.section.reason or status.busy_reason or "busy"
+    if allowance.within:
+        return Health(
+            alive=True,
+            ready=False,
+            reason=f"busy at step {status.step} ({what}) for {busy:.0f} s (allowed: {allowed:g} s)",
+        )
+    return Health(
+        alive=False,
+        ready=False,
+        reason=f"busy at step {status.step} ({what}) for {busy:.0f} s, longer than the {allowed:g} s allowed",
     )
 
 
@@ -230,8 +299,10 @@ def judge(
       than the startup grace (since the sidecar saw it begin, or since ``busy_since`` if that is earlier);
       then not alive. A rollback makes no steps, and its validation may take far longer than the hang
       timeout.
-    * phase busy with ``busy_since`` set (``Guardian.busy``, or waiting for a busy peer): the same, for at
-      most ``busy_seconds`` (capped at the startup grace; the grace when not given).
+    * phase busy with ``busy_since`` set (``Guardian.busy``, or waiting for a busy peer): the same, while
+      every open section is within its own bound, measured from its own start (``busy_seconds`` capped at
+      the startup grace, the grace when not given; see ``trainer_sidecar.contract.allowance``), and the
+      whole busy stretch within the grace. A worker older than ``busy_sections`` states one section.
     * no step in this run of the worker (none seen by the sidecar, and ``last_step_time`` is None or older
       than ``started_at``): alive but not ready for the startup grace (counted from ``started_at`` if
       that is earlier), then not alive.

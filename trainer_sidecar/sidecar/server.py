@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -136,16 +137,41 @@ def fold_counters(
 
 @dataclass
 class _Watched:
-    """One local rank's status file, its health tracking and its counter baselines."""
+    """One status file of the pod (``local_rank`` None: ``<stem>.json``), its health tracking and its
+    counter baselines; ``judged`` once it held a valid status: it counts for the pod's health from then
+    on (a rank does not stop counting by removing or spoiling its file)."""
 
     path: Path
+    local_rank: int | None
     tracking: Tracking
+    judged: bool = False
     last_seen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0))
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0.0))
 
-    def read(self, clocks: Clocks, policy: HealthPolicy) -> Reading:
-        """Read and judge the file, and fold its counts into this file's totals."""
+    @property
+    def label(self) -> str:
+        """How reasons name this file's worker."""
+        return self.path.name if self.local_rank is None else f"local rank {self.local_rank}"
+
+    def fetch(self) -> tuple[WorkerStatus | None, str]:
+        """The file's status, or None and why: unreadable, or it claims a local rank other than its name's
+        (an older worker's status, which claims none, is taken as named)."""
         status, read_error = read_status(self.path)
+        if status is None:
+            return None, read_error
+        claims = (status.local_rank, status.local_world_size)
+        if self.local_rank is None and status.local_world_size > 1:
+            return (
+                None,
+                f"status file {self.path} claims local rank {claims[0]} of {claims[1]}, not a pod of one",
+            )
+        if self.local_rank is not None and claims != (0, 1) and status.local_rank != self.local_rank:
+            return None, f"status file {self.path} claims local rank {claims[0]} of {claims[1]}"
+        return status, ""
+
+    def read(self, fetched: tuple[WorkerStatus | None, str], clocks: Clocks, policy: HealthPolicy) -> Reading:
+        """Judge what ``fetch`` returned, and fold its counts into this file's totals."""
+        status, read_error = fetched
         health, self.tracking = assess_health(self.tracking, status, read_error, clocks, policy)
         if status is not None:
             self.last_seen, self.totals = fold_counters(self.last_seen, self.totals, status)
@@ -157,6 +183,36 @@ class _Watched:
             seconds_since_step=_seconds_since_step(self.tracking, status, clocks, policy),
             counters=dict(self.totals),
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _candidates(status_file: Path) -> tuple[tuple[int | None, Path, str], ...]:
+    """Every name ``pod_status_files`` looks at, built once per status file."""
+    names: list[tuple[int | None, Path]] = [(None, status_file)]
+    names += [
+        (rank, local_status_file(status_file, rank, MAX_LOCAL_RANKS)) for rank in range(MAX_LOCAL_RANKS)
+    ]
+    return tuple((rank, path, os.fspath(path)) for rank, path in names)
+
+
+def pod_status_files(status_file: Path) -> dict[int | None, Path]:
+    """The status files of the pod that exist now: ``status_file`` itself (key None) and
+    ``<stem>-<N><suffix>`` for each local rank N below ``MAX_LOCAL_RANKS`` (``local_status_file``'s
+    names). Bounded: only these ``MAX_LOCAL_RANKS + 1`` names are looked at (``status-999999.json``,
+    ``status-x.json`` or ``status-01.json`` never are; about half a millisecond), and nothing is read
+    here."""
+    return {rank: path for rank, path, name in _candidates(status_file) if os.path.lexists(name)}
+
+
+#: At most this many files are named one by one in a pod's reason (the rest are counted).
+MAX_NAMED_FILES = 8
+
+
+def _listed(parts: Sequence[str]) -> str:
+    """``parts`` joined, at most ``MAX_NAMED_FILES`` of them named."""
+    shown = "; ".join(parts[:MAX_NAMED_FILES])
+    more = len(parts) - MAX_NAMED_FILES
+    return f"{shown}; and {more} more" if more > 0 else shown
 
 
 #: Counters of data each rank reads for itself (summed over local ranks); the others count decisions
@@ -172,16 +228,18 @@ def _shown(readings: Sequence[Reading], failing: Sequence[int]) -> int:
     return min(steps, key=lambda i: steps[i]) if steps else 0
 
 
-def _combined(readings: Sequence[Reading], watched: Sequence[_Watched]) -> Reading:
-    """One reading for a pod of several local ranks (see ``WorkerStatusCollector.read``)."""
+def _combined(readings: Sequence[Reading], watched: Sequence[_Watched], ignored: Sequence[str]) -> Reading:
+    """One reading for a pod of several status files (see ``WorkerStatusCollector.read``); ``ignored``:
+    why files named like status files do not count."""
     failing = [i for i, r in enumerate(readings) if not r.health.alive]
     worst = failing or [i for i, r in enumerate(readings) if not r.health.ready]
     shown = _shown(readings, failing)
-    reason = (
-        "; ".join(f"local rank {i}: {readings[i].health.reason}" for i in worst)
-        if worst
-        else f"{len(readings)} local ranks: {readings[shown].health.reason}"
-    )
+    if worst:
+        reason = _listed([f"{watched[i].label}: {readings[i].health.reason}" for i in worst])
+    elif len(readings) == 1:
+        reason = readings[0].health.reason
+    else:
+        reason = f"{len(readings)} local ranks: {readings[shown].health.reason}"
     counters = {
         name: (sum if name in SHARDED_COUNTERS else max)(r.counters[name] for r in readings)
         for name in COUNTER_FIELDS
@@ -191,7 +249,7 @@ def _combined(readings: Sequence[Reading], watched: Sequence[_Watched]) -> Readi
     return Reading(
         clocks=readings[shown].clocks,
         status=readings[shown].status,
-        read_error="; ".join(errors),
+        read_error=_listed([*errors, *ignored]),
         health=Health(alive=not failing, ready=not worst, reason=reason),
         seconds_since_step=max(ages, default=None),
         counters=counters,
@@ -208,6 +266,11 @@ def _seconds_since_step(
     if implausible_timestamps(status, clocks.wall, policy.clock_skew_seconds):
         return None  # no age to tell; the verdict reports the timestamps
     return max(0.0, clocks.monotonic - tracking.progress_since, clocks.wall - status.last_step_time)
+
+
+def _rank_order(rank: int | None) -> int:
+    """``<stem>.json`` first, then the local ranks in order."""
+    return -1 if rank is None else rank
 
 
 class WorkerStatusCollector(Collector):
@@ -246,25 +309,68 @@ class WorkerStatusCollector(Collector):
         self._monotonic = monotonic
         self._wall = wall
         self.started_at = wall()
+        self.local_ranks = local_ranks
         self._lock = threading.Lock()
-        begun = monotonic()
-        self._watched = [
-            _Watched(local_status_file(status_file, local, local_ranks), Tracking.begin(begun))
-            for local in range(local_ranks)
-        ]
+        self._begun = self._last_monotonic = monotonic()
+        self._watched: dict[int | None, _Watched] = {}
+        self._width = local_ranks  # how many worker processes the pod is known to run
+
+    def _file(self, local_rank: int | None) -> _Watched:
+        """The watched file of ``local_rank`` (None: ``<stem>.json``), watched from the sidecar's start."""
+        if local_rank not in self._watched:
+            path = (
+                self.status_file if local_rank is None else local_status_file(self.status_file, local_rank, 2)
+            )
+            self._watched[local_rank] = _Watched(path, local_rank, Tracking.begin(self._begun))
+        return self._watched[local_rank]
 
     def read(self) -> Reading:
-        """Read every local rank's status file, judge health, fold the counts into the monotonic totals.
+        """Read every status file of the pod, judge health, fold the counts into the monotonic totals.
         Never raises, and never blocks on a file (``read_status`` reads regular files only, boundedly).
 
-        With several local ranks (processes of one pod), the pod is alive and ready only when all of
-        them are; the status shown is the first failing local rank's, else the slowest one's."""
+        The files judged: those the worker processes of the pod are expected to write, and every one
+        that holds a valid status (``pod_status_files`` finds them, whatever ``local_ranks`` says: a
+        command that runs torchrun itself writes ``<stem>-N.json``). Expected are local ranks 0 to W - 1,
+        W the largest of ``local_ranks`` and the ``local_world_size`` any valid file ever claimed, or
+        ``<stem>.json`` while W is 1; a file that once held a valid status stays judged. A missing or
+        unreadable expected file is judged as a worker without a status (the reason names it); a file
+        named like a status file that is neither expected nor valid is only reported in ``read_error``.
+
+        With several files judged, the pod is alive and ready only when all of them are; the status
+        shown is the first failing file's, else the slowest one's."""
         with self._lock:
-            clocks = Clocks(monotonic=self._monotonic(), wall=self._wall())
-            readings = [watched.read(clocks, self.policy) for watched in self._watched]
-        if len(readings) == 1:
+            # A monotonic clock that went backwards (a test's, a broken one) is held where it was.
+            self._last_monotonic = max(self._last_monotonic, self._monotonic())
+            clocks = Clocks(monotonic=self._last_monotonic, wall=self._wall())
+            present = pod_status_files(self.status_file)
+            fetched = {rank: self._file(rank).fetch() for rank in sorted(present, key=_rank_order)}
+            claimed = [s.local_world_size for s, _ in fetched.values() if s is not None]
+            self._width = max([self._width, *claimed])
+            expected: set[int | None] = set(range(self._width)) if self._width > 1 else {None}
+            for rank, (status, _) in fetched.items():
+                if status is not None:
+                    self._file(rank).judged = True  # it held a status: it counts from now on
+            for rank in expected:
+                self._file(rank)
+            judged = [
+                watched
+                for rank, watched in sorted(self._watched.items(), key=lambda item: _rank_order(item[0]))
+                if watched.judged or rank in expected
+            ]
+            readings = []
+            for watched in judged:
+                got = fetched.get(watched.local_rank)
+                if got is None:  # an expected file that is not there
+                    got = (None, f"status file {watched.path} does not exist yet")
+                readings.append(watched.read(got, clocks, self.policy))
+            ignored = [
+                f"{self._watched[rank].path}: ignored, not a status this pod is expected to write: {why}"
+                for rank, (status, why) in fetched.items()
+                if status is None and not self._watched[rank].judged and rank not in expected
+            ]
+        if len(readings) == 1 and not ignored:
             return readings[0]
-        return _combined(readings, self._watched)
+        return _combined(readings, judged, ignored)
 
     def describe(self) -> Iterable[Metric]:
         """Nothing declared up front: the registry is private, and describing must not read the file."""
