@@ -387,9 +387,9 @@ def test_resume_restores_weights_optimizer_counters_and_data_position(tmp_path: 
         return guardian, model, loader
 
     first, first_model, first_loader = train(12)
-    assert first.store is not None
-    assert first.store.last_clean is not None
-    assert first.store.last_clean.step == 12  # finish() saves the final step
+    assert first.checkpoints.enabled
+    assert first.checkpoints.last_clean is not None
+    assert first.checkpoints.last_clean.step == 12  # finish() saves the final step
     resumed, model, loader = train(12)
     assert resumed.step_count == 12
     assert loader.position == first_loader.position
@@ -592,9 +592,9 @@ def test_a_poisoned_state_is_never_saved_as_clean_and_rolls_back(tmp_path: Path,
     guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
     for _ in range(4):
         assert guardian.step(poisonable_loss(model)).applied
-    assert guardian.store is not None
-    guardian.store.wait()
-    assert guardian.store.newest_valid() == 4
+    assert guardian.checkpoints.enabled
+    guardian.checkpoints.wait()
+    assert guardian.checkpoints.newest_valid() == 4
     for _ in range(2):
         assert guardian.step(poisonable_loss(model)).applied
     guardian.settle()  # the state changes outside a step: the snapshot's background copy must be done
@@ -607,8 +607,8 @@ def test_a_poisoned_state_is_never_saved_as_clean_and_rolls_back(tmp_path: Path,
     assert guardian.rollbacks == 1
     assert guardian.step_count == 6  # the snapshot at step 6 was clean
     assert finite_state(model, optimizer)
-    guardian.store.wait()
-    assert guardian.store.newest_valid() == 4  # nothing was written from the poisoned state
+    guardian.checkpoints.wait()
+    assert guardian.checkpoints.newest_valid() == 4  # nothing was written from the poisoned state
 
 
 def test_a_state_that_stays_poisoned_diverges_instead_of_finishing(tmp_path: Path) -> None:
@@ -631,8 +631,8 @@ def test_a_state_that_stays_poisoned_diverges_instead_of_finishing(tmp_path: Pat
         train()
     assert guardian.rollbacks == 2
     assert guardian.phase is Phase.DIVERGED
-    assert guardian.store is not None
-    assert guardian.store.newest_valid() is None
+    assert guardian.checkpoints.enabled
+    assert guardian.checkpoints.newest_valid() is None
 
 
 def test_finish_never_reports_success_over_a_poisoned_final_state(tmp_path: Path) -> None:
@@ -666,8 +666,8 @@ def test_run_trains_on_after_a_poisoned_final_state_until_it_is_clean(tmp_path: 
     assert guardian.rollbacks == 1
     assert guardian.step_count == 5
     assert finite_state(model, optimizer)
-    assert guardian.store is not None
-    assert guardian.store.newest_valid() == 5
+    assert guardian.checkpoints.enabled
+    assert guardian.checkpoints.newest_valid() == 5
 
 
 def test_a_configuration_error_is_the_final_status_and_termination_message(
@@ -708,15 +708,15 @@ def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_pat
     )
     for _ in range(2):
         old.step(loss_of(old_model))
-    assert old.store is not None
-    old.store.wait()
+    assert old.checkpoints.enabled
+    old.checkpoints.wait()
     new = Guardian(
         new_model, torch.optim.SGD(new_model.parameters(), lr=0.1), checkpoint_dir=tmp_path, settings=config
     )
     assert new.step_count == 2  # it resumed the old writer's clean checkpoint, then claimed a newer epoch
     for _ in range(2):
         old.step(loss_of(old_model))  # step 4: its save starts, and meets the fence in the background
-    while old.store.busy:
+    while old.checkpoints.writing:
         time.sleep(0.01)
     with pytest.raises(Fenced) as caught:
         old.step(loss_of(old_model))
@@ -726,7 +726,7 @@ def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_pat
     for _ in range(4):
         new.step(loss_of(new_model))
     new.finish()
-    assert new.store is not None
+    assert new.checkpoints.enabled
     weights = {k: v.clone() for k, v in new_model.state_dict().items()}
     reader_model = tiny_model(seed=3)
     reader = Guardian(
@@ -1195,17 +1195,17 @@ def test_a_checkpoint_is_also_due_by_time(tmp_path: Path, monkeypatch: pytest.Mo
     for _ in range(3):
         clock[0] += 10
         guardian.step(loss_of(model))
-    assert guardian.store is not None
-    guardian.store.wait()
-    assert guardian.store.newest_valid() is None  # 30 s: not due yet
+    assert guardian.checkpoints.enabled
+    guardian.checkpoints.wait()
+    assert guardian.checkpoints.newest_valid() is None  # 30 s: not due yet
     clock[0] += 31
     guardian.step(loss_of(model))  # 61 s since the start: due
-    guardian.store.wait()
-    assert guardian.store.newest_valid() == 4
+    guardian.checkpoints.wait()
+    assert guardian.checkpoints.newest_valid() == 4
     clock[0] += 59
     guardian.step(loss_of(model))
-    guardian.store.wait()
-    assert guardian.store.newest_valid() == 4  # 59 s since that one: not yet
+    guardian.checkpoints.wait()
+    assert guardian.checkpoints.newest_valid() == 4  # 59 s since that one: not yet
 
 
 def _adopted_wrongly(case: str, status_file: Path) -> Guardian:
@@ -1448,8 +1448,8 @@ def test_a_wrapper_scheduler_covers_its_children_and_resumes_bit_exactly(
     model, crashed, _ = build(tmp_path / "crashed")
     for step in range(6):
         assert crashed.step(loss_of(model, seed=step)).applied
-    assert crashed.store is not None
-    crashed.store.wait()
+    assert crashed.checkpoints.enabled
+    crashed.checkpoints.wait()
     crashed.close()  # a crash after step 6: the newest checkpoint is step 4's
     model, resumed, lrs = build(tmp_path / "crashed")
     assert resumed.step_count == 4
@@ -1475,8 +1475,8 @@ def test_a_scheduler_the_loop_steps_itself_and_tracks_is_kept_across_a_resume(tm
         assert guardian.step(loss_of(model)).applied
         if step % 2 == 0:
             scheduler.step()
-    assert guardian.store is not None
-    guardian.store.wait()
+    assert guardian.checkpoints.enabled
+    guardian.checkpoints.wait()
     guardian.close()  # a crash after step 7: the newest checkpoint is step 5's, after two epochs' ends
     model, scheduler, resumed = build()
     assert resumed.step_count == 5

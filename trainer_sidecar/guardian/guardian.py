@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,20 +30,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
-from trainer_sidecar.contract.env import CHECKPOINT_DIR_ENV, STATUS_FILE_ENV
+from trainer_sidecar.checkpoint import CheckpointError, EpochOwner, FencedError
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
 from trainer_sidecar.contract.status import (
-    CheckpointRef,
     Phase,
-    StatusPublisher,
     WorkerStatus,
-    write_termination_message,
 )
 from trainer_sidecar.guardian.busy import BusySections
+from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
-from trainer_sidecar.guardian.counters import CountersError, GuardCounters
+from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
@@ -60,11 +56,10 @@ from trainer_sidecar.guardian.judge import (
     judge_step,
 )
 from trainer_sidecar.guardian.localize import NaNLocator
-from trainer_sidecar.guardian.resume import claim_gang_epoch, restore_newest
+from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
-from trainer_sidecar.guardian.training import StateMismatch, TrainingObjects, check_training_objects
-from trainer_sidecar.tensors.rng import RngStateError, rng_state, set_rng_state
+from trainer_sidecar.guardian.training import TrainingObjects, check_training_objects
 
 log = logging.getLogger("trainguard")
 
@@ -218,7 +213,6 @@ class Guardian:
         self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
         self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
         self.feed = DataFeed()
-        self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
         self._window_batches: list[BatchRef] = []
@@ -226,51 +220,30 @@ class Guardian:
         # Parameters and optimizer state are copied while the next forward and backward run, until the
         # loop is seen changing them in place between steps without ``settle`` (see ``settle``).
         self._copies_in_background = True
-        # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
-        # each rank's store has seen complete, so decisions taken on it need no agreement.
-        self._checkpointed_step: int | None = None
-        self._checkpoint_clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
         self._locator = NaNLocator(self.module)
-        self._status = StatusPublisher(config.status_file, config.settings.status_interval_seconds)
-        self._publishing = threading.Lock()  # the main thread and the peer watch both publish
-        self._status_failing = False  # see ``_status_unwritable``
+        self._reporter = StatusReporter(
+            config.status_file,
+            config.settings.status_interval_seconds,
+            config.termination_message_path,
+            self.status,
+        )
         self._busy = BusySections()
         self._stop = STOP
         self._holding_stop = False
         self.checkpoint_dir = config.checkpoint_dir
+        self.checkpoints = CheckpointManager(
+            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
+        )
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
         self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
 
     def _open_checkpoints(self) -> None:
-        self.store: CheckpointStore | None = None
-        if self.checkpoint_dir is None:
-            log.warning(
-                "no checkpoint directory (argument or %s): nothing survives a restart", CHECKPOINT_DIR_ENV
-            )
-            return
         owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
-        try:
-            epoch = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
-            self.store = CheckpointStore(
-                self.checkpoint_dir,
-                rank=self.gang.rank,
-                world_size=self.gang.world_size,
-                keep_clean=self.settings.checkpoint.keep_clean,
-                epoch=epoch,
-            )
-        except CheckpointError as exc:
-            raise ConfigError(str(exc)) from exc
-        self.dead_letters.load()
-        # Where a loop draws its own batches from the random generators, a resumed run draws the same
-        # ones only if the generators are saved as they were before the next step's batch was drawn. A
-        # loop that prefetches (draws the next batch after the forward pass, before the step ends) has
-        # drawn it by the step boundary; after the last forward pass it has not: save them as of then.
-        self.model.register_forward_hook(self._capture_rng)
-
-    def _capture_rng(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        self._rng_after_forward = rng_state()
+        self.checkpoints.open(owner, self.model)
+        if self.checkpoints.enabled:
+            self.dead_letters.load()
 
     def _begin(self) -> None:
         if not self._snapshot.taken:
@@ -498,8 +471,8 @@ class Guardian:
         self._micro = 0
         if not self._adoption_checked:
             self._check_adoption()
-        if self.store is not None and self.store.fenced is not None:
-            self._fenced(self.store.fenced)  # a save in the background met a newer writer's claim
+        if self.checkpoints.fenced is not None:
+            self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
         agreed = self._measure(self._loss_sum)
         reading = agreed.reading
@@ -547,7 +520,7 @@ class Guardian:
         device = step_loss.device
         loss = step_loss.double()
         flags = torch.tensor(
-            [float(self._stop.requested), float(self._checkpoint_time_due())], dtype=torch.float64
+            [float(self._stop.requested), float(self.checkpoints.time_due())], dtype=torch.float64
         ).to(device)
         measured = [loss, (~torch.isfinite(loss)).double(), norm_part.double().to(device)]
         local = torch.cat([torch.stack(measured), flags])
@@ -566,32 +539,20 @@ class Guardian:
         reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
         return _Agreed(reading, locally_nonfinite, stops > 0, due > 0)
 
-    def _checkpoint_time_due(self) -> bool:
-        """Whether ``every_seconds`` passed since this rank's last checkpoint (or start): any rank's clock
-        makes the whole gang checkpoint at the same boundary (it is agreed within the step's collective)."""
-        every = self.settings.checkpoint.every_seconds
-        return (
-            self.store is not None
-            and every is not None
-            and time.monotonic() - self._checkpoint_clock >= every
-        )
-
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
         last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
         received = self._stop.signal or signal.SIGTERM
-        saved = self._checkpointed_step == self.counters.step
-        if not saved and self.store is not None and self.counters.history.consecutive_bad == 0:
+        saved = self.checkpoints.saved(self.counters.step)
+        if not saved and self.checkpoints.enabled and self.counters.history.consecutive_bad == 0:
             saved = self.save_checkpoint()
-        if self.store is not None:
-            try:
-                self.store.wait()
-                self.store.close()
-            except FencedError as exc:
-                self._fenced(exc)
+        try:
+            self.checkpoints.close()
+        except FencedError as exc:
+            self._fenced(exc)
         self.gang.barrier()
         what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
-        if self.store is None:
+        if not self.checkpoints.enabled:
             what = "no checkpoint directory"
         message = f"stopped by {received.name} at step {self.counters.step}; {what}"
         self._log_gang(logging.WARNING, "%s", message)
@@ -687,7 +648,7 @@ class Guardian:
         policy = self.settings.checkpoint
         step = self.counters.step
         snapshot_due = step % policy.snapshot_every_steps == 0
-        checkpoint_due = self.store is not None and (step % policy.every_steps == 0 or time_due)
+        checkpoint_due = self.checkpoints.due(step, time_due)
         if not (snapshot_due or checkpoint_due):
             return None
         unclean = self._unclean_state()
@@ -741,7 +702,7 @@ class Guardian:
         a GPU the current stream waits, not the host. A loop that does not is noticed at the next step
         (by the tensors' version counters): nothing torn is kept, and copies are synchronous after."""
         snapshot_changed = self._snapshot.settle()
-        checkpoint_changed = self.store is not None and self.store.settle()
+        checkpoint_changed = self.checkpoints.settle()
         if snapshot_changed or checkpoint_changed:
             self._changed_before_settle(checkpoint_changed)
 
@@ -757,34 +718,18 @@ class Guardian:
                 "without calling guardian.settle() first; snapshots and checkpoints are copied "
                 "synchronously from now on%s",
                 self.counters.step,
-                f" (the checkpoint of step {self._checkpointed_step} may be lost)"
+                f" (the checkpoint of step {self.checkpoints.checkpointed_step} may be lost)"
                 if checkpoint_changed
                 else "",
             )
         self._copies_in_background = False
 
-    def _checkpoint_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state(), **self.feed.state()}
-        if self.rank == 0:
-            state.update(guardian=self.counters.to_state(), **self.training.state())
-        else:
-            state.update(self.training.shard_state())  # a sharded model's shards of this rank (else none)
-        return state
-
     def _save_checkpoint(self) -> None:
-        assert self.store is not None
-        meta = {"loss": self.counters.last_loss, "state_finite": True, "clean": True}
+        stable = self.training.stable_storage() if self._copies_in_background else None
         try:
-            self.store.save_async(
-                self.counters.step,
-                self._checkpoint_state(),
-                meta,
-                stable=self.training.stable_storage() if self._copies_in_background else None,
-            )
+            self.checkpoints.save(self.counters, stable, self.rank)
         except FencedError as exc:
             self._fenced(exc)
-        self._checkpointed_step = self.counters.step
-        self._checkpoint_clock = time.monotonic()
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.
@@ -792,7 +737,7 @@ class Guardian:
         Returns False without a checkpoint directory, or when the state is not clean (then the guardian
         rolled back, or diverged). Every rank must call it at the same step (it agrees collectively).
         """
-        if self.store is None or self._unclean_state() is not None:
+        if not self.checkpoints.enabled or self._unclean_state() is not None:
             return False
         self._save_checkpoint()
         return True
@@ -856,11 +801,10 @@ class Guardian:
     def _diverge(self, message: str) -> None:
         log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
         self._report_end(Phase.DIVERGED, message, ExitCode.DIVERGED)
-        if self.store is not None:
-            try:
-                self.store.close()
-            except CheckpointError as exc:
-                log.error("%s", exc)
+        try:
+            self.checkpoints.close()
+        except CheckpointError as exc:
+            log.error("%s", exc)
         # Every rank diverges at the same step (the decision is collective) and ends here, now.
         self._exit_now(ExitCode.DIVERGED, Diverged(message))
 
@@ -886,7 +830,7 @@ class Guardian:
         message (which outlives the sidecar)."""
         self.phase, self.message, self.exit_code = phase, message, code
         self._publish(force=True)
-        self._write_termination_message()
+        self._reporter.write_termination_message()
 
     def _exit_now(self, code: int, error: SystemExit) -> None:
         """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
@@ -948,48 +892,20 @@ class Guardian:
         malformed) is skipped for the next older one, on every rank alike (``guardian.resume``). A
         checkpoint of another model or optimizer is a configuration error (nothing is deleted).
         """
-        if self.store is None:
+        resumed = self.checkpoints.resume(self.settings.guard.loss_spike_window)
+        if resumed is None:
             return None
-        checkpoint = restore_newest(self.store, self.gang, self._try_restore)
-        if checkpoint is None:
-            return None
-        self.resumed_step = self._checkpointed_step = checkpoint.step
+        checkpoint, self.counters = resumed
+        self.resumed_step = checkpoint.step
         self._take_snapshot()
         self._log_gang(
             logging.WARNING,
             "resumed from the clean checkpoint at step %d (%s)",
             checkpoint.step,
-            self.store.root,
+            self.checkpoint_dir,
         )
         self._check_validation("resume")
         return checkpoint.step
-
-    def _try_restore(self, checkpoint: CheckpointId) -> bool:
-        """Load and apply one checkpoint; False (with the reason logged) when its content is unusable.
-
-        Only what this rank holds is read: of a sharded model, its own box of every tensor, gathered
-        from the shards of whatever world size wrote them."""
-        assert self.store is not None
-        try:
-            with self.store.open(checkpoint) as state:
-                window = self.settings.guard.loss_spike_window
-                counters = GuardCounters.from_state(state.get("guardian"), window)
-                if "rng" in state:
-                    set_rng_state(state["rng"])
-                self._load_training(checkpoint, state)
-        except (CheckpointError, CountersError, RngStateError) as exc:
-            log.error("checkpoint %s cannot be restored, trying an older one: %s", checkpoint.dir_name, exc)
-            return False
-        self.counters = counters
-        self.feed.restore(state)
-        return True
-
-    def _load_training(self, checkpoint: CheckpointId, state: dict[str, Any]) -> None:
-        try:
-            self.training.load(state)
-        except StateMismatch as exc:
-            where = f"checkpoint {checkpoint.dir_name} under {self.checkpoint_dir}"
-            raise ConfigError(f"{where} {exc}") from exc
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
@@ -1024,35 +940,14 @@ class Guardian:
             samples_seen=data.seen if data else 0,
             samples_dropped=data.dropped if data else 0,
             explosion_pattern=counters.explosion_pattern,
-            last_clean_checkpoint=self._last_clean(),
+            last_clean_checkpoint=self.checkpoints.last_clean,
             message=self.message,
             exit_code=self.exit_code,
-            checkpoint_seconds=self.store.last_write_seconds if self.store is not None else None,
+            checkpoint_seconds=self.checkpoints.last_write_seconds,
         )
 
-    def _last_clean(self) -> CheckpointRef | None:
-        return self.store.last_clean if self.store is not None else None
-
     def _publish(self, force: bool = False) -> None:
-        with self._publishing:
-            if force or self._status.due(self.phase):
-                try:
-                    self._status.publish(self.status(), force=True)
-                except OSError as exc:
-                    self._status_unwritable(exc)
-                else:
-                    self._status_failing = False
-
-    def _status_unwritable(self, exc: OSError) -> None:
-        """A status file never written is a setting that cannot work (ConfigError, at construction); one
-        that stops being writable (a full disk) is logged once per outage, and training goes on: the
-        sidecar sees no progress meanwhile and judges that as it judges a hang."""
-        where = f"the status file {self._status.path} ({STATUS_FILE_ENV} or status_file=)"
-        if not self._status.written:
-            raise ConfigError(f"{where} cannot be written: {exc}") from exc
-        if not self._status_failing:
-            log.error("%s cannot be written; the sidecar sees no progress until it can: %s", where, exc)
-        self._status_failing = True
+        self._reporter.publish(self.phase, force)
 
     def finish(self) -> None:
         """Write a final checkpoint (if not already written and the state is clean), wait for every
@@ -1061,17 +956,16 @@ class Guardian:
         Raises UncleanState (after rolling back) when the final state is not finite: the job is not done.
         """
         self.settle()  # the loop may have changed the state in place since its last step
-        if self.store is not None:
-            self.store.wait()  # a save of this very step may still be in flight
+        if self.checkpoints.enabled:
+            self.checkpoints.wait()  # a save of this very step may still be in flight
             final = self.counters.step
-            if self._checkpointed_step != final and not self.save_checkpoint():
+            if not self.checkpoints.saved(final) and not self.save_checkpoint():
                 raise UncleanState(
                     f"the final state at step {final} holds non-finite values; rolled back to step "
                     f"{self.counters.step}"
                 )
             try:
-                self.store.wait()
-                self.store.close()
+                self.checkpoints.close()
             except FencedError as exc:
                 self._fenced(exc)
         # No rank reports success before every rank's final checkpoint is durable, and ranks leave
@@ -1080,23 +974,10 @@ class Guardian:
         self._release()
         self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
 
-    def _write_termination_message(self) -> None:
-        """The final status into the container's termination message (``TRAINGUARD_TERMINATION_MESSAGE_PATH``,
-        set by the orchestrator): it is read from the pod after the sidecar has gone. Best effort: a
-        worker never fails for it."""
-        path = self.config.termination_message_path
-        if path is None:
-            return
-        try:
-            write_termination_message(path, self.status())
-        except OSError as exc:
-            log.warning("could not write the termination message to %s: %s", path, exc)
-
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
         self._release()
-        if self.store is not None:
-            self.store.close()
+        self.checkpoints.close()
 
     def _release(self) -> None:
         """Stop watching peers and put back the signal handlers (the guardian's work is over)."""

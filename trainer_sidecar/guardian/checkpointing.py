@@ -1,0 +1,231 @@
+"""Checkpoint cadence, saving and resume for one rank: the guardian's checkpoint manager.
+
+``CheckpointManager`` owns this rank's view of the clean-checkpoint ring (``trainer_sidecar.checkpoint``):
+the epoch the gang claimed, when a checkpoint is due (every ``every_steps`` steps, or ``every_seconds`` as
+the gang agreed), what a checkpoint holds (the training objects, the data position, the counters and the
+random generators as of the last forward pass), writing it in the background, and on start restoring the
+newest checkpoint every rank can load. Whether a state is clean enough to save is the guardian's call
+(the step judge); the manager is told only to save.
+
+Without a checkpoint directory the manager is inert: nothing is due, nothing is saved, nothing resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer_sidecar.checkpoint import (
+    CheckpointError,
+    CheckpointId,
+    CheckpointStore,
+    EpochOwner,
+    FencedError,
+)
+from trainer_sidecar.contract.env import CHECKPOINT_DIR_ENV
+from trainer_sidecar.contract.settings import CheckpointPolicy
+from trainer_sidecar.contract.status import CheckpointRef
+from trainer_sidecar.guardian.config import ConfigError
+from trainer_sidecar.guardian.counters import CountersError, GuardCounters
+from trainer_sidecar.guardian.feed import DataFeed
+from trainer_sidecar.guardian.gang import Gang
+from trainer_sidecar.guardian.resume import claim_gang_epoch, restore_newest
+from trainer_sidecar.guardian.training import StateMismatch, TrainingObjects
+from trainer_sidecar.tensors.rng import RngStateError, rng_state, set_rng_state
+
+log = logging.getLogger("trainguard")
+
+__all__ = ["CheckpointManager", "FencedError"]
+
+
+class CheckpointManager:
+    """One rank's checkpoints: claim, cadence, asynchronous saves, waiting, resume.
+
+    Promises: a checkpoint holds everything a resumed run needs to continue bit for bit (training
+    objects, data position, counters, random generators as they were before the next batch was drawn);
+    ``checkpointed_step`` is the step of the last checkpoint started or resumed from, the same on every
+    rank; a checkpoint of another model or optimizer is a ``ConfigError`` and deletes nothing. A newer
+    writer's claim surfaces as ``FencedError`` from ``save``, ``wait`` and ``close`` (or as ``fenced``
+    after a background write), for the guardian to end the worker.
+    """
+
+    def __init__(
+        self,
+        directory: Path | None,
+        policy: CheckpointPolicy,
+        gang: Gang,
+        training: TrainingObjects,
+        feed: DataFeed,
+    ) -> None:
+        self.directory = directory
+        self.policy = policy
+        self.gang = gang
+        self.training = training
+        self.feed = feed
+        self.store: CheckpointStore | None = None
+        # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
+        # each rank's store has seen complete, so decisions taken on it need no agreement.
+        self.checkpointed_step: int | None = None
+        self._clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
+        self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this rank writes checkpoints (a directory was given and claimed)."""
+        return self.store is not None
+
+    def open(self, owner: EpochOwner, model: torch.nn.Module) -> None:
+        """Claim the gang's epoch of the directory and open the store (every rank together).
+
+        Raises ConfigError naming the directory when it cannot be claimed or used."""
+        if self.directory is None:
+            log.warning(
+                "no checkpoint directory (argument or %s): nothing survives a restart", CHECKPOINT_DIR_ENV
+            )
+            return
+        try:
+            epoch = claim_gang_epoch(self.directory, self.gang, owner)
+            self.store = CheckpointStore(
+                self.directory,
+                rank=self.gang.rank,
+                world_size=self.gang.world_size,
+                keep_clean=self.policy.keep_clean,
+                epoch=epoch,
+            )
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from exc
+        # Where a loop draws its own batches from the random generators, a resumed run draws the same
+        # ones only if the generators are saved as they were before the next step's batch was drawn. A
+        # loop that prefetches (draws the next batch after the forward pass, before the step ends) has
+        # drawn it by the step boundary; after the last forward pass it has not: save them as of then.
+        model.register_forward_hook(self._capture_rng)
+
+    def _capture_rng(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        self._rng_after_forward = rng_state()
+
+    # ---------------------------------------------------------------------------------- cadence ---
+    def time_due(self) -> bool:
+        """Whether ``every_seconds`` passed since this rank's last checkpoint (or start); any rank's clock
+        makes the whole gang checkpoint at the same boundary (the guardian agrees it in the step's
+        collective)."""
+        every = self.policy.every_seconds
+        return self.store is not None and every is not None and time.monotonic() - self._clock >= every
+
+    def due(self, step: int, time_due: bool) -> bool:
+        """Whether a checkpoint is due after ``step`` (by steps, or by time as the gang agreed)."""
+        return self.store is not None and (step % self.policy.every_steps == 0 or time_due)
+
+    def saved(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` was started (or resumed from) already."""
+        return self.checkpointed_step == step
+
+    # ----------------------------------------------------------------------------------- saving ---
+    def save(self, counters: GuardCounters, stable: Any, rank: int) -> None:
+        """Start writing a checkpoint of the current (clean) state in the background.
+
+        ``stable`` is the training objects' storage the copy may read while the loop goes on (None: copy
+        synchronously). Raises FencedError when a newer writer claimed the directory."""
+        assert self.store is not None, "save() without a checkpoint directory"
+        meta = {"loss": counters.last_loss, "state_finite": True, "clean": True}
+        self.store.save_async(counters.step, self._state(counters, rank), meta, stable=stable)
+        self.checkpointed_step = counters.step
+        self._clock = time.monotonic()
+
+    def _state(self, counters: GuardCounters, rank: int) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": self._rng_after_forward or rng_state(), **self.feed.state()}
+        if rank == 0:
+            state.update(guardian=counters.to_state(), **self.training.state())
+        else:
+            state.update(self.training.shard_state())  # a sharded model's shards of this rank (else none)
+        return state
+
+    @property
+    def fenced(self) -> FencedError | None:
+        """The fencing a background write met (a newer writer's claim), if any."""
+        return self.store.fenced if self.store is not None else None
+
+    @property
+    def writing(self) -> bool:
+        """Whether a checkpoint is still being written in the background."""
+        return self.store is not None and self.store.busy
+
+    def settle(self) -> bool:
+        """Wait until a background copy has read the state; True if the state changed under it."""
+        return self.store is not None and self.store.settle()
+
+    def wait(self) -> None:
+        """Wait until every checkpoint started is durable (or failed). Raises FencedError."""
+        if self.store is not None:
+            self.store.wait()
+
+    def close(self) -> None:
+        """Wait for the writes in flight and stop the writer threads. Raises FencedError."""
+        if self.store is not None:
+            self.store.close()
+
+    def newest_valid(self) -> int | None:
+        """The step of the newest checkpoint that verifies on disk now (None: none, or no directory)."""
+        return self.store.newest_valid() if self.store is not None else None
+
+    @property
+    def last_clean(self) -> CheckpointRef | None:
+        """The newest checkpoint this rank saw become durable, as the status reports it."""
+        return self.store.last_clean if self.store is not None else None
+
+    @property
+    def last_write_seconds(self) -> float | None:
+        """How long the last checkpoint took to become durable (None before the first)."""
+        return self.store.last_write_seconds if self.store is not None else None
+
+    # ----------------------------------------------------------------------------------- resume ---
+    def resume(self, spike_window: int) -> tuple[CheckpointId, GuardCounters] | None:
+        """Restore the newest checkpoint every rank can load into the training objects, the data feed and
+        the random generators; its id and counters, or None for a fresh start.
+
+        A checkpoint whose content turns out unusable (damaged after it was verified, counters or RNG
+        state malformed) is passed over for the next older one, on every rank alike
+        (``guardian.resume``). One of another model or optimizer is a ConfigError (nothing is deleted)."""
+        if self.store is None:
+            return None
+        restored: dict[str, GuardCounters] = {}
+
+        def restore(checkpoint: CheckpointId) -> bool:
+            counters = self._try_restore(checkpoint, spike_window)
+            if counters is None:
+                return False
+            restored["counters"] = counters
+            return True
+
+        checkpoint = restore_newest(self.store, self.gang, restore)
+        if checkpoint is None:
+            return None
+        self.checkpointed_step = checkpoint.step
+        return checkpoint, restored["counters"]
+
+    def _try_restore(self, checkpoint: CheckpointId, spike_window: int) -> GuardCounters | None:
+        """Load and apply one checkpoint; None (with the reason logged) when its content is unusable.
+
+        Only what this rank holds is read: of a sharded model, its own box of every tensor, gathered
+        from the shards of whatever world size wrote them."""
+        assert self.store is not None
+        try:
+            with self.store.open(checkpoint) as state:
+                counters = GuardCounters.from_state(state.get("guardian"), spike_window)
+                if "rng" in state:
+                    set_rng_state(state["rng"])
+                self._load_training(checkpoint, state)
+        except (CheckpointError, CountersError, RngStateError) as exc:
+            log.error("checkpoint %s cannot be restored, trying an older one: %s", checkpoint.dir_name, exc)
+            return None
+        self.feed.restore(state)
+        return counters
+
+    def _load_training(self, checkpoint: CheckpointId, state: dict[str, Any]) -> None:
+        try:
+            self.training.load(state)
+        except StateMismatch as exc:
+            raise ConfigError(f"checkpoint {checkpoint.dir_name} under {self.directory} {exc}") from exc
