@@ -258,16 +258,18 @@ class Guardian:
             return
         owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
         try:
-            epoch = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
+            claim = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
             self.store = CheckpointStore(
                 self.checkpoint_dir,
                 rank=self.gang.rank,
                 world_size=self.gang.world_size,
                 keep_clean=self.settings.checkpoint.keep_clean,
-                epoch=epoch,
+                epoch=claim.epoch,
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from exc
+        if claim.damage is not None:
+            self.store.hold_pruning(claim.damage)
         self.dead_letters.load()
         # Where a loop draws its own batches from the random generators, a resumed run draws the same
         # ones only if the generators are saved as they were before the next step's batch was drawn. A
@@ -940,7 +942,11 @@ class Guardian:
         """
         if self.store is None:
             return None
-        checkpoint = restore_newest(self.store, self.gang, self._try_restore)
+        resumed = restore_newest(self.store, self.gang, self._try_restore)
+        if resumed.damaged:
+            passed = "; ".join(resumed.passed_over) or "on another rank (see its log)"
+            self.store.hold_pruning(f"this start passed over damaged checkpoints: {passed}")
+        checkpoint = resumed.checkpoint
         if checkpoint is None:
             return None
         self.resumed_step = self._checkpointed_step = checkpoint.step
