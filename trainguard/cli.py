@@ -149,7 +149,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
-    from trainer_sidecar.guardian.dcp import export_dcp, import_dcp
+    from trainer_sidecar.guardian.dcp import export_dcp, read_dcp, write_imported
 
     source = args.checkpoint_dir if args.action == "export-dcp" else args.dcp_dir
     if not source.is_dir():  # a read must not create the folder it reads
@@ -159,9 +159,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
         if args.action == "export-dcp":
             step = export_dcp(CheckpointStore(args.checkpoint_dir), args.step, args.dcp_dir)
             print(f"exported checkpoint {step} of {args.checkpoint_dir} to {args.dcp_dir}")
-        else:
-            store = CheckpointStore(args.checkpoint_dir)
-            step = import_dcp(args.dcp_dir, store, args.step, i_trust_this_pickle=args.i_trust_this_pickle)
+        else:  # every refusal before the target folder is created
+            step, state = read_dcp(args.dcp_dir, args.step, i_trust_this_pickle=args.i_trust_this_pickle)
+            write_imported(CheckpointStore(args.checkpoint_dir), step, state)
             print(f"imported {args.dcp_dir} as checkpoint {step} of {args.checkpoint_dir}")
     except CheckpointError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.checkpoints import claim_global_shape, sharded_names, split_file
 from tests.support.paths import REPO_ROOT
 from tests.support.ports import free_port
 from tests.support.procs import FSDP_WORKER, finish, run_gang, successful_reports, worker_env
 from tests.support.workers.fsdp_train import make_dataset
-from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.checkpoint import CheckpointStore, step_dir_name
 from trainer_sidecar.guardian.data import GuardedLoader
 
 pytestmark = pytest.mark.slow
@@ -199,3 +200,32 @@ def test_a_ddp_checkpoint_of_two_ranks_resumes_on_one_at_the_next_sample(tmp_pat
     one_rank = GuardedLoader(make_dataset(512, 0), batch_size=4, seed=0, rank=0, world_size=1)
     # 6 steps of 2 ranks of 4 samples: the next sample is position 48, batch 12 of one rank
     assert more["samples"] == one_rank.batch_indices(0, 12) + one_rank.batch_indices(0, 13)
+
+
+@pytest.mark.parametrize("damage", ["16 TiB", "uncovered"])
+def test_a_sharded_checkpoint_with_a_damaged_shard_table_falls_back_to_the_older_one(
+    tmp_path: Path, damage: str
+) -> None:
+    # A shard table (manifests resealed to match) that gives a tensor a global shape far beyond its
+    # bytes, or one its shards do not cover: the newest checkpoint is damaged, not another model.
+    gang(tmp_path, 2, ["--steps", "8"])  # checkpoints of steps 4 and 8
+    newest = tmp_path / step_dir_name(8, 1)
+    name = next(n for n in sharded_names(newest) if n.startswith("model/"))
+    header, _ = split_file((newest / "rank-0.safetensors").read_bytes())
+    shape = json.loads(header["__metadata__"]["shards"])[name]["shape"]
+    shape[0] = 1 << 40 if damage == "16 TiB" else shape[0] + 1
+    claim_global_shape(newest, 2, name, shape)
+    code, report, err = finish(
+        subprocess.Popen(
+            [sys.executable, str(FSDP_WORKER), "--steps", "8", "--shard", "none"],
+            env=worker_env(tmp_path, settings=SETTINGS),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    )
+    assert code == 0, err[-3000:]
+    assert report is not None, err[-3000:]
+    assert report["resumed_step"] == 4, err[-3000:]
+    assert f"checkpoint {newest.name} cannot be restored" in err
+    assert newest.is_dir()  # the damaged checkpoint is kept for a human to look at

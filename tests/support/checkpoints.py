@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -148,3 +149,33 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
     if dtype == torch.bool:
         return (raw % 2).bool().reshape(shape)
     return raw.view(dtype).reshape(shape)
+
+
+def reseal(step_dir: Path, rank: int) -> None:
+    """Make rank ``rank``'s manifest in ``step_dir`` describe its data file as it is now (size, SHA-256):
+    damage that a writer's bug, or anyone able to write the volume, leaves with a matching manifest."""
+    data = (step_dir / f"rank-{rank}.safetensors").read_bytes()
+    manifest_path = step_dir / f"rank-{rank}.json"
+    manifest = json.loads(manifest_path.read_bytes())
+    entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][f"rank-{rank}.safetensors"] = entry
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def claim_global_shape(step_dir: Path, ranks: int, name: str, shape: list[int]) -> None:
+    """Rewrite the shard table of every rank's file in ``step_dir`` so that the sharded tensor ``name``
+    claims the global ``shape`` (each shard keeps its own bytes and offset), and reseal the manifests."""
+    for rank in range(ranks):
+        path = step_dir / f"rank-{rank}.safetensors"
+        header, data = split_file(path.read_bytes())
+        table = json.loads(header["__metadata__"]["shards"])
+        table[name]["shape"] = shape
+        header["__metadata__"]["shards"] = json.dumps(table)
+        path.write_bytes(join_file(header, data))
+        reseal(step_dir, rank)
+
+
+def sharded_names(step_dir: Path) -> list[str]:
+    """The names of the sharded tensors of rank 0's file in ``step_dir``."""
+    header, _ = split_file((step_dir / "rank-0.safetensors").read_bytes())
+    return sorted(json.loads(header["__metadata__"].get("shards", "{}")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,30 @@ def test_an_export_refuses_a_destination_that_is_not_a_new_or_empty_folder(
     assert (tmp_path / "a-file").read_text() == "precious"
     assert [p.name for p in (tmp_path / "a-full-folder").iterdir()] == ["precious"]
     assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("refusal", ["untrusted pickle", "garbage metadata", "no step", "data file gone"])
+def test_every_import_refusal_comes_before_the_target_folder_is_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], refusal: str
+) -> None:
+    model, optimizer = trained(0)
+    export_dcp(saved_checkpoint(tmp_path / "ckpt", model, optimizer), 7, tmp_path / "dcp")
+    target = tmp_path / "new" / "target"
+    args = ["checkpoint", "import-dcp", str(tmp_path / "dcp"), str(target), "--i-trust-this-pickle"]
+    expected = "--i-trust-this-pickle"
+    if refusal == "untrusted pickle":
+        args.remove("--i-trust-this-pickle")
+    elif refusal == "garbage metadata":
+        (tmp_path / "dcp" / ".metadata").write_bytes(b"\x80\x04garbage")
+        expected = "not a DCP checkpoint"
+    elif refusal == "no step":
+        expected = "has no train_state.step"  # the export keeps the step in trainguard's counters only
+    else:
+        for data in (tmp_path / "dcp").glob("*.distcp"):  # DCP's own CheckpointException, a BaseException
+            data.unlink()
+        expected = r"not a readable DCP checkpoint: rank 0: FileNotFoundError"
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(expected, err), err
+    assert "Traceback" not in err
+    assert not (tmp_path / "new").exists()

@@ -24,6 +24,7 @@ from trainer_sidecar.checkpoint import (
     EpochOwner,
     FencedError,
     claim_epoch,
+    claim_next_epoch,
     step_dir_name,
 )
 from trainer_sidecar.checkpoint import store as checkpoint_store
@@ -225,19 +226,131 @@ def test_a_commit_that_races_a_claim_is_reported_fenced(
     assert store.last_clean is None
 
 
-def test_an_unreadable_claim_trusts_only_its_own_epoch(tmp_path: Path, stores: list[CheckpointStore]) -> None:
+def _tear(claim: Path, how: str) -> None:
+    """Leave at ``claim`` what a crash, a full disk or a stranger leaves where a claim should be."""
+    claim.unlink(missing_ok=True)
+    if how == "empty":
+        claim.write_bytes(b"")
+    elif how == "cut short":
+        claim.write_text('{"epoch": 3, "owner": {"job": "", "attem')
+    elif how == "garbage":
+        claim.write_bytes(os.urandom(300))
+    elif how == "directory":
+        claim.mkdir()
+    elif how == "link":
+        claim.symlink_to(claim.parent / "epoch-000001.json")
+    else:
+        raise AssertionError(how)
+
+
+TEARS = ["empty", "cut short", "garbage", "directory", "link"]
+
+
+@pytest.mark.parametrize("how", TEARS)
+def test_an_unreadable_newest_claim_falls_back_to_the_newest_readable_one_and_keeps_the_history(
+    tmp_path: Path, stores: list[CheckpointStore], how: str
+) -> None:
+    claim_epoch(tmp_path)
+    first = CheckpointStore(tmp_path, epoch=1, keep_clean=2)
+    stores.append(first)
+    first.save(10, tagged(10, "first"), {})
+    claim_epoch(tmp_path)
+    second = CheckpointStore(tmp_path, epoch=2, keep_clean=2)
+    stores.append(second)
+    second.save(20, tagged(20, "second"), {})
+    claim_epoch(tmp_path)  # epoch 3: its claimer dies, or the disk fills, while the claim is written
+    _tear(tmp_path / "epochs" / "epoch-000003.json", how)
+
+    reader = CheckpointStore(tmp_path)
+    stores.append(reader)
+    fence = reader.fence()
+    assert (fence.highest, fence.record, fence.passed_over) == (3, None, (3,))
+    assert fence.fallback is not None
+    assert fence.fallback.epoch == 2
+    damage = fence.damage(tmp_path)
+    assert damage is not None
+    assert "epoch-000003.json" in damage
+    assert "newest readable claim, epoch 2" in damage
+    assert reader.trusted_ids() == [CheckpointId(10, 1), CheckpointId(20, 2)]
+    assert reader.newest_valid_id() == CheckpointId(20, 2)
+
+    # The next claim inherits the history, so a start after it resumes and its pruning keeps the newest.
+    claim = claim_next_epoch(tmp_path)
+    assert claim.record.epoch == 4
+    assert claim.over.damage(tmp_path) == damage
+    assert claim.record.inherits == [step_dir_name(10, 1), step_dir_name(20, 2)]
+    fourth = CheckpointStore(tmp_path, epoch=4, keep_clean=2)
+    stores.append(fourth)
+    fourth.save(30, tagged(30, "fourth"), {})
+    fourth.wait_for_pruning()
+    assert fourth.trusted_ids() == [CheckpointId(20, 2), CheckpointId(30, 4)]
+
+
+def test_with_no_readable_claim_every_checkpoint_up_to_the_highest_epoch_is_trusted(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
     claim_epoch(tmp_path)
     first = CheckpointStore(tmp_path, epoch=1)
     stores.append(first)
     first.save(10, tagged(10, "first"), {})
     claim_epoch(tmp_path)
-    (tmp_path / "epochs" / "epoch-000002.json").write_text('{"epoch": 2, "owner": "garbage"')
+    for epoch in (1, 2):
+        _tear(tmp_path / "epochs" / f"epoch-00000{epoch}.json", "empty")
     reader = CheckpointStore(tmp_path)
     stores.append(reader)
-    assert reader.fence().highest == 2
-    assert reader.fence().record is None
-    assert reader.trusted_ids() == []
-    assert reader.newest_valid() is None
+    assert reader.fence().passed_over == (2, 1)
+    assert reader.fence().fallback is None
+    assert reader.newest_valid_id() == CheckpointId(10, 1)
+
+
+def test_a_store_whose_pruning_is_held_deletes_nothing(tmp_path: Path, stores: list[CheckpointStore]) -> None:
+    store = CheckpointStore(tmp_path, keep_clean=1)
+    stores.append(store)
+    store.hold_pruning("this start passed over damage")
+    for step in (1, 2, 3):
+        store.save(step, tagged(step, "held"), {})
+    store.wait_for_pruning()
+    assert store.prune() == []
+    assert store.steps() == [1, 2, 3]
+
+
+def test_a_claim_at_the_epoch_limit_is_refused_naming_the_directory_and_nothing_is_claimed(
+    tmp_path: Path,
+) -> None:
+    claim_epoch(tmp_path)
+    last = tmp_path / "epochs" / f"epoch-{EPOCH_LIMIT - 1:06d}.json"
+    record = json.loads((tmp_path / "epochs" / "epoch-000001.json").read_text())
+    last.write_text(json.dumps({**record, "epoch": EPOCH_LIMIT - 1}))
+    before = sorted(p.name for p in (tmp_path / "epochs").iterdir())
+    with pytest.raises(CheckpointError, match=f"checkpoint directory {tmp_path}: epoch {EPOCH_LIMIT - 1}"):
+        claim_epoch(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "epochs").iterdir()) == before
+
+
+def test_a_claim_the_disk_refuses_is_a_checkpoint_error_and_leaves_no_claim_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim_epoch(tmp_path)
+
+    def no_links(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    real_write_all = checkpoint_writer.write_all
+    calls = []
+
+    def full_after_the_temp_file(fd: int, views: Any) -> None:
+        calls.append(fd)
+        if len(calls) > 1:  # the claim written in place: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_all(fd, views)
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(checkpoint_writer, "write_all", full_after_the_temp_file)
+    with pytest.raises(
+        CheckpointError, match=f"checkpoint directory {tmp_path}: no epoch claimed: .*No space"
+    ):
+        claim_epoch(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "epochs").iterdir()) == ["epoch-000001.json"]
 
 
 @given(

@@ -4,6 +4,7 @@ from the files that hold it, and malformed shard metadata refused naming the fil
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,3 +129,34 @@ def test_over_a_gang_every_file_of_a_checkpoint_is_verified_by_some_rank(
     for rank, files in enumerate(checked):
         assert 0 in files
         assert rank >= written_by or rank in files
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ([1 << 40, 4], r"hold 24 of the 4398046511104 elements"),  # 6x4 floats claiming 16 TiB
+        ([7, 4], r"hold 24 of the 28 elements"),  # one row no file covers
+    ],
+)
+def test_a_shard_table_claiming_more_than_the_files_hold_is_refused_before_anything_is_allocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: list[int], message: str
+) -> None:
+    two_rank_checkpoint(tmp_path)
+    for rank in (0, 1):  # both files agree on the damaged global shape
+        path = tmp_path / data_file_name(rank)
+        header, data = split_file(path.read_bytes())
+        table = json.loads(header["__metadata__"]["shards"])
+        table["model/w"]["shape"] = shape
+        header["__metadata__"]["shards"] = json.dumps(table)
+        path.write_bytes(join_file(header, data))
+    allocated: list[tuple[int, ...]] = []
+    real_empty = torch.empty
+
+    def counting_empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+        allocated.append(tuple(size[0]) if size and isinstance(size[0], (tuple, list, torch.Size)) else size)
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    with reader(tmp_path) as opened, pytest.raises(CheckpointError, match=message):
+        opened.state(0)  # refused from the tables, before the training sees its shape or reads a byte
+    assert all(math.prod(size) <= 64 for size in allocated), allocated

@@ -11,7 +11,15 @@
 """
 
 from trainer_sidecar.checkpoint.errors import CheckpointError
-from trainer_sidecar.checkpoint.fence import EpochOwner, EpochRecord, Fence, FencedError, claim_epoch
+from trainer_sidecar.checkpoint.fence import (
+    Claim,
+    EpochOwner,
+    EpochRecord,
+    Fence,
+    FencedError,
+    claim_epoch,
+    claim_next_epoch,
+)
 from trainer_sidecar.checkpoint.format import DTYPES, FORMAT_VERSION, read_state
 from trainer_sidecar.checkpoint.layout import CheckpointId, data_file_name, step_dir_name
 from trainer_sidecar.checkpoint.store import CheckpointStore, Verdict
@@ -22,12 +30,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointId",
     "CheckpointStore",
+    "Claim",
     "EpochOwner",
     "EpochRecord",
     "Fence",
     "FencedError",
     "Verdict",
     "claim_epoch",
+    "claim_next_epoch",
     "data_file_name",
     "read_state",
     "step_dir_name",

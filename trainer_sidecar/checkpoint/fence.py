@@ -100,17 +100,37 @@ class EpochRecord(BaseModel):
 class Fence:
     """What a checkpoint directory says about its writers: the highest epoch and that epoch's claim.
 
-    ``record`` is None when no epoch was ever claimed (``highest`` 0) or the highest claim is unreadable
-    (then only that epoch's own checkpoints are trusted).
+    ``record`` is None when no epoch was ever claimed (``highest`` 0) or the highest claim is unreadable.
+    An unreadable claim (empty or cut short by a crash or a full disk on a volume without hard links,
+    garbage, or a directory or link where the file should be) never erases the history: the fence falls
+    back to the newest readable claim below it (``fallback``; None when there is none) and trusts what
+    that claim trusted, plus every checkpoint written by it or by an epoch it passed over
+    (``passed_over``, newest first), up to the highest.
     """
 
     highest: int
     record: EpochRecord | None
     _inherited: frozenset[str] = field(default=frozenset(), repr=False)
+    passed_over: tuple[int, ...] = ()
+    fallback: EpochRecord | None = None
+
+    @property
+    def _lowest_own(self) -> int:
+        """The lowest epoch whose own checkpoints are trusted."""
+        if not self.passed_over:
+            return self.highest
+        return self.fallback.epoch if self.fallback is not None else 0
 
     def trusts(self, checkpoint: CheckpointId) -> bool:
-        """Whether a reader may use ``checkpoint``: written by the highest epoch or inherited by it."""
-        return checkpoint.epoch == self.highest or checkpoint.dir_name in self._inherited
+        """Whether a reader may use ``checkpoint``: written by the highest epoch (or, past unreadable
+        claims, by the epochs down to the newest readable one) or inherited by it."""
+        return self._lowest_own <= checkpoint.epoch <= self.highest or checkpoint.dir_name in self._inherited
+
+    @property
+    def owner(self) -> EpochOwner | None:
+        """Who claimed the highest readable claim (the highest, or the one fallen back to)."""
+        claim = self.record if self.record is not None else self.fallback
+        return claim.owner if claim is not None else None
 
     def describe(self) -> str:
         """The highest epoch and its owner, for messages."""
@@ -118,9 +138,27 @@ class Fence:
             return f"epoch {self.highest}" + ("" if self.highest else " (no epoch claimed)")
         return f"epoch {self.highest} ({self.record.owner.describe()})"
 
+    def damage(self, where: Path | str) -> str | None:
+        """What was passed over to keep the history (None when every claim read was whole), for messages."""
+        if not self.passed_over:
+            return None
+        names = ", ".join(epoch_file_name(epoch) for epoch in self.passed_over)
+        base = (
+            f"the newest readable claim, epoch {self.fallback.epoch}"
+            if self.fallback is not None
+            else "no readable claim"
+        )
+        return (
+            f"checkpoint directory {where}: unreadable epoch claims passed over ({names}: empty, cut short "
+            f"by a crash or a full disk, or not a file); trusting what {base} trusted and the checkpoints of "
+            f"epochs {self._lowest_own} to {self.highest}"
+        )
+
 
 def _claims(epochs_fd: int) -> list[int]:
-    found = (parse_epoch_file_name(name) for name, kind in fs.entries(epochs_fd) if kind == "file")
+    """Every claimed epoch: any entry with a claim's name counts, a directory or a link too (it is an
+    unreadable claim, and the next claim must not try to take its number)."""
+    found = (parse_epoch_file_name(name) for name, _ in fs.entries(epochs_fd))
     return sorted(epoch for epoch in found if epoch is not None)
 
 
@@ -143,9 +181,19 @@ def read_fence(root_fd: int, root: Path, *, with_record: bool = True) -> Fence:
         claims = _claims(epochs_fd)
         if not claims:
             return Fence(0, None)
-        record = _read_record(epochs_fd, claims[-1], where) if with_record else None
-    inherited = frozenset(record.inherits) if record is not None else frozenset()
-    return Fence(claims[-1], record, inherited)
+        if not with_record:
+            return Fence(claims[-1], None)
+        passed_over: list[int] = []
+        fallback = None
+        for epoch in reversed(claims):
+            fallback = _read_record(epochs_fd, epoch, where)
+            if fallback is not None:
+                break
+            passed_over.append(epoch)
+    inherited = frozenset(fallback.inherits) if fallback is not None else frozenset()
+    if not passed_over:
+        return Fence(claims[-1], fallback, inherited)
+    return Fence(claims[-1], None, inherited, tuple(passed_over), fallback)
 
 
 def check_fence(root_fd: int, root: Path, epoch: int) -> None:
@@ -212,49 +260,74 @@ def _create_claim(epochs_fd: int, name: str, payload: bytes) -> bool:
     try:
         writer.write_all(fd, [memoryview(payload)])
         os.fsync(fd)
+    except BaseException:
+        fs.unlink(epochs_fd, name)  # ours (created exclusively): never leave a claim cut short behind
+        raise
     finally:
         os.close(fd)
     return True
 
 
-def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> EpochRecord | None:
+@dataclass(frozen=True)
+class Claim:
+    """An epoch claimed, and the fence it was claimed over (its ``damage`` says what was passed over)."""
+
+    record: EpochRecord
+    over: Fence
+
+
+def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> Claim | None:
     """One attempt at claiming the epoch after the highest; None if another claimer took that number."""
     fence = read_fence(root_fd, root)
-    holder = fence.record.owner.job if fence.record is not None else ""
+    holder = fence.owner.job if fence.owner is not None else ""
     if owner.job and holder and holder != owner.job:
         raise CheckpointError(
             f"checkpoint directory {root} belongs to job {holder} ({fence.describe()}), not to job "
             f"{owner.job}: claiming it would fence that job out and resume from its checkpoints. Give "
             "each job a checkpoint claim of its own (a job of the same name resumes from it)"
         )
+    if fence.highest + 1 >= EPOCH_LIMIT:
+        raise CheckpointError(
+            f"checkpoint directory {root}: epoch {fence.highest} is claimed, the last of the"
+            f" {EPOCH_LIMIT - 1} epochs a directory can have"
+            f" ({root}/{EPOCHS_DIR}/{epoch_file_name(fence.highest)}): nothing was claimed; move the"
+            " checkpoints to a new directory to go on"
+        )
     record = EpochRecord(epoch=fence.highest + 1, owner=owner, inherits=_inheritance(root_fd, root, fence))
     payload = record.model_dump_json(indent=1).encode()
     if not _publish_claim(epochs_fd, epoch_file_name(record.epoch), payload):
         return None
     fs.fsync(epochs_fd)
-    return record
+    return Claim(record, fence)
 
 
-def claim_epoch(root: Path, owner: EpochOwner | None = None) -> EpochRecord:
+def claim_next_epoch(root: Path, owner: EpochOwner | None = None) -> Claim:
     """Claim the next epoch of the checkpoint directory ``root`` (created if missing) for a new writer.
 
     Fences every older epoch out: from now on their saves fail with FencedError and readers trust only
-    this epoch's checkpoints and those it inherits (the complete ones trusted until now). Concurrent
-    claims get distinct epochs. Only rank 0 of a gang claims; the others are given the epoch. A directory
-    whose highest epoch another job claimed (both owners named) is refused with CheckpointError: two jobs
-    sharing one claim would fence each other out and resume from each other's weights.
+    this epoch's checkpoints and those it inherits (the complete ones trusted until now; past an
+    unreadable claim, those the fence falls back to: see ``Fence``). Concurrent claims get distinct
+    epochs. Only rank 0 of a gang claims; the others are given the epoch. Raises CheckpointError naming
+    the directory, with nothing claimed, when the directory cannot be written (read-only, full), its
+    epochs are used up, or its highest epoch another job claimed (both owners named): two jobs sharing
+    one claim would fence each other out and resume from each other's weights.
     """
     root = Path(root)
     owner = owner if owner is not None else EpochOwner()
     try:
         root.mkdir(parents=True, exist_ok=True)
+        with fs.open_root(root) as root_fd:
+            fs.make_dir(root_fd, EPOCHS_DIR)
+            with fs.open_dir(root_fd, EPOCHS_DIR, f"{root}/{EPOCHS_DIR}") as epochs_fd:
+                for _ in range(_CLAIM_TRIES):
+                    claim = _try_claim(root_fd, epochs_fd, root, owner)
+                    if claim is not None:
+                        return claim
     except OSError as exc:
-        raise CheckpointError(f"checkpoint directory {root} cannot be created: {exc}") from exc
-    with fs.open_root(root) as root_fd:
-        fs.make_dir(root_fd, EPOCHS_DIR)
-        with fs.open_dir(root_fd, EPOCHS_DIR, f"{root}/{EPOCHS_DIR}") as epochs_fd:
-            for _ in range(_CLAIM_TRIES):
-                record = _try_claim(root_fd, epochs_fd, root, owner)
-                if record is not None:
-                    return record
+        raise CheckpointError(f"checkpoint directory {root}: no epoch claimed: {exc}") from exc
     raise CheckpointError(f"checkpoint directory {root}: no epoch claimed in {_CLAIM_TRIES} tries")
+
+
+def claim_epoch(root: Path, owner: EpochOwner | None = None) -> EpochRecord:
+    """The record of ``claim_next_epoch`` (see there)."""
+    return claim_next_epoch(root, owner).record

@@ -115,6 +115,34 @@ class SavedTensor:
         return out
 
 
+def _check_tiling(name: str, parts: list[Part]) -> None:
+    """The distinct boxes of ``parts`` (a replica's box counts once) must tile the global tensor exactly:
+    no overlap, no gap. Checked from the tables alone, before anything is allocated, so the bytes a read
+    of the global tensor allocates are those of distinct pieces the files hold: never more than their
+    own bytes on disk, whatever global shape a shard table claims. CheckpointError naming a file."""
+    boxes: dict[Box, Part] = {}
+    for part in parts:
+        boxes.setdefault(part.box, part)
+    # Sweep along the first dimension, so row shards (FSDP2's) cost n log n, not n squared.
+    ordered = sorted(boxes.items(), key=lambda item: item[0].offset[:1])
+    active: list[Box] = []
+    covered = 0
+    for box, part in ordered:
+        if box.shape:
+            active = [a for a in active if a.offset[0] + a.shape[0] > box.offset[0]]
+        if any(other.intersect(box) is not None for other in active):
+            raise CheckpointError(f"{part.where}: shard {name!r} overlaps another shard of it")
+        active.append(box)
+        covered += box.numel
+    first = parts[0]
+    if covered != math.prod(first.box.global_shape):
+        raise CheckpointError(
+            f"{first.where}: the saved shards of {name!r} hold {covered} of the "
+            f"{math.prod(first.box.global_shape)} elements of its global shape "
+            f"{list(first.box.global_shape)} (a damaged shard table, or a shard file missing)"
+        )
+
+
 def _read_box(part: Part, box: Box) -> torch.Tensor:
     """The values of ``box`` (inside ``part``'s box) from ``part``'s file: the rows of the first dimension
     it spans, then sliced in memory along the other dimensions."""
@@ -167,6 +195,8 @@ class CheckpointReader:
         tensors = []
         for spec in layout.tensors:
             shard_parts = parts.get(spec.name) if parts is not None and spec.box is not None else None
+            if shard_parts:
+                _check_tiling(spec.name, shard_parts)  # before the training sees its shape or reads it
             tensors.append(SavedTensor(spec.name, shard_parts or [Part(fd, spec, path)]))
         tree: dict[str, Any] = unflatten(layout.skeleton, tensors)
         return tree

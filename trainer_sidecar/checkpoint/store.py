@@ -118,6 +118,37 @@ def files_to_verify(rank: int, world_size: int, written_by: int) -> list[int]:
     return sorted(mine)
 
 
+_PROBE = b"\0" * 4096  # a block: a full volume refuses it even where it still allows an empty file
+
+
+def check_writable(root: Path, rank: int = 0) -> None:
+    """Make sure this process can write into the checkpoint directory ``root`` (created if missing):
+    a probe file of a block is created, written, fsynced and removed. Raises CheckpointError naming the
+    directory when it cannot be created, is not a directory, is read-only or full; nothing else in it is
+    touched."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint directory {root} cannot be created: {exc}") from exc
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} is not a directory")
+    with fs.open_root(root) as root_fd:
+        probe = None
+        try:
+            fd, probe = fs.create_temp(root_fd, f"write-probe-{rank}")
+            try:
+                writer.write_all(fd, [memoryview(_PROBE)])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {root} is not writable: {exc}") from exc
+        finally:
+            if probe is not None:
+                fs.unlink(root_fd, probe)
+
+
 class CheckpointStore:
     """Writes, verifies, finds and prunes clean checkpoints for one rank of a job.
 
@@ -163,22 +194,11 @@ class CheckpointStore:
         self._prune_lock = threading.Lock()
         self._prune_queued = False
         self._prune_future: Future[None] | None = None
+        self._prune_hold: str | None = None
 
     # -- start-up checks ------------------------------------------------------------------------------
     def _check_directory(self) -> None:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint directory {self.root} cannot be created: {exc}") from exc
-        if not self.root.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.root} is not a directory")
-        with self._root() as root_fd:
-            try:
-                fd, probe = fs.create_temp(root_fd, f"write-probe-{self.rank}")
-                os.close(fd)
-                fs.unlink(root_fd, probe)
-            except OSError as exc:
-                raise CheckpointError(f"checkpoint directory {self.root} is not writable: {exc}") from exc
+        check_writable(self.root, self.rank)
 
     @contextmanager
     def _root(self) -> Iterator[int]:
@@ -497,9 +517,11 @@ class CheckpointStore:
                 return _invalid(checkpoint, reason)
         return Verdict(checkpoint.step, True, epoch=checkpoint.epoch)
 
-    def newest_valid_id(self, at_most: CheckpointId | None = None) -> CheckpointId | None:
+    def newest_valid_id(
+        self, at_most: CheckpointId | None = None, skipped: list[str] | None = None
+    ) -> CheckpointId | None:
         """The newest trusted checkpoint at or below ``at_most`` this rank can load; logs why newer ones
-        were skipped. Never raises."""
+        were skipped (and adds each to ``skipped``). Never raises."""
         for checkpoint in reversed(self.trusted_ids()):
             if at_most is not None and checkpoint > at_most:
                 continue
@@ -507,6 +529,8 @@ class CheckpointStore:
             if verdict.valid:
                 return checkpoint
             log.warning("skipping checkpoint at %s: %s", checkpoint, verdict.reason)
+            if skipped is not None:
+                skipped.append(f"{checkpoint.dir_name}: {verdict.reason}")
         return None
 
     def newest_valid(self, at_most: int | None = None) -> int | None:
@@ -559,14 +583,24 @@ class CheckpointStore:
             return None
 
     # -- retention ------------------------------------------------------------------------------------
+    def hold_pruning(self, reason: str) -> None:
+        """Never prune again with this store: its start found damage (``reason``), so what looks old or
+        untrusted may be the history a human needs. The next start, finding none, prunes as usual."""
+        with self._prune_lock:
+            self._prune_hold = reason
+        log.warning("checkpoints under %s are not pruned in this run: %s", self.root, reason)
+
     def prune(self) -> list[CheckpointId]:
         """Delete checkpoints beyond the newest ``keep_clean`` trusted complete ones; returns those deleted.
 
         Everything older than the oldest kept goes (untrusted and incomplete ones too); newer incomplete
         ones stay (another rank may still be writing them), and never one this store is writing. A store
-        whose epoch is fenced prunes nothing. Rank 0 runs this in the background after each save.
+        whose epoch is fenced, or whose pruning is held (``hold_pruning``), prunes nothing. Rank 0 runs
+        this in the background after each save.
         """
         with self._prune_lock, self._root() as root_fd:
+            if self._prune_hold is not None:
+                return []
             fence = read_fence(root_fd, self.root)
             if fence.highest != self.epoch:
                 log.warning(

@@ -88,16 +88,19 @@ class CheckpointManager:
             )
             return
         try:
-            epoch = claim_gang_epoch(self.directory, self.gang, owner)
+            claim = claim_gang_epoch(self.directory, self.gang, owner)
             self.store = CheckpointStore(
                 self.directory,
                 rank=self.gang.rank,
                 world_size=self.gang.world_size,
                 keep_clean=self.policy.keep_clean,
-                epoch=epoch,
+                epoch=claim.epoch,
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from exc
+        if claim.damage is not None:
+            # A start that found damage deletes nothing: what it passed over may be all that is left.
+            self.store.hold_pruning(claim.damage)
         # Where a loop draws its own batches from the random generators, a resumed run draws the same
         # ones only if the generators are saved as they were before the next step's batch was drawn. A
         # loop that prefetches (draws the next batch after the forward pass, before the step ends) has
@@ -200,7 +203,11 @@ class CheckpointManager:
             restored["counters"] = counters
             return True
 
-        checkpoint = restore_newest(self.store, self.gang, restore)
+        resumed = restore_newest(self.store, self.gang, restore)
+        if resumed.damaged:
+            passed = "; ".join(resumed.passed_over) or "on another rank (see its log)"
+            self.store.hold_pruning(f"this start passed over damaged checkpoints: {passed}")
+        checkpoint = resumed.checkpoint
         if checkpoint is None:
             return None
         self.checkpointed_step = checkpoint.step

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -88,7 +89,21 @@ def export_dcp(store: CheckpointStore, step: int | None, destination: Path) -> i
         dcp_save(to_dcp_form(state), checkpoint_id=str(destination), no_dist=True)
     except OSError as exc:
         raise CheckpointError(f"{destination}: not written: {exc}") from exc
+    except CheckpointException as exc:  # a BaseException: it would pass every ``except Exception``
+        raise CheckpointError(f"{destination}: not written: {_dcp_failure(exc)}") from exc
     return chosen
+
+
+def _dcp_failure(exc: CheckpointException) -> str:
+    """DCP's failure in one line per rank (its own text carries whole tracebacks)."""
+    failures = exc.failures or {}
+    if not failures:
+        return str(exc.args[0]) if exc.args else "DCP failed"
+    parts = []
+    for rank, wrapped in sorted(failures.items()):
+        error = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        parts.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return "; ".join(parts)
 
 
 def _empty_dir(path: Path) -> bool:
@@ -180,19 +195,18 @@ def _lists(node: Any) -> Any:
     return {key: _lists(value) for key, value in node.items()}
 
 
-def import_dcp(
-    source: Path, store: CheckpointStore, step: int | None, *, i_trust_this_pickle: bool = False
-) -> int:
-    """Read the DCP checkpoint at ``source`` (in one of the forms of the module's docstring) and write it
-    as checkpoint ``step`` of ``store`` (a store of one rank); a job started on that directory resumes it.
-    ``step`` None takes the checkpoint's ``train_state.step``. Returns the step written.
+def read_dcp(
+    source: Path, step: int | None, *, i_trust_this_pickle: bool = False
+) -> tuple[int, dict[str, Any]]:
+    """Read the DCP checkpoint at ``source`` (in one of the forms of the module's docstring) as the step
+    and state of a trainguard checkpoint, writing nothing anywhere. ``step`` None takes the checkpoint's
+    ``train_state.step``.
 
-    Refuses with CheckpointError unless ``i_trust_this_pickle`` (see ``PICKLE_WARNING``), and when the
-    checkpoint lacks a model, an optimizer state or (``step`` None) a step."""
+    Refuses with CheckpointError unless ``i_trust_this_pickle`` (see ``PICKLE_WARNING``; then nothing is
+    read), and when the checkpoint does not load (DCP's own failures included) or lacks a model, an
+    optimizer state or (``step`` None) a step."""
     if not i_trust_this_pickle:
         raise CheckpointError(f"{source}: not imported: {PICKLE_WARNING}")
-    if store.world_size != 1:
-        raise CheckpointError("a DCP checkpoint is imported by a store of one rank")
     try:
         loaded = _what_to_read(_saved_skeleton(source), source)
         dcp_load(loaded, checkpoint_id=str(source), no_dist=True)
@@ -204,6 +218,8 @@ def import_dcp(
         state = from_dcp_form({"model": model, "optimizer": optimizer})
     except CheckpointError:
         raise
+    except CheckpointException as exc:  # a BaseException: it would pass ``except Exception``
+        raise CheckpointError(f"{source}: not a readable DCP checkpoint: {_dcp_failure(exc)}") from exc
     except Exception as exc:  # unpickling a damaged or foreign file can raise any exception at all
         raise CheckpointError(
             f"{source}: not a DCP checkpoint of a model and its optimizer: {exc!r}"
@@ -215,5 +231,24 @@ def import_dcp(
         step = int(saved_step)
     counters = GuardCounters(max_grad_norm=GuardThresholds().max_grad_norm, step=step)
     state.update(guardian=counters.to_state(), scheduler=None, scaler=None)
+    return step, state
+
+
+def write_imported(store: CheckpointStore, step: int, state: dict[str, Any]) -> int:
+    """Write what ``read_dcp`` read as checkpoint ``step`` of ``store`` (a store of one rank); returns the
+    step. CheckpointError for a store of more ranks."""
+    if store.world_size != 1:
+        raise CheckpointError("a DCP checkpoint is imported by a store of one rank")
     store.save(step, state, {"loss": None, "state_finite": True, "clean": True})
     return step
+
+
+def import_dcp(
+    source: Path, store: CheckpointStore, step: int | None, *, i_trust_this_pickle: bool = False
+) -> int:
+    """``read_dcp`` then ``write_imported``: a job started on the store's directory resumes the DCP
+    checkpoint. Every refusal comes before anything is written (see both)."""
+    if store.world_size != 1:
+        raise CheckpointError("a DCP checkpoint is imported by a store of one rank")
+    found, state = read_dcp(source, step, i_trust_this_pickle=i_trust_this_pickle)
+    return write_imported(store, found, state)

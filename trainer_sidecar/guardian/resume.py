@@ -6,17 +6,31 @@ proposal, every rank verifies that one, and if any rank cannot, all step below i
 checkpoint that verifies but then fails to load on some rank (damaged in between, malformed content) is
 skipped the same way. Without a process group this is simply the newest valid checkpoint.
 
-Writers are fenced by epochs (``trainer_sidecar.checkpoint.fence``): rank 0 claims the next epoch of the
-checkpoint directory before anything is resumed, and the gang adopts it.
+Writers are fenced by epochs (``trainer_sidecar.checkpoint.fence``): every rank first checks that it can
+write the checkpoint directory (a read-only or full volume is refused on every rank alike, before any
+claim is written), then rank 0 claims the next epoch and the gang adopts it.
+
+Damage never means "start from scratch" while older history is there: an unreadable epoch claim falls
+back to the newest readable one, and a damaged checkpoint to the next older valid one. A start that
+passed over anything (on any rank) says so; the guardian then holds pruning for the whole run, so the
+history stays for a human to look at.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, claim_epoch
+from trainer_sidecar.checkpoint import (
+    CheckpointError,
+    CheckpointId,
+    CheckpointStore,
+    EpochOwner,
+    claim_next_epoch,
+)
+from trainer_sidecar.checkpoint.store import check_writable
 from trainer_sidecar.guardian.gang import Gang
 
 log = logging.getLogger("trainguard")
@@ -24,34 +38,78 @@ log = logging.getLogger("trainguard")
 _NONE = -1
 
 
-def claim_gang_epoch(root: Path, gang: Gang, owner: EpochOwner) -> int:
-    """Rank 0 claims the next epoch of the checkpoint directory; every rank returns it.
+@dataclass(frozen=True)
+class GangClaim:
+    """The epoch the gang writes under, and what rank 0's claim passed over (None: nothing)."""
 
-    A claim that fails on rank 0 is reported to every rank (as a CheckpointError), so no rank writes
-    under an epoch the others do not share.
+    epoch: int
+    damage: str | None = None
+
+
+@dataclass
+class Resumed:
+    """What ``restore_newest`` restored (None: a fresh start) and what it passed over on this rank.
+
+    ``damaged`` is agreed by the gang: True when any rank passed over a checkpoint (or found checkpoints
+    but none valid)."""
+
+    checkpoint: CheckpointId | None
+    passed_over: list[str] = field(default_factory=list)
+    damaged: bool = False
+
+
+def claim_gang_epoch(root: Path, gang: Gang, owner: EpochOwner) -> GangClaim:
+    """Every rank checks that it can write ``root``; then rank 0 claims the next epoch of it and every
+    rank returns that epoch.
+
+    A directory that some rank cannot write (read-only, full, not a directory), and a claim that fails on
+    rank 0, are reported to every rank as a CheckpointError naming the directory: no claim is written
+    unless every rank can write, and no rank writes under an epoch the others do not share.
     """
-    claimed, failure = _NONE, ""
+    usable, failure = 1, ""
+    try:
+        check_writable(root, gang.rank)
+    except CheckpointError as exc:
+        usable, failure = 0, f"rank {gang.rank}: {exc}"
+        log.error("%s", failure)
+    (everyone,) = gang.agree_min([usable])
+    if everyone == 0:
+        elsewhere = f"checkpoint directory {root} is not writable on another rank (see its log)"
+        raise CheckpointError(failure or elsewhere)
+    claimed, damage = _NONE, None
     if gang.rank == 0:
         try:
-            claimed = claim_epoch(root, owner).epoch
+            claim = claim_next_epoch(root, owner)
+            claimed, damage = claim.record.epoch, claim.over.damage(root)
         except CheckpointError as exc:
             failure = str(exc)
-    (epoch,) = gang.agree_max([claimed])
+    if damage is not None:
+        log.warning("%s", damage)
+    epoch, damaged = gang.agree_max([claimed, int(damage is not None)])
     if epoch == _NONE:
         raise CheckpointError(failure or f"rank 0 could not claim an epoch of {root}")
-    return epoch
+    if damaged and damage is None:
+        damage = f"checkpoint directory {root}: rank 0 passed over unreadable epoch claims (see its log)"
+    return GangClaim(epoch, damage)
 
 
-def agree_checkpoint(store: CheckpointStore, gang: Gang, below: CheckpointId | None) -> CheckpointId | None:
-    """The newest checkpoint at or below ``below`` that every rank verifies (None: there is none)."""
+def agree_checkpoint(
+    store: CheckpointStore, gang: Gang, below: CheckpointId | None, passed_over: list[str] | None = None
+) -> CheckpointId | None:
+    """The newest checkpoint at or below ``below`` that every rank verifies (None: there is none); the
+    reasons this rank passed over newer ones are added to ``passed_over``."""
+    skipped = [] if passed_over is None else passed_over
     bound = below
     while True:
-        mine = store.newest_valid_id(at_most=bound)
+        mine = store.newest_valid_id(at_most=bound, skipped=skipped)
         (packed,) = gang.agree_min([_NONE if mine is None else mine.packed])
         if packed == _NONE:
             return None
         candidate = CheckpointId.unpack(packed)
-        (valid,) = gang.agree_min([int(store.verify(candidate).valid)])
+        verdict = store.verify(candidate)
+        if not verdict.valid:
+            skipped.append(f"{candidate.dir_name}: {verdict.reason}")
+        (valid,) = gang.agree_min([int(verdict.valid)])
         if valid == 1:
             return candidate
         bound = _just_below(candidate)
@@ -59,25 +117,37 @@ def agree_checkpoint(store: CheckpointStore, gang: Gang, below: CheckpointId | N
             return None
 
 
-def restore_newest(
-    store: CheckpointStore, gang: Gang, restore: Callable[[CheckpointId], bool]
-) -> CheckpointId | None:
+def restore_newest(store: CheckpointStore, gang: Gang, restore: Callable[[CheckpointId], bool]) -> Resumed:
     """Agree on a checkpoint and ``restore`` it on every rank; when ``restore`` returns False on any rank
     (its content does not load), every rank moves on to the next older one. Returns the checkpoint
-    restored, or None for a fresh start."""
+    restored (None for a fresh start) with what was passed over on the way; ``damaged`` (the same on
+    every rank) says whether any rank passed over anything, or found checkpoints but none valid."""
+    resumed = Resumed(None)
     bound: CheckpointId | None = None
     while True:
-        checkpoint = agree_checkpoint(store, gang, bound)
+        checkpoint = agree_checkpoint(store, gang, bound, resumed.passed_over)
         if checkpoint is None:
             if store.steps():
-                log.error("checkpoints exist under %s but none is valid: starting from scratch", store.root)
-            return None
-        (restored,) = gang.agree_min([int(restore(checkpoint))])
+                resumed.passed_over.append("checkpoints exist but none is valid")
+                log.error(
+                    "checkpoints exist under %s but none is valid: starting from scratch; nothing there is "
+                    "deleted in this run",
+                    store.root,
+                )
+            break
+        ok = restore(checkpoint)
+        if not ok:
+            resumed.passed_over.append(f"{checkpoint.dir_name}: does not load (see above)")
+        (restored,) = gang.agree_min([int(ok)])
         if restored == 1:
-            return checkpoint
+            resumed.checkpoint = checkpoint
+            break
         bound = _just_below(checkpoint)
         if bound is None:
-            return None
+            break
+    (damaged,) = gang.agree_max([int(bool(resumed.passed_over))])
+    resumed.damaged = damaged == 1
+    return resumed
 
 
 def _just_below(checkpoint: CheckpointId) -> CheckpointId | None:

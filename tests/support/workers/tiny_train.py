@@ -87,6 +87,7 @@ def main() -> int:
     report = {
         "rank": guardian.rank,
         "step": guardian.step_count,
+        "resumed_step": guardian.resumed_step,
         "skipped_steps": guardian.skipped_steps,
         "rollbacks": guardian.rollbacks,
         "lr_scale": guardian.lr_scale,
