@@ -14,6 +14,12 @@ into place) and once more after: a writer whose epoch is no longer the highest h
 with ``FencedError`` naming the epoch that fenced it, so a save reported successful was committed
 before any newer claim.
 
+A claim names its job as ``<namespace>/<name>`` (``job_identity``): what makes a job unique, on a cluster
+and locally. Another job's claim is refused (``same_job``), also when only the namespace differs. A claim
+written before namespaces were recorded names the job alone; it is accepted by a job of that name in any
+namespace (the upgrade), whose own claim then records the namespace. The job's UID is not part of the
+identity on purpose: a job deleted and re-applied under its name resumes from its checkpoints.
+
 Old checkpoints without an epoch in their name are epoch 0; while no epoch was ever claimed, epoch 0
 is the highest and a writer without an epoch writes as before.
 
@@ -68,8 +74,33 @@ def _checkpoint_name(name: str) -> str:
     return name
 
 
+def job_identity(namespace: str, name: str) -> str:
+    """What a claim records as its job: ``<namespace>/<name>`` ("" for a writer naming no job; the name
+    alone when no namespace is known). Neither a namespace nor a Kubernetes name holds a ``/``."""
+    if not name:
+        return ""
+    return f"{namespace}/{name}" if namespace else name
+
+
+def same_job(holder: str, claimant: str) -> bool:
+    """Whether the job ``claimant`` may claim after ``holder`` (both as ``job_identity`` writes them).
+
+    Namespace and name must both match. A holder naming the job alone (a claim written before namespaces
+    were recorded) is matched by its name, so an upgraded job resumes its own directory; a claimant that
+    names no namespace cannot prove it is the holder's job and is refused by a holder that names one.
+    """
+    if not holder or not claimant:  # a writer naming no job (a guardian run by hand)
+        return True
+    holder_ns, _, holder_name = holder.rpartition("/")
+    claimant_ns, _, claimant_name = claimant.rpartition("/")
+    if holder_name != claimant_name:
+        return False
+    return not holder_ns or holder_ns == claimant_ns
+
+
 class EpochOwner(BaseModel):
-    """Who claimed an epoch: the job, its attempt, the host and process, and when."""
+    """Who claimed an epoch: the job (``job_identity``: namespace/name), its attempt, the host and
+    process, and when."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
@@ -221,11 +252,11 @@ def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> E
     """One attempt at claiming the epoch after the highest; None if another claimer took that number."""
     fence = read_fence(root_fd, root)
     holder = fence.record.owner.job if fence.record is not None else ""
-    if owner.job and holder and holder != owner.job:
+    if not same_job(holder, owner.job):
         raise CheckpointError(
             f"checkpoint directory {root} belongs to job {holder} ({fence.describe()}), not to job "
             f"{owner.job}: claiming it would fence that job out and resume from its checkpoints. Give "
-            "each job a checkpoint claim of its own (a job of the same name resumes from it)"
+            "each job a checkpoint claim of its own (a job of the same namespace and name resumes from it)"
         )
     record = EpochRecord(epoch=fence.highest + 1, owner=owner, inherits=_inheritance(root_fd, root, fence))
     payload = record.model_dump_json(indent=1).encode()
@@ -242,7 +273,8 @@ def claim_epoch(root: Path, owner: EpochOwner | None = None) -> EpochRecord:
     this epoch's checkpoints and those it inherits (the complete ones trusted until now). Concurrent
     claims get distinct epochs. Only rank 0 of a gang claims; the others are given the epoch. A directory
     whose highest epoch another job claimed (both owners named) is refused with CheckpointError: two jobs
-    sharing one claim would fence each other out and resume from each other's weights.
+    sharing one claim would fence each other out and resume from each other's weights. Jobs are told
+    apart by namespace and name (``same_job``).
     """
     root = Path(root)
     owner = owner if owner is not None else EpochOwner()

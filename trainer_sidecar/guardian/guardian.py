@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
+from trainer_sidecar.checkpoint.fence import job_identity
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.settings import GuardianSettings, Remediation
 from trainer_sidecar.contract.status import (
@@ -256,7 +257,8 @@ class Guardian:
                 "no checkpoint directory (argument or %s): nothing survives a restart", CHECKPOINT_DIR_ENV
             )
             return
-        owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
+        job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
+        owner = EpochOwner(job=job, attempt=self.config.attempt)
         try:
             epoch = claim_gang_epoch(self.checkpoint_dir, self.gang, owner)
             self.store = CheckpointStore(
