@@ -88,7 +88,7 @@ def _report_run(args: argparse.Namespace, runner: LocalRunner, code: int) -> int
         k: summary[k] for k in ("result", "reason", "final_step", "goodput", "goodput_excluding_backoff")
     }
     print(f"trainguard: {json.dumps(brief)}; summary in {args.summary or summary_path}", file=sys.stderr)
-    if code == 1:
+    if summary["result"] == "failed":
         print(f"trainguard: job failed: {summary['reason']}", file=sys.stderr)
     return code
 

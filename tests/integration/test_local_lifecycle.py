@@ -343,7 +343,7 @@ def test_a_hung_worker_whose_sidecar_was_killed_is_still_detected(tmp_path: Path
 def test_a_workers_own_reason_reaches_the_user(tmp_path: Path) -> None:
     reason = "spec.x.y: must be positive, got -1"
     code, output = run_to_end(tmp_path, lifecycle_job(tmp_path, replicas=1, extra=("--fail", reason)))
-    assert code == 1, output
+    assert code == 2, output  # a permanent failure: the job cannot run as it is (README: exit codes)
     assert f"configuration error (permanent): {reason}" in output
     assert "an unrelated last line" not in output  # the termination message is preferred to the log
 
@@ -357,7 +357,7 @@ def test_pythons_own_error_reaches_the_user_from_the_log(tmp_path: Path) -> None
         container={"workingDir": str(workers_dir)},
     )
     code, output = run_to_end(tmp_path, job_file)
-    assert code == 1, output
+    assert code == 2, output  # Python's own exit code 2 for a missing script: a configuration error
     assert "can't open file" in output
     assert "no_such_script.py" in output
 
@@ -371,7 +371,8 @@ def test_a_guardian_configuration_error_names_the_variable(tmp_path: Path) -> No
         container={"env": [{"name": "TRAINGUARD_FAULTS", "value": "nan_loss@oops"}]},
     )
     code, output = run_to_end(tmp_path, job_file)
-    assert code == 1, output
+    assert code == 2, output
+    assert "job failed: " in output
     failure = summary_of(tmp_path)["reason"]
     assert "configuration error (permanent): " in failure
     assert "TRAINGUARD_FAULTS" in failure

@@ -34,7 +34,7 @@ from typing import IO, Any
 from trainer_sidecar.contract.settings import Remediation
 from trainer_sidecar.contract.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
-from trainguard.core.policy import Action, Decision, Observation, decide
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
 from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.core.summary import Incident, RunRecord, fault_time
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
@@ -120,6 +120,22 @@ class Event:
             "step": self.step,
             "message": self.message,
         }
+
+
+#: ``trainguard run``'s exit code for a job that cannot run (here): an invalid job, a refused start,
+#: or a worker's permanent failure (configuration error, fenced); as for an invalid job file.
+EXIT_CANNOT_RUN = 2
+#: ``trainguard run``'s exit code when the policy gives up on a job that could run (restarts exhausted).
+EXIT_GAVE_UP = 1
+
+
+def exit_code_of(decision: Decision) -> int:
+    """The runner's exit code for a FAIL ``decision``: EXIT_CANNOT_RUN when the failure is permanent (a
+    configuration error or a fenced worker: retrying cannot help, the job cannot run as it is), else
+    EXIT_GAVE_UP."""
+    if decision.failure in (FailureKind.CONFIG, FailureKind.FENCED):
+        return EXIT_CANNOT_RUN
+    return EXIT_GAVE_UP
 
 
 class LocalRunner:
@@ -481,9 +497,11 @@ class LocalRunner:
 
     # ------------------------------------------------------------------------------------- main ---
     def run(self) -> int:
-        """Run to the end; returns the exit code: 0 success, 1 failure, 128 + N when stopped by signal N
-        (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). Raises RunRefused when the run cannot start; no process
-        is left running either way."""
+        """Run to the end; returns the exit code: 0 success, 1 when the policy gives up, 2 for a
+        permanent failure (a worker's configuration error, such as a checkpoint directory another job
+        claimed, or a fenced worker: see ``exit_code_of``), 128 + N when stopped by signal N (130
+        Ctrl-C, 143 SIGTERM, 129 SIGHUP). Raises RunRefused when the run cannot start; no process is
+        left running either way."""
         if self.signals is not None:
             return self._run(self.signals)
         with StopSignals() as signals:
@@ -526,7 +544,7 @@ class LocalRunner:
                 self.event("succeeded", "every rank exited 0")
                 return 0
             if not self._recover(decision, signals):
-                return 1
+                return exit_code_of(decision)
             next_probe = time.monotonic() + period
 
     def _recover(self, decision: Decision, signals: StopSignals) -> bool:
