@@ -238,6 +238,39 @@ def test_a_later_run_kills_the_workers_a_killed_runner_left_in_sessions_of_their
     assert "killed 2 process(es) an earlier run of this job left" in output
 
 
+def test_a_run_at_a_re_pointed_checkpoint_root_leaves_the_first_runs_workers_alone(tmp_path: Path) -> None:
+    # Issue 19: leftovers were found by a hash of the checkpoint root's path, so a second run whose root
+    # is spelled alike (a re-pointed symlink, a remounted path) SIGKILLed the first run's live workers.
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    for folder in (first_dir, second_dir, tmp_path / "real-1", tmp_path / "real-2"):
+        folder.mkdir()
+    root = tmp_path / "root"
+    root.symlink_to(tmp_path / "real-1")
+    first = start_runner(
+        first_dir, lifecycle_job(first_dir, extra=("--fork-detached",)), "--checkpoint-root", str(root)
+    )
+    wait_for(
+        lambda: len(records(first_dir)) == 2 and len(records(first_dir, "detached")) == 2, what="the gang"
+    )
+    repointed = tmp_path / "root.new"
+    repointed.symlink_to(tmp_path / "real-2")
+    os.replace(repointed, root)
+
+    second = start_runner(second_dir, lifecycle_job(second_dir, steps=3), "--checkpoint-root", str(root))
+    output, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, output
+    assert "an earlier run of this job left" not in output
+    victims = [r["pid"] for r in records(first_dir) + records(first_dir, "detached")]
+    assert all(procs.is_running(pid) for pid in victims)
+    assert first.poll() is None
+    first.send_signal(signal.SIGINT)
+    output, _ = first.communicate(timeout=60)
+    assert first.returncode == 130, output
+    assert (tmp_path / "real-1" / "ckpt" / ".trainguard-run.lock").exists()
+    assert (tmp_path / "real-2" / "ckpt" / ".trainguard-run.lock").exists()
+    (first_dir / "pids" / "release").touch()
+
+
 def test_each_run_writes_a_folder_of_its_own(tmp_path: Path) -> None:
     job_file = lifecycle_job(tmp_path, steps=5)
     assert run_to_end(tmp_path, job_file)[0] == 0

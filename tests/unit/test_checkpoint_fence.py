@@ -28,8 +28,8 @@ from trainer_sidecar.checkpoint import (
 )
 from trainer_sidecar.checkpoint import store as checkpoint_store
 from trainer_sidecar.checkpoint import writer as checkpoint_writer
-from trainer_sidecar.checkpoint.fence import job_identity, same_job
 from trainer_sidecar.checkpoint.layout import EPOCH_LIMIT, parse_dir_name
+from trainer_sidecar.contract.identity import job_identity, same_job
 
 
 def tagged(step: int, writer: str) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from trainer_sidecar.checkpoint.layout import (
     scan_checkpoints,
 )
 from trainer_sidecar.checkpoint.manifest import is_complete
+from trainer_sidecar.contract.identity import same_job
 
 _RECORD_LIMIT = 4 << 20  # bytes of one claim: tens of thousands of inherited names
 _CLAIM_TRIES = 1000
@@ -72,30 +73,6 @@ def _checkpoint_name(name: str) -> str:
     if parse_dir_name(name) is None:
         raise ValueError(f"not a checkpoint directory name: {name!r}")
     return name
-
-
-def job_identity(namespace: str, name: str) -> str:
-    """What a claim records as its job: ``<namespace>/<name>`` ("" for a writer naming no job; the name
-    alone when no namespace is known). Neither a namespace nor a Kubernetes name holds a ``/``."""
-    if not name:
-        return ""
-    return f"{namespace}/{name}" if namespace else name
-
-
-def same_job(holder: str, claimant: str) -> bool:
-    """Whether the job ``claimant`` may claim after ``holder`` (both as ``job_identity`` writes them).
-
-    Namespace and name must both match. A holder naming the job alone (a claim written before namespaces
-    were recorded) is matched by its name, so an upgraded job resumes its own directory; a claimant that
-    names no namespace cannot prove it is the holder's job and is refused by a holder that names one.
-    """
-    if not holder or not claimant:  # a writer naming no job (a guardian run by hand)
-        return True
-    holder_ns, _, holder_name = holder.rpartition("/")
-    claimant_ns, _, claimant_name = claimant.rpartition("/")
-    if holder_name != claimant_name:
-        return False
-    return not holder_ns or holder_ns == claimant_ns
 
 
 class EpochOwner(BaseModel):

@@ -32,8 +32,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_sidecar.checkpoint import CheckpointError, CheckpointId, CheckpointStore, EpochOwner, FencedError
-from trainer_sidecar.checkpoint.fence import job_identity
 from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.settings import GuardianSettings, Remediation
 from trainer_sidecar.contract.status import (
     STATUS_FILE_ENV,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.settings import Remediation
 from trainer_sidecar.contract.status import TERMINATION_MESSAGE_ENV, Phase, WorkerStatus
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
@@ -171,6 +172,8 @@ class LocalRunner:
         self.working_dir = check_working_dir(self.worker.working_dir, field=f"{_CONTAINER}.workingDir")
         self.command = self._command()
         self.lock = CheckpointLock(self.checkpoint_dir)
+        #: The locked checkpoint directory as the current attempt's workers were given it (its real path).
+        self.worker_checkpoint_dir = self.checkpoint_dir
         # Every process of the current attempt, registered the moment it exists (see _spawn).
         self._workers: list[subprocess.Popen[Any]] = []
         self._sidecars: list[subprocess.Popen[Any]] = []
@@ -239,7 +242,7 @@ class LocalRunner:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             TRAINGUARD_SETTINGS=spec.guardian_settings().model_dump_json(by_alias=True),
-            TRAINGUARD_CHECKPOINT_DIR=str(self.checkpoint_dir),
+            TRAINGUARD_CHECKPOINT_DIR=str(self.worker_checkpoint_dir),
             TRAINGUARD_STATUS_FILE=str(status_file),
             TRAINGUARD_JOB_NAME=self.job.metadata.name,
             TRAINGUARD_NAMESPACE=self.job.metadata.namespace,
@@ -268,14 +271,40 @@ class LocalRunner:
         self.checkpoint_dir = make_dir_inside(
             self.checkpoint_root, self.checkpoint_dir, "spec.checkpoint.claimName", "--checkpoint-root"
         )
-        self.lock.acquire(job=f"{self.job.metadata.namespace}/{self.job.metadata.name}")
+        self.lock.acquire(job=self.job_identity)
         self._kill_leftovers()
         self.run_folder = new_run_folder(self.run_root)
 
     @property
+    def job_identity(self) -> str:
+        """``<namespace>/<name>``: what makes the job unique (the epoch claims record the same)."""
+        return job_identity(self.job.metadata.namespace, self.job.metadata.name)
+
+    @property
     def run_marker(self) -> str:
-        """The value of RUN_ENV in every worker this job's runs start: one per checkpoint directory."""
-        return hashlib.sha256(str(self.checkpoint_dir).encode()).hexdigest()[:16]
+        """The value of RUN_ENV in every worker this job's runs start: one per job and checkpoint
+        directory, the directory as its device and inode under the lock (``CheckpointLock.identity``),
+        not a path: two roots spelled alike (a re-pointed symlink, a remounted path) are told apart, and
+        another job at the same directory has a marker of its own. "" until the lock is held."""
+        if self.lock.identity is None:  # not locked yet (prepare): no process can carry a marker yet
+            return ""
+        device, inode = self.lock.identity
+        return hashlib.sha256(f"{device}:{inode}:{self.job_identity}".encode()).hexdigest()[:32]
+
+    def _checked_checkpoint_dir(self) -> Path:
+        """The checkpoint directory's real path, as the workers of the next attempt get it: the directory
+        the lock is on (RunRefused if the path now leads to another, e.g. a re-pointed symlink)."""
+        real = self.checkpoint_dir.resolve()
+        try:
+            info = os.stat(real)
+        except OSError as exc:
+            raise RunRefused(f"checkpoint directory {self.checkpoint_dir}: {exc}") from exc
+        if (info.st_dev, info.st_ino) != self.lock.identity:
+            raise RunRefused(
+                f"checkpoint directory {self.checkpoint_dir} now leads to another directory ({real}) than "
+                "the one this run locked; refusing to start workers there"
+            )
+        return real
 
     def _kill_leftovers(self, wait_seconds: float = 10.0) -> None:
         """Kill the workers an earlier run of this job left (a runner killed with SIGKILL takes its own
@@ -328,6 +357,7 @@ class LocalRunner:
     def start_gang(self) -> None:
         """Start the sidecars and workers of a new attempt (``prepare`` first)."""
         assert self.run_folder is not None, "prepare() before start_gang()"
+        self.worker_checkpoint_dir = self._checked_checkpoint_dir()
         self.attempt += 1
         self.attempt_started = time.time()
         self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
