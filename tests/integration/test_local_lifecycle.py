@@ -9,6 +9,7 @@ it is alive and names the test's tmp_path in its arguments or environment (see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ def lifecycle_job(
     container: dict[str, Any] | None = None,
     recovery: dict[str, Any] | None = None,
     name: str = "life",
+    nproc_per_node: int = 1,
 ) -> Path:
     """A job of lifecycle.py workers recording themselves in tmp_path/pids."""
     worker_command = command or [
@@ -53,6 +55,7 @@ def lifecycle_job(
         "metadata": {"name": name},
         "spec": {
             "replicas": replicas,
+            "nprocPerNode": nproc_per_node,
             "template": {
                 "spec": {"containers": [{"name": "pytorch", "command": worker_command, **(container or {})}]}
             },
@@ -219,10 +222,58 @@ def test_a_second_run_of_a_job_is_refused_while_any_process_of_the_first_lives(t
     assert code == 0, output
 
 
-def test_a_later_run_kills_the_workers_a_killed_runner_left_in_sessions_of_their_own(tmp_path: Path) -> None:
+def watchdogs(tmp_path: Path) -> list[int]:
+    """The live watchdogs of runs under tmp_path (their command line names the checkpoint directory)."""
+    found = []
+    for pid in procs.processes_mentioning(str(tmp_path)):
+        with contextlib.suppress(OSError):
+            if b"trainguard.local.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def launcher_job(tmp_path: Path, launcher: str) -> tuple[Path, int, tuple[str, ...]]:
+    """A job whose workers a launcher starts: (job file, processes of the gang, their record roles)."""
+    if launcher == "detached":  # a worker forks a child into a session of its own, as torchrun does
+        return lifecycle_job(tmp_path, extra=("--fork-detached",)), 4, ("worker", "detached")
+    if launcher == "runner's torchrun":  # nprocPerNode 2: the runner starts torchrun, torchrun 2 workers
+        return lifecycle_job(tmp_path, replicas=1, nproc_per_node=2), 2, ("worker",)
+    command = [  # the user's command runs torchrun itself
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(procs.LIFECYCLE_WORKER), "--pid-dir", str(tmp_path / "pids"), "--steps", "100000",
+    ]  # fmt: skip
+    return lifecycle_job(tmp_path, replicas=1, command=command), 2, ("worker",)
+
+
+@pytest.mark.parametrize("launcher", ["detached", "runner's torchrun", "user's torchrun"])
+def test_a_killed_runner_takes_the_workers_a_launcher_started_with_it(tmp_path: Path, launcher: str) -> None:
+    # Issue 19: with nprocPerNode 2, a runner killed with SIGKILL took torchrun with it (the parent-death
+    # signal), but torchrun's workers, in sessions of their own, trained on unsupervised.
+    job_file, count, roles = launcher_job(tmp_path, launcher)
+    runner = start_runner(tmp_path, job_file)
+    pids = wait_for(
+        lambda: len(gang := [r["pid"] for role in roles for r in records(tmp_path, role)]) == count and gang,
+        what=f"{count} processes of the gang",
+    )
+    assert len(watchdogs(tmp_path)) == 1
+    runner.kill()
+    killed = time.monotonic()
+    runner.wait(timeout=30)
+    wait_for(lambda: not any(procs.is_running(pid) for pid in pids), 5, "every worker to be gone")
+    gone_after = time.monotonic() - killed
+    assert left_behind(tmp_path, timeout=5) == []  # the watchdog too, once done
+    print(f"{launcher}: every worker gone {gone_after:.2f} s after the runner's SIGKILL")
+
+
+def test_a_later_run_kills_the_workers_a_killed_runner_left_when_its_watchdog_died_too(
+    tmp_path: Path,
+) -> None:
     job_file = lifecycle_job(tmp_path, extra=("--fork-detached",))
     first = start_runner(tmp_path, job_file)
     wait_for(lambda: len(records(tmp_path)) == 2 and len(records(tmp_path, "detached")) == 2, what="the gang")
+    (watchdog,) = watchdogs(tmp_path)
+    os.kill(watchdog, signal.SIGKILL)  # the OOM killer, or a kill -9 of everything named trainguard
+    wait_for(lambda: not procs.is_running(watchdog), 15, "the watchdog to die")
     first.kill()
     first.wait(timeout=30)
     detached = [d["pid"] for d in records(tmp_path, "detached")]

@@ -8,11 +8,12 @@ kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a d
 ``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
 waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
 
-Nothing outlives the runner (see ``trainguard.local.launch``): every child is registered for cleanup the
-moment it exists and dies with the runner even when the runner is killed; SIGINT, SIGTERM and SIGHUP
-stop the gang and end the run with 128 + the signal's number. The command and working directory are
-checked, and the checkpoint directory locked against a second run of the job, before anything starts
-(see ``trainguard.local.rundir``). Each run writes into a folder of its own.
+Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
+child is registered for cleanup the moment it exists and dies with the runner even when the runner is
+killed, and a watchdog kills the gang's processes a launcher started in sessions of their own; SIGINT,
+SIGTERM and SIGHUP stop the gang and end the run with 128 + the signal's number. The command and
+working directory are checked, and the checkpoint directory locked against a second run of the job,
+before anything starts (see ``trainguard.local.rundir``). Each run writes into a folder of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from trainguard.local.launch import (
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
+from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
 
@@ -172,6 +174,8 @@ class LocalRunner:
         self.working_dir = check_working_dir(self.worker.working_dir, field=f"{_CONTAINER}.workingDir")
         self.command = self._command()
         self.lock = CheckpointLock(self.checkpoint_dir)
+        #: Kills the gang if the runner dies without stopping it (see ``trainguard.local.watchdog``).
+        self.watchdog: Watchdog | None = None
         #: The locked checkpoint directory as the current attempt's workers were given it (its real path).
         self.worker_checkpoint_dir = self.checkpoint_dir
         # Every process of the current attempt, registered the moment it exists (see _spawn).
@@ -361,6 +365,14 @@ class LocalRunner:
         self.attempt += 1
         self.attempt_started = time.time()
         self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
+        # Before the gang's first process: a runner killed from here on takes the gang with it, even
+        # the processes a launcher (torchrun) starts in sessions of their own.
+        if self.watchdog is None or not self.watchdog.announce(self.gang_id):
+            log.warning(
+                "attempt %d: no watchdog; if this runner is killed (SIGKILL), workers a launcher started "
+                "may outlive it until the job's next run",
+                self.attempt,
+            )
         attempt_dir = self.run_folder / f"attempt-{self.attempt}"
         logs = self.run_folder / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -540,6 +552,8 @@ class LocalRunner:
 
     def _run(self, signals: StopSignals) -> int:
         try:
+            with signals.deferred():  # registered before a stop signal can leave it unwaited for
+                self.watchdog = Watchdog.start(str(self.checkpoint_dir))
             self.prepare()
             self.start_gang()
             return self._watch(signals)
@@ -550,6 +564,8 @@ class LocalRunner:
             signals.disarm()  # from here on a stop signal cannot cut the cleanup short
             self.stop_gang()
             self.lock.release()
+            if self.watchdog is not None:
+                self.watchdog.close()  # the gang is stopped: the watchdog has nothing left to do
 
     def _watch(self, signals: StopSignals) -> int:
         period = float(self.spec.health.probe_period_seconds)
