@@ -1,6 +1,6 @@
 """Where ``trainguard run`` writes, and the lock that keeps two runs of one job apart.
 
-Layout under the job's run root (``--run-dir``, default ``runs/<namespace>-<name>``):
+Layout under the job's run root (``--run-dir``, default ``runs/<namespace>/<name>``):
 
     <run root>/volumes/<claimName>/     the checkpoint claim (``--checkpoint-root`` replaces volumes/)
     <run root>/<UTC time>/              one folder per run: attempt-N/rank-R/ status and termination
