@@ -115,6 +115,16 @@ def summary_of(tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads((tmp_path / "run" / "latest" / "summary.json").read_text()))
 
 
+def watchdogs(tmp_path: Path) -> list[int]:
+    """The live watchdogs of runs under tmp_path (their command line names the checkpoint directory)."""
+    found = []
+    for pid in procs.processes_mentioning(str(tmp_path)):
+        with contextlib.suppress(OSError):
+            if b"trainguard.local.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
 def test_sighup_stops_the_gang_and_writes_the_summary(tmp_path: Path) -> None:
     runner = start_runner(tmp_path, lifecycle_job(tmp_path))
     wait_for(lambda: len(records(tmp_path)) == 2, what="both workers")
@@ -204,8 +214,11 @@ def test_a_second_run_of_a_job_is_refused_while_any_process_of_the_first_lives(t
     assert "is in use by another trainguard run" in output
     assert f"pid {first.pid}" in output
 
-    # The runner dies with no chance to clean up: its workers die with it, but a process the gang
-    # forked (like a data loader worker) still holds the inherited lock, so the job stays locked.
+    # The runner and its watchdog die with no chance to clean up: its workers die with it, but a process
+    # the gang forked (like a data loader worker) still holds the inherited lock, so the job stays locked.
+    (watchdog,) = watchdogs(tmp_path)
+    os.kill(watchdog, signal.SIGKILL)
+    wait_for(lambda: not procs.is_running(watchdog), 15, "the watchdog to die")
     first.kill()
     first.wait(timeout=30)
     wait_for(
@@ -222,18 +235,10 @@ def test_a_second_run_of_a_job_is_refused_while_any_process_of_the_first_lives(t
     assert code == 0, output
 
 
-def watchdogs(tmp_path: Path) -> list[int]:
-    """The live watchdogs of runs under tmp_path (their command line names the checkpoint directory)."""
-    found = []
-    for pid in procs.processes_mentioning(str(tmp_path)):
-        with contextlib.suppress(OSError):
-            if b"trainguard.local.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-    return found
-
-
 def launcher_job(tmp_path: Path, launcher: str) -> tuple[Path, int, tuple[str, ...]]:
     """A job whose workers a launcher starts: (job file, processes of the gang, their record roles)."""
+    if launcher == "forked":  # a worker forks a child that keeps the lock, as a data loader worker does
+        return lifecycle_job(tmp_path, extra=("--fork-holder",)), 4, ("worker", "holder")
     if launcher == "detached":  # a worker forks a child into a session of its own, as torchrun does
         return lifecycle_job(tmp_path, extra=("--fork-detached",)), 4, ("worker", "detached")
     if launcher == "runner's torchrun":  # nprocPerNode 2: the runner starts torchrun, torchrun 2 workers
@@ -245,7 +250,7 @@ def launcher_job(tmp_path: Path, launcher: str) -> tuple[Path, int, tuple[str, .
     return lifecycle_job(tmp_path, replicas=1, command=command), 2, ("worker",)
 
 
-@pytest.mark.parametrize("launcher", ["detached", "runner's torchrun", "user's torchrun"])
+@pytest.mark.parametrize("launcher", ["forked", "detached", "runner's torchrun", "user's torchrun"])
 def test_a_killed_runner_takes_the_workers_a_launcher_started_with_it(tmp_path: Path, launcher: str) -> None:
     # Issue 19: with nprocPerNode 2, a runner killed with SIGKILL took torchrun with it (the parent-death
     # signal), but torchrun's workers, in sessions of their own, trained on unsupervised.
