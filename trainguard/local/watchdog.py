@@ -111,7 +111,6 @@ class Watchdog:
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,  # not in the runner's process group: a Ctrl-C or killpg misses it
-                cwd="/",
             )
         except OSError:
             os.close(write_fd)
