@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from trainguard.core.policy import Action, Decision, FailureKind
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 from trainguard.local.launch import RunRefused
-from trainguard.local.runner import LocalRunner
+from trainguard.local.runner import LocalRunner, exit_code_of
 
 MANIFEST: dict[str, Any] = {
     "apiVersion": "trainguard.dev/v1alpha1",
@@ -156,3 +157,17 @@ def test_workers_are_given_the_locked_directory_and_not_where_a_re_pointed_path_
     with pytest.raises(RunRefused, match="now leads to another directory"):
         runner._checked_checkpoint_dir()
     runner.lock.release()
+
+
+@pytest.mark.parametrize(
+    ("failure", "code"),
+    [
+        (FailureKind.CONFIG, 2),  # a refused claim, a bad setting: the job cannot run (README: exit 2)
+        (FailureKind.FENCED, 2),
+        (FailureKind.CRASH, 1),  # restarts exhausted: the policy gave up
+        (FailureKind.HANG, 1),
+        (FailureKind.DIVERGED, 1),
+    ],
+)
+def test_a_permanent_failure_exits_2_and_a_policy_that_gives_up_1(failure: FailureKind, code: int) -> None:
+    assert exit_code_of(Decision(Action.FAIL, "why", failure=failure)) == code
