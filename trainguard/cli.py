@@ -35,8 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         if problem:
             print(f"trainguard: {problem}", file=sys.stderr)
             return 2
-    # namespace and name are DNS-1123 labels (the spec checks), so this is one plain folder name.
-    run_root = args.run_dir or Path("runs") / f"{job.metadata.namespace}-{job.metadata.name}"
+    run_root = args.run_dir or default_run_root(job)
     checkpoint_root = args.checkpoint_root or run_root / "volumes"
     with StopSignals() as signals:
         try:
@@ -48,6 +47,13 @@ def _run(args: argparse.Namespace) -> int:
             return stop.exit_code
         signals.disarm()  # the gang is stopped; a late signal must not cost the summary
         return _report_run(args, runner, code)
+
+
+def default_run_root(job: GuardedTrainingJob) -> Path:
+    """``runs/<namespace>/<name>``: one folder per job identity. Both are Kubernetes names (the spec checks),
+    so neither holds a ``/`` and two jobs never share it ("a"/"b-c" and "a-b"/"c" shared ``runs/a-b-c``
+    when the two were joined by a dash)."""
+    return Path("runs") / job.metadata.namespace / job.metadata.name
 
 
 def _run_job(
@@ -88,7 +94,7 @@ def _report_run(args: argparse.Namespace, runner: LocalRunner, code: int) -> int
         k: summary[k] for k in ("result", "reason", "final_step", "goodput", "goodput_excluding_backoff")
     }
     print(f"trainguard: {json.dumps(brief)}; summary in {args.summary or summary_path}", file=sys.stderr)
-    if code == 1:
+    if summary["result"] == "failed":
         print(f"trainguard: job failed: {summary['reason']}", file=sys.stderr)
     return code
 

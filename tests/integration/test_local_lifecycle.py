@@ -9,6 +9,7 @@ it is alive and names the test's tmp_path in its arguments or environment (see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ def lifecycle_job(
     container: dict[str, Any] | None = None,
     recovery: dict[str, Any] | None = None,
     name: str = "life",
+    nproc_per_node: int = 1,
 ) -> Path:
     """A job of lifecycle.py workers recording themselves in tmp_path/pids."""
     worker_command = command or [
@@ -53,6 +55,7 @@ def lifecycle_job(
         "metadata": {"name": name},
         "spec": {
             "replicas": replicas,
+            "nprocPerNode": nproc_per_node,
             "template": {
                 "spec": {"containers": [{"name": "pytorch", "command": worker_command, **(container or {})}]}
             },
@@ -110,6 +113,16 @@ def left_behind(tmp_path: Path, timeout: float = 15) -> list[int]:
 def summary_of(tmp_path: Path) -> dict[str, Any]:
     """The summary of the latest run."""
     return dict(json.loads((tmp_path / "run" / "latest" / "summary.json").read_text()))
+
+
+def watchdogs(tmp_path: Path) -> list[int]:
+    """The live watchdogs of runs under tmp_path (their command line names the checkpoint directory)."""
+    found = []
+    for pid in procs.processes_mentioning(str(tmp_path)):
+        with contextlib.suppress(OSError):
+            if b"trainguard.local.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
 
 
 def test_sighup_stops_the_gang_and_writes_the_summary(tmp_path: Path) -> None:
@@ -201,8 +214,11 @@ def test_a_second_run_of_a_job_is_refused_while_any_process_of_the_first_lives(t
     assert "is in use by another trainguard run" in output
     assert f"pid {first.pid}" in output
 
-    # The runner dies with no chance to clean up: its workers die with it, but a process the gang
-    # forked (like a data loader worker) still holds the inherited lock, so the job stays locked.
+    # The runner and its watchdog die with no chance to clean up: its workers die with it, but a process
+    # the gang forked (like a data loader worker) still holds the inherited lock, so the job stays locked.
+    (watchdog,) = watchdogs(tmp_path)
+    os.kill(watchdog, signal.SIGKILL)
+    wait_for(lambda: not procs.is_running(watchdog), 15, "the watchdog to die")
     first.kill()
     first.wait(timeout=30)
     wait_for(
@@ -219,10 +235,50 @@ def test_a_second_run_of_a_job_is_refused_while_any_process_of_the_first_lives(t
     assert code == 0, output
 
 
-def test_a_later_run_kills_the_workers_a_killed_runner_left_in_sessions_of_their_own(tmp_path: Path) -> None:
+def launcher_job(tmp_path: Path, launcher: str) -> tuple[Path, int, tuple[str, ...]]:
+    """A job whose workers a launcher starts: (job file, processes of the gang, their record roles)."""
+    if launcher == "forked":  # a worker forks a child that keeps the lock, as a data loader worker does
+        return lifecycle_job(tmp_path, extra=("--fork-holder",)), 4, ("worker", "holder")
+    if launcher == "detached":  # a worker forks a child into a session of its own, as torchrun does
+        return lifecycle_job(tmp_path, extra=("--fork-detached",)), 4, ("worker", "detached")
+    if launcher == "runner's torchrun":  # nprocPerNode 2: the runner starts torchrun, torchrun 2 workers
+        return lifecycle_job(tmp_path, replicas=1, nproc_per_node=2), 2, ("worker",)
+    command = [  # the user's command runs torchrun itself
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(procs.LIFECYCLE_WORKER), "--pid-dir", str(tmp_path / "pids"), "--steps", "100000",
+    ]  # fmt: skip
+    return lifecycle_job(tmp_path, replicas=1, command=command), 2, ("worker",)
+
+
+@pytest.mark.parametrize("launcher", ["forked", "detached", "runner's torchrun", "user's torchrun"])
+def test_a_killed_runner_takes_the_workers_a_launcher_started_with_it(tmp_path: Path, launcher: str) -> None:
+    # Issue 19: with nprocPerNode 2, a runner killed with SIGKILL took torchrun with it (the parent-death
+    # signal), but torchrun's workers, in sessions of their own, trained on unsupervised.
+    job_file, count, roles = launcher_job(tmp_path, launcher)
+    runner = start_runner(tmp_path, job_file)
+    pids = wait_for(
+        lambda: len(gang := [r["pid"] for role in roles for r in records(tmp_path, role)]) == count and gang,
+        what=f"{count} processes of the gang",
+    )
+    assert len(watchdogs(tmp_path)) == 1
+    runner.kill()
+    killed = time.monotonic()
+    runner.wait(timeout=30)
+    wait_for(lambda: not any(procs.is_running(pid) for pid in pids), 5, "every worker to be gone")
+    gone_after = time.monotonic() - killed
+    assert left_behind(tmp_path, timeout=5) == []  # the watchdog too, once done
+    print(f"{launcher}: every worker gone {gone_after:.2f} s after the runner's SIGKILL")
+
+
+def test_a_later_run_kills_the_workers_a_killed_runner_left_when_its_watchdog_died_too(
+    tmp_path: Path,
+) -> None:
     job_file = lifecycle_job(tmp_path, extra=("--fork-detached",))
     first = start_runner(tmp_path, job_file)
     wait_for(lambda: len(records(tmp_path)) == 2 and len(records(tmp_path, "detached")) == 2, what="the gang")
+    (watchdog,) = watchdogs(tmp_path)
+    os.kill(watchdog, signal.SIGKILL)  # the OOM killer, or a kill -9 of everything named trainguard
+    wait_for(lambda: not procs.is_running(watchdog), 15, "the watchdog to die")
     first.kill()
     first.wait(timeout=30)
     detached = [d["pid"] for d in records(tmp_path, "detached")]
@@ -236,6 +292,39 @@ def test_a_later_run_kills_the_workers_a_killed_runner_left_in_sessions_of_their
     output, _ = second.communicate(timeout=120)
     assert second.returncode == 0, output
     assert "killed 2 process(es) an earlier run of this job left" in output
+
+
+def test_a_run_at_a_re_pointed_checkpoint_root_leaves_the_first_runs_workers_alone(tmp_path: Path) -> None:
+    # Issue 19: leftovers were found by a hash of the checkpoint root's path, so a second run whose root
+    # is spelled alike (a re-pointed symlink, a remounted path) SIGKILLed the first run's live workers.
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    for folder in (first_dir, second_dir, tmp_path / "real-1", tmp_path / "real-2"):
+        folder.mkdir()
+    root = tmp_path / "root"
+    root.symlink_to(tmp_path / "real-1")
+    first = start_runner(
+        first_dir, lifecycle_job(first_dir, extra=("--fork-detached",)), "--checkpoint-root", str(root)
+    )
+    wait_for(
+        lambda: len(records(first_dir)) == 2 and len(records(first_dir, "detached")) == 2, what="the gang"
+    )
+    repointed = tmp_path / "root.new"
+    repointed.symlink_to(tmp_path / "real-2")
+    os.replace(repointed, root)
+
+    second = start_runner(second_dir, lifecycle_job(second_dir, steps=3), "--checkpoint-root", str(root))
+    output, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, output
+    assert "an earlier run of this job left" not in output
+    victims = [r["pid"] for r in records(first_dir) + records(first_dir, "detached")]
+    assert all(procs.is_running(pid) for pid in victims)
+    assert first.poll() is None
+    first.send_signal(signal.SIGINT)
+    output, _ = first.communicate(timeout=60)
+    assert first.returncode == 130, output
+    assert (tmp_path / "real-1" / "ckpt" / ".trainguard-run.lock").exists()
+    assert (tmp_path / "real-2" / "ckpt" / ".trainguard-run.lock").exists()
+    (first_dir / "pids" / "release").touch()
 
 
 def test_each_run_writes_a_folder_of_its_own(tmp_path: Path) -> None:
@@ -343,7 +432,7 @@ def test_a_hung_worker_whose_sidecar_was_killed_is_still_detected(tmp_path: Path
 def test_a_workers_own_reason_reaches_the_user(tmp_path: Path) -> None:
     reason = "spec.x.y: must be positive, got -1"
     code, output = run_to_end(tmp_path, lifecycle_job(tmp_path, replicas=1, extra=("--fail", reason)))
-    assert code == 1, output
+    assert code == 2, output  # a permanent failure: the job cannot run as it is (README: exit codes)
     assert f"configuration error (permanent): {reason}" in output
     assert "an unrelated last line" not in output  # the termination message is preferred to the log
 
@@ -357,7 +446,7 @@ def test_pythons_own_error_reaches_the_user_from_the_log(tmp_path: Path) -> None
         container={"workingDir": str(workers_dir)},
     )
     code, output = run_to_end(tmp_path, job_file)
-    assert code == 1, output
+    assert code == 2, output  # Python's own exit code 2 for a missing script: a configuration error
     assert "can't open file" in output
     assert "no_such_script.py" in output
 
@@ -371,7 +460,8 @@ def test_a_guardian_configuration_error_names_the_variable(tmp_path: Path) -> No
         container={"env": [{"name": "TRAINGUARD_FAULTS", "value": "nan_loss@oops"}]},
     )
     code, output = run_to_end(tmp_path, job_file)
-    assert code == 1, output
+    assert code == 2, output
+    assert "job failed: " in output
     failure = summary_of(tmp_path)["reason"]
     assert "configuration error (permanent): " in failure
     assert "TRAINGUARD_FAULTS" in failure

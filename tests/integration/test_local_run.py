@@ -34,11 +34,12 @@ def job(
     hang_timeout: int = 3,
     step_sleep: float = 0.05,
     nproc_per_node: int = 1,
+    namespace: str = "default",
 ) -> Path:
     document = {
         "apiVersion": "trainguard.dev/v1alpha1",
         "kind": "GuardedTrainingJob",
-        "metadata": {"name": "test-job"},
+        "metadata": {"name": "test-job", "namespace": namespace},
         "spec": {
             "replicas": replicas,
             "nprocPerNode": nproc_per_node,
@@ -72,15 +73,16 @@ def job(
         },
     }
     path = tmp_path / "job.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(document))
     return path
 
 
-def run(tmp_path: Path, job_file: Path, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
+def run(tmp_path: Path, job_file: Path, *extra: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
     summary = tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard.cli", "run", str(job_file), "--run-dir", str(tmp_path / "run"),
-         "--summary", str(summary), "--plain"],
+         "--summary", str(summary), "--plain", *extra],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     data = json.loads(summary.read_text()) if summary.exists() else {}
@@ -172,6 +174,40 @@ def test_exhausted_restarts_fail_the_job(tmp_path: Path) -> None:
     assert code == 1, output
     assert "restarts exhausted (2 of 2)" in summary["reason"]
     assert len(summary["restarts"]) == 2
+
+
+def test_a_job_of_the_same_name_in_another_namespace_is_refused_the_checkpoints_and_exits_2(
+    tmp_path: Path,
+) -> None:
+    # Issue 19: "test-job" of namespace team-b, pointed at team-a's checkpoint directory, resumed its
+    # weights, fenced it out and pruned its checkpoints; and a refused claim made the runner exit 1.
+    shared = tmp_path / "shared"
+    first, second = tmp_path / "a", tmp_path / "b"
+    code, _, output = run(
+        first, job(first, steps=12, replicas=1, namespace="team-a"), "--checkpoint-root", str(shared)
+    )
+    assert code == 0, output
+    checkpoints = shared / "ckpt"
+    before = {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file() and "step-" in p.parent.name}
+    assert before, "the first job wrote no checkpoint"
+
+    code, summary, output = run(
+        second, job(second, steps=12, replicas=1, namespace="team-b"), "--checkpoint-root", str(shared)
+    )
+    assert code == 2, output
+    assert summary["result"] == "failed"
+    assert "belongs to job team-a/test-job" in summary["reason"]
+    assert "not to job team-b/test-job" in summary["reason"]
+    assert "job failed: " in output
+    after = {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file() and "step-" in p.parent.name}
+    assert after == before  # nothing resumed, written or pruned
+    assert sorted(p.name for p in (checkpoints / "epochs").iterdir()) == ["epoch-000001.json"]
+
+    code, summary, output = run(
+        first, job(first, steps=14, replicas=1, namespace="team-a"), "--checkpoint-root", str(shared)
+    )
+    assert code == 0, output  # the job itself resumes its directory
+    assert summary["final_step"] == 14
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from trainer_sidecar.checkpoint import (
 from trainer_sidecar.checkpoint import store as checkpoint_store
 from trainer_sidecar.checkpoint import writer as checkpoint_writer
 from trainer_sidecar.checkpoint.layout import EPOCH_LIMIT, parse_dir_name
+from trainer_sidecar.contract.identity import job_identity, same_job
 
 
 def tagged(step: int, writer: str) -> dict[str, Any]:
@@ -124,6 +125,63 @@ def test_another_job_is_refused_a_directory_a_job_claimed_and_the_same_job_is_no
     assert sorted(os.listdir(tmp_path / "epochs")) == ["epoch-000001.json"]
     assert claim_epoch(tmp_path, EpochOwner(job="train-a", attempt=2)).epoch == 2  # its next attempt
     assert claim_epoch(tmp_path).epoch == 3  # a writer naming no job (a guardian run by hand) may
+
+
+def test_a_job_of_the_same_name_in_another_namespace_is_another_job(
+    tmp_path: Path, stores: list[CheckpointStore]
+) -> None:
+    # Issue 19: jobs "train" in namespaces "team-a" and "team-b" pointed at one directory were one job:
+    # the second resumed the first's weights and pruned its checkpoints.
+    claim_epoch(tmp_path, EpochOwner(job=job_identity("team-a", "train"), attempt=1))
+    first = CheckpointStore(tmp_path, epoch=1)
+    stores.append(first)
+    assert first.save(10, tagged(10, "a"), {}) is not None
+    with pytest.raises(CheckpointError, match="belongs to job team-a/train") as caught:
+        claim_epoch(tmp_path, EpochOwner(job=job_identity("team-b", "train"), attempt=1))
+    assert "not to job team-b/train" in str(caught.value)
+    # Nor may a writer that names the job but no namespace pass for it.
+    with pytest.raises(CheckpointError, match="belongs to job team-a/train"):
+        claim_epoch(tmp_path, EpochOwner(job=job_identity("", "train"), attempt=1))
+    assert sorted(os.listdir(tmp_path / "epochs")) == ["epoch-000001.json"]
+    assert first.save(20, tagged(20, "a"), {}) is not None  # not fenced
+    assert claim_epoch(tmp_path, EpochOwner(job=job_identity("team-a", "train"), attempt=2)).epoch == 2
+
+
+def test_a_claim_naming_the_job_alone_is_upgraded_by_a_job_of_that_name(tmp_path: Path) -> None:
+    # Claims written before namespaces were recorded name the job alone: a job of that name resumes.
+    claim_epoch(tmp_path, EpochOwner(job="train", attempt=1))
+    with pytest.raises(CheckpointError, match="belongs to job train"):
+        claim_epoch(tmp_path, EpochOwner(job=job_identity("team-a", "other"), attempt=1))
+    upgraded = claim_epoch(tmp_path, EpochOwner(job=job_identity("team-a", "train"), attempt=2))
+    assert upgraded.owner.job == "team-a/train"
+    on_disk = json.loads((tmp_path / "epochs" / "epoch-000002.json").read_text())
+    assert on_disk["owner"]["job"] == "team-a/train"
+    # From then on the namespace counts.
+    with pytest.raises(CheckpointError, match="belongs to job team-a/train"):
+        claim_epoch(tmp_path, EpochOwner(job=job_identity("team-b", "train"), attempt=1))
+
+
+@pytest.mark.parametrize(
+    ("holder", "claimant", "same"),
+    [
+        ("ns/train", "ns/train", True),
+        ("ns/train", "other/train", False),
+        ("ns/train", "ns/train-b", False),
+        ("ns/train", "train", False),
+        ("train", "ns/train", True),
+        ("train", "ns/other", False),
+        ("", "ns/train", True),
+        ("ns/train", "", True),
+    ],
+)
+def test_jobs_are_the_same_by_namespace_and_name(holder: str, claimant: str, same: bool) -> None:
+    assert same_job(holder, claimant) is same
+
+
+def test_a_job_identity_is_namespace_and_name() -> None:
+    assert job_identity("team-a", "train") == "team-a/train"
+    assert job_identity("", "train") == "train"
+    assert job_identity("team-a", "") == ""
 
 
 def test_a_writer_without_an_epoch_or_with_an_unclaimed_one_is_fenced(

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.cli import main
+from trainguard.cli import default_run_root, main
+from trainguard.core.spec import GuardedTrainingJob, parse_job
 
 EXAMPLE_JOB = Path(__file__).parents[2] / "examples" / "local" / "job.yaml"
 SUMMARY = {
@@ -87,3 +88,23 @@ def test_run_refuses_an_output_it_could_not_write_before_it_starts_the_job(
     assert main(argv) == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_jobs_whose_namespace_and_name_join_alike_get_run_folders_of_their_own() -> None:
+    # Issue 19 (identity): runs/<namespace>-<name> made "a"/"b-c" and "a-b"/"c" one folder, and so one
+    # default checkpoint directory and one "latest".
+    def job(namespace: str, name: str) -> GuardedTrainingJob:
+        document = {
+            "apiVersion": "trainguard.dev/v1alpha1",
+            "kind": "GuardedTrainingJob",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "template": {"spec": {"containers": [{"name": "pytorch", "command": ["python", "x.py"]}]}},
+                "checkpoint": {"claimName": "ckpt"},
+            },
+        }
+        return parse_job(document, "job.yaml")
+
+    first, second = default_run_root(job("a", "b-c")), default_run_root(job("a-b", "c"))
+    assert first == Path("runs/a/b-c")
+    assert second == Path("runs/a-b/c")

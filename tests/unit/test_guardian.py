@@ -700,6 +700,29 @@ def test_an_explicit_checkpoint_dir_that_contradicts_the_orchestrator_is_refused
     assert same.checkpoint_dir == tmp_path / "mounted"
 
 
+def test_a_job_of_the_same_name_in_another_namespace_is_refused_the_directory(tmp_path: Path) -> None:
+    # Issue 19: the guardian named the job in its claim by name alone, so "train" of namespace team-b
+    # resumed team-a's weights and fenced it out.
+    config = settings(checkpoint={"everySteps": 2, "snapshotEverySteps": 2})
+
+    def guardian(namespace: str, seed: int) -> Guardian:
+        model = tiny_model(seed=seed)
+        job = GuardianConfig(
+            settings=config, checkpoint_dir=tmp_path, job="train", namespace=namespace, attempt=1
+        )
+        return Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), config=job)
+
+    first = guardian("team-a", 1)
+    for _ in range(2):
+        first.step(loss_of(first.module))
+    first.finish()
+    with pytest.raises(ConfigError, match="belongs to job team-a/train") as caught:
+        guardian("team-b", 2)
+    assert caught.value.code == ExitCode.CONFIG_ERROR
+    assert "not to job team-b/train" in str(caught.value)
+    assert guardian("team-a", 3).step_count == 2  # the job itself resumes
+
+
 def test_a_newer_guardian_on_the_same_directory_fences_the_older_one_out(tmp_path: Path) -> None:
     config = settings(checkpoint={"everySteps": 2, "snapshotEverySteps": 2})
     old_model, new_model = tiny_model(seed=1), tiny_model(seed=2)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from trainguard.core.policy import Action, Decision, FailureKind
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 from trainguard.local.launch import RunRefused
-from trainguard.local.runner import LocalRunner
+from trainguard.local.runner import LocalRunner, exit_code_of
 
 MANIFEST: dict[str, Any] = {
     "apiVersion": "trainguard.dev/v1alpha1",
@@ -95,3 +97,77 @@ def test_a_claim_name_that_is_a_path_is_refused_even_past_validation(tmp_path: P
         RunRefused, match=r"^spec\.checkpoint\.claimName: '\.\./x' is not a plain folder name"
     ):
         LocalRunner(sneaky, checkpoint_root=tmp_path, run_dir=tmp_path)
+
+
+def named(name: str, namespace: str) -> GuardedTrainingJob:
+    document = copy.deepcopy(MANIFEST)
+    document["metadata"] = {"name": name, "namespace": namespace}
+    return parse_job(document, "job.yaml")
+
+
+def test_the_run_marker_names_the_locked_directory_and_the_job_not_a_path(tmp_path: Path) -> None:
+    # Issue 19: the marker was a hash of the checkpoint root's path, so a run at a re-pointed symlink
+    # took the first run's workers for its own leftovers and SIGKILLed them.
+    for real in ("real-1", "real-2"):
+        (tmp_path / real).mkdir()
+    root = tmp_path / "root"
+    root.symlink_to(tmp_path / "real-1")
+    first = LocalRunner(job(), checkpoint_root=root, run_dir=tmp_path / "runs-1")
+    assert first.run_marker == ""  # nothing is marked before the lock is held
+    first.prepare()
+    repointed = root.with_name("root.new")
+    repointed.symlink_to(tmp_path / "real-2")
+    os.replace(repointed, root)
+    second = LocalRunner(job(), checkpoint_root=root, run_dir=tmp_path / "runs-2")
+    second.prepare()  # not refused: another directory, so another lock
+    assert second.checkpoint_dir == first.checkpoint_dir  # the same string ...
+    assert second.run_marker != first.run_marker  # ... is not the same directory
+    lock = json.loads((tmp_path / "real-2" / "ckpt" / ".trainguard-run.lock").read_text())
+    info = os.stat(tmp_path / "real-2" / "ckpt")
+    assert lock["directory"]["device"] == info.st_dev
+    assert lock["directory"]["inode"] == info.st_ino
+    assert lock["job"] == "ml/demo"
+    second.lock.release()
+
+    again = LocalRunner(job(), checkpoint_root=tmp_path / "real-2", run_dir=tmp_path / "runs-3")
+    again.prepare()  # the same job at the same directory, by another path: the same marker
+    assert again.run_marker == second.run_marker
+    again.lock.release()
+    other = LocalRunner(
+        named("demo", "other-ns"), checkpoint_root=tmp_path / "real-2", run_dir=tmp_path / "runs-4"
+    )
+    other.prepare()
+    assert other.run_marker not in ("", second.run_marker)  # another job's processes are not its own
+    other.lock.release()
+    first.lock.release()
+
+
+def test_workers_are_given_the_locked_directory_and_not_where_a_re_pointed_path_leads(tmp_path: Path) -> None:
+    for real in ("real-1", "real-2"):
+        (tmp_path / real).mkdir()
+    root = tmp_path / "root"
+    root.symlink_to(tmp_path / "real-1")
+    runner = LocalRunner(job(), checkpoint_root=root, run_dir=tmp_path / "runs")
+    runner.prepare()
+    assert runner._checked_checkpoint_dir() == (tmp_path / "real-1" / "ckpt").resolve()
+    repointed = root.with_name("root.new")
+    repointed.symlink_to(tmp_path / "real-2")
+    os.replace(repointed, root)
+    (tmp_path / "real-2" / "ckpt").mkdir()
+    with pytest.raises(RunRefused, match="now leads to another directory"):
+        runner._checked_checkpoint_dir()
+    runner.lock.release()
+
+
+@pytest.mark.parametrize(
+    ("failure", "code"),
+    [
+        (FailureKind.CONFIG, 2),  # a refused claim, a bad setting: the job cannot run (README: exit 2)
+        (FailureKind.FENCED, 2),
+        (FailureKind.CRASH, 1),  # restarts exhausted: the policy gave up
+        (FailureKind.HANG, 1),
+        (FailureKind.DIVERGED, 1),
+    ],
+)
+def test_a_permanent_failure_exits_2_and_a_policy_that_gives_up_1(failure: FailureKind, code: int) -> None:
+    assert exit_code_of(Decision(Action.FAIL, "why", failure=failure)) == code

@@ -14,6 +14,12 @@ into place) and once more after: a writer whose epoch is no longer the highest h
 with ``FencedError`` naming the epoch that fenced it, so a save reported successful was committed
 before any newer claim.
 
+A claim names its job as ``<namespace>/<name>`` (``job_identity``): what makes a job unique, on a cluster
+and locally. Another job's claim is refused (``same_job``), also when only the namespace differs. A claim
+written before namespaces were recorded names the job alone; it is accepted by a job of that name in any
+namespace (the upgrade), whose own claim then records the namespace. The job's UID is not part of the
+identity on purpose: a job deleted and re-applied under its name resumes from its checkpoints.
+
 Old checkpoints without an epoch in their name are epoch 0; while no epoch was ever claimed, epoch 0
 is the highest and a writer without an epoch writes as before.
 
@@ -48,6 +54,7 @@ from trainer_sidecar.checkpoint.layout import (
     scan_checkpoints,
 )
 from trainer_sidecar.checkpoint.manifest import is_complete
+from trainer_sidecar.contract.identity import same_job
 
 _RECORD_LIMIT = 4 << 20  # bytes of one claim: tens of thousands of inherited names
 _CLAIM_TRIES = 1000
@@ -69,7 +76,8 @@ def _checkpoint_name(name: str) -> str:
 
 
 class EpochOwner(BaseModel):
-    """Who claimed an epoch: the job, its attempt, the host and process, and when."""
+    """Who claimed an epoch: the job (``job_identity``: namespace/name), its attempt, the host and
+    process, and when."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
@@ -280,11 +288,11 @@ def _try_claim(root_fd: int, epochs_fd: int, root: Path, owner: EpochOwner) -> C
     """One attempt at claiming the epoch after the highest; None if another claimer took that number."""
     fence = read_fence(root_fd, root)
     holder = fence.owner.job if fence.owner is not None else ""
-    if owner.job and holder and holder != owner.job:
+    if not same_job(holder, owner.job):
         raise CheckpointError(
             f"checkpoint directory {root} belongs to job {holder} ({fence.describe()}), not to job "
             f"{owner.job}: claiming it would fence that job out and resume from its checkpoints. Give "
-            "each job a checkpoint claim of its own (a job of the same name resumes from it)"
+            "each job a checkpoint claim of its own (a job of the same namespace and name resumes from it)"
         )
     if fence.highest + 1 >= EPOCH_LIMIT:
         raise CheckpointError(
@@ -310,7 +318,8 @@ def claim_next_epoch(root: Path, owner: EpochOwner | None = None) -> Claim:
     epochs. Only rank 0 of a gang claims; the others are given the epoch. Raises CheckpointError naming
     the directory, with nothing claimed, when the directory cannot be written (read-only, full), its
     epochs are used up, or its highest epoch another job claimed (both owners named): two jobs sharing
-    one claim would fence each other out and resume from each other's weights.
+    one claim would fence each other out and resume from each other's weights. Jobs are told apart by
+    namespace and name (``same_job``).
     """
     root = Path(root)
     owner = owner if owner is not None else EpochOwner()

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from trainer_sidecar.checkpoint import CheckpointError, EpochOwner, FencedError
 from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
 from trainer_sidecar.contract.status import (
     Phase,
@@ -240,7 +241,8 @@ class Guardian:
         self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
 
     def _open_checkpoints(self) -> None:
-        owner = EpochOwner(job=self.config.job, attempt=self.config.attempt)
+        job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
+        owner = EpochOwner(job=job, attempt=self.config.attempt)
         self.checkpoints.open(owner, self.model)
         if self.checkpoints.enabled:
             self.dead_letters.load()

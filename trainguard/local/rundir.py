@@ -1,6 +1,6 @@
 """Where ``trainguard run`` writes, and the lock that keeps two runs of one job apart.
 
-Layout under the job's run root (``--run-dir``, default ``runs/<namespace>-<name>``):
+Layout under the job's run root (``--run-dir``, default ``runs/<namespace>/<name>``):
 
     <run root>/volumes/<claimName>/     the checkpoint claim (``--checkpoint-root`` replaces volumes/)
     <run root>/<UTC time>/              one folder per run: attempt-N/rank-R/ status and termination
@@ -14,6 +14,8 @@ after creation to lie inside its root (a symlink leading elsewhere is refused).
 ``CheckpointLock`` is an exclusive ``flock`` on a file in the checkpoint directory, taken before anything
 starts and inherited by the workers, so it is held until the last process of the run's gang is gone: a
 second run of the same job is refused while an old gang could still write.
+It records the directory's device and inode (``identity``), which is what the runner marks its processes
+with (see ``LocalRunner.run_marker``): a path can be re-pointed, the directory cannot.
 """
 
 from __future__ import annotations
@@ -99,14 +101,23 @@ class CheckpointLock:
         self.directory = directory
         self.path = directory / LOCK_NAME
         self.fd = -1
+        #: The locked directory itself, (device, inode), once acquired: what a path to it can no longer
+        #: change (a re-pointed symlink, a remount), unlike the path.
+        self.identity: tuple[int, int] | None = None
 
     def acquire(self, job: str) -> None:
-        """Take the lock and record this run in the lock file; RunRefused if another run holds it."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        """Take the lock and record this run in the lock file (with the directory's device and inode);
+        RunRefused if another run holds it. The lock file is opened in the very directory whose identity
+        is recorded (relative to a descriptor of it), so the two cannot be different directories."""
         try:
-            fd = os.open(self.path, flags, 0o644)
+            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise RunRefused(f"checkpoint directory {self.directory}: cannot open the lock: {exc}") from exc
+            raise RunRefused(f"checkpoint directory {self.directory}: cannot open it: {exc}") from exc
+        try:
+            fd = self._open_lock(dir_fd)
+            directory = os.fstat(dir_fd)
+        finally:
+            os.close(dir_fd)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise RunRefused(f"checkpoint directory {self.directory}: {self.path} is not a regular file")
@@ -114,13 +125,31 @@ class CheckpointLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise RunRefused(self._held_message(fd)) from None
-            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "job": job}
+            holder = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.time(),
+                "job": job,
+                "directory": {
+                    "path": str(self.directory),
+                    "device": directory.st_dev,
+                    "inode": directory.st_ino,
+                },
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
+        self.identity = (directory.st_dev, directory.st_ino)
+
+    def _open_lock(self, dir_fd: int) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            return os.open(LOCK_NAME, flags, 0o644, dir_fd=dir_fd)
+        except OSError as exc:
+            raise RunRefused(f"checkpoint directory {self.directory}: cannot open the lock: {exc}") from exc
 
     def _held_message(self, fd: int) -> str:
         holder = _holder(os.pread(fd, _HOLDER_LIMIT, 0))

@@ -8,11 +8,12 @@ kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a d
 ``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
 waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
 
-Nothing outlives the runner (see ``trainguard.local.launch``): every child is registered for cleanup the
-moment it exists and dies with the runner even when the runner is killed; SIGINT, SIGTERM and SIGHUP
-stop the gang and end the run with 128 + the signal's number. The command and working directory are
-checked, and the checkpoint directory locked against a second run of the job, before anything starts
-(see ``trainguard.local.rundir``). Each run writes into a folder of its own.
+Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
+child is registered for cleanup the moment it exists and dies with the runner even when the runner is
+killed, and a watchdog kills the gang's processes a launcher started in sessions of their own; SIGINT,
+SIGTERM and SIGHUP stop the gang and end the run with 128 + the signal's number. The command and
+working directory are checked, and the checkpoint directory locked against a second run of the job,
+before anything starts (see ``trainguard.local.rundir``). Each run writes into a folder of its own.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
+from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
-from trainguard.core.policy import Action, Decision, Observation, decide
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
 from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.core.summary import Incident, RunRecord, fault_time
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
@@ -55,6 +57,7 @@ from trainguard.local.launch import (
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
+from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
 
@@ -121,6 +124,22 @@ class Event:
         }
 
 
+#: ``trainguard run``'s exit code for a job that cannot run (here): an invalid job, a refused start,
+#: or a worker's permanent failure (configuration error, fenced); as for an invalid job file.
+EXIT_CANNOT_RUN = 2
+#: ``trainguard run``'s exit code when the policy gives up on a job that could run (restarts exhausted).
+EXIT_GAVE_UP = 1
+
+
+def exit_code_of(decision: Decision) -> int:
+    """The runner's exit code for a FAIL ``decision``: EXIT_CANNOT_RUN when the failure is permanent (a
+    configuration error or a fenced worker: retrying cannot help, the job cannot run as it is), else
+    EXIT_GAVE_UP."""
+    if decision.failure in (FailureKind.CONFIG, FailureKind.FENCED):
+        return EXIT_CANNOT_RUN
+    return EXIT_GAVE_UP
+
+
 class LocalRunner:
     """Runs one GuardedTrainingJob to success or failure on this machine. See the module docstring."""
 
@@ -154,6 +173,10 @@ class LocalRunner:
         self.working_dir = check_working_dir(self.worker.working_dir, field=f"{_CONTAINER}.workingDir")
         self.command = self._command()
         self.lock = CheckpointLock(self.checkpoint_dir)
+        #: Kills the gang if the runner dies without stopping it (see ``trainguard.local.watchdog``).
+        self.watchdog: Watchdog | None = None
+        #: The locked checkpoint directory as the current attempt's workers were given it (its real path).
+        self.worker_checkpoint_dir = self.checkpoint_dir
         # Every process of the current attempt, registered the moment it exists (see _spawn).
         self._workers: list[subprocess.Popen[Any]] = []
         self._sidecars: list[subprocess.Popen[Any]] = []
@@ -226,7 +249,7 @@ class LocalRunner:
                 self.job,
                 attempt=self.attempt,
                 remediation=self.remediation,
-                checkpoint_dir=str(self.checkpoint_dir),
+                checkpoint_dir=str(self.worker_checkpoint_dir),
                 status_file=str(status_file),
                 termination_message_path=str(status_file.with_name(TERMINATION_MESSAGE_FILE)),
             ).variables()
@@ -250,14 +273,40 @@ class LocalRunner:
         self.checkpoint_dir = make_dir_inside(
             self.checkpoint_root, self.checkpoint_dir, "spec.checkpoint.claimName", "--checkpoint-root"
         )
-        self.lock.acquire(job=f"{self.job.metadata.namespace}/{self.job.metadata.name}")
+        self.lock.acquire(job=self.job_identity)
         self._kill_leftovers()
         self.run_folder = new_run_folder(self.run_root)
 
     @property
+    def job_identity(self) -> str:
+        """``<namespace>/<name>``: what makes the job unique (the epoch claims record the same)."""
+        return job_identity(self.job.metadata.namespace, self.job.metadata.name)
+
+    @property
     def run_marker(self) -> str:
-        """The value of RUN_ENV in every worker this job's runs start: one per checkpoint directory."""
-        return hashlib.sha256(str(self.checkpoint_dir).encode()).hexdigest()[:16]
+        """The value of RUN_ENV in every worker this job's runs start: one per job and checkpoint
+        directory, the directory as its device and inode under the lock (``CheckpointLock.identity``),
+        not a path: two roots spelled alike (a re-pointed symlink, a remounted path) are told apart, and
+        another job at the same directory has a marker of its own. "" until the lock is held."""
+        if self.lock.identity is None:  # not locked yet (prepare): no process can carry a marker yet
+            return ""
+        device, inode = self.lock.identity
+        return hashlib.sha256(f"{device}:{inode}:{self.job_identity}".encode()).hexdigest()[:32]
+
+    def _checked_checkpoint_dir(self) -> Path:
+        """The checkpoint directory's real path, as the workers of the next attempt get it: the directory
+        the lock is on (RunRefused if the path now leads to another, e.g. a re-pointed symlink)."""
+        real = self.checkpoint_dir.resolve()
+        try:
+            info = os.stat(real)
+        except OSError as exc:
+            raise RunRefused(f"checkpoint directory {self.checkpoint_dir}: {exc}") from exc
+        if (info.st_dev, info.st_ino) != self.lock.identity:
+            raise RunRefused(
+                f"checkpoint directory {self.checkpoint_dir} now leads to another directory ({real}) than "
+                "the one this run locked; refusing to start workers there"
+            )
+        return real
 
     def _kill_leftovers(self, wait_seconds: float = 10.0) -> None:
         """Kill the workers an earlier run of this job left (a runner killed with SIGKILL takes its own
@@ -306,9 +355,18 @@ class LocalRunner:
     def start_gang(self) -> None:
         """Start the sidecars and workers of a new attempt (``prepare`` first)."""
         assert self.run_folder is not None, "prepare() before start_gang()"
+        self.worker_checkpoint_dir = self._checked_checkpoint_dir()
         self.attempt += 1
         self.attempt_started = time.time()
         self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
+        # Before the gang's first process: a runner killed from here on takes the gang with it, even
+        # the processes a launcher (torchrun) starts in sessions of their own.
+        if self.watchdog is None or not self.watchdog.announce(self.gang_id):
+            log.warning(
+                "attempt %d: no watchdog; if this runner is killed (SIGKILL), workers a launcher started "
+                "may outlive it until the job's next run",
+                self.attempt,
+            )
         attempt_dir = self.run_folder / f"attempt-{self.attempt}"
         logs = self.run_folder / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -476,9 +534,11 @@ class LocalRunner:
 
     # ------------------------------------------------------------------------------------- main ---
     def run(self) -> int:
-        """Run to the end; returns the exit code: 0 success, 1 failure, 128 + N when stopped by signal N
-        (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). Raises RunRefused when the run cannot start; no process
-        is left running either way."""
+        """Run to the end; returns the exit code: 0 success, 1 when the policy gives up, 2 for a
+        permanent failure (a worker's configuration error, such as a checkpoint directory another job
+        claimed, or a fenced worker: see ``exit_code_of``), 128 + N when stopped by signal N (130
+        Ctrl-C, 143 SIGTERM, 129 SIGHUP). Raises RunRefused when the run cannot start; no process is
+        left running either way."""
         if self.signals is not None:
             return self._run(self.signals)
         with StopSignals() as signals:
@@ -487,6 +547,8 @@ class LocalRunner:
 
     def _run(self, signals: StopSignals) -> int:
         try:
+            with signals.deferred():  # registered before a stop signal can leave it unwaited for
+                self.watchdog = Watchdog.start(str(self.checkpoint_dir))
             self.prepare()
             self.start_gang()
             return self._watch(signals)
@@ -497,6 +559,8 @@ class LocalRunner:
             signals.disarm()  # from here on a stop signal cannot cut the cleanup short
             self.stop_gang()
             self.lock.release()
+            if self.watchdog is not None:
+                self.watchdog.close()  # the gang is stopped: the watchdog has nothing left to do
 
     def _watch(self, signals: StopSignals) -> int:
         period = float(self.spec.health.probe_period_seconds)
@@ -521,7 +585,7 @@ class LocalRunner:
                 self.event("succeeded", "every rank exited 0")
                 return 0
             if not self._recover(decision, signals):
-                return 1
+                return exit_code_of(decision)
             next_probe = time.monotonic() + period
 
     def _recover(self, decision: Decision, signals: StopSignals) -> bool:
