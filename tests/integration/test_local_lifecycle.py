@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.support import procs
+from trainer_sidecar.contract.env import STATUS_FILE_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -362,9 +363,15 @@ def sidecar_of(tmp_path: Path, rank: int) -> int | None:
     for pid in procs.processes_mentioning(str(tmp_path)):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"trainer_sidecar.sidecar" in argv and any(f"rank-{rank}".encode() in a for a in argv):
+        # The runner hands a sidecar its status file as the operator does: in its environment.
+        status_file = f"{STATUS_FILE_ENV}=".encode()
+        rank_dir = f"rank-{rank}".encode()
+        if b"trainer_sidecar.sidecar" in argv and any(
+            item.startswith(status_file) and rank_dir in item for item in environ
+        ):
             return pid
     return None
 

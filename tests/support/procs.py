@@ -141,7 +141,7 @@ def processes_mentioning(marker: str) -> list[int]:
     """Live processes (not this one) whose command line or environment contains ``marker``.
 
     Every process ``trainguard run`` starts for a job under a test's tmp_path names that path: the
-    sidecars in their arguments, the workers in their environment (even when orphaned).
+    sidecars and the workers in their environment (even when orphaned).
     """
     needle = marker.encode()
     found = []
