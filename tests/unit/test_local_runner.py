@@ -13,7 +13,8 @@ import pytest
 from trainguard.core.policy import Action, Decision, FailureKind
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 from trainguard.local.launch import RunRefused
-from trainguard.local.runner import LocalRunner, exit_code_of
+from trainguard.local.runner import LocalRunner
+from trainguard.local.supervisor import exit_code_of
 
 MANIFEST: dict[str, Any] = {
     "apiVersion": "trainguard.dev/v1alpha1",

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainguard.core.observation import observe_gang
-from trainguard.local.runner import Event
+from trainguard.local.supervisor import Event
 from trainguard.local.view import LiveView, PlainView, state_text, step_text
 
 

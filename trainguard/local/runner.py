@@ -33,13 +33,11 @@ from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
 from trainer_sidecar.contract.identity import job_identity
-from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
-from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
+from trainguard.core.policy import Action, Observation
 from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
-from trainguard.core.summary import Incident, RunRecord, fault_time
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
 from trainguard.local.launch import (
     RunRefused,
@@ -57,6 +55,7 @@ from trainguard.local.launch import (
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
+from trainguard.local.supervisor import GangSupervisor
 from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
@@ -103,44 +102,7 @@ class RankProcesses:
         return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
-@dataclass
-class Event:
-    """A line of the job's timeline."""
-
-    time: float
-    kind: str
-    message: str
-    attempt: int
-    step: int | None = None
-
-    def as_dict(self, origin: float) -> dict[str, Any]:
-        """JSON form, with the time relative to the run's start."""
-        return {
-            "t": round(self.time - origin, 3),
-            "kind": self.kind,
-            "attempt": self.attempt,
-            "step": self.step,
-            "message": self.message,
-        }
-
-
-#: ``trainguard run``'s exit code for a job that cannot run (here): an invalid job, a refused start,
-#: or a worker's permanent failure (configuration error, fenced); as for an invalid job file.
-EXIT_CANNOT_RUN = 2
-#: ``trainguard run``'s exit code when the policy gives up on a job that could run (restarts exhausted).
-EXIT_GAVE_UP = 1
-
-
-def exit_code_of(decision: Decision) -> int:
-    """The runner's exit code for a FAIL ``decision``: EXIT_CANNOT_RUN when the failure is permanent (a
-    configuration error or a fenced worker: retrying cannot help, the job cannot run as it is), else
-    EXIT_GAVE_UP."""
-    if decision.failure in (FailureKind.CONFIG, FailureKind.FENCED):
-        return EXIT_CANNOT_RUN
-    return EXIT_GAVE_UP
-
-
-class LocalRunner:
+class LocalRunner(GangSupervisor):
     """Runs one GuardedTrainingJob to success or failure on this machine. See the module docstring."""
 
     def __init__(
@@ -158,15 +120,13 @@ class LocalRunner:
         ``run_dir`` is the job's run root: each ``run()`` writes into a new folder under it
         (``run_folder``). Raises SpecError or RunRefused naming the field.
         """
-        self.job = job
-        self.spec = job.spec
+        super().__init__(job, view=view)
         self.checkpoint_root = checkpoint_root.absolute()
         claim = plain_name(self.spec.checkpoint.claim_name, "spec.checkpoint.claimName")
         self.checkpoint_dir = self.checkpoint_root / claim
         self.run_root = run_dir.absolute()
         self.run_folder: Path | None = None
         self.stop_grace_seconds = stop_grace_seconds
-        self.view = view
         self.signals = signals
         self.worker = self.spec.template.spec.worker()
         self.template_env = self._template_env()
@@ -181,24 +141,9 @@ class LocalRunner:
         self._workers: list[subprocess.Popen[Any]] = []
         self._sidecars: list[subprocess.Popen[Any]] = []
         self._files: list[IO[bytes]] = []
-        self.attempt = 0
         self.gang_id = ""  # set per attempt: the marker every process of the gang carries (GANG_ENV)
-        self.restarts = 0
-        self.remediation: RemediationOrder | None = None
-        # The attempt that introduced the remediation names it: workers apply a given id once, so a
-        # later restart for another reason (a crash) does not lower the learning rate again.
         self.ranks: list[RankProcesses] = []
-        self.events: list[Event] = []
-        self.backoff_total = 0.0
-        self.started = time.time()
-        self.attempt_started = self.started
-        self.record = RunRecord(self.started)
-        self.final_decision: Decision | None = None
-
-    @property
-    def incidents(self) -> list[Incident]:
-        """The gang restarts so far (appended by the run loop; their recovery is filled in as seen)."""
-        return self.record.incidents
+        self._next_probe = 0.0  # when the sidecars are probed next (time.monotonic())
 
     # ---------------------------------------------------------------------------------- template ---
     def _command(self) -> list[str]:
@@ -257,14 +202,6 @@ class LocalRunner:
         env[GANG_ENV] = self.gang_id
         env[RUN_ENV] = self.run_marker
         return env
-
-    # ------------------------------------------------------------------------------------ events ---
-    def event(self, kind: str, message: str, step: int | None = None) -> None:
-        """Record a timeline event and show it."""
-        entry = Event(time.time(), kind, message, self.attempt, step)
-        self.events.append(entry)
-        if self.view is not None:
-            self.view.event(entry)
 
     # ------------------------------------------------------------------------------ gang control ---
     def prepare(self) -> None:
@@ -352,12 +289,17 @@ class LocalRunner:
         node = NodeLaunch(str(self.spec.replicas), str(nproc), str(pod), "127.0.0.1", str(port))
         return under_torchrun(self.command, node)
 
-    def start_gang(self) -> None:
-        """Start the sidecars and workers of a new attempt (``prepare`` first)."""
-        assert self.run_folder is not None, "prepare() before start_gang()"
+    def _prepare_attempt(self) -> None:
+        """Before the next attempt is counted: its workers' checkpoint directory must still be the locked
+        one (``prepare`` first)."""
+        assert self.run_folder is not None, "prepare() before the first attempt"
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
-        self.attempt += 1
-        self.attempt_started = time.time()
+
+    def _start_workers(self) -> None:
+        """Start the sidecars and workers of attempt ``self.attempt``."""
+        assert self.run_folder is not None, "prepare() before the first attempt"
+        period = float(self.spec.health.probe_period_seconds)
+        self._next_probe = 0.0 if self.attempt == 1 else time.monotonic() + period
         self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
         # Before the gang's first process: a runner killed from here on takes the gang with it, even
         # the processes a launcher (torchrun) starts in sessions of their own.
@@ -384,7 +326,7 @@ class LocalRunner:
             if not sidecar.start():
                 raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
             log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"
-            log_file = open(log_path, "xb")  # noqa: SIM115 - closed by stop_gang
+            log_file = open(log_path, "xb")  # noqa: SIM115 - closed by _stop_workers
             self._files.append(log_file)
             worker = self._spawn(
                 self._pod_command(rank, port),
@@ -403,7 +345,7 @@ class LocalRunner:
         each = f" of {nproc} processes each" if nproc > 1 else ""
         self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}")
 
-    def stop_gang(self) -> None:
+    def _stop_workers(self) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.
 
         Stops every process registered in this attempt, also those of a rank that was still starting.
@@ -495,6 +437,21 @@ class LocalRunner:
         if report.status is not None:
             rank.status = report.status
 
+    def _monitor_workers(self) -> Observation:
+        """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as
+        the operator does), and observe the gang."""
+        now = time.monotonic()
+        if now >= self._next_probe:
+            self.probe()
+            self._next_probe = now + float(self.spec.health.probe_period_seconds)
+        else:
+            self.read_statuses()
+        return self.observe()
+
+    def _read_final_statuses(self) -> None:
+        for rank in self.ranks:
+            self.read_status(rank)
+
     def read_statuses(self) -> None:
         """Refresh every rank's status: the gang's step is its slowest rank's, so all are needed."""
         for rank in self.ranks:
@@ -525,13 +482,6 @@ class LocalRunner:
             attempt=self.attempt, ranks=ranks, restarts=self.restarts, handled_attempt=self.attempt - 1
         )
 
-    def record_progress(self) -> None:
-        """Take in the gang's progress and turn what changed into timeline events."""
-        if not self.ranks:
-            return
-        for note in self.record.see(self.attempt, self.attempt_started, self.gang_view(), time.time()):
-            self.event(note.kind, note.message, note.step)
-
     # ------------------------------------------------------------------------------------- main ---
     def run(self) -> int:
         """Run to the end; returns the exit code: 0 success, 1 when the policy gives up, 2 for a
@@ -550,83 +500,17 @@ class LocalRunner:
             with signals.deferred():  # registered before a stop signal can leave it unwaited for
                 self.watchdog = Watchdog.start(str(self.checkpoint_dir))
             self.prepare()
-            self.start_gang()
-            return self._watch(signals)
+            self.start_attempt()
+            return self.supervise(signals)
         except Stopped as stop:
             self.event("interrupted", f"stopped by {stop.name}; checkpoints are intact")
             return stop.exit_code
         finally:
             signals.disarm()  # from here on a stop signal cannot cut the cleanup short
-            self.stop_gang()
+            self._stop_workers()
             self.lock.release()
             if self.watchdog is not None:
                 self.watchdog.close()  # the gang is stopped: the watchdog has nothing left to do
-
-    def _watch(self, signals: StopSignals) -> int:
-        period = float(self.spec.health.probe_period_seconds)
-        next_probe = 0.0
-        while True:
-            now = time.monotonic()
-            if now >= next_probe:
-                self.probe()
-                next_probe = now + period
-            else:
-                self.read_statuses()
-            self.record_progress()
-            if self.view is not None:
-                self.view.update(self)
-            decision = decide(self.spec.recovery, self.observe())
-            if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
-                time.sleep(0.25)
-                continue
-            if decision.action is Action.SUCCEED:
-                signals.disarm()  # the job has finished: a late signal does not make it "interrupted"
-                self.finish(decision)
-                self.event("succeeded", "every rank exited 0")
-                return 0
-            if not self._recover(decision, signals):
-                return exit_code_of(decision)
-            next_probe = time.monotonic() + period
-
-    def _recover(self, decision: Decision, signals: StopSignals) -> bool:
-        """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False)."""
-        fault_at = self._fault_time(decision)
-        detected = time.time()
-        self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
-        if decision.action is Action.FAIL:
-            signals.disarm()
-            self.final_decision = decision
-            self.stop_gang()
-            return False
-        with signals.deferred():
-            self.stop_gang()
-        self.restarts = decision.restarts
-        if decision.remediation is not None:
-            self.remediation = RemediationOrder.introduced_by(self.attempt + 1, decision.remediation)
-        self.incidents.append(
-            Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
-        )
-        self.event(
-            "restart",
-            f"restarting the whole gang in {decision.delay_seconds:g} s "
-            f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
-        )
-        time.sleep(decision.delay_seconds)
-        self.backoff_total += decision.delay_seconds
-        self.start_gang()
-        return True
-
-    def finish(self, decision: Decision) -> None:
-        """Record the final decision and let the workers' sidecars go."""
-        self.final_decision = decision
-        for rank in self.ranks:
-            self.read_status(rank)
-        self.record_progress()
-        self.stop_gang()
-
-    def _fault_time(self, decision: Decision) -> float:
-        view = self.gang_view()
-        return fault_time(decision, view, attempt_started=self.attempt_started, now=time.time())
 
     # ---------------------------------------------------------------------------------- summary ---
     def summary(self) -> dict[str, Any]:

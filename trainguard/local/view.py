@@ -13,7 +13,8 @@ from rich.table import Table
 from trainguard.core.observation import GangView
 
 if TYPE_CHECKING:
-    from trainguard.local.runner import Event, LocalRunner
+    from trainguard.local.runner import LocalRunner
+    from trainguard.local.supervisor import Event
 
 _STYLE = {
     "failure": "bold red",

@@ -1,0 +1,206 @@
+"""The run loop of ``trainguard run`` apart from how a gang's processes are started, stopped and watched.
+
+``GangSupervisor`` is a template, as ``torch.distributed.elastic``'s agent is over ``_start_workers``,
+``_stop_workers`` and ``_monitor_workers``: it watches the gang, asks the recovery policy
+(``trainguard.core.policy``) what to do, and carries it out: go on, succeed, fail, or recover (stop the
+gang, back off, start the next attempt, with a remediation after a divergence). It keeps the run's
+timeline and record, which the live view and the summary read. A subclass says how a gang starts, stops
+and is observed; ``trainguard.local.runner.LocalRunner`` does it with processes on this machine.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trainer_sidecar.contract.settings import RemediationOrder
+from trainguard.core.observation import GangView
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
+from trainguard.core.spec import GuardedTrainingJob
+from trainguard.core.summary import Incident, RunRecord, fault_time
+from trainguard.local.launch import StopSignals
+
+#: How often the loop looks again while nothing needs doing.
+IDLE_SECONDS = 0.25
+
+
+@dataclass
+class Event:
+    """A line of the job's timeline."""
+
+    time: float
+    kind: str
+    message: str
+    attempt: int
+    step: int | None = None
+
+    def as_dict(self, origin: float) -> dict[str, Any]:
+        """JSON form, with the time relative to the run's start."""
+        return {
+            "t": round(self.time - origin, 3),
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "step": self.step,
+            "message": self.message,
+        }
+
+
+class RunView(Protocol):
+    """What shows a run as it goes (``trainguard.local.view``)."""
+
+    def event(self, entry: Event) -> None:
+        """Show one timeline event."""
+
+    def update(self, runner: Any) -> None:
+        """Redraw from the runner's current state."""
+
+
+#: ``trainguard run``'s exit code for a job that cannot run (here): an invalid job, a refused start,
+#: or a worker's permanent failure (configuration error, fenced); as for an invalid job file.
+EXIT_CANNOT_RUN = 2
+#: ``trainguard run``'s exit code when the policy gives up on a job that could run (restarts exhausted).
+EXIT_GAVE_UP = 1
+
+
+def exit_code_of(decision: Decision) -> int:
+    """The runner's exit code for a FAIL ``decision``: EXIT_CANNOT_RUN when the failure is permanent (a
+    configuration error or a fenced worker: retrying cannot help, the job cannot run as it is), else
+    EXIT_GAVE_UP."""
+    if decision.failure in (FailureKind.CONFIG, FailureKind.FENCED):
+        return EXIT_CANNOT_RUN
+    return EXIT_GAVE_UP
+
+
+class GangSupervisor(ABC):
+    """Watch, decide, recover: one run of a job, whatever starts its processes.
+
+    Promises: every decision is the shared policy's on what ``_monitor_workers`` observed; a restart stops
+    the whole gang before the backoff and starts a new attempt after it, handing a remediation (once per
+    id) when the policy gives one; the timeline records every start, failure, restart and the end.
+    """
+
+    def __init__(self, job: GuardedTrainingJob, *, view: RunView | None = None) -> None:
+        self.job = job
+        self.spec = job.spec
+        self.view = view
+        self.attempt = 0
+        self.restarts = 0
+        # The attempt that introduced the remediation names it: workers apply a given id once, so a
+        # later restart for another reason (a crash) does not lower the learning rate again.
+        self.remediation: RemediationOrder | None = None
+        self.events: list[Event] = []
+        self.backoff_total = 0.0
+        self.started = time.time()
+        self.attempt_started = self.started
+        self.record = RunRecord(self.started)
+        self.final_decision: Decision | None = None
+
+    # ------------------------------------------------------------------------ what a subclass does ---
+    @abstractmethod
+    def _start_workers(self) -> None:
+        """Start the gang of attempt ``self.attempt`` (already counted)."""
+
+    @abstractmethod
+    def _stop_workers(self) -> None:
+        """Stop every process of the current attempt; nothing of it may be left running."""
+
+    @abstractmethod
+    def _monitor_workers(self) -> Observation:
+        """Look at the gang now (probes, statuses, exits) and say what the policy should see."""
+
+    @abstractmethod
+    def gang_view(self) -> GangView:
+        """The current attempt's gang as its ranks last reported."""
+
+    @abstractmethod
+    def _prepare_attempt(self) -> None:
+        """Before the next attempt is counted: check what must hold for it to start."""
+
+    @abstractmethod
+    def _read_final_statuses(self) -> None:
+        """Before a success is recorded: take in the workers' last statuses."""
+
+    # ----------------------------------------------------------------------------- the template ---
+    @property
+    def incidents(self) -> list[Incident]:
+        """The gang restarts so far (their recovery is filled in as it is seen)."""
+        return self.record.incidents
+
+    def event(self, kind: str, message: str, step: int | None = None) -> None:
+        """Record a timeline event and show it."""
+        entry = Event(time.time(), kind, message, self.attempt, step)
+        self.events.append(entry)
+        if self.view is not None:
+            self.view.event(entry)
+
+    def record_progress(self) -> None:
+        """Take in the gang's progress and turn what changed into timeline events."""
+        if self.attempt == 0:
+            return
+        for note in self.record.see(self.attempt, self.attempt_started, self.gang_view(), time.time()):
+            self.event(note.kind, note.message, note.step)
+
+    def start_attempt(self) -> None:
+        """Count a new attempt and start its gang."""
+        self._prepare_attempt()
+        self.attempt += 1
+        self.attempt_started = time.time()
+        self._start_workers()
+
+    def supervise(self, signals: StopSignals) -> int:
+        """Watch the started gang until the policy ends the run; the run's exit code (``exit_code_of``)."""
+        while True:
+            observation = self._monitor_workers()
+            self.record_progress()
+            if self.view is not None:
+                self.view.update(self)
+            decision = decide(self.spec.recovery, observation)
+            if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
+                time.sleep(IDLE_SECONDS)
+                continue
+            if decision.action is Action.SUCCEED:
+                signals.disarm()  # the job has finished: a late signal does not make it "interrupted"
+                self._finish(decision)
+                self.event("succeeded", "every rank exited 0")
+                return 0
+            if not self._recover(decision, signals):
+                return exit_code_of(decision)
+
+    def _recover(self, decision: Decision, signals: StopSignals) -> bool:
+        """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False)."""
+        fault_at = fault_time(
+            decision, self.gang_view(), attempt_started=self.attempt_started, now=time.time()
+        )
+        detected = time.time()
+        self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
+        if decision.action is Action.FAIL:
+            signals.disarm()
+            self.final_decision = decision
+            self._stop_workers()
+            return False
+        with signals.deferred():
+            self._stop_workers()
+        self.restarts = decision.restarts
+        if decision.remediation is not None:
+            self.remediation = RemediationOrder.introduced_by(self.attempt + 1, decision.remediation)
+        self.incidents.append(
+            Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
+        )
+        self.event(
+            "restart",
+            f"restarting the whole gang in {decision.delay_seconds:g} s "
+            f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
+        )
+        time.sleep(decision.delay_seconds)
+        self.backoff_total += decision.delay_seconds
+        self.start_attempt()
+        return True
+
+    def _finish(self, decision: Decision) -> None:
+        """Record the final decision, take in the last statuses and let the gang go."""
+        self.final_decision = decision
+        self._read_final_statuses()
+        self.record_progress()
+        self._stop_workers()
