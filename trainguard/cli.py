@@ -80,7 +80,7 @@ def _run_job(
 def _report_run(args: argparse.Namespace, runner: LocalRunner, code: int) -> int:
     if runner.run_folder is None:  # stopped before the run had its folder: nothing ran
         return code
-    summary = runner.summary()
+    summary = runner.summary().as_dict()
     text = json.dumps(summary, indent=1).encode()
     summary_path = runner.run_folder / "summary.json"
     write_output(summary_path, text)  # always kept in the run folder, whatever else fails

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.paths import REPO_ROOT
 from trainguard.core.policy import Action, Decision, FailureKind
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 from trainguard.local.launch import RunRefused
@@ -172,3 +174,32 @@ def test_workers_are_given_the_locked_directory_and_not_where_a_re_pointed_path_
 )
 def test_a_permanent_failure_exits_2_and_a_policy_that_gives_up_1(failure: FailureKind, code: int) -> None:
     assert exit_code_of(Decision(Action.FAIL, "why", failure=failure)) == code
+
+
+def test_a_run_result_writes_every_key_the_readme_documents_and_the_report_reads_it_back() -> None:
+    from trainguard.core.summary import RunRecord
+    from trainguard.local.report import SummaryView
+    from trainguard.local.supervisor import FinalCheckpoint, RunResult
+
+    figures = RunRecord(started=0.0).figures(10.0, 2.0)
+    result = RunResult(
+        name="tiny-lm",
+        namespace="research",
+        result="succeeded",
+        reason="every rank exited 0",
+        attempts=1,
+        figures=figures,
+        final_checkpoint=FinalCheckpoint(step=0, path="/ckpt/step-0", sha256="ab" * 32),
+        timeline=[{"t": 0.5, "kind": "start", "attempt": 1, "step": None, "message": "started"}],
+        series=[],
+    )
+    document = result.as_dict()
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("The summary JSON holds:") : readme.index("## Fault injection")]
+    documented = {name for name in re.findall(r"`([a-z_]+)`", section) if not name.endswith("_seconds")}
+    documented -= {"last_step", "resumed_step", "redone_steps"}  # the keys of each restart entry
+    assert documented <= set(document), documented - set(document)
+    assert document["job"] == {"name": "tiny-lm", "namespace": "research"}
+    assert document["final_checkpoint"] == {"step": 0, "path": "/ckpt/step-0", "sha256": "ab" * 32}
+    view = SummaryView.model_validate(json.loads(json.dumps(document)))
+    assert (view.job.name, view.result, view.final_step) == ("tiny-lm", "succeeded", figures.final_step)

@@ -171,18 +171,18 @@ def test_the_run_record_of_a_hang_after_a_checkpoint_then_a_resume_matches_the_h
     # By hand: attempt 1 computed the kept steps 0..90 in 90 s (seen to 80 at 1 step/s, then carried on
     # to the checkpoint attempt 2 resumed from); attempt 2 computed 90..200 in 110 s (first seen at 100
     # at t=150, so 90 at t=140). Kept 200 s of 250 s of wall time; 200 of 245 without the backoff.
-    assert figures["final_step"] == 200
-    assert figures["kept_seconds"] == pytest.approx(200.0)
-    assert figures["goodput"] == pytest.approx(0.8)
-    assert figures["goodput_excluding_backoff"] == pytest.approx(round(200 / 245, 4))
-    restart = figures["restarts"][0]
+    assert figures.final_step == 200
+    assert figures.kept_seconds == pytest.approx(200.0)
+    assert figures.goodput == pytest.approx(0.8)
+    assert figures.goodput_excluding_backoff == pytest.approx(round(200 / 245, 4))
+    restart = figures.restarts[0]
     assert (restart["last_step"], restart["resumed_step"], restart["redone_steps"]) == (80, 90, 0)
     assert restart["time_to_recover_seconds"] == pytest.approx(150.0 - 80.0)
     assert [n.kind for n in notes] == ["recovered"]
     assert notes[0].message == "training progressed again at step 100, resumed from step 90"
     # One sample per new step seen: a gang that stands still adds none.
     assert [s.step for s in record.samples if s.attempt == 1] == list(range(10, 81, 10))
-    assert figures["samples_seen"] == 2 * 2500  # both ranks' shards
+    assert figures.samples_seen == 2 * 2500  # both ranks' shards
 
 
 def test_the_run_record_notes_counter_changes_but_not_counters_restored_by_a_resume() -> None:
@@ -198,7 +198,7 @@ def test_the_run_record_notes_counter_changes_but_not_counters_restored_by_a_res
     assert record.see(2, 30.0, starting, 35.0) == []
     restored = gang(20, resumed=20, rollbacks=1, skipped_steps=2, last_clean_checkpoint=ref)
     assert record.see(2, 30.0, restored, 40.0) == []
-    assert record.figures(50.0, 0.0)["rollbacks"] == 1
+    assert record.figures(50.0, 0.0).rollbacks == 1
 
 
 def test_a_hang_began_at_the_hung_ranks_last_step_within_the_attempt_and_the_present() -> None:

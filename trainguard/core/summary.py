@@ -301,7 +301,7 @@ class RunRecord:
         runs = stretches(self.samples, self.resume_steps, started=self.attempt_starts)
         return kept_time(runs, final_step)
 
-    def figures(self, wall_seconds: float, backoff_seconds: float) -> dict[str, Any]:
+    def figures(self, wall_seconds: float, backoff_seconds: float) -> RunFigures:
         """The summary's figures for a run of ``wall_seconds`` that waited ``backoff_seconds`` in
         backoffs: the final step, the restarts, the counters, and goodput from the kept time."""
         view = self.view
@@ -309,20 +309,42 @@ class RunRecord:
         kept = self.kept_seconds(final_step)
         seen = view.samples_seen if view is not None and view.samples_seen is not None else 0
         dropped = view.samples_dropped if view is not None and view.samples_dropped is not None else 0
-        return {
-            "final_step": final_step,
-            "restarts": [_restart(incident) for incident in self.incidents],
-            "rollbacks": view.rollbacks if view is not None and view.rollbacks is not None else 0,
-            "skipped_steps": view.skipped_steps if view is not None and view.skipped_steps is not None else 0,
-            "samples_seen": seen,
-            "samples_dropped": dropped,
-            "drop_rate": dropped / seen if seen else 0.0,
-            "wall_seconds": round(wall_seconds, 3),
-            "backoff_seconds": backoff_seconds,
-            "kept_seconds": round(kept, 3),
-            "goodput": round(goodput(kept, wall_seconds), 4),
-            "goodput_excluding_backoff": round(goodput(kept, wall_seconds, backoff_seconds), 4),
-        }
+        return RunFigures(
+            final_step=final_step,
+            restarts=[_restart(incident) for incident in self.incidents],
+            rollbacks=view.rollbacks if view is not None and view.rollbacks is not None else 0,
+            skipped_steps=view.skipped_steps if view is not None and view.skipped_steps is not None else 0,
+            samples_seen=seen,
+            samples_dropped=dropped,
+            drop_rate=dropped / seen if seen else 0.0,
+            wall_seconds=round(wall_seconds, 3),
+            backoff_seconds=backoff_seconds,
+            kept_seconds=round(kept, 3),
+            goodput=round(goodput(kept, wall_seconds), 4),
+            goodput_excluding_backoff=round(goodput(kept, wall_seconds, backoff_seconds), 4),
+        )
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """A run's figures, as the summary reports them (the README's summary reference names each)."""
+
+    final_step: int
+    restarts: list[dict[str, Any]]
+    rollbacks: int
+    skipped_steps: int
+    samples_seen: int
+    samples_dropped: int
+    drop_rate: float
+    wall_seconds: float
+    backoff_seconds: float
+    kept_seconds: float
+    goodput: float
+    goodput_excluding_backoff: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as the summary's JSON keys, in the summary's order."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def _count_note(key: str, value: int, previous: int, step: int) -> Note:

@@ -55,7 +55,7 @@ from trainguard.local.launch import (
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
-from trainguard.local.supervisor import GangSupervisor
+from trainguard.local.supervisor import FinalCheckpoint, GangSupervisor, RunResult
 from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
@@ -513,7 +513,7 @@ class LocalRunner(GangSupervisor):
                 self.watchdog.close()  # the gang is stopped: the watchdog has nothing left to do
 
     # ---------------------------------------------------------------------------------- summary ---
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunResult:
         """The run's figures (see the README's summary reference)."""
         from trainer_sidecar.checkpoint import CheckpointStore  # imports torch: only when summarising
 
@@ -524,19 +524,20 @@ class LocalRunner(GangSupervisor):
         if newest is not None:
             ref = store.reference(newest)
             if ref is not None:
-                checkpoint = {"step": ref.step, "path": ref.path, "sha256": ref.sha256}
+                checkpoint = FinalCheckpoint(step=ref.step, path=ref.path, sha256=ref.sha256)
         decision = self.final_decision
         if decision is None:
             result = "interrupted"
         else:
             result = "succeeded" if decision.action is Action.SUCCEED else "failed"
-        return {
-            "job": {"name": self.job.metadata.name, "namespace": self.job.metadata.namespace},
-            "result": result,
-            "reason": decision.reason if decision else "interrupted",
-            "attempts": self.attempt,
-            **self.record.figures(wall, self.backoff_total),
-            "final_checkpoint": checkpoint,
-            "timeline": [e.as_dict(self.started) for e in self.events],
-            "series": self.record.series,
-        }
+        return RunResult(
+            name=self.job.metadata.name,
+            namespace=self.job.metadata.namespace,
+            result=result,
+            reason=decision.reason if decision else "interrupted",
+            attempts=self.attempt,
+            figures=self.record.figures(wall, self.backoff_total),
+            final_checkpoint=checkpoint,
+            timeline=[e.as_dict(self.started) for e in self.events],
+            series=self.record.series,
+        )

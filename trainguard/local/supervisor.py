@@ -19,7 +19,7 @@ from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
 from trainguard.core.spec import GuardedTrainingJob
-from trainguard.core.summary import Incident, RunRecord, fault_time
+from trainguard.core.summary import Incident, RunFigures, RunRecord, fault_time
 from trainguard.local.launch import StopSignals
 
 #: How often the loop looks again while nothing needs doing.
@@ -44,6 +44,50 @@ class Event:
             "attempt": self.attempt,
             "step": self.step,
             "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class FinalCheckpoint:
+    """The newest clean checkpoint a run left: its step, folder and data file's digest."""
+
+    step: int
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one run of a job came to: the README's summary reference, typed.
+
+    ``result`` is ``succeeded``, ``failed`` or ``interrupted`` (stopped by a signal before the policy
+    decided); ``reason`` says why in words.
+    """
+
+    name: str
+    namespace: str
+    result: str
+    reason: str
+    attempts: int
+    figures: RunFigures
+    final_checkpoint: FinalCheckpoint | None
+    timeline: list[dict[str, Any]]
+    series: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary file's JSON object (``summary.json``), keys in the documented order."""
+        checkpoint = self.final_checkpoint
+        return {
+            "job": {"name": self.name, "namespace": self.namespace},
+            "result": self.result,
+            "reason": self.reason,
+            "attempts": self.attempts,
+            **self.figures.as_dict(),
+            "final_checkpoint": None
+            if checkpoint is None
+            else {"step": checkpoint.step, "path": checkpoint.path, "sha256": checkpoint.sha256},
+            "timeline": self.timeline,
+            "series": self.series,
         }
 
 
