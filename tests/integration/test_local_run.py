@@ -126,6 +126,19 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     assert summary["attempts"] == 2
 
 
+def test_a_hung_gang_is_stopped_at_once_not_after_the_stop_grace(tmp_path: Path) -> None:
+    """Once rank 1 hangs, rank 0 waits in the step's collective and cannot reach a boundary to checkpoint:
+    the runner stops both within a moment, not after its stop grace (10 s), which is for a stop where
+    every rank can save."""
+    code, summary, output = run(tmp_path, job(tmp_path, faults="hang@15:1"))
+    assert code == 0, output
+    failure = next(e for e in summary["timeline"] if e["kind"] == "failure")
+    restart = next(e for e in summary["timeline"] if e["kind"] == "restart")
+    # Stopping takes the broken gang's grace (1 s) and the sidecars' exit, far under the 10 s grace.
+    assert restart["t"] - failure["t"] < 5, summary["timeline"]
+    assert summary["final_step"] == 40
+
+
 def test_a_crash_restarts_the_gang_after_the_configured_backoff(tmp_path: Path) -> None:
     started = time.monotonic()
     code, summary, output = run(

@@ -345,7 +345,7 @@ class LocalRunner(GangSupervisor):
         each = f" of {nproc} processes each" if nproc > 1 else ""
         self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}")
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, grace_seconds: float | None = None) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.
 
         Stops every process registered in this attempt, also those of a rank that was still starting.
@@ -354,7 +354,8 @@ class LocalRunner(GangSupervisor):
         self._workers, self._sidecars, self._files = [], [], []
         for worker in workers:
             signal_group(worker, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_seconds
+        grace = self.stop_grace_seconds if grace_seconds is None else grace_seconds
+        deadline = time.monotonic() + grace
         for worker in workers:
             try:
                 worker.wait(timeout=max(0.0, deadline - time.monotonic()))

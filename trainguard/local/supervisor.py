@@ -24,6 +24,11 @@ from trainguard.local.launch import StopSignals
 
 #: How often the loop looks again while nothing needs doing.
 IDLE_SECONDS = 0.25
+#: How long a gang that lost a rank (dead, hung) gets between SIGTERM and SIGKILL. Its survivors cannot
+#: reach a step boundary to checkpoint (the next collective waits for the lost rank), so the full stop
+#: grace would only hold the restart up; a moment is left for them to flush their output. The operator
+#: does the same (``trainguard_operator.render.HUNG_WORKER_GRACE_SECONDS``).
+BROKEN_GANG_GRACE_SECONDS = 1.0
 
 
 @dataclass
@@ -147,8 +152,9 @@ class GangSupervisor(ABC):
         """Start the gang of attempt ``self.attempt`` (already counted)."""
 
     @abstractmethod
-    def _stop_workers(self) -> None:
-        """Stop every process of the current attempt; nothing of it may be left running."""
+    def _stop_workers(self, grace_seconds: float | None = None) -> None:
+        """Stop every process of the current attempt (SIGTERM, then SIGKILL after ``grace_seconds``; None:
+        the runner's stop grace, time for a checkpoint); nothing of it may be left running."""
 
     @abstractmethod
     def _monitor_workers(self) -> Observation:
@@ -219,13 +225,14 @@ class GangSupervisor(ABC):
         )
         detected = time.time()
         self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
+        # A failure (a crash, a hang, a refused claim) leaves no gang that could checkpoint: stop it now.
         if decision.action is Action.FAIL:
             signals.disarm()
             self.final_decision = decision
-            self._stop_workers()
+            self._stop_workers(BROKEN_GANG_GRACE_SECONDS)
             return False
         with signals.deferred():
-            self._stop_workers()
+            self._stop_workers(BROKEN_GANG_GRACE_SECONDS)
         self.restarts = decision.restarts
         if decision.remediation is not None:
             self.remediation = RemediationOrder.introduced_by(self.attempt + 1, decision.remediation)
