@@ -1,7 +1,7 @@
 """The end of training when the loop did not say so: what the guardian does at interpreter exit.
 
 A loop that forgets ``guardian.finish()`` would lose the steps since its last checkpoint and leave the
-worker's status at ``running``. The guardian arms one ``atexit`` hook per process for the newest open
+worker's status at ``running``. The guardian arms one exit hook per process for the newest open
 guardian (held weakly, so a guardian dropped earlier is never touched); the hook tells it whether the
 interpreter is exiting over an unhandled exception, and the guardian decides (``exit_plan``).
 
@@ -9,6 +9,13 @@ No collective runs at exit: a peer may have crashed, or already torn down its pr
 collective would then hang until gloo's timeout or abort. What a gang needs agreed (the final
 checkpoint) is started at the step boundary where the declared ``max_steps`` was reached, where every
 rank is anyway; at exit each rank only waits for its own writes and publishes its own status.
+
+The hook runs among ``threading``'s exit callbacks, not ``atexit``'s: those run first, while the main
+thread waits for the others, and in reverse order of registration, so before ``concurrent.futures``
+(registered on import, earlier) refuses new work. From ``atexit`` the checkpoint writer could no longer
+schedule the stages of a write: the final checkpoint failed with "cannot schedule new futures after
+shutdown". ``threading._register_atexit`` is private (Python 3.9 and later); without it the hook falls
+back to ``atexit``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from enum import Enum
@@ -65,7 +73,13 @@ def arm_at_exit(on_exit: Callable[[bool], None]) -> None:
     _armed = weakref.WeakMethod(on_exit)
     _armed_pid = os.getpid()
     if not _registered:
-        atexit.register(_at_exit)
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise RuntimeError("no threading._register_atexit")
+            register(_at_exit)
+        except RuntimeError:  # missing, or the interpreter is shutting down already
+            atexit.register(_at_exit)
         _registered = True
 
 
