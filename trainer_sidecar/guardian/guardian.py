@@ -1154,13 +1154,14 @@ class Guardian:
             # The final checkpoint was started at the step boundary that reached max_steps, on every
             # rank; here each rank only waits for its own writes (no collective: see ending.py).
             self._release()
+            if self.checkpoints.enabled and not self.checkpoints.saved(step):
+                self._exit_short(f"no final checkpoint of step {step} was started")
             try:
-                self.checkpoints.close()
+                self.checkpoints.close()  # raises unless this rank's files of it are durable
             except FencedError as exc:
                 self._fenced(exc)
-            durable = self.checkpoints.last_clean
-            if self.checkpoints.enabled and (durable is None or durable.step != step):
-                self._exit_short(f"the final checkpoint of step {step} did not become durable")
+            except CheckpointError as exc:
+                self._exit_short(f"the final checkpoint of step {step} failed: {exc}")
             self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
             return
         self._release()
