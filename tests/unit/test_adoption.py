@@ -33,14 +33,15 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 1)
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def loss_of(model: torch.nn.Module) -> torch.Tensor:
-    return model(torch.ones(2, 4)).pow(2).mean()
+def loss_of(model: torch.nn.Linear) -> torch.Tensor:
+    loss: torch.Tensor = model(torch.ones(2, 4)).pow(2).mean()
+    return loss
 
 
 def steps_on_disk(directory: Path) -> list[int]:
