@@ -1,5 +1,5 @@
 """A training loop in the shape of the popular minimal GPT scripts, guarded by trainguard (nanogpt_plain.py
-is the same loop without it: ``diff nanogpt_plain.py nanogpt.py`` shows the ten changed lines).
+is the same loop without it: ``diff nanogpt_plain.py nanogpt.py`` shows the changed lines).
 
 Its own shape, kept on purpose: random windows drawn from a memmapped token file by a batch function
 (prefetched one step ahead), a learning rate it writes into every param group each iteration (warmup and
@@ -96,9 +96,9 @@ def get_lr(it: int) -> float:
 os.makedirs(args.out_dir, exist_ok=True)
 best_val_loss = math.inf
 losses_seen = []
-iter_num = guardian.step_count
+iter_num = 0
 X, Y = get_batch("train")
-while iter_num < args.max_iters:
+for iter_num in guardian.steps(args.max_iters):
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
@@ -121,9 +121,8 @@ while iter_num < args.max_iters:
     guardian.step()
     optimizer.zero_grad(set_to_none=True)
     losses_seen.append(loss.item() * args.accumulation_steps)
-    iter_num += 1
 
 if master_process:
-    print(json.dumps({"iter_num": iter_num, "last_losses": losses_seen[-5:]}), flush=True)
+    print(json.dumps({"iter_num": guardian.step_count, "last_losses": losses_seen[-5:]}), flush=True)
 if ddp:
     destroy_process_group()

@@ -43,6 +43,7 @@ from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
+from trainer_sidecar.guardian.ending import ExitPlan, arm_at_exit, disarm_at_exit, exit_plan
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
@@ -122,6 +123,12 @@ class StepOutcome:
     rolled_back: bool = False
 
 
+def _step_number(name: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"{name} must be a step number (an integer of at least 0), got {value!r}")
+    return value
+
+
 def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
@@ -138,6 +145,13 @@ class Guardian:
     orchestrator's ``TRAINGUARD_*`` variables (``GuardianConfig.from_env``) and the explicit
     ``checkpoint_dir``, ``settings`` and ``status_file`` arguments, which must agree with them. With
     ``resume`` (the default) the constructor ends by restoring the newest valid checkpoint (``resume``).
+
+    ``max_steps`` declares the end of the run (as ``steps(max_steps)`` and ``run(loader, max_steps)``
+    do): the step that reaches it is checkpointed on every rank, a step boundary past it is refused (no
+    update, no count, no checkpoint: a finished job rerun trains nothing), and at interpreter exit the
+    worker is reported finished if it was reached, or exits 1 if it was not (see ``_at_exit``).
+    ``start_step`` says the loop continues an earlier run of its own at that step (it loaded its own
+    checkpoint); it applies only while the guardian has no checkpoint of its own (``resume``).
     """
 
     def __init__(
@@ -154,6 +168,8 @@ class Guardian:
         validate: Callable[[], float] | None = None,
         resume: bool = True,
         config: GuardianConfig | None = None,
+        max_steps: int | None = None,
+        start_step: int | None = None,
     ) -> None:
         try:
             if config is None:
@@ -170,10 +186,14 @@ class Guardian:
                     f"accumulation_steps must be an integer of at least 1, got {accumulation_steps!r}"
                 )
             self._wire(model, optimizer, scheduler, scaler, config, accumulation_steps, validate)
+            self.max_steps = _step_number("max_steps", max_steps)
+            self._start_step = _step_number("start_step", start_step)
             self._open_checkpoints()
             self._publish(force=True)
             if resume:
                 self.resume()
+            elif self._start_step is not None:
+                self._continue_at(self._start_step)
         except ConfigError as exc:
             report_config_error(config, exc)
             raise
@@ -209,6 +229,9 @@ class Guardian:
         self.resumed_step = 0
         self.nan_location: str | None = None
         self._micro = 0
+        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
+        self._ended = False  # finished, closed, stopped or failed: nothing left for the exit hook
+        self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
         self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
@@ -257,6 +280,7 @@ class Guardian:
             self._busy.watch_peers(self.rank, lambda: self._publish(force=True))
         self.phase = Phase.RUNNING
         self._publish(force=True)
+        arm_at_exit(self._at_exit)
 
     # ---------------------------------------------------------------------------------------- busy ---
     @contextmanager
@@ -404,13 +428,64 @@ class Guardian:
         """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
         self.feed.attach(loader)
 
+    def steps(self, max_steps: int | None = None) -> Iterator[int]:
+        """Yield the number of the step to train, ``step_count``, until ``max_steps`` steps are kept;
+        then ``finish`` (the final checkpoint, ``finished``). For a loop that draws its own batches::
+
+            for iter_num in guardian.steps(max_iters):   # was: while iter_num < max_iters: ... iter_num += 1
+                lr = get_lr(iter_num)
+                ...
+                guardian.step()
+
+        The number is the guardian's, so it cannot drift from the model: after a rollback it goes back
+        with the weights (63 then 60), the learning-rate schedule follows, and the loop ends with exactly
+        ``max_steps`` steps kept. A resumed job starts at its checkpoint's step; a finished one yields
+        nothing. Each iteration must reach one step boundary (``step``): one that does not raises
+        RuntimeError. ``max_steps`` defaults to the one given to the constructor; it declares the end
+        (see ``Guardian``). Should the final state not be clean, the guardian rolls back and goes on.
+        """
+        end = self._declare_end(max_steps)
+        self._driven = True
+        while True:
+            while self.counters.step < end:
+                before = self.counters.iterations
+                yield self.counters.step
+                if self.counters.iterations == before:
+                    raise RuntimeError(
+                        "an iteration of guardian.steps() reached no step boundary "
+                        f"(step {self.counters.step}): call guardian.step() once per iteration"
+                    )
+            try:
+                self.finish()
+                return
+            except UncleanState as exc:
+                log.warning("%s; training on", exc)
+
+    def _declare_end(self, max_steps: int | None) -> int:
+        """The run's last step, from the argument or the constructor's ``max_steps`` (which must agree)."""
+        max_steps = _step_number("max_steps", max_steps)
+        if max_steps is None:
+            if self.max_steps is None:
+                raise TypeError("Guardian.steps() needs max_steps (here or in Guardian(..., max_steps=N))")
+            return self.max_steps
+        if self.max_steps is not None and self.max_steps != max_steps:
+            raise ConfigError(
+                f"max_steps={max_steps} here, but Guardian(..., max_steps={self.max_steps}): "
+                "a run has one end"
+            )
+        self.max_steps = max_steps
+        return max_steps
+
     def run(self, loader: GuardedLoader | DataLoader[Any], max_steps: int) -> Iterator[Any]:
         """Yield batches (one per micro-step) until ``max_steps`` steps are kept, then ``finish``.
 
-        Epochs follow one another; a resumed job starts at the exact next batch. A DataLoader is taken
-        over first (``loader``). Should the final state not be clean, the guardian rolls back and
-        training goes on until it is.
+        Epochs follow one another; a resumed job starts at the exact next batch, a finished one yields
+        nothing. A DataLoader is taken over first (``loader``). ``max_steps`` declares the end as the
+        constructor's does. Should the final state not be clean, the guardian rolls back and training
+        goes on until it is.
         """
+        max_steps = self._declare_end(max_steps)
+        self._driven = True
         if isinstance(loader, DataLoader):
             loader = self.loader(loader)
         if self.feed.loader is not loader:
@@ -471,6 +546,8 @@ class Guardian:
         elif self._micro == 0:
             raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
         self._micro = 0
+        if self.max_steps is not None and self.counters.step >= self.max_steps:
+            return self._past_the_end()
         if not self._adoption_checked:
             self._check_adoption()
         if self.checkpoints.fenced is not None:
@@ -488,6 +565,22 @@ class Guardian:
         if agreed.stop:
             self._stop_now()
         return outcome
+
+    def _past_the_end(self) -> StepOutcome:
+        """A step boundary once ``max_steps`` steps are kept: nothing is applied, counted or saved.
+
+        A loop that tests its end after the step (nanoGPT's ``iter_num += 1; if iter_num > max_iters:
+        break``) trains once more on every start: rerunning a finished job would train (and, at its
+        end, checkpoint) one more step each time. The declared end is the guardian's to keep; every
+        rank holds the same step, so every rank refuses alike, without a collective."""
+        self.training.unscale()  # a GradScaler's update needs its inf checks recorded
+        self.training.drop_update()
+        self._loss_sum, self._step_batches = None, []
+        reason = f"past max_steps={self.max_steps}: not applied (training is over)"
+        if not self._past_end_warned:
+            self._past_end_warned = True
+            self._log_gang(logging.WARNING, "step %d is %s", self.counters.step, reason)
+        return StepOutcome(boundary=True, applied=False, reason=reason)
 
     def _check_adoption(self) -> None:
         """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
@@ -650,7 +743,9 @@ class Guardian:
         policy = self.settings.checkpoint
         step = self.counters.step
         snapshot_due = step % policy.snapshot_every_steps == 0
-        checkpoint_due = self.checkpoints.due(step, time_due)
+        # The declared end is checkpointed where every rank is, at its step boundary: at exit a gang may
+        # no longer agree on anything (``trainer_sidecar.guardian.ending``).
+        checkpoint_due = self.checkpoints.due(step, time_due or step == self.max_steps)
         if not (snapshot_due or checkpoint_due):
             return None
         unclean = self._unclean_state()
@@ -771,6 +866,15 @@ class Guardian:
             "rolled back from step %d to step %d after %s; lr scale now %.4g, max grad norm %.4g",
             from_step, self.counters.step, reason, self.counters.lr_scale, self.counters.max_grad_norm,
         )  # fmt: skip
+        if not self._driven:
+            # The loop is not iterating ``guardian.steps()``/``run()``, so it may count steps of its own:
+            # such a counter now runs ahead of the model (the schedule shifts, fewer steps are kept).
+            self._log_gang(
+                logging.WARNING,
+                "step_count went back to %d: a loop that counts its own steps must take guardian.step_count "
+                "again (for iter_num in guardian.steps(max_iters): ... cannot drift)",
+                self.counters.step,
+            )
         self._check_validation("rollback")
         # Every rank stays "rolling back" until the slowest one has validated: otherwise the faster
         # ranks would wait for it in their next all-reduce and look hung.
@@ -830,6 +934,7 @@ class Guardian:
     def _report_end(self, phase: Phase, message: str, code: int) -> None:
         """Publish the worker's final phase, message and exit code, in the status and the termination
         message (which outlives the sidecar)."""
+        self._ended = True
         self.phase, self.message, self.exit_code = phase, message, code
         self._publish(force=True)
         self._reporter.write_termination_message()
@@ -893,9 +998,17 @@ class Guardian:
         A checkpoint that turns out not to load (damaged after it was verified, counters or RNG state
         malformed) is skipped for the next older one, on every rank alike (``guardian.resume``). A
         checkpoint of another model or optimizer is a configuration error (nothing is deleted).
+
+        With no checkpoint of its own and the constructor's ``start_step=N``, the run continues at step N
+        (``_continue_at``) and None is returned. Once the guardian has a checkpoint of its own,
+        ``start_step`` is not used: that checkpoint holds weights, optimizer, data position, random
+        generators and counters together, and overwrites what the loop loaded (a warning names both
+        steps when they differ).
         """
         resumed = self.checkpoints.resume(self.settings.guard.loss_spike_window)
         if resumed is None:
+            if self._start_step is not None:
+                self._continue_at(self._start_step)
             return None
         checkpoint, self.counters = resumed
         self.resumed_step = checkpoint.step
@@ -906,8 +1019,40 @@ class Guardian:
             checkpoint.step,
             self.checkpoint_dir,
         )
+        if self._start_step is not None and self._start_step != checkpoint.step:
+            self._log_gang(
+                logging.WARNING,
+                "start_step=%d is not used: the guardian's own checkpoint at step %d takes over (its "
+                "weights, optimizer, data position and counters replace what the loop loaded)",
+                self._start_step,
+                checkpoint.step,
+            )
         self._check_validation("resume")
         return checkpoint.step
+
+    def _continue_at(self, step: int) -> None:
+        """Continue a run whose earlier steps the guardian did not see (the loop loaded its own checkpoint):
+        ``step_count`` starts at ``step``. The weights, optimizer and scheduler are whatever the loop loaded
+        before the guardian was made; the starting snapshot (a rollback's floor) is taken of them. Data:
+        a loop drawing its own batches draws on as it would; a loader given to the guardian starts at the
+        beginning of its order (epoch 0), since the earlier run's order was not the guardian's. From the
+        guardian's first checkpoint on, step, weights and data position are saved together."""
+        self.counters.step = step
+        self.resumed_step = step
+        scheduler = self.training.scheduler
+        if scheduler is not None and scheduler.last_epoch != step:
+            self._log_gang(
+                logging.WARNING,
+                "start_step=%d but the scheduler given to the guardian has stepped %d times: load its "
+                "state_dict from the loop's checkpoint too, or the schedule restarts",
+                step,
+                scheduler.last_epoch,
+            )
+        self._log_gang(
+            logging.WARNING,
+            "no checkpoint of the guardian's own yet: continuing at start_step=%d as the loop says",
+            step,
+        )
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
@@ -955,17 +1100,24 @@ class Guardian:
         """Write a final checkpoint (if not already written and the state is clean), wait for every
         write, and publish ``finished``.
 
-        Raises UncleanState (after rolling back) when the final state is not finite: the job is not done.
+        ``steps`` and ``run`` call it when their last step is kept, and so does interpreter exit when the
+        loop ends otherwise (``_at_exit``): a loop calls it itself only to end before ``max_steps`` (early
+        stopping). Raises UncleanState (after rolling back) when the final state is not finite: the job
+        is not done.
         """
         self.settle()  # the loop may have changed the state in place since its last step
         if self.checkpoints.enabled:
             self.checkpoints.wait()  # a save of this very step may still be in flight
             final = self.counters.step
-            if not self.checkpoints.saved(final) and not self.save_checkpoint():
+            # Checked even when the final checkpoint is written already (at a declared max_steps, or by
+            # cadence): the loop may have changed the state in place after its last step.
+            if self._unclean_state() is not None:
                 raise UncleanState(
                     f"the final state at step {final} holds non-finite values; rolled back to step "
                     f"{self.counters.step}"
                 )
+            if not self.checkpoints.saved(final):
+                self._save_checkpoint()
             try:
                 self.checkpoints.close()
             except FencedError as exc:
@@ -978,11 +1130,76 @@ class Guardian:
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
+        self._ended = True
         self._release()
         self.checkpoints.close()
 
+    def _at_exit(self, crashed: bool) -> None:
+        """The interpreter exits and the loop neither finished nor closed the guardian
+        (``trainer_sidecar.guardian.ending``): finish when the end is known and reached; never report an
+        unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
+        if self._ended:
+            return
+        step = self.counters.step
+        plan = exit_plan(
+            crashed=crashed, distributed=self.gang.distributed, step=step, max_steps=self.max_steps
+        )
+        if plan is ExitPlan.FINISH and not self.gang.distributed:
+            try:
+                self.finish()  # one process: nothing to agree with anyone
+                return
+            except UncleanState as exc:
+                self._exit_short(f"{exc}; the job is not done")
+        if plan is ExitPlan.FINISH:
+            # The final checkpoint was started at the step boundary that reached max_steps, on every
+            # rank; here each rank only waits for its own writes (no collective: see ending.py).
+            self._release()
+            if self.checkpoints.enabled and not self.checkpoints.saved(step):
+                self._exit_short(f"no final checkpoint of step {step} was started")
+            try:
+                self.checkpoints.close()  # raises unless this rank's files of it are durable
+            except FencedError as exc:
+                self._fenced(exc)
+            except CheckpointError as exc:
+                self._exit_short(f"the final checkpoint of step {step} failed: {exc}")
+            self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+            return
+        self._release()
+        if plan is ExitPlan.CRASHED:
+            self.checkpoints.close()  # a clean checkpoint in flight is still worth having
+            return
+        newest = self.checkpoints.checkpointed_step
+        if plan is ExitPlan.UNDECLARED:
+            self.checkpoints.close()
+            log.error(
+                "the loop ended at step %d without guardian.finish(); in a gang the final steps cannot "
+                "be saved at exit (newest checkpoint: %s) and the worker is not reported finished: "
+                "iterate guardian.steps(max_steps) or declare Guardian(..., max_steps=N)",
+                step,
+                newest,
+            )
+            return
+        if not self.gang.distributed and self.checkpoints.enabled and not self.checkpoints.saved(step):
+            self.save_checkpoint()  # one process: the clean state it stopped at, so a restart goes on
+        self.checkpoints.close()
+        self._exit_short(
+            f"the loop ended at step {step} of max_steps={self.max_steps} without guardian.finish() "
+            f"({self.counters.rollbacks} rollbacks: a loop counter of its own drifts after one; "
+            "iterate guardian.steps(max_steps), or call guardian.finish() to end early)"
+        )
+
+    def _exit_short(self, message: str) -> None:
+        """End the process with exit code 1 at interpreter exit: the job is not done (a restart resumes)."""
+        log.error("%s; exiting with code 1", message)
+        self._report_end(Phase.FAILED, message, 1)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
     def _release(self) -> None:
         """Stop watching peers and put back the signal handlers (the guardian's work is over)."""
+        disarm_at_exit(self._at_exit)
         if self._holding_stop:
             self._holding_stop = False
             self._stop.release()

@@ -4,6 +4,12 @@ Single process by default; under ``torch.distributed`` (gloo) when RANK and WORL
 the model wrapped in DistributedDataParallel. Settings, faults, checkpoint and status locations come
 from the usual TRAINGUARD_* environment variables. On success it prints one JSON line with the
 guardian's counters and a SHA-256 of the final weights.
+
+``--loop`` chooses how the loop is written: ``run`` (``guardian.run``, the default), ``steps`` (its own
+batches, counted by ``guardian.steps``), ``own`` (a counter of its own, ``while iter_num < steps``) or
+``dowhile`` (nanoGPT's ``iter_num += 1; if iter_num > steps: break``); the last two never call
+``guardian.finish()``, as a loop that forgot it. ``--declare-max`` gives ``Guardian(max_steps=...)``;
+``--raise-after-loop`` ends in an unhandled exception after the loop.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer_sidecar import Guardian
+from trainer_sidecar import GuardedLoader, Guardian
 
 
 def make_dataset(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -41,6 +48,42 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def loader_batches(loader: GuardedLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The loader's batches, epoch after epoch (a loop drawing batches of its own)."""
+    while True:
+        yield from (batch.data for batch in loader)
+
+
+def own_loop(
+    guardian: Guardian,
+    model: torch.nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    shape: str,
+    steps: int,
+) -> None:
+    """Train with a loop of one of the shapes ``steps``, ``own`` and ``dowhile`` (see the module doc)."""
+
+    def one_step() -> None:
+        x, y = next(batches)
+        guardian.step(torch.nn.functional.mse_loss(model(x), y))
+
+    if shape == "steps":
+        for _ in guardian.steps(steps):
+            one_step()
+        return
+    iter_num = guardian.step_count
+    if shape == "own":
+        while iter_num < steps:
+            one_step()
+            iter_num += 1
+        return
+    while True:
+        one_step()
+        iter_num += 1
+        if iter_num > steps:
+            break
+
+
 def main() -> int:
     """Train for --steps steps under the guardian and report."""
     parser = argparse.ArgumentParser()
@@ -54,6 +97,9 @@ def main() -> int:
     parser.add_argument("--busy-rank", type=int, default=0)
     parser.add_argument("--busy-seconds", type=float, default=0.0, help="how long it is busy (sleeping)")
     parser.add_argument("--busy-until", type=Path, help="busy until this file exists")
+    parser.add_argument("--loop", choices=("run", "steps", "own", "dowhile"), default="run")
+    parser.add_argument("--declare-max", action="store_true", help="Guardian(..., max_steps=--steps)")
+    parser.add_argument("--raise-after-loop", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -69,10 +115,22 @@ def main() -> int:
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.01 * step))
-    guardian = Guardian(model, optimizer, scheduler=scheduler)
+    guardian = Guardian(
+        model, optimizer, scheduler=scheduler, max_steps=args.steps if args.declare_max else None
+    )
     loader = guardian.loader(
         make_dataset(args.samples, args.seed), batch_size=args.batch_size, seed=args.seed
     )
+    if args.loop != "run":
+        own_loop(guardian, model, iter(loader_batches(loader)), args.loop, args.steps)
+        if args.raise_after_loop:
+            raise RuntimeError("the loop's epilogue failed")
+        report = {"rank": guardian.rank, "step": guardian.step_count, "iterations": guardian.iterations,
+                  "rollbacks": guardian.rollbacks, "digest": weights_digest(guardian.module)}  # fmt: skip
+        print(json.dumps(report), flush=True)
+        if distributed:
+            dist.destroy_process_group()  # before exit, as the examples do: no collective after this
+        return 0
     for x, y in guardian.run(loader, max_steps=args.steps):
         loss = torch.nn.functional.mse_loss(model(x), y)
         guardian.step(loss)

@@ -1,0 +1,106 @@
+"""The end of training when the loop did not say so: what the guardian does at interpreter exit.
+
+A loop that forgets ``guardian.finish()`` would lose the steps since its last checkpoint and leave the
+worker's status at ``running``. The guardian arms one exit hook per process for the newest open
+guardian (held weakly, so a guardian dropped earlier is never touched); the hook tells it whether the
+interpreter is exiting over an unhandled exception, and the guardian decides (``exit_plan``).
+
+No collective runs at exit: a peer may have crashed, or already torn down its process group, and a
+collective would then hang until gloo's timeout or abort. What a gang needs agreed (the final
+checkpoint) is started at the step boundary where the declared ``max_steps`` was reached, where every
+rank is anyway; at exit each rank only waits for its own writes and publishes its own status.
+
+The hook runs among ``threading``'s exit callbacks, not ``atexit``'s: those run first, while the main
+thread waits for the others, and in reverse order of registration, so before ``concurrent.futures``
+(registered on import, earlier) refuses new work. From ``atexit`` the checkpoint writer could no longer
+schedule the stages of a write: the final checkpoint failed with "cannot schedule new futures after
+shutdown". ``threading._register_atexit`` is private (Python 3.9 and later); without it the hook falls
+back to ``atexit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from enum import Enum
+
+log = logging.getLogger("trainguard")
+
+__all__ = ["ExitPlan", "arm_at_exit", "disarm_at_exit", "exit_plan"]
+
+
+class ExitPlan(Enum):
+    """What a guardian that was neither finished nor closed does when the interpreter exits."""
+
+    #: An unhandled exception: never reported finished; writes in flight are waited for.
+    CRASHED = "crashed"
+    #: The end is known and reached: the final checkpoint, then ``finished``.
+    FINISH = "finish"
+    #: ``max_steps`` was declared and not reached (a loop counter of its own drifted after a rollback, or
+    #: the loop stopped early without ``finish``): a checkpoint when that is safe, then exit code 1.
+    SHORT = "short"
+    #: A gang whose end was never declared: its final steps cannot be saved without a collective; it is
+    #: not reported finished, and the log says how to declare the end.
+    UNDECLARED = "undeclared"
+
+
+def exit_plan(*, crashed: bool, distributed: bool, step: int, max_steps: int | None) -> ExitPlan:
+    """Decide what to do at interpreter exit (pure: the guardian carries it out)."""
+    if crashed:
+        return ExitPlan.CRASHED
+    if max_steps is None:
+        # One process may save now: nothing to agree with anyone. A gang may not (see the module doc).
+        return ExitPlan.UNDECLARED if distributed else ExitPlan.FINISH
+    return ExitPlan.FINISH if step >= max_steps else ExitPlan.SHORT
+
+
+_armed: weakref.WeakMethod[Callable[[bool], None]] | None = None
+_armed_pid: int | None = None
+_registered = False
+
+
+def arm_at_exit(on_exit: Callable[[bool], None]) -> None:
+    """Call ``on_exit(crashed)`` at interpreter exit, unless disarmed first or its object is gone.
+
+    ``on_exit`` is a bound method, held weakly; arming another replaces it (the newest guardian of the
+    process is the one training). A child forked from this process never calls it."""
+    global _armed, _armed_pid, _registered
+    _armed = weakref.WeakMethod(on_exit)
+    _armed_pid = os.getpid()
+    if not _registered:
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise RuntimeError("no threading._register_atexit")
+            register(_at_exit)
+        except RuntimeError:  # missing, or the interpreter is shutting down already
+            atexit.register(_at_exit)
+        _registered = True
+
+
+def disarm_at_exit(on_exit: Callable[[bool], None]) -> None:
+    """Forget ``on_exit`` if it is the one armed (the guardian ended by itself)."""
+    global _armed
+    if _armed is not None and _armed() == on_exit:
+        _armed = None
+
+
+def _at_exit() -> None:
+    global _armed
+    armed, _armed = _armed, None
+    if armed is None or os.getpid() != _armed_pid:
+        return
+    on_exit = armed()
+    if on_exit is None:
+        return
+    # The interpreter sets sys.last_value when it printed an unhandled exception, before atexit runs.
+    crashed = getattr(sys, "last_value", None) is not None
+    try:
+        on_exit(crashed)
+    except Exception:  # an exit hook must not hide the process's own outcome behind a second traceback
+        log.exception("trainguard: the guardian's exit hook failed")
