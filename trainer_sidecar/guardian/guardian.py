@@ -60,7 +60,7 @@ from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
-from trainer_sidecar.guardian.training import TrainingObjects, check_training_objects
+from trainer_sidecar.guardian.training import TrainingObjects, caller, check_training_objects
 
 log = logging.getLogger("trainguard")
 
@@ -269,7 +269,8 @@ class Guardian:
         start, and an outer section's bound still ends everything inside it (see
         ``trainer_sidecar.contract.allowance``). Each rank enters its own (``with guardian.busy("eval"):``
         around the evaluation only rank 0 runs is enough). Usable as a decorator as well."""
-        section = self._busy.enter(reason, seconds)
+        with self._adoption():
+            section = self._busy.enter(reason, seconds)
         self._publish(force=True)
         try:
             yield
@@ -363,15 +364,32 @@ class Guardian:
         ``drop_last`` (the default) drops each epoch's partial last batch and the last samples that do
         not share out evenly over the ranks.
         """
-        loading: dict[str, Any] = {}
-        pad_shards = False
+        with self._adoption():
+            return self._guarded_loader(
+                dataset, batch_size, shuffle, seed, collate_fn, num_workers, drop_last, {}, False
+            )
+
+    def _guarded_loader(
+        self,
+        dataset: SizedDataset | DataLoader[Any],
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int,
+        drop_last: bool,
+        loading: dict[str, Any],
+        pad_shards: bool,
+    ) -> GuardedLoader:
         if isinstance(dataset, DataLoader):
             over = taken_over(dataset)
             dataset, batch_size, shuffle, collate_fn, num_workers, loading = over[:6]
             drop_last, pad_shards = over.drop_last, over.pad_shards
         assert not isinstance(dataset, DataLoader)
         if batch_size is None:
-            raise TypeError("Guardian.loader() needs batch_size for a dataset (a DataLoader brings its own)")
+            raise ConfigError(
+                "Guardian.loader() needs batch_size= for a dataset (a DataLoader brings its own)"
+            )
         loader = GuardedLoader(
             dataset,
             batch_size=batch_size,
@@ -396,9 +414,10 @@ class Guardian:
         """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
         StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
         rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
-        Raises TypeError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
+        Raises ConfigError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
         int, float, bool, None and tensors can)."""
-        self.feed.track(name, stateful)
+        with self._adoption():
+            self.feed.track(name, stateful)
 
     def attach_loader(self, loader: GuardedLoader) -> None:
         """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
@@ -448,7 +467,8 @@ class Guardian:
         """
         if self._micro == 0 and self._faults.active:
             loss = self._faults.loss_hook(loss, self.counters.step)
-        self.training.backward(loss)
+        with self._adoption():
+            self.training.backward(loss)
         detached = loss.detach().float()
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
@@ -469,7 +489,7 @@ class Guardian:
             if self._micro < self.accumulation_steps:
                 return StepOutcome(boundary=False)
         elif self._micro == 0:
-            raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
+            self._refuse_step_without_backward()
         self._micro = 0
         if not self._adoption_checked:
             self._check_adoption()
@@ -488,6 +508,33 @@ class Guardian:
         if agreed.stop:
             self._stop_now()
         return outcome
+
+    def _refuse_step_without_backward(self) -> None:
+        """``step()`` without a loss and no ``backward(loss)`` since the last step: the loop backwards its
+        loss itself (still ``loss.backward()``), or forgot it. Either way the guardian saw no loss to judge
+        (and no GradScaler scaled it): a configuration error naming the loop's line."""
+        backwarded = any(p.grad is not None for p in self.training.params)
+        what = (
+            "the gradients come from the loop's own loss.backward()"
+            if backwarded
+            else "no backward pass ran since the last step"
+        )
+        with self._adoption():
+            raise ConfigError(
+                f"guardian.step() without a loss ({caller()}) but no guardian.backward(loss) since the last "
+                f"step: {what}. Replace the loop's loss.backward() (or scaler.scale(loss).backward()) with "
+                "guardian.backward(loss), or pass the loss: guardian.step(loss)"
+            )
+
+    @contextmanager
+    def _adoption(self) -> Iterator[None]:
+        """A ConfigError inside (a misuse of the guardian's API) is published as the worker's final status
+        (phase failed, exit code 2) before it propagates."""
+        try:
+            yield
+        except ConfigError as error:
+            self._misused(error)
+            raise
 
     def _check_adoption(self) -> None:
         """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
