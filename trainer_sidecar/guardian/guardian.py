@@ -108,6 +108,8 @@ class _Agreed:
     locally_nonfinite: bool
     stop: bool
     checkpoint_due: bool
+    #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
+    rng_missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,9 @@ class Guardian:
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
         )
+        self.checkpoints.rng_wanted = self._rng_may_be_saved
+        self._max_steps: int | None = None  # the run's last step, under ``run``
+        self._stop_deferred = False  # see ``step``
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
@@ -432,6 +437,7 @@ class Guardian:
         """
         if isinstance(loader, DataLoader):
             loader = self.loader(loader)
+        self._max_steps = max_steps
         if self.feed.loader is not loader:
             self.feed.attach(loader)
         while True:
@@ -505,9 +511,29 @@ class Guardian:
         else:
             outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
+        self.checkpoints.boundary()
         if agreed.stop:
-            self._stop_now()
+            if agreed.rng_missing and self.checkpoints.enabled and not self._stop_deferred:
+                # Some rank's last forward pass did not keep the random generators (the signal came after
+                # it): every rank keeps them at the next one, and the gang stops at the next boundary, so
+                # that the checkpoint resumes a loop that draws its batches from them exactly.
+                self._stop_deferred = True
+            else:
+                self._stop_now()
         return outcome
+
+    def _rng_may_be_saved(self) -> bool:
+        """Asked at every forward pass: whether the coming step boundary may write a checkpoint for
+        which the random generators must be kept as of this forward pass: the step cadence's, a stop's
+        (this rank was told to stop, or the gang deferred its stop to keep them), the run's last step.
+        (The time cadence the checkpoint manager foresees itself.)"""
+        step = self.counters.step
+        return (
+            self.checkpoints.may_save_after(step)
+            or self._stop.requested
+            or self._stop_deferred
+            or (self._max_steps is not None and step + 1 >= self._max_steps)
+        )
 
     def _refuse_step_without_backward(self) -> None:
         """``step()`` without a loss and no ``backward(loss)`` since the last step: the loop backwards its
@@ -569,7 +595,12 @@ class Guardian:
         device = step_loss.device
         loss = step_loss.double()
         flags = torch.tensor(
-            [float(self._stop.requested), float(self.checkpoints.time_due())], dtype=torch.float64
+            [
+                float(self._stop.requested or self._stop_deferred),
+                float(self.checkpoints.time_due()),
+                float(not self.checkpoints.rng_captured),
+            ],
+            dtype=torch.float64,
         ).to(device)
         measured = [loss, (~torch.isfinite(loss)).double(), norm_part.double().to(device)]
         local = torch.cat([torch.stack(measured), flags])
@@ -577,16 +608,16 @@ class Guardian:
             reduced = self.gang.all_reduce(local)
             self._norm = reduced[2].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, squares, stops, due, local_bad = torch.cat(
+            loss_sum, bad_ranks, squares, stops, due, missing, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
             norm_v = math.sqrt(squares) if not squares < 0 else math.nan
         else:
-            loss_v, bad_ranks, norm_v, stops, due = local.tolist()  # the one host sync of the step
+            loss_v, bad_ranks, norm_v, stops, due, missing = local.tolist()  # the one host sync
             locally_nonfinite = bad_ranks > 0
         reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
-        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0)
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, missing > 0)
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
