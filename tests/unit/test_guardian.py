@@ -1705,3 +1705,52 @@ def test_a_prefetching_loop_resumes_exactly_after_a_stop_that_came_after_its_for
     assert sorted(resumed) == list(range(7, 12))
     assert [resumed[step] for step in range(7, 12)] == [whole[step] for step in range(7, 12)]
 
+
+# --- the loop's own clip ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["no clip", "own clip", "own unscale and clip"])
+def test_a_gradient_spike_is_skipped_whether_or_not_the_loop_clips_itself(loop: str) -> None:
+    # The README lets a loop keep its clip_grad_norm_; the guardian then saw norms of at most the clip
+    # value, and a x100 gradient spike was applied instead of skipped.
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if "unscale" in loop else None
+    config = settings(guard={"gradNormSpikeFactor": 5, "spikeMinHistory": 3})
+    guardian = Guardian(model, optimizer, scaler=scaler, settings=config, resume=False)
+    outcomes = []
+    for step in range(6):
+        loss = loss_of(model)
+        spike = 100.0 if step == 4 else 1.0
+        guardian.backward(loss + (spike - 1.0) * (loss - loss.detach()))  # same value, x100 gradient
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if loop != "no clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # below every norm of this run
+        outcomes.append(guardian.step())
+    assert [o.applied for o in outcomes] == [True, True, True, True, False, True]
+    assert outcomes[4].reason == "grad-norm spike"
+    assert outcomes[4].grad_norm > 50 * outcomes[3].grad_norm  # the norm before the loop's clip
+    assert guardian.spikes == 1
+    # Only a loop that changes its gradients pays for a norm at every backward.
+    assert guardian._measure_at_backward is (loop != "no clip")
+
+
+def test_the_guardians_clip_works_from_the_norm_after_the_loops_own_clip() -> None:
+    # The loop clips to 0.5, the guardian's maxGradNorm is 1: the update is the loop's, not clipped again.
+    reference, guarded = tiny_model(), tiny_model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    guardian = Guardian(guarded, torch.optim.SGD(guarded.parameters(), lr=0.1), resume=False)
+    for model in (reference, guarded):
+        loss = loss_of(model, scale=50.0)
+        if model is reference:
+            torch.autograd.backward(loss)
+        else:
+            guardian.backward(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    plain.step()
+    outcome = guardian.step()
+    assert outcome.applied
+    assert outcome.grad_norm > 0.5  # reported and judged before the loop's clip
+    for a, b in zip(reference.parameters(), guarded.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

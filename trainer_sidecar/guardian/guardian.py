@@ -108,6 +108,9 @@ class _Agreed:
     locally_nonfinite: bool
     stop: bool
     checkpoint_due: bool
+    #: The total norm of the gradients as they are now (after a clip of the loop's own): what the
+    #: guardian's clipping works from. ``reading.grad_norm`` is the one the backward pass produced.
+    current_norm: float
     #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
     rng_missing: bool = False
 
@@ -215,6 +218,12 @@ class Guardian:
         self._loss_sum: torch.Tensor | None = None
         self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
         self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
+        # The gradients as the last backward left them (each with its version counter), to notice a loop
+        # that changes them before the step (its own clip_grad_norm_ or unscale_), and their norm then,
+        # measured while the loop is known (or not yet known not) to do that: see ``_pre_clip_norm``.
+        self._grad_marks: list[tuple[torch.Tensor, int]] = []
+        self._norm_at_backward: torch.Tensor | None = None
+        self._measure_at_backward = True
         self.feed = DataFeed()
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
@@ -475,6 +484,7 @@ class Guardian:
             loss = self._faults.loss_hook(loss, self.counters.step)
         with self._adoption():
             self.training.backward(loss)
+        self._mark_grads()
         detached = loss.detach().float()
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
@@ -507,7 +517,7 @@ class Guardian:
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
-            outcome = self._apply(verdict, reading, batches, agreed.checkpoint_due)
+            outcome = self._apply(verdict, reading, agreed.current_norm, batches, agreed.checkpoint_due)
         else:
             outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
@@ -581,18 +591,19 @@ class Guardian:
         replica's share is 1/world size, an FSDP shard's 1/its replicas), the collective sums them and the
         norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
         a NaN, and still one small collective."""
+        pre_clip = self._pre_clip_norm()  # before anything of the guardian's own changes the gradients
         if self._faults.active:
             self._faults.grad_hook(self.training.params, self.counters.step)
         self.training.unscale()
         self._grads = self.training.local_grads()
         distributed = self.gang.distributed
-        if distributed:
-            norm_part = self.training.norm_contribution(self.gang.world_size)
-        else:
-            # The clipping multiply waits for the host sync below and is skipped when the norm is already
-            # within bounds (or the step is skipped anyway).
-            norm_part = self._norm = torch.nn.utils.get_total_norm(self._grads, foreach=True)
+        # The clipping multiply waits for the host sync below and is skipped when the norm is already
+        # within bounds (or the step is skipped anyway).
+        norm_part = self._norm_part(self._grads)
+        if not distributed:
+            self._norm = norm_part
         device = step_loss.device
+        pre_part = norm_part if pre_clip is None else pre_clip
         loss = step_loss.double()
         flags = torch.tensor(
             [
@@ -602,22 +613,81 @@ class Guardian:
             ],
             dtype=torch.float64,
         ).to(device)
-        measured = [loss, (~torch.isfinite(loss)).double(), norm_part.double().to(device)]
+        measured = [
+            loss,
+            (~torch.isfinite(loss)).double(),
+            norm_part.double().to(device),
+            pre_part.double().to(device),
+        ]
         local = torch.cat([torch.stack(measured), flags])
         if distributed:
             reduced = self.gang.all_reduce(local)
             self._norm = reduced[2].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, squares, stops, due, missing, local_bad = torch.cat(
+            loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
             norm_v = math.sqrt(squares) if not squares < 0 else math.nan
+            pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
         else:
-            loss_v, bad_ranks, norm_v, stops, due, missing = local.tolist()  # the one host sync
+            loss_v, bad_ranks, norm_v, pre_v, stops, due, missing = local.tolist()  # the one host sync
             locally_nonfinite = bad_ranks > 0
-        reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
-        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, missing > 0)
+        # The larger of the norm the backward produced and the one about to be applied (NaN if either is).
+        judged = math.nan if math.isnan(pre_v) or math.isnan(norm_v) else max(pre_v, norm_v)
+        reading = StepReading(loss_v, judged, bad_ranks > 0, self._benign_overflow(judged))
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, norm_v, missing > 0)
+
+    def _norm_part(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's part of the total norm of ``grads`` (this rank's local gradients): the norm alone,
+        the share of the squared global norm in a gang (``TrainingObjects.norm_contribution``)."""
+        if self.gang.distributed:
+            return self.training.norm_contribution(self.gang.world_size)
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    def _mark_grads(self) -> None:
+        """After a backward: remember the gradients (and their version counters), and while the loop is
+        known to change them before the step, measure their norm now, unscaled (no host sync). Costs one
+        norm per micro-batch only in a loop that clips (or unscales) the gradients itself."""
+        grads = self.training.local_grads()
+        self._grad_marks = [(g, g._version) for g in grads]
+        if not self._measure_at_backward:
+            self._norm_at_backward = None
+            return
+        part = self._norm_part(grads).double()
+        scale = self.training.loss_scale()
+        if scale is not None:
+            scale = scale.double().to(part.device)
+            part = part / (scale.square() if self.gang.distributed else scale)
+        self._norm_at_backward = part
+
+    def _grads_changed(self) -> bool:
+        """Whether the loop changed the gradients (in place, or replaced them) since the last backward."""
+        grads = self.training.local_grads()
+        marks = self._grad_marks
+        return len(grads) != len(marks) or any(
+            g is not marked or g._version != version
+            for g, (marked, version) in zip(grads, marks, strict=True)
+        )
+
+    def _pre_clip_norm(self) -> torch.Tensor | None:
+        """The norm part of the gradients as the backward left them, when the loop has changed them since
+        (its own clip would otherwise blind the spike check: a x100 gradient clipped to 1 reads as 1);
+        None when it has not (the norm measured now is the same). Learns whether to measure at backward:
+        from the first step on only a loop seen changing its gradients pays for it."""
+        changed = self._grads_changed()
+        self._grad_marks = []  # holding them would keep this step's gradients alive into the next
+        measured, self._norm_at_backward = self._norm_at_backward, None
+        if changed and measured is None:
+            self._log_gang(
+                logging.WARNING,
+                "step %d: the training loop changed the gradients between guardian.backward() and "
+                "guardian.step() (its own clip_grad_norm_?); their norm is measured after each backward "
+                "from now on, so that the spike check sees the norm before the loop's clip",
+                self.counters.step,
+            )
+        self._measure_at_backward = changed
+        return measured if changed else None
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
@@ -651,12 +721,17 @@ class Guardian:
         return scaler.get_scale() >= 1.0
 
     def _apply(
-        self, verdict: Verdict, reading: StepReading, batches: list[BatchRef], time_due: bool = False
+        self,
+        verdict: Verdict,
+        reading: StepReading,
+        current_norm: float,
+        batches: list[BatchRef],
+        time_due: bool = False,
     ) -> StepOutcome:
         counters = self.counters
         self.settle()
         self.training.apply_update(
-            reading.grad_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
+            current_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
         )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1

@@ -319,6 +319,12 @@ class TrainingObjects:
             return
         self.scaler.unscale_(self.optimizer)
 
+    def loss_scale(self) -> torch.Tensor | None:
+        """The GradScaler's current scale (a tensor on its device, no host sync), None without one."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        return self.scaler._scale
+
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's part of every gradient there is (a DTensor's local tensor, sharing its storage)."""
         return [local_tensor(g) for p in self.params if (g := p.grad) is not None]
