@@ -91,7 +91,10 @@ class TinyLM(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, shape.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(shape.embed)
         self.head = nn.Linear(shape.embed, shape.vocab, bias=False)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(shape.seq))
+        # Not persistent: the causal mask holds -inf, which a checkpoint of the state would refuse.
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(shape.seq), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab)."""
