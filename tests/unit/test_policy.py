@@ -186,3 +186,17 @@ def test_the_rank_blamed_ended_no_later_than_any_rank_failing_alike(ranks: list[
     tied = [r for r in crashed if r.ended_at == blamed.ended_at]
     if any(killed_by_signal(r.exit_code) for r in tied):
         assert killed_by_signal(blamed.exit_code)
+
+
+def test_the_hang_of_a_gang_between_steps_names_guardian_busy() -> None:
+    # A long evaluation without guardian.busy used to read "ranks 0, 1 hung" with no hint: the sidecar's
+    # verdict carries it (trainer_sidecar.sidecar.health.OUTSIDE_STEPS_HINT), and the decision keeps it.
+    from trainer_sidecar.sidecar.health import OUTSIDE_STEPS_HINT
+
+    why = "no step for 31.0 s (hang timeout 30 s), last step 80" + OUTSIDE_STEPS_HINT
+    decision = decide(
+        RECOVERY, gang(running(0, alive=False, reason=why), running(1, alive=False, reason=why))
+    )
+    assert decision.action is Action.RESTART
+    assert decision.reason.startswith("ranks 0, 1 hung: no step for 31.0 s")
+    assert decision.reason.endswith('wrap that in guardian.busy("eval")')

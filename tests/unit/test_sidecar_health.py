@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainer_sidecar.sidecar.health import (
+    OUTSIDE_STEPS_HINT,
     Clocks,
     Health,
     HealthPolicy,
@@ -125,7 +126,25 @@ def test_a_worker_that_rewrites_a_fresh_last_step_time_without_stepping_hangs() 
     sidecar.advance(0.5)
     verdict = sidecar.read(worker(last_step_time=sidecar.wall, updated_at=sidecar.wall))
     assert not verdict.alive
-    assert verdict.reason == "no step for 30.5 s (hang timeout 30 s), last step 10"
+    assert verdict.reason == "no step for 30.5 s (hang timeout 30 s), last step 10" + OUTSIDE_STEPS_HINT
+
+
+def test_a_hang_between_steps_names_guardian_busy_and_a_busy_worker_does_not() -> None:
+    # A long evaluation without guardian.busy used to read "ranks 0, 1 hung" with no hint.
+    sidecar = Sidecar()
+    sidecar.read(worker(last_step_time=sidecar.wall))
+    sidecar.advance(HANG + 1)
+    verdict = sidecar.read(worker(last_step_time=WALL0))
+    assert not verdict.alive
+    assert verdict.reason.endswith('wrap that in guardian.busy("eval")')
+    assert len(verdict.reason) < 200  # bounded: a fixed text after the numbers
+    # An older worker that states its phase busy without a start is judged as stepping: not between steps.
+    busy = Sidecar()
+    busy.read(worker(last_step_time=busy.wall))
+    busy.advance(HANG + 1)
+    verdict = busy.read(worker(last_step_time=WALL0, phase=Phase.BUSY))
+    assert not verdict.alive
+    assert "guardian.busy" not in verdict.reason
 
 
 def test_after_a_sidecar_restart_an_old_plausible_last_step_is_a_hang_at_once() -> None:

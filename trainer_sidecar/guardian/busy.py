@@ -34,6 +34,7 @@ from trainer_sidecar.contract.status import (
     BusySection,
     Phase,
 )
+from trainer_sidecar.guardian.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -200,15 +201,21 @@ class BusySections:
         return self._stretch_since
 
     def enter(self, reason: str, seconds: float | None) -> object:
-        """Begin a section; returns its token, for ``leave``. Raises ValueError for a bound that is not a
+        """Begin a section; returns its token, for ``leave``. Raises ConfigError for a bound that is not a
         positive number of at most ``MAX_BUSY_SECONDS``, or beyond ``MAX_BUSY_SECTIONS`` open sections (a
         status carries no more: a recursion through a busy-decorated function, most likely)."""
         if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_BUSY_SECONDS):
-            raise ValueError(f"busy seconds must be a positive number of at most {MAX_BUSY_SECONDS:g}")
+            raise ConfigError(
+                f"guardian.busy(seconds=...): busy seconds must be a positive number of at most "
+                f"{MAX_BUSY_SECONDS:g}, got {seconds!r}"
+            )
         section = _Section(reason[:MAX_BUSY_REASON_CHARS], seconds, time.time())
         with self._lock:
             if len(self._sections) >= MAX_BUSY_SECTIONS:
-                raise ValueError(f"at most {MAX_BUSY_SECTIONS} busy sections may be open at once")
+                raise ConfigError(
+                    f"guardian.busy(...): at most {MAX_BUSY_SECTIONS} busy sections may be open at once "
+                    "(a busy-decorated function that recurses?)"
+                )
             self._sections.append(section)
             if self._stretch_since is None:
                 self._stretch_since = section.since

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from trainer_sidecar.checkpoint import fs
 from trainer_sidecar.checkpoint.errors import CheckpointError
+from trainer_sidecar.guardian.config import ConfigError
 from trainer_sidecar.guardian.permutation import Permutation
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,9 @@ class GuardedLoader:
         pad_shards: bool = False,
     ) -> None:
         if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+            raise ConfigError(
+                f"Guardian.loader(batch_size=...): batch_size must be at least 1, got {batch_size}"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -290,7 +293,7 @@ class GuardedLoader:
         self._last_good: GuardedBatch | None = None
         self._permutation: tuple[int, Permutation] | None = None
         if self.batches_per_epoch == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"dataset of {len(dataset)} samples gives no "
                 f"{'full ' if drop_last else ''}batch of {batch_size} per rank with {world_size} ranks"
             )

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from trainer_sidecar.checkpoint import CheckpointError
 from trainer_sidecar.checkpoint.format import serialize
+from trainer_sidecar.guardian.config import ConfigError
 from trainer_sidecar.guardian.data import GuardedLoader
 from trainer_sidecar.tensors.tensorstate import flatten
 
@@ -48,11 +49,11 @@ class DataFeed:
         return self.loader.span(epoch, batch) if self.loader is not None else None
 
     def track(self, name: str, stateful: Stateful) -> None:
-        """Keep ``stateful``'s state; raises TypeError at once when it cannot be checkpointed."""
+        """Keep ``stateful``'s state; raises ConfigError at once when it cannot be checkpointed."""
         try:
             serialize(*flatten({name: stateful.state_dict()}))
         except CheckpointError as exc:
-            raise TypeError(f"Guardian.track({name!r}): its state cannot be checkpointed: {exc}") from exc
+            raise ConfigError(f"Guardian.track({name!r}): its state cannot be checkpointed: {exc}") from exc
         self._tracked[name] = stateful
         if name in self._pending:
             stateful.load_state_dict(self._pending.pop(name))
@@ -107,27 +108,29 @@ class TakenOver(NamedTuple):
 def taken_over(source: DataLoader[Any]) -> TakenOver:
     """What the guardian keeps of a DataLoader it replaces with its own resumable order: the dataset, the
     batch size, whether it shuffles, the collate function, the workers and how they load, and which
-    samples an epoch trains (its ``drop_last``, and its DistributedSampler's). Raises TypeError for one
+    samples an epoch trains (its ``drop_last``, and its DistributedSampler's). Raises ConfigError for one
     it cannot replace (an IterableDataset, a dataset without ``__len__``, ``batch_size=None``, a sampler
     that chooses samples), saying what to do."""
     if isinstance(source.dataset, IterableDataset):
-        raise TypeError(
+        raise ConfigError(
             "Guardian.loader(): a DataLoader over an IterableDataset has no index to resume at; keep it and "
             "give the guardian its state instead: torchdata's StatefulDataLoader with guardian.track(...)"
         )
     if source.batch_sampler is None:
-        raise TypeError(
+        raise ConfigError(
             "Guardian.loader(): the DataLoader has batch_size=None (each sample is its own batch, not "
             "collated); the guardian's order is of batches: give it batch_size=1 (and take the batch's "
             "first element), or keep the loader and give the guardian its state instead: torchdata's "
             "StatefulDataLoader with guardian.track(...)"
         )
     if source.batch_size is None:
-        raise TypeError("Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size=")
+        raise ConfigError(
+            "Guardian.loader(): the DataLoader has a batch sampler of its own; pass batch_size="
+        )
     try:
         len(source.dataset)  # type: ignore[arg-type]  # may have none: that is the check
     except TypeError as exc:
-        raise TypeError(
+        raise ConfigError(
             f"Guardian.loader(): the DataLoader's dataset ({type(source.dataset).__name__}) has no length "
             f"({exc}); the guardian's order is a permutation of the whole dataset, so it needs __len__: "
             "define it, or keep the loader and give the guardian its state instead: torchdata's "
@@ -156,7 +159,7 @@ def taken_over(source: DataLoader[Any]) -> TakenOver:
 
 def _shuffles(sampler: object) -> bool:
     """Whether a DataLoader's sampler shuffles, for a sampler whose epoch is a permutation of the whole
-    dataset (what the guardian's order is); TypeError for one that chooses samples otherwise: its
+    dataset (what the guardian's order is); ConfigError for one that chooses samples otherwise: its
     choice would be silently dropped."""
     if isinstance(sampler, SequentialSampler):
         return False
@@ -168,7 +171,7 @@ def _shuffles(sampler: object) -> bool:
         what = "draws with replacement" if sampler.replacement else f"draws {sampler.num_samples} samples"
     else:
         what = f"is a {type(sampler).__name__}"
-    raise TypeError(
+    raise ConfigError(
         f"Guardian.loader(): the DataLoader's sampler {what}, which chooses the samples an epoch sees; the "
         "guardian's order (each epoch a permutation of the whole dataset) would silently drop that "
         "choice. Give it a dataset of exactly those samples (torch.utils.data.Subset for a subset), or "

@@ -61,7 +61,7 @@ from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
-from trainer_sidecar.guardian.training import TrainingObjects, check_training_objects
+from trainer_sidecar.guardian.training import TrainingObjects, caller, check_training_objects
 
 log = logging.getLogger("trainguard")
 
@@ -109,6 +109,11 @@ class _Agreed:
     locally_nonfinite: bool
     stop: bool
     checkpoint_due: bool
+    #: The total norm of the gradients as they are now (after a clip of the loop's own): what the
+    #: guardian's clipping works from. ``reading.grad_norm`` is the one the backward pass produced.
+    current_norm: float
+    #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
+    rng_missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,12 @@ class Guardian:
         self._loss_sum: torch.Tensor | None = None
         self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
         self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
+        # The gradients as the last backward left them (each with its version counter), to notice a loop
+        # that changes them before the step (its own clip_grad_norm_ or unscale_), and their norm then,
+        # measured while the loop is known (or not yet known not) to do that: see ``_pre_clip_norm``.
+        self._grad_marks: list[tuple[torch.Tensor, int]] = []
+        self._norm_at_backward: torch.Tensor | None = None
+        self._measure_at_backward = True
         self.feed = DataFeed()
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
@@ -258,6 +269,8 @@ class Guardian:
         self.checkpoints = CheckpointManager(
             config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
         )
+        self.checkpoints.rng_wanted = self._rng_may_be_saved
+        self._stop_deferred = False  # see ``step``
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
@@ -293,7 +306,8 @@ class Guardian:
         start, and an outer section's bound still ends everything inside it (see
         ``trainer_sidecar.contract.allowance``). Each rank enters its own (``with guardian.busy("eval"):``
         around the evaluation only rank 0 runs is enough). Usable as a decorator as well."""
-        section = self._busy.enter(reason, seconds)
+        with self._adoption():
+            section = self._busy.enter(reason, seconds)
         self._publish(force=True)
         try:
             yield
@@ -387,15 +401,32 @@ class Guardian:
         ``drop_last`` (the default) drops each epoch's partial last batch and the last samples that do
         not share out evenly over the ranks.
         """
-        loading: dict[str, Any] = {}
-        pad_shards = False
+        with self._adoption():
+            return self._guarded_loader(
+                dataset, batch_size, shuffle, seed, collate_fn, num_workers, drop_last, {}, False
+            )
+
+    def _guarded_loader(
+        self,
+        dataset: SizedDataset | DataLoader[Any],
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int,
+        drop_last: bool,
+        loading: dict[str, Any],
+        pad_shards: bool,
+    ) -> GuardedLoader:
         if isinstance(dataset, DataLoader):
             over = taken_over(dataset)
             dataset, batch_size, shuffle, collate_fn, num_workers, loading = over[:6]
             drop_last, pad_shards = over.drop_last, over.pad_shards
         assert not isinstance(dataset, DataLoader)
         if batch_size is None:
-            raise TypeError("Guardian.loader() needs batch_size for a dataset (a DataLoader brings its own)")
+            raise ConfigError(
+                "Guardian.loader() needs batch_size= for a dataset (a DataLoader brings its own)"
+            )
         loader = GuardedLoader(
             dataset,
             batch_size=batch_size,
@@ -420,9 +451,10 @@ class Guardian:
         """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
         StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
         rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
-        Raises TypeError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
+        Raises ConfigError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
         int, float, bool, None and tensors can)."""
-        self.feed.track(name, stateful)
+        with self._adoption():
+            self.feed.track(name, stateful)
 
     def attach_loader(self, loader: GuardedLoader) -> None:
         """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
@@ -523,7 +555,9 @@ class Guardian:
         """
         if self._micro == 0 and self._faults.active:
             loss = self._faults.loss_hook(loss, self.counters.step)
-        self.training.backward(loss)
+        with self._adoption():
+            self.training.backward(loss)
+        self._mark_grads()
         detached = loss.detach().float()
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
@@ -544,7 +578,7 @@ class Guardian:
             if self._micro < self.accumulation_steps:
                 return StepOutcome(boundary=False)
         elif self._micro == 0:
-            raise RuntimeError("Guardian.step() without a loss needs guardian.backward(loss) first")
+            self._refuse_step_without_backward()
         self._micro = 0
         if self.max_steps is not None and self.counters.step >= self.max_steps:
             return self._past_the_end()
@@ -558,12 +592,19 @@ class Guardian:
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
         if verdict.action is Action.APPLY:
-            outcome = self._apply(verdict, reading, batches, agreed.checkpoint_due)
+            outcome = self._apply(verdict, reading, agreed.current_norm, batches, agreed.checkpoint_due)
         else:
             outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
+        self.checkpoints.boundary()
         if agreed.stop:
-            self._stop_now()
+            if agreed.rng_missing and self.checkpoints.enabled and not self._stop_deferred:
+                # Some rank's last forward pass did not keep the random generators (the signal came after
+                # it): every rank keeps them at the next one, and the gang stops at the next boundary, so
+                # that the checkpoint resumes a loop that draws its batches from them exactly.
+                self._stop_deferred = True
+            else:
+                self._stop_now()
         return outcome
 
     def _past_the_end(self) -> StepOutcome:
@@ -581,6 +622,46 @@ class Guardian:
             self._past_end_warned = True
             self._log_gang(logging.WARNING, "step %d is %s", self.counters.step, reason)
         return StepOutcome(boundary=True, applied=False, reason=reason)
+
+    def _rng_may_be_saved(self) -> bool:
+        """Asked at every forward pass: whether the coming step boundary may write a checkpoint for
+        which the random generators must be kept as of this forward pass: the step cadence's, a stop's
+        (this rank was told to stop, or the gang deferred its stop to keep them), the run's last step.
+        (The time cadence the checkpoint manager foresees itself.)"""
+        step = self.counters.step
+        return (
+            self.checkpoints.may_save_after(step)
+            or self._stop.requested
+            or self._stop_deferred
+            or (self.max_steps is not None and step + 1 >= self.max_steps)
+        )
+
+    def _refuse_step_without_backward(self) -> None:
+        """``step()`` without a loss and no ``backward(loss)`` since the last step: the loop backwards its
+        loss itself (still ``loss.backward()``), or forgot it. Either way the guardian saw no loss to judge
+        (and no GradScaler scaled it): a configuration error naming the loop's line."""
+        backwarded = any(p.grad is not None for p in self.training.params)
+        what = (
+            "the gradients come from the loop's own loss.backward()"
+            if backwarded
+            else "no backward pass ran since the last step"
+        )
+        with self._adoption():
+            raise ConfigError(
+                f"guardian.step() without a loss ({caller()}) but no guardian.backward(loss) since the last "
+                f"step: {what}. Replace the loop's loss.backward() (or scaler.scale(loss).backward()) with "
+                "guardian.backward(loss), or pass the loss: guardian.step(loss)"
+            )
+
+    @contextmanager
+    def _adoption(self) -> Iterator[None]:
+        """A ConfigError inside (a misuse of the guardian's API) is published as the worker's final status
+        (phase failed, exit code 2) before it propagates."""
+        try:
+            yield
+        except ConfigError as error:
+            self._misused(error)
+            raise
 
     def _check_adoption(self) -> None:
         """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
@@ -601,38 +682,103 @@ class Guardian:
         replica's share is 1/world size, an FSDP shard's 1/its replicas), the collective sums them and the
         norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
         a NaN, and still one small collective."""
+        pre_clip = self._pre_clip_norm()  # before anything of the guardian's own changes the gradients
         if self._faults.active:
             self._faults.grad_hook(self.training.params, self.counters.step)
         self.training.unscale()
         self._grads = self.training.local_grads()
         distributed = self.gang.distributed
-        if distributed:
-            norm_part = self.training.norm_contribution(self.gang.world_size)
-        else:
-            # The clipping multiply waits for the host sync below and is skipped when the norm is already
-            # within bounds (or the step is skipped anyway).
-            norm_part = self._norm = torch.nn.utils.get_total_norm(self._grads, foreach=True)
+        # The clipping multiply waits for the host sync below and is skipped when the norm is already
+        # within bounds (or the step is skipped anyway).
+        norm_part = self._norm_part(self._grads)
+        if not distributed:
+            self._norm = norm_part
         device = step_loss.device
+        pre_part = norm_part if pre_clip is None else pre_clip
         loss = step_loss.double()
         flags = torch.tensor(
-            [float(self._stop.requested), float(self.checkpoints.time_due())], dtype=torch.float64
+            [
+                float(self._stop.requested or self._stop_deferred),
+                float(self.checkpoints.time_due()),
+                float(not self.checkpoints.rng_captured),
+            ],
+            dtype=torch.float64,
         ).to(device)
-        measured = [loss, (~torch.isfinite(loss)).double(), norm_part.double().to(device)]
+        measured = [
+            loss,
+            (~torch.isfinite(loss)).double(),
+            norm_part.double().to(device),
+            pre_part.double().to(device),
+        ]
         local = torch.cat([torch.stack(measured), flags])
         if distributed:
             reduced = self.gang.all_reduce(local)
             self._norm = reduced[2].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, squares, stops, due, local_bad = torch.cat(
+            loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
             norm_v = math.sqrt(squares) if not squares < 0 else math.nan
+            pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
         else:
-            loss_v, bad_ranks, norm_v, stops, due = local.tolist()  # the one host sync of the step
+            loss_v, bad_ranks, norm_v, pre_v, stops, due, missing = local.tolist()  # the one host sync
             locally_nonfinite = bad_ranks > 0
-        reading = StepReading(loss_v, norm_v, bad_ranks > 0, self._benign_overflow(norm_v))
-        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0)
+        # The larger of the norm the backward produced and the one about to be applied (NaN if either is).
+        judged = math.nan if math.isnan(pre_v) or math.isnan(norm_v) else max(pre_v, norm_v)
+        reading = StepReading(loss_v, judged, bad_ranks > 0, self._benign_overflow(judged))
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, norm_v, missing > 0)
+
+    def _norm_part(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's part of the total norm of ``grads`` (this rank's local gradients): the norm alone,
+        the share of the squared global norm in a gang (``TrainingObjects.norm_contribution``)."""
+        if self.gang.distributed:
+            return self.training.norm_contribution(self.gang.world_size)
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    def _mark_grads(self) -> None:
+        """After a backward: remember the gradients (and their version counters), and while the loop is
+        known to change them before the step, measure their norm now, unscaled (no host sync). Costs one
+        norm per micro-batch only in a loop that clips (or unscales) the gradients itself."""
+        grads = self.training.local_grads()
+        self._grad_marks = [(g, g._version) for g in grads]
+        if not self._measure_at_backward:
+            self._norm_at_backward = None
+            return
+        part = self._norm_part(grads).double()
+        scale = self.training.loss_scale()
+        if scale is not None:
+            scale = scale.double().to(part.device)
+            part = part / (scale.square() if self.gang.distributed else scale)
+        self._norm_at_backward = part
+
+    def _grads_changed(self) -> bool:
+        """Whether the loop changed the gradients (in place, or replaced them) since the last backward."""
+        grads = self.training.local_grads()
+        marks = self._grad_marks
+        return len(grads) != len(marks) or any(
+            g is not marked or g._version != version
+            for g, (marked, version) in zip(grads, marks, strict=True)
+        )
+
+    def _pre_clip_norm(self) -> torch.Tensor | None:
+        """The norm part of the gradients as the backward left them, when the loop has changed them since
+        (its own clip would otherwise blind the spike check: a x100 gradient clipped to 1 reads as 1);
+        None when it has not (the norm measured now is the same). Learns whether to measure at backward:
+        from the first step on only a loop seen changing its gradients pays for it."""
+        changed = self._grads_changed()
+        self._grad_marks = []  # holding them would keep this step's gradients alive into the next
+        measured, self._norm_at_backward = self._norm_at_backward, None
+        if changed and measured is None:
+            self._log_gang(
+                logging.WARNING,
+                "step %d: the training loop changed the gradients between guardian.backward() and "
+                "guardian.step() (its own clip_grad_norm_?); their norm is measured after each backward "
+                "from now on, so that the spike check sees the norm before the loop's clip",
+                self.counters.step,
+            )
+        self._measure_at_backward = changed
+        return measured if changed else None
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
@@ -666,12 +812,17 @@ class Guardian:
         return scaler.get_scale() >= 1.0
 
     def _apply(
-        self, verdict: Verdict, reading: StepReading, batches: list[BatchRef], time_due: bool = False
+        self,
+        verdict: Verdict,
+        reading: StepReading,
+        current_norm: float,
+        batches: list[BatchRef],
+        time_due: bool = False,
     ) -> StepOutcome:
         counters = self.counters
         self.settle()
         self.training.apply_update(
-            reading.grad_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
+            current_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
         )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1

@@ -94,7 +94,7 @@ def describe_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> str:
     )
 
 
-def _caller() -> str:
+def caller() -> str:
     """``file:line`` of the innermost frame outside torch and trainguard: the loop's own line."""
     for frame in reversed(traceback.extract_stack()):
         if "/torch/" not in frame.filename and "/trainer_sidecar/" not in frame.filename:
@@ -250,7 +250,7 @@ class TrainingObjects:
             if self._stepping:
                 return
             error = ConfigError(
-                f"the training loop steps the optimizer itself ({_caller()}): guardian.step() does, "
+                f"the training loop steps the optimizer itself ({caller()}): guardian.step() does, "
                 "after its checks; remove the loop's optimizer.step() (or scaler.step)"
             )
             report(error)
@@ -292,18 +292,18 @@ class TrainingObjects:
         )
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward ``loss`` (scaled by the GradScaler when there is one). Raises TypeError when ``loss``
+        """Backward ``loss`` (scaled by the GradScaler when there is one). Raises ConfigError when ``loss``
         is not a one-element tensor that autograd can backward."""
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(
+            raise ConfigError(
                 f"the loss must be a torch.Tensor (the output of the forward pass), got {type(loss).__name__}"
             )
         if loss.numel() != 1:
-            raise TypeError(
+            raise ConfigError(
                 f"the loss must be one value (reduce it, e.g. .mean()), got shape {tuple(loss.shape)}"
             )
         if not loss.requires_grad:
-            raise TypeError(
+            raise ConfigError(
                 "the loss does not require grad: it was computed under torch.no_grad(), detached, or from no "
                 "trainable parameter"
             )
@@ -318,6 +318,12 @@ class TrainingObjects:
         if getattr(stage, "name", "") == "UNSCALED":
             return
         self.scaler.unscale_(self.optimizer)
+
+    def loss_scale(self) -> torch.Tensor | None:
+        """The GradScaler's current scale (a tensor on its device, no host sync), None without one."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        return self.scaler._scale
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's part of every gradient there is (a DTensor's local tensor, sharing its storage)."""

@@ -264,13 +264,26 @@ def _step_of_this_run(status: WorkerStatus) -> float | None:
     return last if last is not None and last >= status.started_at else None
 
 
+#: Added to a hang's reason when the status shows the last step finished and no busy section open: the
+#: worker may be stuck inside the next step, or in the loop's own code between steps (a long evaluation
+#: or save that was not marked), which the status cannot tell apart. Bounded: a fixed text.
+OUTSIDE_STEPS_HINT = (
+    "; the last step finished and no busy section is open: if the loop is evaluating or saving, wrap "
+    'that in guardian.busy("eval")'
+)
+
+
 def _stepping(tracking: Tracking, status: WorkerStatus, clocks: Clocks, hang: float) -> Health:
     age = _elapsed(tracking.progress_since, clocks, _step_of_this_run(status))
     if age > hang:
+        between_steps = (
+            status.phase is Phase.RUNNING and status.busy_since is None and not status.busy_sections
+        )
         return Health(
             alive=False,
             ready=False,
-            reason=f"no step for {age:.1f} s (hang timeout {hang:g} s), last step {status.step}",
+            reason=f"no step for {age:.1f} s (hang timeout {hang:g} s), last step {status.step}"
+            + (OUTSIDE_STEPS_HINT if between_steps else ""),
         )
     return Health(
         alive=True,
