@@ -122,6 +122,18 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     # scheduling slack on a loaded 2-core machine).
     assert restart["detect_seconds"] <= hang_timeout + LIVENESS_FAILURE_THRESHOLD * probe_period + 1.5
     assert restart["time_to_recover_seconds"] is not None
+    # One source: the reason names the step the entry records (the furthest any rank's status said;
+    # statuses are written at most twice a second, so it may be below 15), the sidecar's own words
+    # agree, and the redone steps are counted from it.
+    last, resumed = restart["last_step"], restart["resumed_step"]
+    assert last is not None, restart
+    assert 0 < last <= 15, restart
+    assert f"hung at step {last}: " in restart["reason"], restart
+    assert f"last step {last}" in restart["reason"], restart
+    assert resumed is not None
+    assert restart["redone_steps"] == max(0, last - resumed)
+    failure = next(event for event in summary["timeline"] if event["kind"] == "failure")
+    assert failure["step"] == last
     assert summary["final_step"] == 40
     assert summary["attempts"] == 2
 
@@ -279,6 +291,13 @@ def test_a_stop_signal_stops_the_gang_and_leaves_the_checkpoints_intact(
     newest = store.newest_valid()
     assert newest is not None
     assert all(store.verify(step).valid for step in store.steps() if store.is_complete(step))
+    # The workers wrote a checkpoint as they stopped, and their final statuses say so: the summary's
+    # final step is that checkpoint's, not the last step the runner saw before the signal.
+    finals = [json.loads(f.read_text()) for f in latest.glob("attempt-1/rank-*/termination-log")]
+    assert [status["phase"] for status in finals] == ["stopped", "stopped"], finals
+    assert max(status["last_clean_checkpoint"]["step"] for status in finals) == newest
+    assert {status["step"] for status in finals} == {newest}
+    assert summary["final_step"] == newest == summary["final_checkpoint"]["step"]
 
 
 def test_report_draws_the_timeline_as_a_png(tmp_path: Path) -> None:

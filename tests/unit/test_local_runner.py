@@ -203,3 +203,9 @@ def test_a_run_result_writes_every_key_the_readme_documents_and_the_report_reads
     assert document["final_checkpoint"] == {"step": 0, "path": "/ckpt/step-0", "sha256": "ab" * 32}
     view = SummaryView.model_validate(json.loads(json.dumps(document)))
     assert (view.job.name, view.result, view.final_step) == ("tiny-lm", "succeeded", figures.final_step)
+    # Nothing reported: the figures are null, not 0, and the report still reads and draws them.
+    assert (document["final_step"], document["samples_seen"], document["goodput"]) == (None, None, None)
+    assert list(document)[:6] == ["job", "result", "reason", "attempts", "final_step", "restarts"]
+    from trainguard.local.report import render_png
+
+    assert render_png(view).startswith(b"\x89PNG")

@@ -85,6 +85,18 @@ def test_collective_counters_take_the_newest_and_samples_are_summed() -> None:
     assert observe_gang({0: status(0)}, 1).drop_rate == 0.0  # no sample yet: no drop
 
 
+def test_samples_of_a_gang_that_stepped_without_counting_them_are_unknown_not_zero() -> None:
+    # A loop that feeds itself (no guardian.run or guardian.loader): its guardian sees no batch, and
+    # reports 0 samples after 50 steps. That is "not measured"; a sum of 0 would read as "none seen".
+    uncounted = observe_gang({0: status(50), 1: status(50)}, 2)
+    assert (uncounted.samples_seen, uncounted.samples_dropped, uncounted.drop_rate) == (None, None, None)
+    # One rank that counts beside one that does not: a sum of half the shards would be wrong too.
+    half = observe_gang({0: status(50, samples_seen=400), 1: status(50)}, 2)
+    assert half.samples_seen is None
+    counted = observe_gang({0: status(50, samples_seen=400), 1: status(50, samples_seen=400)}, 2)
+    assert (counted.samples_seen, counted.drop_rate) == (800, 0.0)
+
+
 def test_the_first_failing_rank_is_the_one_that_failed_at_the_lowest_step() -> None:
     view = observe_gang(
         {
@@ -139,8 +151,12 @@ def test_aggregation_rules_hold_for_any_gang(statuses: dict[int, WorkerStatus | 
     assert view.progress.step == min(s.step for s in reported.values())
     assert view.progress.fastest_step == max(s.step for s in reported.values())
     assert all(reported[r].step == view.progress.step for r in view.progress.slowest_ranks)
-    assert view.samples_seen == sum(s.samples_seen for s in reported.values())
-    assert view.samples_dropped == sum(s.samples_dropped for s in reported.values())
+    if all(s.samples_seen > 0 or s.step == 0 for s in reported.values()):
+        assert view.samples_seen == sum(s.samples_seen for s in reported.values())
+        assert view.samples_dropped == sum(s.samples_dropped for s in reported.values())
+    else:  # a rank stepped without counting a sample: not measured, never a sum that reads as one
+        assert (view.samples_seen, view.samples_dropped, view.drop_rate) == (None, None, None)
+    assert view.last_step == view.progress.fastest_step
     assert view.rollbacks == max(s.rollbacks for s in reported.values())
     assert view.stepped == any(
         s.last_step_time is not None and s.last_step_time >= s.started_at for s in reported.values()

@@ -200,3 +200,21 @@ def test_the_hang_of_a_gang_between_steps_names_guardian_busy() -> None:
     assert decision.action is Action.RESTART
     assert decision.reason.startswith("ranks 0, 1 hung: no step for 31.0 s")
     assert decision.reason.endswith('wrap that in guardian.busy("eval")')
+
+
+def test_a_failures_reason_names_the_step_of_the_look_it_was_decided_on_and_carries_it() -> None:
+    hung = running(1, alive=False, reason="no step for 3.1 s, last step 140")
+    at = Observation(attempt=1, ranks=[running(0), hung], step=140)
+    decision = decide(RECOVERY, at)
+    assert decision.reason == "rank 1 hung at step 140: no step for 3.1 s, last step 140"
+    assert decision.step == 140
+    first = running(0, exit_code=1, ended_at=11.0), running(1, exit_code=1, ended_at=10.0)
+    crashed = decide(RECOVERY, Observation(attempt=1, ranks=first, step=7))
+    assert crashed.reason == "rank 1 crashed first at step 7: exited with code 1; rank 0 too"
+    both = decide(RECOVERY, Observation(attempt=1, ranks=[running(0, alive=False), hung], step=9))
+    assert both.reason.startswith("ranks 0, 1 hung at step 9: ")
+    # Exhausted restarts keep the step in the last reason they quote; no step known: none named.
+    exhausted = decide(RecoverySpec(max_restarts=0), at)
+    assert (exhausted.action, exhausted.step) == (Action.FAIL, 140)
+    assert exhausted.reason.endswith("last: rank 1 hung at step 140: no step for 3.1 s, last step 140")
+    assert decide(RECOVERY, gang(running(0), hung)).step is None

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from trainer_sidecar.contract.status import CheckpointRef, Phase, WorkerStatus
 from trainguard.core.observation import GangView, observe_gang
-from trainguard.core.policy import Action, Decision, FailureKind
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, RankObservation, decide
+from trainguard.core.spec import RecoverySpec
 from trainguard.core.summary import (
     Incident,
     Note,
@@ -159,7 +160,8 @@ def test_the_run_record_of_a_hang_after_a_checkpoint_then_a_resume_matches_the_h
     # the runner keeps looking, until the hang is detected at t=130.
     for t in range(90, 131, 10):
         notes += record.see(1, 0.0, gang(80, samples_seen=8000), float(t))
-    record.incidents.append(Incident(1, "rank 1 hung", 80.0, 130.0, 5.0, None))
+    hung = gang(80, samples_seen=8000, last_step_time=80.0)  # hung since t=80 by its own clock
+    record.failed(restart_on(hung, rank=1), hung, attempt=1, attempt_started=0.0, now=130.0)
     # Attempt 2 starts at t=136: starting, then resumed from 90 without a step yet, then stepping.
     starting = gang(0, resumed=0, stepped=False, phase=Phase.STARTING)
     notes += record.see(2, 136.0, starting, 137.0)
@@ -176,13 +178,81 @@ def test_the_run_record_of_a_hang_after_a_checkpoint_then_a_resume_matches_the_h
     assert figures.goodput == pytest.approx(0.8)
     assert figures.goodput_excluding_backoff == pytest.approx(round(200 / 245, 4))
     restart = figures.restarts[0]
-    assert (restart["last_step"], restart["resumed_step"], restart["redone_steps"]) == (80, 90, 0)
+    # The decision's view: rank 1 (one step ahead) reported 81, so the gang computed step 81.
+    assert (restart["last_step"], restart["resumed_step"], restart["redone_steps"]) == (81, 90, 0)
     assert restart["time_to_recover_seconds"] == pytest.approx(150.0 - 80.0)
     assert [n.kind for n in notes] == ["recovered"]
     assert notes[0].message == "training progressed again at step 100, resumed from step 90"
     # One sample per new step seen: a gang that stands still adds none.
     assert [s.step for s in record.samples if s.attempt == 1] == list(range(10, 81, 10))
     assert figures.samples_seen == 2 * 2500  # both ranks' shards
+
+
+def restart_on(view: GangView, *, rank: int, reason: str = "liveness probe failed") -> Decision:
+    """The policy's restart for ``rank`` hanging, decided on ``view`` as ``trainguard run`` observes it."""
+    hung = RankObservation(rank=rank, alive=False, reason=reason)
+    ranks = [hung if r == rank else RankObservation(rank=r) for r in range(view.world_size)]
+    observation = Observation(attempt=1, ranks=ranks, step=view.last_step)
+    return decide(RecoverySpec(), observation)
+
+
+def test_a_restarts_last_step_is_the_step_its_reason_names_from_the_view_it_was_decided_on() -> None:
+    # The reported case: rank 1 hung after step 140; rank 0 completed 140 as well (its gradients were
+    # reduced with rank 1's) but its status, written at most twice a second, still says 130. The next
+    # attempt resumed from the checkpoint at 125: 15 steps were redone, not 5.
+    record = RunRecord(started=0.0)
+    common: dict[str, Any] = {"phase": Phase.RUNNING, "started_at": 1.0, "last_step_time": 2.0}
+    for t, step in ((10.0, 120), (20.0, 130)):
+        record.see(1, 0.0, observe_gang({r: WorkerStatus(step=step, **common) for r in (0, 1)}, 2), t)
+    lagging = observe_gang({0: WorkerStatus(step=130, **common), 1: WorkerStatus(step=140, **common)}, 2)
+    record.see(1, 0.0, lagging, 30.0)
+    decision = restart_on(lagging, rank=1, reason="no step for 3.1 s (hang timeout 3 s), last step 140")
+    assert decision.reason.startswith("rank 1 hung at step 140: ")
+    record.failed(decision, lagging, attempt=1, attempt_started=0.0, now=31.0)
+    record.see(2, 40.0, gang(125, resumed=125, stepped=False), 41.0)
+    restart = record.figures(60.0, 1.0).restarts[0]
+    assert (restart["last_step"], restart["resumed_step"], restart["redone_steps"]) == (140, 125, 15)
+    assert restart["reason"] == decision.reason
+    # The fault time comes from the same view: rank 1's last step (t=2) to the decision (t=31).
+    assert restart["detect_seconds"] == pytest.approx(29.0)
+
+
+def test_figures_that_were_never_reported_are_none_not_zero() -> None:
+    nothing = RunRecord(started=0.0).figures(10.0, 0.0)
+    assert nothing.final_step is None
+    assert (nothing.rollbacks, nothing.skipped_steps) == (None, None)
+    assert (nothing.samples_seen, nothing.samples_dropped, nothing.drop_rate) == (None, None, None)
+    assert (nothing.kept_seconds, nothing.goodput, nothing.goodput_excluding_backoff) == (None, None, None)
+    assert nothing.wall_seconds == 10.0  # the runner's own clock: always known
+    # A gang whose loop feeds itself reports 0 samples after 30 steps: not measured, so null.
+    uncounted = RunRecord(started=0.0)
+    uncounted.see(1, 0.0, gang(30), 5.0)
+    figures = uncounted.figures(10.0, 0.0)
+    assert (figures.final_step, figures.rollbacks, figures.skipped_steps) == (30, 0, 0)
+    assert (figures.samples_seen, figures.samples_dropped, figures.drop_rate) == (None, None, None)
+    assert figures.goodput is not None
+
+
+def test_the_figures_all_come_from_the_last_view_taken_in() -> None:
+    record = RunRecord(started=0.0)
+    record.see(1, 0.0, gang(150, samples_seen=1500, rollbacks=1, skipped_steps=2), 10.0)
+    # The workers' final statuses after a stop: the stop checkpoint at 163, the counters as they ended.
+    ref = CheckpointRef(step=163, path="/ckpt/step-163")
+    final = gang(
+        163,
+        samples_seen=815,
+        samples_dropped=2,
+        rollbacks=1,
+        skipped_steps=3,
+        phase=Phase.STOPPED,
+        last_clean_checkpoint=ref,
+    )
+    record.see(1, 0.0, final, 12.0)
+    figures = record.figures(15.0, 0.0)
+    assert figures.final_step == 163
+    assert (figures.samples_seen, figures.samples_dropped, figures.skipped_steps) == (1630, 4, 3)
+    assert figures.drop_rate == pytest.approx(4 / 1630)
+    assert figures.kept_seconds == pytest.approx(12.0 * 163 / 164, abs=2.0)
 
 
 def test_the_run_record_notes_counter_changes_but_not_counters_restored_by_a_resume() -> None:

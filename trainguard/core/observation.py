@@ -10,6 +10,10 @@ In: each rank's ``WorkerStatus`` as last reported (None: the rank has not report
 * rollbacks and skipped steps are one collective decision, equal on every rank: the largest reported
   (the newest report) is taken;
 * samples are sharded: seen and dropped are summed over the ranks, and the drop rate is their ratio;
+  unknown (None) unless every reporting rank counted its samples: a rank that completed steps but saw
+  no sample did not count (its loop feeds itself, and the guardian sees no batch);
+* the last step: the furthest step any rank reported; a rank completes a step only once every rank's
+  gradients for it were reduced, so the gang computed it (the slowest rank's report may merely lag);
 * the newest clean checkpoint any rank reports;
 * the failing ranks (phase diverged or failed), and the first of them (the lowest step, then rank).
 
@@ -151,6 +155,11 @@ class GangView:
     checkpoint_seconds: float | None = None
 
     @property
+    def last_step(self) -> int | None:
+        """The furthest step the gang was seen to reach: the fastest rank's (None: no report)."""
+        return self.progress.fastest_step if self.progress is not None else None
+
+    @property
     def missing(self) -> tuple[int, ...]:
         """The ranks of the world that have not reported."""
         reported = {r.rank for r in self.ranks}
@@ -266,7 +275,8 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
     }
     ranks = tuple(RankState.of(rank, status) for rank, status in reported.items())
     values = list(reported.values())
-    counted = bool(values)
+    # A rank that completed steps without a sample seen did not count them: 0 would read as measured.
+    counted = bool(values) and all(s.samples_seen > 0 or s.step == 0 for s in values)
     return GangView(
         world_size=world_size,
         ranks=ranks,

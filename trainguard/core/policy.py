@@ -75,6 +75,10 @@ class Observation:
     handled_attempt: int = 0
     terminal: Action | None = None
     terminal_reason: str = ""
+    #: The furthest step the gang was seen to reach in the view ``ranks`` were observed in (None: not
+    #: known). A failure's reason names it, and the decision carries it, so that whatever reports the
+    #: failure (a restart's ``last_step``) takes its number from the same look as the reason.
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class Decision:
     rank: int | None = None
     exit_code: int | None = None
     restarts: int = 0
+    #: For a failure: the step its reason names (``Observation.step``; None: not known).
+    step: int | None = None
 
 
 def backoff_seconds(recovery: RecoverySpec, restarts_done: int) -> float:
@@ -173,14 +179,21 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
     alike = sorted(r.rank for k, r in failures if k is kind)
     others = [r for r in alike if r != rank.rank]
+    at = f" at step {observation.step}" if observation.step is not None else ""
     if not others:
-        reason = f"rank {rank.rank} {_VERBS[kind]}: {what}"
+        reason = f"rank {rank.rank} {_VERBS[kind]}{at}: {what}"
     elif rank.ended_at is not None:  # ordered by when they ended: name the first
-        reason = f"rank {rank.rank} {_VERBS[kind]} first: {what}; {_ranks(others)} too"
+        reason = f"rank {rank.rank} {_VERBS[kind]} first{at}: {what}; {_ranks(others)} too"
     else:
-        reason = f"{_ranks(alike)} {_VERBS[kind]}: {what}"
+        reason = f"{_ranks(alike)} {_VERBS[kind]}{at}: {what}"
     failed = Decision(
-        Action.FAIL, reason, failure=kind, rank=rank.rank, exit_code=rank.exit_code, restarts=restarts
+        Action.FAIL,
+        reason,
+        failure=kind,
+        rank=rank.rank,
+        exit_code=rank.exit_code,
+        restarts=restarts,
+        step=observation.step,
     )
     if kind in (FailureKind.CONFIG, FailureKind.FENCED):  # the exit code's description says permanent
         return failed

@@ -4,6 +4,11 @@ Pure functions over plain records, so the same arithmetic serves ``trainguard ru
 (``trainguard_operator.goodput``) and tests; ``RunRecord`` is what ``trainguard run`` keeps of what it
 saw (gang views and its own clock in, samples, incidents and timeline notes out), with no I/O.
 
+One source: every figure of the summary comes from the last gang view the record took in (the final
+step, the counters, the samples) and every restart's ``last_step`` from the view its decision was made
+on (the step its reason names). A figure that was never measured is None (``null`` in the summary),
+never 0.
+
 Goodput is the share of wall time spent computing steps that the final model kept. The final
 model's history is rebuilt backwards: the last attempt's progress from its resume step to the end
 was kept; the steps before its resume step were kept from the latest earlier stretch of progress
@@ -150,7 +155,8 @@ class Incident:
     detected_time: float
     backoff_seconds: float
     first_new_step_time: float | None
-    #: The last step the failed attempt was seen at, and the step the next attempt resumed from.
+    #: The failed attempt's last step in the view the decision was made on (the step the reason names),
+    #: and the step the next attempt resumed from.
     last_step: int | None = None
     resumed_step: int | None = None
 
@@ -205,8 +211,9 @@ class Note:
 class RunRecord:
     """What ``trainguard run`` keeps of a job's progress: fed with gang views and its own clock
     (``see``), it keeps the samples of the gang's step, each attempt's start and resume step, the
-    incidents (the runner appends one per gang restart; their recovery and resume are filled in here),
-    the loss series, and it says what changed (skips, rollbacks, checkpoints, recoveries)."""
+    incidents (``failed`` adds one per gang restart, from the view the decision was made on; their
+    recovery and resume are filled in here), the loss series, and it says what changed (skips,
+    rollbacks, checkpoints, recoveries)."""
 
     def __init__(self, started: float) -> None:
         self.started = started
@@ -217,7 +224,6 @@ class RunRecord:
         self.series: list[dict[str, Any]] = []
         self.view: GangView | None = None
         self._attempt = 0
-        self._last_step: dict[int, int] = {}
         self._counts: dict[str, int] = {}
 
     def see(self, attempt: int, attempt_started: float, view: GangView, now: float) -> list[Note]:
@@ -238,13 +244,28 @@ class RunRecord:
             return notes  # still starting: the counters its checkpoint holds are not restored yet
         return notes + self._counted(view)
 
+    def failed(
+        self, decision: Decision, view: GangView, *, attempt: int, attempt_started: float, now: float
+    ) -> Incident:
+        """Add the incident of ``decision`` (a restart of ``attempt``), made at ``now`` on ``view``: its
+        fault time, and its last step, which is the step the decision's reason names (the decision's
+        own when it carries one, else the view's last step: both from the same look)."""
+        incident = Incident(
+            attempt,
+            decision.reason,
+            fault_time(decision, view, attempt_started=attempt_started, now=now),
+            now,
+            decision.delay_seconds,
+            None,
+            last_step=decision.step if decision.step is not None else view.last_step,
+        )
+        self.incidents.append(incident)
+        return incident
+
     def _resumed(self, attempt: int, step: int) -> None:
         self.resume_steps[attempt] = step
         if self.incidents and self.incidents[-1].attempt < attempt:
-            failed = self.incidents[-1]
-            self.incidents[-1] = replace(
-                failed, last_step=self._last_step.get(failed.attempt), resumed_step=step
-            )
+            self.incidents[-1] = replace(self.incidents[-1], resumed_step=step)
 
     def _stepped(self, attempt: int, view: GangView, now: float) -> list[Note]:
         assert view.progress is not None
@@ -264,7 +285,6 @@ class RunRecord:
                     "grad_norm": lead.grad_norm if lead else None,
                 }
             )
-        self._last_step[attempt] = step
         incident = self.incidents[-1] if self.incidents else None
         if incident is None or incident.first_new_step_time is not None or incident.attempt >= attempt:
             return []
@@ -292,9 +312,9 @@ class RunRecord:
         return notes
 
     @property
-    def final_step(self) -> int:
-        """The gang's step when last seen (0 before any report)."""
-        return self.view.progress.step if self.view is not None and self.view.progress is not None else 0
+    def final_step(self) -> int | None:
+        """The gang's step when last seen (None before any report)."""
+        return self.view.progress.step if self.view is not None and self.view.progress is not None else None
 
     def kept_seconds(self, final_step: int) -> float:
         """Wall time spent on the steps ``final_step`` builds on (see the module docstring)."""
@@ -303,44 +323,47 @@ class RunRecord:
 
     def figures(self, wall_seconds: float, backoff_seconds: float) -> RunFigures:
         """The summary's figures for a run of ``wall_seconds`` that waited ``backoff_seconds`` in
-        backoffs: the final step, the restarts, the counters, and goodput from the kept time."""
+        backoffs: the final step, the counters and the samples from the last view taken in (one look),
+        the restarts, and goodput from the kept time. Whatever that view does not know is None; the
+        kept time and goodput are None when the final step is."""
         view = self.view
         final_step = self.final_step
-        kept = self.kept_seconds(final_step)
-        seen = view.samples_seen if view is not None and view.samples_seen is not None else 0
-        dropped = view.samples_dropped if view is not None and view.samples_dropped is not None else 0
+        kept = self.kept_seconds(final_step) if final_step is not None else None
         return RunFigures(
             final_step=final_step,
             restarts=[_restart(incident) for incident in self.incidents],
-            rollbacks=view.rollbacks if view is not None and view.rollbacks is not None else 0,
-            skipped_steps=view.skipped_steps if view is not None and view.skipped_steps is not None else 0,
-            samples_seen=seen,
-            samples_dropped=dropped,
-            drop_rate=dropped / seen if seen else 0.0,
+            rollbacks=view.rollbacks if view is not None else None,
+            skipped_steps=view.skipped_steps if view is not None else None,
+            samples_seen=view.samples_seen if view is not None else None,
+            samples_dropped=view.samples_dropped if view is not None else None,
+            drop_rate=view.drop_rate if view is not None else None,
             wall_seconds=round(wall_seconds, 3),
             backoff_seconds=backoff_seconds,
-            kept_seconds=round(kept, 3),
-            goodput=round(goodput(kept, wall_seconds), 4),
-            goodput_excluding_backoff=round(goodput(kept, wall_seconds, backoff_seconds), 4),
+            kept_seconds=_round(kept),
+            goodput=None if kept is None else round(goodput(kept, wall_seconds), 4),
+            goodput_excluding_backoff=None
+            if kept is None
+            else round(goodput(kept, wall_seconds, backoff_seconds), 4),
         )
 
 
 @dataclass(frozen=True)
 class RunFigures:
-    """A run's figures, as the summary reports them (the README's summary reference names each)."""
+    """A run's figures, as the summary reports them (the README's summary reference names each); None:
+    not known (never reported, or not measured)."""
 
-    final_step: int
+    final_step: int | None
     restarts: list[dict[str, Any]]
-    rollbacks: int
-    skipped_steps: int
-    samples_seen: int
-    samples_dropped: int
-    drop_rate: float
+    rollbacks: int | None
+    skipped_steps: int | None
+    samples_seen: int | None
+    samples_dropped: int | None
+    drop_rate: float | None
     wall_seconds: float
     backoff_seconds: float
-    kept_seconds: float
-    goodput: float
-    goodput_excluding_backoff: float
+    kept_seconds: float | None
+    goodput: float | None
+    goodput_excluding_backoff: float | None
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as the summary's JSON keys, in the summary's order."""

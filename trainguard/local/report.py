@@ -52,14 +52,15 @@ class JobName(_Lenient):
 
 
 class SummaryView(_Lenient):
-    """The part of ``trainguard run``'s summary that the report draws (other keys are ignored)."""
+    """The part of ``trainguard run``'s summary that the report draws (other keys are ignored); null
+    is a figure that was not known, drawn as "?"."""
 
     job: JobName = JobName()
     result: str = "?"
     final_step: int | None = None
     restarts: list[Any] = Field(default_factory=list)
-    rollbacks: int = 0
-    goodput: float = 0.0
+    rollbacks: int | None = None
+    goodput: float | None = None
     series: list[SeriesPoint] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
 
@@ -100,9 +101,11 @@ def render_png(summary: SummaryView) -> bytes:
     norm_axis.set_yscale("log")
     norm_axis.set_xlabel("step")
     final = summary.final_step if summary.final_step is not None else "?"
+    rollbacks = summary.rollbacks if summary.rollbacks is not None else "?"
+    kept = f"{summary.goodput:.1%}" if summary.goodput is not None else "?"
     loss_axis.set_title(
         f"{summary.job.namespace}/{summary.job.name}: {summary.result} at step {final}, "
-        f"{len(summary.restarts)} restart(s), {summary.rollbacks} rollback(s), goodput {summary.goodput:.1%}"
+        f"{len(summary.restarts)} restart(s), {rollbacks} rollback(s), goodput {kept}"
     )
     if labelled or by_attempt:
         loss_axis.legend(loc="upper right", fontsize="small")

@@ -32,8 +32,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
+from trainer_sidecar.contract.files import read_small_file
 from trainer_sidecar.contract.identity import job_identity
-from trainer_sidecar.contract.status import Phase, WorkerStatus
+from trainer_sidecar.contract.status import (
+    MAX_STATUS_BYTES,
+    Phase,
+    WorkerStatus,
+    local_status_file,
+    parse_status,
+    read_status,
+)
 from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
 from trainguard.core.policy import Action, Observation
@@ -55,7 +63,7 @@ from trainguard.local.launch import (
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
-from trainguard.local.supervisor import FinalCheckpoint, GangSupervisor, RunResult
+from trainguard.local.supervisor import FinalCheckpoint, GangSupervisor, Look, RunResult
 from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
@@ -438,7 +446,7 @@ class LocalRunner(GangSupervisor):
         if report.status is not None:
             rank.status = report.status
 
-    def _monitor_workers(self) -> Observation:
+    def _monitor_workers(self) -> Look:
         """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as
         the operator does), and observe the gang."""
         now = time.monotonic()
@@ -450,8 +458,28 @@ class LocalRunner(GangSupervisor):
         return self.observe()
 
     def _read_final_statuses(self) -> None:
+        """Once the gang is stopped (its sidecars too): each rank's final status from what its workers
+        wrote as they ended, read from the files, kept as it was where none can be had."""
         for rank in self.ranks:
-            self.read_status(rank)
+            final = self.final_status(rank)
+            if final is not None:
+                rank.status = final
+
+    def final_status(self, rank: RankProcesses) -> WorkerStatus | None:
+        """What a stopped rank's worker wrote last: its termination message (the guardian's final status),
+        else its status file; for a pod of several processes, the slowest one's status file, as its
+        sidecar shows a pod (they share one termination-message path). None: nothing readable."""
+        nproc = self.spec.nproc_per_node
+        if nproc == 1:
+            try:
+                message = read_small_file(rank.termination_file, MAX_STATUS_BYTES, "termination message")
+            except OSError:  # FileRefused included
+                message = b""  # none (killed), or not a file: the status file is the last word
+            final = parse_status(message, str(rank.termination_file)).status if message else None
+            return final if final is not None else read_status(rank.status_file).status
+        statuses = [read_status(local_status_file(rank.status_file, i, nproc)).status for i in range(nproc)]
+        found = [status for status in statuses if status is not None]
+        return min(found, key=lambda status: status.step) if found else None
 
     def read_statuses(self) -> None:
         """Refresh every rank's status: the gang's step is its slowest rank's, so all are needed."""
@@ -462,8 +490,8 @@ class LocalRunner(GangSupervisor):
         """The current attempt's gang as its ranks last reported."""
         return observe_gang({r.rank: r.status for r in self.ranks}, self.spec.replicas)
 
-    def observe(self) -> Observation:
-        """What the policy sees now."""
+    def observe(self) -> Look:
+        """The gang now, and what the policy sees of it (from that one view)."""
         view = self.gang_view()
         ranks = []
         now = time.monotonic()  # one reading: exits first seen in one observation tie
@@ -479,9 +507,14 @@ class LocalRunner(GangSupervisor):
                 ended_at=rank.ended_at,
             )
             ranks.append(view.rank_observation(rank.rank, process))
-        return Observation(
-            attempt=self.attempt, ranks=ranks, restarts=self.restarts, handled_attempt=self.attempt - 1
+        observation = Observation(
+            attempt=self.attempt,
+            ranks=ranks,
+            restarts=self.restarts,
+            handled_attempt=self.attempt - 1,
+            step=view.last_step,
         )
+        return Look(view, observation)
 
     # ------------------------------------------------------------------------------------- main ---
     def run(self) -> int:
@@ -504,7 +537,8 @@ class LocalRunner(GangSupervisor):
             self.start_attempt()
             return self.supervise(signals)
         except Stopped as stop:
-            self.event("interrupted", f"stopped by {stop.name}; checkpoints are intact")
+            signals.disarm()  # the gang is being stopped: a second signal cannot cut that short
+            self.interrupted(stop.name)
             return stop.exit_code
         finally:
             signals.disarm()  # from here on a stop signal cannot cut the cleanup short

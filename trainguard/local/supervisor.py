@@ -6,6 +6,12 @@
 gang, back off, start the next attempt, with a remediation after a divergence). It keeps the run's
 timeline and record, which the live view and the summary read. A subclass says how a gang starts, stops
 and is observed; ``trainguard.local.runner.LocalRunner`` does it with processes on this machine.
+
+One look, one source: each round takes one ``Look`` (the gang view and the policy's observation made
+from it) and one clock reading; the record, the decision, its reason and the restart it leads to all
+read that look. A run that ends (succeeded, failed or interrupted) stops its gang first and then takes
+in the workers' final statuses, so the summary's figures are the workers' last word (the stop
+checkpoint's step after Ctrl-C), not the last look before the end.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
 from trainguard.core.spec import GuardedTrainingJob
-from trainguard.core.summary import Incident, RunFigures, RunRecord, fault_time
+from trainguard.core.summary import Incident, RunFigures, RunRecord
 from trainguard.local.launch import StopSignals
 
 #: How often the loop looks again while nothing needs doing.
@@ -50,6 +56,15 @@ class Event:
             "step": self.step,
             "message": self.message,
         }
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look at the gang: its view and the policy's observation made from that view (the observation's
+    ``step`` is the view's last step), so that what is recorded and what is decided agree."""
+
+    view: GangView
+    observation: Observation
 
 
 @dataclass(frozen=True)
@@ -157,8 +172,8 @@ class GangSupervisor(ABC):
         the runner's stop grace, time for a checkpoint); nothing of it may be left running."""
 
     @abstractmethod
-    def _monitor_workers(self) -> Observation:
-        """Look at the gang now (probes, statuses, exits) and say what the policy should see."""
+    def _monitor_workers(self) -> Look:
+        """Look at the gang now (probes, statuses, exits): its view and what the policy should see."""
 
     @abstractmethod
     def gang_view(self) -> GangView:
@@ -170,7 +185,8 @@ class GangSupervisor(ABC):
 
     @abstractmethod
     def _read_final_statuses(self) -> None:
-        """Before a success is recorded: take in the workers' last statuses."""
+        """Once the gang is stopped: take in the workers' final statuses (what they wrote as they ended),
+        so that ``gang_view`` shows them."""
 
     # ----------------------------------------------------------------------------- the template ---
     @property
@@ -185,11 +201,14 @@ class GangSupervisor(ABC):
         if self.view is not None:
             self.view.event(entry)
 
-    def record_progress(self) -> None:
-        """Take in the gang's progress and turn what changed into timeline events."""
+    def record_progress(self, view: GangView | None = None, now: float | None = None) -> None:
+        """Take in the gang's progress (``view`` at ``now``; default: the gang as it is now) and turn what
+        changed into timeline events."""
         if self.attempt == 0:
             return
-        for note in self.record.see(self.attempt, self.attempt_started, self.gang_view(), time.time()):
+        view = self.gang_view() if view is None else view
+        now = time.time() if now is None else now
+        for note in self.record.see(self.attempt, self.attempt_started, view, now):
             self.event(note.kind, note.message, note.step)
 
     def start_attempt(self) -> None:
@@ -202,11 +221,12 @@ class GangSupervisor(ABC):
     def supervise(self, signals: StopSignals) -> int:
         """Watch the started gang until the policy ends the run; the run's exit code (``exit_code_of``)."""
         while True:
-            observation = self._monitor_workers()
-            self.record_progress()
+            look = self._monitor_workers()
+            now = time.time()
+            self.record_progress(look.view, now)
             if self.view is not None:
                 self.view.update(self)
-            decision = decide(self.spec.recovery, observation)
+            decision = decide(self.spec.recovery, look.observation)
             if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
                 time.sleep(IDLE_SECONDS)
                 continue
@@ -215,30 +235,29 @@ class GangSupervisor(ABC):
                 self._finish(decision)
                 self.event("succeeded", "every rank exited 0")
                 return 0
-            if not self._recover(decision, signals):
+            if not self._recover(decision, look, now, signals):
                 return exit_code_of(decision)
 
-    def _recover(self, decision: Decision, signals: StopSignals) -> bool:
-        """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False)."""
-        fault_at = fault_time(
-            decision, self.gang_view(), attempt_started=self.attempt_started, now=time.time()
-        )
-        detected = time.time()
-        self.event(decision.action.value if decision.action is Action.FAIL else "failure", decision.reason)
+    def _recover(self, decision: Decision, look: Look, now: float, signals: StopSignals) -> bool:
+        """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False),
+        decided on ``look`` taken at ``now``: the restart's figures come from that look."""
+        kind = decision.action.value if decision.action is Action.FAIL else "failure"
+        self.event(kind, decision.reason, decision.step)
         # A failure (a crash, a hang, a refused claim) leaves no gang that could checkpoint: stop it now.
         if decision.action is Action.FAIL:
             signals.disarm()
             self.final_decision = decision
-            self._stop_workers(BROKEN_GANG_GRACE_SECONDS)
+            self._end(BROKEN_GANG_GRACE_SECONDS)
             return False
+        # Recorded before the stop: the restart's last step is the one the reason names.
+        self.record.failed(
+            decision, look.view, attempt=self.attempt, attempt_started=self.attempt_started, now=now
+        )
         with signals.deferred():
             self._stop_workers(BROKEN_GANG_GRACE_SECONDS)
         self.restarts = decision.restarts
         if decision.remediation is not None:
             self.remediation = RemediationOrder.introduced_by(self.attempt + 1, decision.remediation)
-        self.incidents.append(
-            Incident(self.attempt, decision.reason, fault_at, detected, decision.delay_seconds, None)
-        )
         self.event(
             "restart",
             f"restarting the whole gang in {decision.delay_seconds:g} s "
@@ -250,8 +269,19 @@ class GangSupervisor(ABC):
         return True
 
     def _finish(self, decision: Decision) -> None:
-        """Record the final decision, take in the last statuses and let the gang go."""
+        """Record the final decision, let the gang go and take in its final statuses."""
         self.final_decision = decision
+        self._end()
+
+    def _end(self, grace_seconds: float | None = None) -> None:
+        """Stop the gang (``_stop_workers``' grace), then take in what its workers wrote as they ended (a
+        stop checkpoint, their final counters): the summary's last view."""
+        self._stop_workers(grace_seconds)
         self._read_final_statuses()
         self.record_progress()
-        self._stop_workers()
+
+    def interrupted(self, name: str) -> None:
+        """End a run stopped by signal ``name`` before the policy decided: the gang stops (its workers
+        write their stop checkpoint), and their final statuses are the summary's last view."""
+        self._end()
+        self.event("interrupted", f"stopped by {name}; checkpoints are intact")
