@@ -131,15 +131,15 @@ class RNNModel(nn.Module):
         nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
     def forward(
-        self, tokens: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self, tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         emb = self.drop(self.encoder(tokens))
         output, hidden = self.rnn(emb, hidden)
         output = self.drop(output)
         decoded = self.decoder(output).view(-1, self.ntoken)
         return nn.functional.log_softmax(decoded, dim=1), hidden
 
-    def init_hidden(self, bsz: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def init_hidden(self, bsz: int) -> tuple[torch.Tensor, ...]:
         weight = next(self.parameters())
         shape = (self.nlayers, bsz, self.nhid)
         return (weight.new_zeros(shape), weight.new_zeros(shape))
