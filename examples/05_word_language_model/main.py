@@ -19,6 +19,7 @@ import math
 import os
 import random
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -153,13 +154,13 @@ nbatches = len(range(0, train_data.size(0) - 1, args.bptt))
 guardian = Guardian(model, optimizer, max_steps=args.epochs * nbatches)
 
 
-class Carried(dict[str, object]):
+class Carried(dict[str, Any]):
     """What the loop carries from one step to the next besides model and optimizer, checkpointed."""
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return dict(self)
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.update(state)
 
 
@@ -208,7 +209,7 @@ def train() -> None:
     hidden = model.init_hidden(args.batch_size)
     for batch, i in enumerate(range(0, train_data.size(0) - 1, args.bptt)):
         if (epoch - 1) * nbatches + batch < guardian.step_count:  # trained before a resume
-            hidden = carried["hidden"]  # type: ignore[assignment]
+            hidden = carried["hidden"]
             continue
         data, targets = get_batch(train_data, i)
         # Starting each batch, we detach the hidden state from how it was previously produced.
@@ -263,7 +264,7 @@ for epoch in range(1, args.epochs + 1):
     )
     print("-" * 89)
     # Save the model if the validation loss is the best we've seen so far.
-    if not carried["best_val_loss"] or val_loss < carried["best_val_loss"]:  # type: ignore[operator]
+    if not carried["best_val_loss"] or val_loss < carried["best_val_loss"]:
         torch.save(model.state_dict(), args.save)
         carried["best_val_loss"] = val_loss
     else:
