@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,10 +199,12 @@ def test_a_crash_resumes_the_word_language_model_exactly(tmp_path: Path) -> None
     assert first[0] == -9  # SIGKILL at step 17: the last checkpoint is step 15, in epoch 2
     second = run("resumed", crashes)
     assert second[0] == -9, second[2][-3000:]  # SIGKILL at step 32: the last checkpoint, 30, ends epoch 3
-    assert "resumed from the clean checkpoint at step 15" in second[2]
+    # Checkpoints are written in the background: the newest durable one at a SIGKILL may be the one
+    # before (step 12, not 15; 27, not 30) on a loaded machine. Either way the resume is exact.
+    assert re.search(r"resumed from the clean checkpoint at step 1[25] ", second[2]), second[2][-3000:]
     third = run("resumed", crashes)
     assert third[0] == 0, third[2][-3000:]
-    assert "resumed from the clean checkpoint at step 30" in third[2]
+    assert re.search(r"resumed from the clean checkpoint at step (27|30) ", third[2]), third[2][-3000:]
     assert whole[1] is not None
     assert third[1] is not None
     # Mid-epoch, the LSTM's hidden state came back with the weights; at epoch 3's end, the resumed run
