@@ -149,7 +149,9 @@ def test_a_streaming_ddp_loop_resumes_its_stateful_dataloader_exactly(tmp_path: 
     )
     assert whole[0] == 0, whole[2][-3000:]
     assert resumed[0] == 0, resumed[2][-3000:]
-    assert "resumed from the clean checkpoint at step 12" in resumed[2]
+    # The step-12 checkpoint is written in the background: when rank 1 is killed two steps later it may
+    # not be durable yet on a loaded machine, and the resume starts from step 8's. Either is exact.
+    assert re.search(r"resumed from the clean checkpoint at step (8|12) ", resumed[2]), resumed[2][-3000:]
     assert whole[1] is not None
     assert resumed[1] is not None
     assert resumed[1]["step"] == whole[1]["step"] == 24
