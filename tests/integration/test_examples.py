@@ -98,7 +98,9 @@ def test_a_crash_resumes_the_nanogpt_shaped_loop_exactly(token_files: Path, tmp_
     resumed = run_script(
         NANOGPT / "nanogpt.py", [*SMALL, *data], guardian_env(tmp_path / "resumed", "crash@10")
     )
-    assert "resumed from the clean checkpoint at step 8" in resumed[2]
+    # Step 8's checkpoint may not be durable yet at the SIGKILL two steps later (background writes): a
+    # resume from step 4's is just as exact.
+    assert re.search(r"resumed from the clean checkpoint at step [48] ", resumed[2]), resumed[2][-3000:]
     assert whole[1] is not None
     assert resumed[1] is not None
     # Steps 8 to 11 again, with the same batches (the prefetched one too) and the same dropout.
