@@ -14,15 +14,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.health import GRACE, WALL0, Sidecar
 from trainer_sidecar.contract.allowance import OpenSection, busy_allowance, section_allowance
 from trainer_sidecar.contract.status import BusySection, Phase, WorkerStatus, parse_status
 from trainer_sidecar.guardian.busy import legacy_seconds
-from trainer_sidecar.sidecar.health import Clocks, Health, HealthPolicy, Tracking, assess_health
-
-WALL0 = 1_700_000_000.0
-HANG = 30.0
-GRACE = 120.0
-POLICY = HealthPolicy(hang_timeout_seconds=HANG, startup_grace_seconds=GRACE)
 
 # Times are whole or quarter seconds, so that the reference's comparisons are exact.
 starts = st.integers(min_value=0, max_value=4000).map(lambda q: q / 4)
@@ -154,26 +149,6 @@ class Worker:
             )
         values.update(fields)
         return WorkerStatus(**values)
-
-
-@dataclass
-class Sidecar:
-    """A sidecar's health state driven by hand (started at monotonic 0, wall ``WALL0``)."""
-
-    monotonic: float = 0.0
-    wall: float = WALL0
-
-    def __post_init__(self) -> None:
-        self.tracking = Tracking.begin(self.monotonic)
-
-    def advance(self, seconds: float) -> None:
-        self.monotonic += seconds
-        self.wall += seconds
-
-    def read(self, status: WorkerStatus) -> Health:
-        clocks = Clocks(monotonic=self.monotonic, wall=self.wall)
-        health, self.tracking = assess_health(self.tracking, status, "", clocks, POLICY)
-        return health
 
 
 def stepping_sidecar() -> tuple[Sidecar, Worker]:

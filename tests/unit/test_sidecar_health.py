@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.health import GRACE, HANG, POLICY, WALL0, Sidecar
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainer_sidecar.sidecar.health import (
     OUTSIDE_STEPS_HINT,
@@ -26,32 +26,6 @@ from trainer_sidecar.sidecar.health import (
     judge,
     track,
 )
-
-WALL0 = 1_700_000_000.0
-HANG = 30.0
-GRACE = 120.0
-POLICY = HealthPolicy(hang_timeout_seconds=HANG, startup_grace_seconds=GRACE)
-
-
-@dataclass
-class Sidecar:
-    """A sidecar's health state driven by hand; its two clocks move together unless told otherwise."""
-
-    policy: HealthPolicy = POLICY
-    monotonic: float = 0.0
-    wall: float = WALL0
-
-    def __post_init__(self) -> None:
-        self.tracking = Tracking.begin(self.monotonic)
-
-    def advance(self, seconds: float) -> None:
-        self.monotonic += seconds
-        self.wall += seconds
-
-    def read(self, status: WorkerStatus | None, read_error: str = "unreadable") -> Health:
-        clocks = Clocks(monotonic=self.monotonic, wall=self.wall)
-        health, self.tracking = assess_health(self.tracking, status, read_error, clocks, self.policy)
-        return health
 
 
 def worker(**fields: Any) -> WorkerStatus:
