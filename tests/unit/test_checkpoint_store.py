@@ -162,6 +162,33 @@ def test_manifest_of_another_step_is_rejected(store: CheckpointStore) -> None:
     assert store.newest_valid() == 10
 
 
+def test_a_rank_that_finishes_before_rank_0_learns_the_checkpoint_is_clean_once_rank_0_lands(
+    tmp_path: Path,
+) -> None:
+    """Every rank's status names the newest clean checkpoint, not only the rank that finished last."""
+    rank0 = CheckpointStore(tmp_path, rank=0, world_size=2)
+    rank1 = CheckpointStore(tmp_path, rank=1, world_size=2)
+    try:
+        assert rank1.save(10, {"data": {"index": 10}}, {}) is None  # rank 0's manifest not there yet
+        assert rank1.last_clean is None
+        rank0.save(10, small_state(10.0), {})
+        ref = rank1.last_clean
+        assert ref is not None
+        assert (ref.step, ref.path) == (10, str(tmp_path / step_dir_name(10)))
+        assert ref == rank0.last_clean
+
+        # A newer one still waiting for rank 0 does not hide the older clean one.
+        assert rank1.save(20, {"data": {"index": 20}}, {}) is None
+        assert rank1.last_clean == ref
+        rank0.save(20, small_state(20.0), {})
+        newer = rank1.last_clean
+        assert newer is not None
+        assert newer.step == 20
+    finally:
+        rank0.close()
+        rank1.close()
+
+
 def test_incomplete_checkpoint_is_neither_complete_nor_chosen(tmp_path: Path) -> None:
     rank0 = CheckpointStore(tmp_path, rank=0, world_size=2)
     rank1 = CheckpointStore(tmp_path, rank=1, world_size=2)

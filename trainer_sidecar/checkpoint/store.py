@@ -149,6 +149,10 @@ def check_writable(root: Path, rank: int = 0) -> None:
                 fs.unlink(root_fd, probe)
 
 
+#: How many checkpoints waiting for rank 0's manifest a store remembers (older ones are superseded).
+_AWAITING_LIMIT = 4
+
+
 class CheckpointStore:
     """Writes, verifies, finds and prunes clean checkpoints for one rank of a job.
 
@@ -184,7 +188,10 @@ class CheckpointStore:
         self._inflight: Future[CheckpointRef | None] | None = None
         self._fenced: FencedError | None = None
         self._lock = threading.Lock()
-        self.last_clean: CheckpointRef | None = None
+        self._last_clean: CheckpointRef | None = None
+        # Checkpoints this rank has written whose rank 0 manifest was not there yet (rank 0 still
+        # writing): clean once it lands, which ``last_clean`` looks for. Newest last, a few at most.
+        self._awaiting_rank0: list[CheckpointId] = []
         #: How long the last checkpoint written took from its start in the background to durable.
         self.last_write_seconds: float | None = None
         # Checkpoints being written and being deleted, so that pruning never removes one while written.
@@ -407,12 +414,38 @@ class CheckpointStore:
 
     def _record_clean(self, checkpoint: CheckpointId) -> CheckpointRef | None:
         ref = self.reference(checkpoint)
-        if ref is None:
-            return None
         with self._lock:
-            if self.last_clean is None or ref.step >= self.last_clean.step:
-                self.last_clean = ref
+            if ref is None:
+                if self._last_clean is None or checkpoint.step > self._last_clean.step:
+                    self._awaiting_rank0 = [*self._awaiting_rank0, checkpoint][-_AWAITING_LIMIT:]
+            else:
+                self._note_clean(ref)
         return ref
+
+    def _note_clean(self, ref: CheckpointRef) -> None:
+        """Under ``_lock``: ``ref`` is clean; it is the newest known unless a newer one is."""
+        if self._last_clean is None or ref.step >= self._last_clean.step:
+            self._last_clean = ref
+        self._awaiting_rank0 = [c for c in self._awaiting_rank0 if c.step > ref.step]
+
+    @property
+    def last_clean(self) -> CheckpointRef | None:
+        """The newest checkpoint this rank wrote or read that is clean (rank 0's manifest there too).
+
+        A checkpoint this rank finished before rank 0 did becomes clean when rank 0's manifest lands:
+        each call looks again for the few such checkpoints, newest first, so that every rank's status
+        ends up naming the same newest checkpoint, not only the rank that finished last.
+        """
+        with self._lock:
+            awaiting = list(self._awaiting_rank0)
+        for checkpoint in reversed(awaiting):
+            ref = self.reference(checkpoint)
+            if ref is not None:
+                with self._lock:
+                    self._note_clean(ref)
+                break
+        with self._lock:
+            return self._last_clean
 
     # -- reading --------------------------------------------------------------------------------------
     def fence(self) -> Fence:
