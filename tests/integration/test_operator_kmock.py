@@ -294,6 +294,8 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
             await terminate(cluster, pods[1], 137)
             job2 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-2"), what="attempt 2")
             # The 2 s backoff was waited, by the operator's own clock (the test sees its decisions late).
+            # The status records the new attempt's start in the patch after its PyTorchJob's creation.
+            await eventually(lambda: status(cluster).get("attemptCreated") == 2, what="attempt 2 recorded")
             st = status(cluster)
             started, failed = parse_time(st["attemptStartedAt"]), parse_time(st["recoveringSince"])
             assert started is not None, st
