@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1601,6 +1602,32 @@ def test_a_loop_that_changes_weights_between_steps_without_settle_gets_no_torn_c
     assert kept == [4, 6]  # step 2's copy ran after the clamp: not written; later copies synchronous
     for step in kept:
         assert_same(store.load(step)["model"], at_step[step])
+
+
+def test_weights_changed_in_place_after_the_declared_end_need_no_settle(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop of its own (example 05's epochs) that loads the best model to test it after its last step:
+    the final checkpoint is the trained model, not the loaded one, without guardian.settle()."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = settings(checkpoint={"everySteps": 2, "snapshotEverySteps": 2})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config, max_steps=4)
+    for _ in range(3):
+        assert guardian.step(loss_of(model)).applied
+    with copies_held() as release:
+        threading.Timer(0.3, release.set).start()  # the last step's copies wait, as on a busy machine
+        assert guardian.step(loss_of(model)).applied
+        trained = clone_state(model)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()  # the loop's own change after the end, without guardian.settle()
+    guardian.finish()  # what interpreter exit does for a loop of its own
+    assert guardian.phase is Phase.FINISHED
+    assert not [r for r in caplog.records if "without calling guardian.settle()" in r.message]
+    store = CheckpointStore(tmp_path)
+    assert store.newest_valid() == 4
+    assert_same(store.load(4)["model"], trained)
 
 
 def test_a_status_file_that_cannot_be_written_is_a_configuration_error_naming_it(tmp_path: Path) -> None:

@@ -906,6 +906,10 @@ class Guardian:
         self._take_snapshot()
         if checkpoint_due:
             self._save_checkpoint()
+        if step == self.max_steps:
+            # No next step to overlap the copies with, and what follows the end often changes the weights
+            # in place (loading the best model to test it): the copies land before the loop goes on.
+            self.settle()
         return None
 
     def _unclean_state(self) -> Verdict | None:
