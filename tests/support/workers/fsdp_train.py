@@ -176,6 +176,11 @@ def main() -> int:
     print(json.dumps(report), flush=True)
     if world_size > 1:
         dist.destroy_process_group()
+        # The report is out; skip the interpreter's teardown, where PyTorch's gloo threads end in
+        # std::terminate (SIGABRT) in about 1 run of 30 under load: the tests judge the training, and the
+        # guardian's own ending (Guardian._exit_now) does the same for its exit codes.
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
