@@ -13,6 +13,10 @@ python=${PYTHON:-python3}
 key=$( (cat "$root/requirements.lock"; "$python" --version) | sha256sum | cut -c1-16)
 deps="$cache/deps-$key"
 mkdir -p "$cache"
+# Two clones bootstrapping at once (a CI run beside a developer's) would each remove and rebuild the
+# other's half-built environment; the second waits for the first and then reuses what it built.
+exec 9>"$deps.lock"
+flock 9
 if [ ! -x "$deps/bin/python" ] || [ ! -f "$deps/.complete" ]; then
   echo "bootstrap: building $deps (cold machine: downloads torch, a few minutes)" >&2
   rm -rf "$deps"
@@ -22,6 +26,7 @@ if [ ! -x "$deps/bin/python" ] || [ ! -f "$deps/.complete" ]; then
 else
   echo "bootstrap: reusing $deps" >&2
 fi
+exec 9>&-
 deps_site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 venv="$root/.venv"
