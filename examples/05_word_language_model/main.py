@@ -273,7 +273,6 @@ for epoch in range(1, args.epochs + 1):
 
 final_weights = weights_digest()
 # Load the best saved model and run it on the test data.
-guardian.settle()  # the final checkpoint's copy is done before the weights change in place
 model.load_state_dict(torch.load(args.save))
 test_loss = evaluate(test_data)
 print("=" * 89)
