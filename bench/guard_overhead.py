@@ -454,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     )
 
     snap_s, snap_bytes = time_snapshot(guardian.module, guardian.optimizer, 3 if args.quick else 5)
+    guardian.close()  # done with it: left to interpreter exit, it would finish into the removed scratch
     every = CheckpointPolicy().snapshot_every_steps
     print(
         f"snapshot (timed apart): {snap_s * 1e3:.2f} ms for {snap_bytes / 1e6:.1f} MB; at the default "
