@@ -18,12 +18,18 @@ import pytest
 
 from tests.support.paths import REPO_ROOT
 
+#: The folder beside the clone where the project's design documents once lay (samples below say
+#: ``{beside}`` for it, so that this file names no path outside the clone either).
+_BESIDE = "shared"
 #: Names the repository's scripts and modules give the repository root.
 _ROOT_NAMES = r"(?:REPO_ROOT|_?ROOT|root|repo_root)"
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("the root's parent (Python)", re.compile(rf"\b{_ROOT_NAMES}\s*\.\s*parents?\b")),
     ("the root's parent (shell)", re.compile(rf"\$\{{?{_ROOT_NAMES}\}}?/\.\.(?:/|\"|'|\s|$)")),
-    ("the folder beside the clone", re.compile(r"\.\./shared\b|\bshared/(?:reference|seeds|design\.md)")),
+    (
+        "the folder beside the clone",
+        re.compile(rf"\.\./{_BESIDE}\b|\b{_BESIDE}/(?:reference|seeds|design\.md)"),
+    ),
     ("an absolute path of the workplace", re.compile(r"(?<![\w.])/work/")),
 )
 #: ``Path(__file__)`` climbed by ``.parent`` steps or ``.parents[N]``.
@@ -82,13 +88,13 @@ def test_no_file_of_the_repository_refers_to_a_path_outside_it() -> None:
 @pytest.mark.parametrize(
     ("file", "line"),
     [
-        ("tests/support/paths.py", 'SHARED = REPO_ROOT.parent / "shared"'),
+        ("tests/support/paths.py", 'SHARED = REPO_ROOT.parent / "{beside}"'),
         ("bench/x.py", "KUBEFLOW = ROOT.parents[0] / 'reference'"),
-        ("scripts/x.sh", 'crd="$root/../shared/reference/kubeflow/crd.yaml"'),
+        ("scripts/x.sh", 'crd="$root/../{beside}/reference/kubeflow/crd.yaml"'),
         ("scripts/x.sh", 'ls "${root}/.."'),
-        ("tests/e2e/x.py", 'CRD = Path("../shared/reference/kubeflow.yaml")'),
-        ("README.md", "see the design brief in shared/design.md"),
-        ("bench/operator_scale.py", "#: (``/work/shared/...`` here)"),
+        ("tests/e2e/x.py", 'CRD = Path("../{beside}/reference/kubeflow.yaml")'),
+        ("README.md", "see the design brief in {beside}/design.md"),
+        ("bench/operator_scale.py", "#: (``/work/{beside}/...`` here)"),
         ("tests/support/paths.py", "REPO_ROOT = Path(__file__).resolve().parents[3]"),
         ("trainguard/crd.py", "_ROOT = Path(__file__).resolve().parent.parent.parent"),
         ("scripts/x.sh", 'root=$(cd "$(dirname "$0")/../.." && pwd)'),
@@ -96,7 +102,7 @@ def test_no_file_of_the_repository_refers_to_a_path_outside_it() -> None:
 )
 def test_each_way_of_reaching_outside_is_found(file: str, line: str) -> None:
     """Each rule fires on the kind of line it is for."""
-    assert escapes(file, line)
+    assert escapes(file, line.replace("{beside}", _BESIDE))
 
 
 @pytest.mark.parametrize(
