@@ -1,7 +1,7 @@
 """The operator's Prometheus metrics, on a private registry served over HTTP.
 
 Labels are ``job`` and ``namespace`` only (plus ``phase`` on the phase gauge and ``kind``, one of the
-policy's five failure kinds, on the failures counter): cardinality is bounded by the number of
+policy's failure kinds, on the failures counter): cardinality is bounded by the number of
 GuardedTrainingJobs. Values are in base units (seconds, ratios). The gauges mirror the jobs' status;
 the counters count what this operator process did (Prometheus handles the reset when it restarts).
 """

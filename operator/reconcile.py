@@ -50,6 +50,7 @@ from trainguard_operator.status import (
     StepRecord,
     checkpoint_status,
     clip,
+    failure_signature,
     iso,
     iso_precise,
     last_failure,
@@ -61,7 +62,7 @@ from trainguard_operator.status import (
 
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView, SidecarReport
-from trainguard.core.policy import Action, Decision, Observation, decide
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
 from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
@@ -570,6 +571,9 @@ class _Step:
             ranks=gang.ranks,
             restarts=self.restarts,
             handled_attempt=self.st.handled_attempt,
+            step=gang.view.last_step,
+            # From the status, not from memory: an operator restarted between two failures compares alike.
+            previous_failure=failure_signature(self.old.last_failure),
         )
         decision = decide(self.job.spec.recovery, observation)
         if decision.action is Action.RESTART:
@@ -605,7 +609,7 @@ class _Step:
     def record_failure(self, decision: Decision) -> None:
         kind = decision.failure.value if decision.failure else "Failed"
         self.st.last_failure = last_failure(
-            kind, decision.reason, decision.rank, decision.exit_code, self.now
+            kind, decision.reason, decision.rank, decision.exit_code, self.now, decision.signature
         )
         self.st.handled_attempt = self.attempt
         if self.st.recovering_since is None:
@@ -665,6 +669,7 @@ class _Step:
             phase_reason=(
                 "RestartsExhausted"
                 if self.restarts >= self.job.spec.recovery.max_restarts
+                and decision.failure is not FailureKind.DETERMINISTIC
                 else str(self.st.last_failure.reason if self.st.last_failure else "JobFailed")
             ),
             phase_message=decision.reason,

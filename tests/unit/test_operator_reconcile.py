@@ -335,7 +335,7 @@ def test_a_diverged_status_on_the_sidecar_is_acted_on_before_the_exit_code() -> 
     failure = cluster.status.last_failure
     assert failure is not None
     assert failure.reason == "Diverged"
-    assert failure.message == "rank 1 diverged: 6 rollbacks in 2000 steps"
+    assert failure.message == "rank 1 diverged at step 100: 6 rollbacks in 2000 steps"
     assert cluster.status.remediation is not None
 
 
@@ -543,7 +543,7 @@ def test_a_configuration_error_names_the_field_and_reason_in_the_condition_and_t
     failed = cluster.status.condition("Failed")
     assert failed is not None
     assert (failed.status, failed.reason) == ("True", "ConfigError")
-    assert failed.message == f"rank 1 stopped: configuration error (permanent): {why}"
+    assert failed.message == f"rank 1 stopped at step 0: configuration error (permanent): {why}"
     events = {e.reason: e.message for e in plan.events}
     assert why in events["ConfigError"]
     assert cluster.status.last_failure is not None
@@ -572,7 +572,7 @@ def test_a_diverged_final_status_counts_before_an_exit_code_of_the_teardown() ->
     failure = cluster.status.last_failure
     assert failure is not None
     assert (failure.reason, failure.rank, failure.exit_code) == ("Diverged", 1, 134)
-    assert failure.message == "rank 1 diverged: 5 rollbacks within 2000 steps"
+    assert failure.message == "rank 1 diverged at step 61: 5 rollbacks within 2000 steps"
     assert cluster.status.remediation is not None
 
 
@@ -650,6 +650,74 @@ def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
     assert condition(status, "Ready")[0] == "False"
     assert reasons(plan) == ["Crashed", "Failed"]
     assert cluster.jobs == {}
+
+
+def crashed_pod(
+    attempt: int, step: int, why: str = "ValueError: shapes (8,16) and (32,1) (at train.py:9)"
+) -> dict[str, Any]:
+    """Rank 0 of ``attempt`` exited 1 over an exception at ``step``: its guardian's final status says so."""
+    final = {"phase": "failed", "step": step, "started_at": 1.0, "message": why, "exit_code": 1}
+    return terminated_with(attempt, 0, 1, json.dumps(final))
+
+
+def test_the_same_crash_at_the_same_step_in_two_attempts_fails_as_deterministic_from_the_status() -> None:
+    cluster = started_cluster()  # maxRestarts 3
+    cluster.set_pod(crashed_pod(1, 70))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
+    # What the next failure is compared with is in the status (every step here starts from it alone,
+    # as an operator restarted in between would).
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.reason, failure.kind, failure.attempt, failure.step, failure.repeats) == (
+        "Crashed",
+        "Crashed",
+        1,
+        70,
+        1,
+    )
+    assert failure.cause == "exited with code 1: ValueError: shapes (8,16) and (32,1) (at train.py:9)"
+    assert cluster.step(T0 + timedelta(seconds=71)).action is PlanAction.CREATE
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 70))
+    plan = cluster.step(T0 + timedelta(seconds=120))
+    assert plan.action is PlanAction.FAIL
+    status = cluster.status
+    assert (status.phase, status.restarts, status.attempt) == ("Failed", 1, 2)
+    assert condition(status, "Failed") == ("True", "DeterministicFailure")
+    assert status.last_failure is not None
+    assert status.last_failure.reason == "DeterministicFailure"
+    assert (status.last_failure.kind, status.last_failure.repeats) == ("Crashed", 2)
+    assert status.last_failure.message.startswith(
+        "deterministic failure: attempts 1 and 2 failed alike at step 70 (exited with code 1: ValueError: "
+    )
+    assert reasons(plan) == ["DeterministicFailure", "Failed"]
+    assert plan.delete == ("tiny-lm-2",)
+
+
+def test_a_crash_at_another_step_after_progress_restarts_again() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(crashed_pod(1, 70))
+    cluster.step(T0 + timedelta(seconds=60))
+    cluster.step(T0 + timedelta(seconds=71))
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 95))
+    assert cluster.step(T0 + timedelta(seconds=120)).action is PlanAction.RESTART
+    assert cluster.status.last_failure is not None
+    assert (cluster.status.last_failure.step, cluster.status.last_failure.repeats) == (95, 1)
+
+
+def test_a_last_failure_recorded_before_signatures_counts_as_none() -> None:
+    # An operator upgraded mid-job reads a lastFailure without kind, cause or attempt: the next crash
+    # is a first one, never a repeat of something unknown.
+    cluster = started_cluster()
+    cluster.set_pod(crashed_pod(1, 70))
+    cluster.step(T0 + timedelta(seconds=60))
+    for key in ("kind", "cause", "attempt", "repeats", "step"):
+        cluster.body["status"]["lastFailure"].pop(key)
+    cluster.step(T0 + timedelta(seconds=71))
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 70))
+    assert cluster.step(T0 + timedelta(seconds=120)).action is PlanAction.RESTART
 
 
 def test_a_configuration_error_fails_at_once() -> None:
