@@ -1246,6 +1246,7 @@ class Guardian:
             message=self.message,
             exit_code=self.exit_code,
             checkpoint_seconds=self.checkpoints.last_write_seconds,
+            max_steps=self.max_steps,
         )
 
     def _publish(self, force: bool = False) -> None:
