@@ -31,7 +31,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
-from trainguard_operator.goodput import job_goodput, record_progress
+from trainguard_operator.goodput import job_goodput, job_pace, record_progress
 from trainguard_operator.pods import as_int, labels, meta, read_gang
 from trainguard_operator.render import (
     HUNG_WORKER_GRACE_SECONDS,
@@ -208,6 +208,10 @@ def repin_world(pinned: Mapping[str, Any], spec: GuardedTrainingJobSpec) -> tupl
     return {**pinned, **{key: current[key] for key in RESIZABLE_FIELDS}}, changes
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
 def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
 
@@ -284,6 +288,18 @@ class _Step:
         value = job_goodput(st.step_history or [], st.step_history_folded, st.job_started_at, self.now)
         if value is not None:
             st.goodput = value
+        found = job_pace(
+            st.step_history or [],
+            st.step_history_folded,
+            st.job_started_at,
+            st.attempt,
+            st.max_steps,
+            self.now,
+        )
+        if found is not None:
+            st.steps_per_second = _rounded(found.steps_per_second, 4)
+            st.eta_seconds = round(found.eta_seconds) if found.eta_seconds is not None else None
+            st.lost_seconds = _rounded(found.lost_seconds, 3)
 
     def attempt_started(self, at: datetime) -> None:
         """Record that the current attempt's PyTorchJob exists since ``at``."""
@@ -501,6 +517,8 @@ class _Step:
                 setattr(st, key, value)
         if view.checkpoint is not None:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
+        if view.max_steps is not None:
+            st.max_steps = view.max_steps
         if view.checkpoint_seconds is not None:
             st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
         if view.drop_rate is not None:

@@ -372,8 +372,20 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
                 return seen, status(cluster)
 
             seen, st = await metrics_match_status()
+
+            def pace_matches(seen: Samples, st: dict[str, Any]) -> bool:
+                return all(
+                    (name, labels) in seen and seen[name, labels] == st.get(key)
+                    for name, key in (
+                        ("trainguard_job_goodput_ratio", "goodput"),
+                        ("trainguard_job_steps_per_second", "stepsPerSecond"),
+                        ("trainguard_job_lost_seconds", "lostSeconds"),
+                    )
+                    for labels in [(("job", "tiny-lm"), ("namespace", NS))]
+                )
+
             for _ in range(40):
-                if value(seen, "trainguard_job_goodput_ratio") == st.get("goodput"):
+                if pace_matches(seen, st):
                     break
                 await asyncio.sleep(0.05)
                 seen, st = await metrics_match_status()
@@ -385,6 +397,12 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
             assert value(seen, "trainguard_job_phase", phase="Restarting") == 0
             goodput = value(seen, "trainguard_job_goodput_ratio")
             assert goodput == st["goodput"]
+            # The pace, as the status gives it: the workers step every 0.1 s; at least the backoff is
+            # lost; no end declared, so no ETA.
+            assert pace_matches(seen, st), st
+            assert 2 <= st["stepsPerSecond"] <= 12, st
+            assert st["lostSeconds"] >= 2, st
+            assert "etaSeconds" not in st
             # Only attempt 2's time is kept: at most its share of the wall time since attempt 1 started.
             history = st["stepHistory"]
             assert [(r["attempt"], r["resumedStep"]) for r in history] == [(1, 0), (2, 0)]

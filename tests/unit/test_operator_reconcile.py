@@ -18,6 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
+from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.pods import final_status, pod_rank, pods_to_poll
 from trainguard_operator.reconcile import (
     MIN_REQUEUE_SECONDS,
@@ -1058,6 +1059,41 @@ def test_goodput_loses_the_work_after_the_checkpoint_a_restart_resumed_from() ->
     assert cluster.status.goodput == round(160 / 250, 4)
 
 
+def test_the_status_gives_the_rate_the_eta_to_max_steps_and_the_time_lost_to_recoveries() -> None:
+    # The goodput scenario above, with the loop's declared end (max_steps 1000) in the workers' status.
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10, max_steps=1000))
+    cluster.step(at(110), master(1, 110, max_steps=1000))
+    st = cluster.status
+    assert (st.max_steps, st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1000, 1.0, 890, 0.0)
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    assert cluster.step(at(110), master(1, 110, max_steps=1000)).action is PlanAction.RESTART
+    cluster.step(at(115))
+    st = cluster.status
+    # Restarting: no rate, no ETA (nothing steps); what is lost so far is the backoff.
+    assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (None, None, 5.0)
+    assert "stepsPerSecond" not in cluster.body["status"]
+    cluster.step(at(120))
+    cluster.run_pods(2)
+    cluster.step(at(140), master(2, 60, resumed=50, max_steps=1000))
+    cluster.step(at(240), master(2, 160, resumed=50, max_steps=1000))
+    st = cluster.status
+    # 1 step/s again: 840 steps to go. Lost: 240 s of wall time, 160 s of it on kept steps (goodput's).
+    assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1.0, 840, 80.0)
+    assert st.goodput == round(160 / 240, 4)
+
+
+def test_without_a_declared_end_there_is_a_rate_but_no_eta() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(30), master(1, 50))
+    assert (cluster.status.steps_per_second, cluster.status.eta_seconds) == (2.0, None)
+
+
 def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_resumed_from() -> None:
     cluster = Cluster.of()
     cluster.step(at(0))
@@ -1299,3 +1335,17 @@ def test_any_termination_message_or_sidecar_status_gives_a_plan_never_an_excepti
     json.dumps(plan.patch)
     assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
     assert all(len(e.message) < 10_000 for e in plan.events)
+
+
+def test_the_pace_gauges_mirror_the_status_in_base_units() -> None:
+    metrics = OperatorMetrics()
+    metrics.observe_status(
+        "job", "ns", JobStatus(steps_per_second=2.5, eta_seconds=840, lost_seconds=80.0, goodput=0.5)
+    )
+    sample = metrics.registry.get_sample_value
+    labels = {"job": "job", "namespace": "ns"}
+    assert sample("trainguard_job_steps_per_second", labels) == 2.5
+    assert sample("trainguard_job_eta_seconds", labels) == 840
+    assert sample("trainguard_job_lost_seconds", labels) == 80.0
+    metrics.forget("job", "ns")
+    assert sample("trainguard_job_eta_seconds", labels) is None

@@ -239,9 +239,18 @@ def test_crd_schema_is_structural() -> None:
         "Step",
         "Restarts",
         "Rollbacks",
+        "Steps/s",
+        "ETA",
+        "Lost",
         "Age",
     ]
     schema = version["schema"]["openAPIV3Schema"]
+    status = schema["properties"]["status"]["properties"]
+    for column in version["additionalPrinterColumns"]:
+        where, _, field = column["jsonPath"].lstrip(".").partition(".")
+        if where == "status":  # a column shows a field the status model has, of the column's type
+            assert field in status, column
+            assert status[field]["type"] == column["type"], column
     for path, node in _walk(schema):
         for forbidden in ("$ref", "anyOf", "oneOf", "allOf", "title", "$defs"):
             assert forbidden not in node, f"{path} has {forbidden}"

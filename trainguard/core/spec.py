@@ -483,3 +483,15 @@ class GuardedTrainingJobStatus(BaseModel):
     checkpoint_seconds: float | None = Field(
         None, description="The longest checkpoint write seen (seconds): it sizes the pods' stop grace."
     )
+    max_steps: int | None = Field(None, description="The last step the training loop declared (max_steps).")
+    steps_per_second: float | None = Field(
+        None, description="Steps per second of the current attempt's progress (unset: not stepping yet)."
+    )
+    eta_seconds: int | None = Field(
+        None, description="Seconds to maxSteps at stepsPerSecond (unset: no end declared, or no rate yet)."
+    )
+    lost_seconds: float | None = Field(
+        None,
+        description="Wall time not spent on steps the final model kept: recoveries (detection, backoff, "
+        "restart, redone steps), rollbacks and the start (seconds; the complement of goodput).",
+    )
