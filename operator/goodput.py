@@ -36,7 +36,7 @@ from datetime import datetime
 
 from trainguard_operator.status import FoldedHistory, StepRecord, iso_precise, parse_time
 
-from trainguard.core.summary import Sample, Stretch, goodput, kept_time, stretches
+from trainguard.core.summary import Pace, Sample, Stretch, goodput, kept_time, pace, stretches
 
 #: Records kept in ``status.stepHistory``; older ones are folded into ``status.stepHistoryFolded``.
 MAX_RECORDS = 20
@@ -150,3 +150,32 @@ def job_goodput(
         return None
     wall = now.timestamp() - start
     return round(goodput(kept_seconds(history, folded), wall), 4)
+
+
+def job_pace(
+    history: Sequence[StepRecord],
+    folded: FoldedHistory | None,
+    started_at: str | None,
+    attempt: int | None,
+    max_steps: int | None,
+    now: datetime,
+) -> Pace | None:
+    """The job's pace at ``now`` (``trainguard.core.summary.pace``): the rate of the current attempt's
+    newest step record, the ETA to ``max_steps`` and the time lost; None before the job's first attempt
+    was created."""
+    start = _seconds(started_at)
+    if start is None:
+        return None
+    newest = history[-1] if history else None
+    current = None
+    if newest is not None and newest.attempt == attempt:
+        first = _seconds(newest.first_step_at)
+        last = _seconds(newest.last_step_at)
+        if first is not None and last is not None:
+            current = Stretch(newest.attempt, first, newest.first_step, last, newest.last_step)
+    return pace(
+        current,
+        max_steps,
+        kept_seconds=kept_seconds(history, folded),
+        wall_seconds=now.timestamp() - start,
+    )

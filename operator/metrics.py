@@ -1,7 +1,7 @@
 """The operator's Prometheus metrics, on a private registry served over HTTP.
 
 Labels are ``job`` and ``namespace`` only (plus ``phase`` on the phase gauge and ``kind``, one of the
-policy's five failure kinds, on the failures counter): cardinality is bounded by the number of
+policy's failure kinds, on the failures counter): cardinality is bounded by the number of
 GuardedTrainingJobs. Values are in base units (seconds, ratios). The gauges mirror the jobs' status;
 the counters count what this operator process did (Prometheus handles the reset when it restarts).
 """
@@ -57,6 +57,17 @@ class OperatorMetrics:
             "trainguard_job_goodput_ratio",
             "Share of wall time since the first attempt spent on steps the final model kept (0..1).",
         )
+        self.steps_per_second = self._gauge(
+            "trainguard_job_steps_per_second", "Steps per second of the current attempt's progress."
+        )
+        self.eta = self._gauge(
+            "trainguard_job_eta_seconds", "Seconds to the declared max steps at the current rate."
+        )
+        self.lost = self._gauge(
+            "trainguard_job_lost_seconds",
+            "Wall time since the first attempt not spent on steps the final model kept (recoveries, "
+            "rollbacks, the start).",
+        )
         self.phase = self._gauge(
             "trainguard_job_phase", "1 for the job's current phase, 0 for the others.", (*LABELS, "phase")
         )
@@ -101,6 +112,9 @@ class OperatorMetrics:
             (self.dropped_samples, status.samples_dropped),
             (self.drop_ratio, status.drop_rate),
             (self.goodput, status.goodput),
+            (self.steps_per_second, status.steps_per_second),
+            (self.eta, status.eta_seconds),
+            (self.lost, status.lost_seconds),
             (
                 self.last_clean_checkpoint_step,
                 status.last_clean_checkpoint.step if status.last_clean_checkpoint else None,
@@ -137,6 +151,9 @@ class OperatorMetrics:
             self.dropped_samples,
             self.drop_ratio,
             self.goodput,
+            self.steps_per_second,
+            self.eta,
+            self.lost,
             self.last_clean_checkpoint_step,
             self.last_restart,
             self.time_to_recover,

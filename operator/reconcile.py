@@ -31,7 +31,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
-from trainguard_operator.goodput import job_goodput, record_progress
+from trainguard_operator.goodput import job_goodput, job_pace, record_progress
 from trainguard_operator.pods import as_int, labels, meta, read_gang
 from trainguard_operator.render import (
     HUNG_WORKER_GRACE_SECONDS,
@@ -50,6 +50,7 @@ from trainguard_operator.status import (
     StepRecord,
     checkpoint_status,
     clip,
+    failure_signature,
     iso,
     iso_precise,
     last_failure,
@@ -61,7 +62,7 @@ from trainguard_operator.status import (
 
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView, SidecarReport
-from trainguard.core.policy import Action, Decision, Observation, decide
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
 from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
@@ -207,6 +208,10 @@ def repin_world(pinned: Mapping[str, Any], spec: GuardedTrainingJobSpec) -> tupl
     return {**pinned, **{key: current[key] for key in RESIZABLE_FIELDS}}, changes
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
 def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
 
@@ -283,6 +288,18 @@ class _Step:
         value = job_goodput(st.step_history or [], st.step_history_folded, st.job_started_at, self.now)
         if value is not None:
             st.goodput = value
+        found = job_pace(
+            st.step_history or [],
+            st.step_history_folded,
+            st.job_started_at,
+            st.attempt,
+            st.max_steps,
+            self.now,
+        )
+        if found is not None:
+            st.steps_per_second = _rounded(found.steps_per_second, 4)
+            st.eta_seconds = round(found.eta_seconds) if found.eta_seconds is not None else None
+            st.lost_seconds = _rounded(found.lost_seconds, 3)
 
     def attempt_started(self, at: datetime) -> None:
         """Record that the current attempt's PyTorchJob exists since ``at``."""
@@ -500,6 +517,8 @@ class _Step:
                 setattr(st, key, value)
         if view.checkpoint is not None:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
+        if view.max_steps is not None:
+            st.max_steps = view.max_steps
         if view.checkpoint_seconds is not None:
             st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
         if view.drop_rate is not None:
@@ -570,6 +589,9 @@ class _Step:
             ranks=gang.ranks,
             restarts=self.restarts,
             handled_attempt=self.st.handled_attempt,
+            step=gang.view.last_step,
+            # From the status, not from memory: an operator restarted between two failures compares alike.
+            previous_failure=failure_signature(self.old.last_failure),
         )
         decision = decide(self.job.spec.recovery, observation)
         if decision.action is Action.RESTART:
@@ -605,7 +627,7 @@ class _Step:
     def record_failure(self, decision: Decision) -> None:
         kind = decision.failure.value if decision.failure else "Failed"
         self.st.last_failure = last_failure(
-            kind, decision.reason, decision.rank, decision.exit_code, self.now
+            kind, decision.reason, decision.rank, decision.exit_code, self.now, decision.signature
         )
         self.st.handled_attempt = self.attempt
         if self.st.recovering_since is None:
@@ -665,6 +687,7 @@ class _Step:
             phase_reason=(
                 "RestartsExhausted"
                 if self.restarts >= self.job.spec.recovery.max_restarts
+                and decision.failure is not FailureKind.DETERMINISTIC
                 else str(self.st.last_failure.reason if self.st.last_failure else "JobFailed")
             ),
             phase_message=decision.reason,

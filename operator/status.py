@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 from trainer_sidecar.contract.settings import RemediationOrder
+from trainguard.core.policy import FailureKind, FailureSignature
 from trainguard.core.spec import CheckpointStatus, Condition, GuardedTrainingJobStatus, LastFailure
 
 
@@ -277,10 +278,46 @@ _BLOCKING_CONDITIONS = frozenset(
 
 
 def last_failure(
-    reason: str, message: str, rank: int | None, exit_code: int | None, now: datetime
+    reason: str,
+    message: str,
+    rank: int | None,
+    exit_code: int | None,
+    now: datetime,
+    signature: FailureSignature | None = None,
 ) -> LastFailure:
-    """The ``lastFailure`` record of a failure acted on at ``now``."""
-    return LastFailure(reason=reason, message=clip(message), rank=rank, exit_code=exit_code, time=iso(now))
+    """The ``lastFailure`` record of a failure acted on at ``now``, with its signature (what the next
+    failure is compared with) when the policy gave one."""
+    record = LastFailure(reason=reason, message=clip(message), rank=rank, exit_code=exit_code, time=iso(now))
+    if signature is None:
+        return record
+    return record.model_copy(
+        update={
+            "attempt": signature.attempt,
+            "step": signature.step,
+            "kind": signature.kind.value,
+            "cause": clip(signature.cause),
+            "repeats": signature.repeats,
+        }
+    )
+
+
+def failure_signature(record: LastFailure | None) -> FailureSignature | None:
+    """The signature a ``lastFailure`` record holds (None: none, or one recorded before signatures were,
+    or not readable: the next failure then counts as a first)."""
+    if record is None or record.attempt is None or record.kind is None or record.cause is None:
+        return None
+    try:
+        kind = FailureKind(record.kind)
+    except ValueError:
+        return None
+    return FailureSignature(
+        kind=kind,
+        step=record.step,
+        exit_code=record.exit_code,
+        cause=record.cause,
+        attempt=record.attempt,
+        repeats=max(1, record.repeats or 1),
+    )
 
 
 def checkpoint_status(raw: Mapping[str, Any]) -> CheckpointStatus | None:

@@ -5,6 +5,7 @@ unhandled exception is never reported finished, and a finished job rerun trains 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,13 @@ def test_an_unhandled_exception_after_the_loop_is_never_reported_finished(tmp_pa
     assert "the loop's epilogue failed" in only["err"]
     assert only["status"]["phase"] != "finished"
     assert CheckpointStore(tmp_path / "ckpt").newest_valid() == 8  # no final checkpoint
+    # It says where it failed and why (the step exact, not the last periodic report): the executor
+    # compares that with the next attempt's failure.
+    status = only["status"]
+    assert (status["phase"], status["step"], status["exit_code"]) == ("failed", 10, 1)
+    assert re.fullmatch(
+        r"RuntimeError: the loop's epilogue failed \(at tiny_train\.py:\d+\)", status["message"]
+    )
 
 
 def test_a_gang_with_a_declared_end_finishes_at_exit_without_a_collective(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ def job(
     step_sleep: float = 0.05,
     nproc_per_node: int = 1,
     namespace: str = "default",
+    extra_args: tuple[str, ...] = (),
 ) -> Path:
     document = {
         "apiVersion": "trainguard.dev/v1alpha1",
@@ -57,6 +58,7 @@ def job(
                                 str(steps),
                                 "--step-sleep",
                                 str(step_sleep),
+                                *extra_args,
                             ],
                             "env": [{"name": "TRAINGUARD_FAULTS", "value": faults}],
                         }
@@ -198,6 +200,31 @@ def test_exhausted_restarts_fail_the_job(tmp_path: Path) -> None:
     assert code == 1, output
     assert "restarts exhausted (2 of 2)" in summary["reason"]
     assert len(summary["restarts"]) == 2
+
+
+def test_a_crash_that_repeats_at_the_same_step_fails_after_two_attempts_as_deterministic(
+    tmp_path: Path,
+) -> None:
+    # Both ranks raise the same error at step 12, in every attempt: the second attempt resumes from the
+    # checkpoint of step 10 and fails where the first did. Not maxRestarts + 1 = 6 attempts.
+    code, summary, output = run(
+        tmp_path,
+        job(tmp_path, extra_args=("--raise-at", "12"), recovery={"maxRestarts": 5, "backoffSeconds": [1]}),
+    )
+    assert code == 1, output
+    assert summary["result"] == "failed"
+    assert summary["attempts"] == 2
+    reason = summary["reason"]
+    assert reason.startswith(
+        "deterministic failure: attempts 1 and 2 failed alike at step 12 (exited with code 1: "
+    )
+    assert (
+        "ValueError: mat1 and mat2 shapes cannot be multiplied (8x16 and 32x1) (at tiny_train.py:" in reason
+    )
+    [restart] = summary["restarts"]
+    assert restart["last_step"] == 12
+    assert restart["resumed_step"] == 10
+    assert "deterministic failure" in output
 
 
 def test_a_job_of_the_same_name_in_another_namespace_is_refused_the_checkpoints_and_exits_2(

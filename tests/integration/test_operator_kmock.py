@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from datetime import datetime
 from typing import Any
@@ -202,6 +203,44 @@ async def test_operator_restart_mid_recovery_restarts_the_gang_once(
 
 @pytest.mark.slow
 @pytest.mark.asyncio
+async def test_a_crash_repeated_at_the_same_step_across_an_operator_restart_fails_as_deterministic(
+    cluster: kmock.KubernetesEmulator, sidecars: Sidecars, operator_env: int
+) -> None:
+    # The guardian's final status of a crash: the step it failed at and why (the termination message).
+    final = json.dumps(
+        {"phase": "failed", "step": 70, "started_at": 1.0, "exit_code": 1,
+         "message": "ValueError: mat1 and mat2 shapes cannot be multiplied (at train.py:9)"}
+    )  # fmt: skip
+    async with operator():
+        await post(cluster, GTJ_PATH, gtj(recovery={"maxRestarts": 5, "backoffSeconds": [1]}))
+        job1 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1")
+        pods = await start_pods(cluster, job1, ["127.0.0.1", "127.0.0.2"])
+        await terminate(cluster, pods[0], 1, final)
+        await eventually(lambda: status(cluster).get("restarts") == 1, what="the restart decision")
+        await eventually(lambda: "GangRestart" in event_reasons(cluster), what="the restart event")
+    # A new operator knows the first failure only from the status.
+    assert status(cluster)["lastFailure"]["step"] == 70
+    async with operator():
+        job2 = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-2"), what="attempt 2")
+        pods = await start_pods(cluster, job2, ["127.0.0.1", "127.0.0.2"])
+        await terminate(cluster, pods[0], 1, final)
+        await eventually(lambda: status(cluster).get("phase") == "Failed", what="the verdict")
+        await eventually(lambda: "Failed" in event_reasons(cluster), what="the failure event")
+        seen = await scrape(operator_env)
+        assert value(seen, "trainguard_job_failures_total", kind="DeterministicFailure") == 1
+        await asyncio.sleep(1.5)
+    st = status(cluster)
+    assert (st["attempt"], st["restarts"]) == (2, 1)
+    assert conditions(cluster)["Failed"]["reason"] == "DeterministicFailure"
+    assert st["lastFailure"]["message"].startswith(
+        "deterministic failure: attempts 1 and 2 failed alike at step 70"
+    )
+    assert creations(cluster, PTJ, "tiny-lm-3") == 0
+    assert alive(cluster, PTJ, "tiny-lm-2") is None  # the failed gang is stopped
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
 async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_operator(
     bare_cluster: kmock.KubernetesEmulator, operator_env: int
 ) -> None:
@@ -305,7 +344,7 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
         assert (st["attempt"], st["restarts"], st["handledAttempt"]) == (2, 1, 1)
         failure = st["lastFailure"]
         assert (failure["reason"], failure["rank"]) == ("Hung", 1)
-        assert "rank 1 hung: no step for" in failure["message"]
+        assert re.search(r"rank 1 hung at step \d+: no step for", failure["message"])
         assert "hang timeout 2 s" in failure["message"]
         assert alive(cluster, PTJ, "tiny-lm-1") is None
         await eventually(
@@ -333,8 +372,20 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
                 return seen, status(cluster)
 
             seen, st = await metrics_match_status()
+
+            def pace_matches(seen: Samples, st: dict[str, Any]) -> bool:
+                return all(
+                    (name, labels) in seen and seen[name, labels] == st.get(key)
+                    for name, key in (
+                        ("trainguard_job_goodput_ratio", "goodput"),
+                        ("trainguard_job_steps_per_second", "stepsPerSecond"),
+                        ("trainguard_job_lost_seconds", "lostSeconds"),
+                    )
+                    for labels in [(("job", "tiny-lm"), ("namespace", NS))]
+                )
+
             for _ in range(40):
-                if value(seen, "trainguard_job_goodput_ratio") == st.get("goodput"):
+                if pace_matches(seen, st):
                     break
                 await asyncio.sleep(0.05)
                 seen, st = await metrics_match_status()
@@ -346,6 +397,12 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
             assert value(seen, "trainguard_job_phase", phase="Restarting") == 0
             goodput = value(seen, "trainguard_job_goodput_ratio")
             assert goodput == st["goodput"]
+            # The pace, as the status gives it: the workers step every 0.1 s; at least the backoff is
+            # lost; no end declared, so no ETA.
+            assert pace_matches(seen, st), st
+            assert 2 <= st["stepsPerSecond"] <= 12, st
+            assert st["lostSeconds"] >= 2, st
+            assert "etaSeconds" not in st
             # Only attempt 2's time is kept: at most its share of the wall time since attempt 1 started.
             history = st["stepHistory"]
             assert [(r["attempt"], r["resumedStep"]) for r in history] == [(1, 0), (2, 0)]
@@ -401,7 +458,7 @@ async def test_repeated_divergence_applies_remediation_each_time_and_fails_at_th
         failed = conditions(cluster)["Failed"]
         assert (failed["status"], failed["reason"]) == ("True", "RestartsExhausted")
         assert "restarts exhausted (2 of 2)" in failed["message"]
-        assert "rank 1 diverged: loss explosion pattern persists" in failed["message"]
+        assert re.search(r"rank 1 diverged at step \d+: loss explosion pattern persists", failed["message"])
         assert conditions(cluster)["Ready"]["status"] == "False"
         await eventually(lambda: "Failed" in event_reasons(cluster), what="the give-up event")
         gave_up = next(e for e in events(cluster) if e["reason"] == "Failed")

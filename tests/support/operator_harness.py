@@ -351,9 +351,14 @@ async def start_pods(emulator: kmock.KubernetesEmulator, job: dict[str, Any], ip
     return names
 
 
-async def terminate(emulator: kmock.KubernetesEmulator, pod: str, exit_code: int) -> None:
-    """The kubelet reports the pytorch container terminated (restartPolicy Never: the pod fails)."""
-    state = {"terminated": {"exitCode": exit_code, "reason": "Error"}}
+async def terminate(
+    emulator: kmock.KubernetesEmulator, pod: str, exit_code: int, message: str | None = None
+) -> None:
+    """The kubelet reports the pytorch container terminated (restartPolicy Never: the pod fails), with
+    its termination ``message`` when given."""
+    state: dict[str, Any] = {"terminated": {"exitCode": exit_code, "reason": "Error"}}
+    if message is not None:
+        state["terminated"]["message"] = message
     await patch(
         emulator,
         f"{POD_PATH}/{pod}/status",

@@ -83,6 +83,18 @@ def test_a_run_has_one_end() -> None:
     guardian.close()
 
 
+def test_the_declared_end_is_published_for_the_eta() -> None:
+    model, optimizer = model_and_optimizer()
+    undeclared = Guardian(model, optimizer)
+    assert undeclared.status().max_steps is None
+    next(undeclared.steps(9))  # declared by the loop
+    assert undeclared.status().max_steps == 9
+    undeclared.close()
+    declared = Guardian(*model_and_optimizer(), max_steps=5)
+    assert declared.status().max_steps == 5
+    declared.close()
+
+
 def test_steps_without_any_declared_end_is_refused() -> None:
     model, optimizer = model_and_optimizer()
     guardian = Guardian(model, optimizer)

@@ -308,3 +308,9 @@ def test_the_slowest_checkpoint_write_is_the_gangs() -> None:
     )
     assert view.checkpoint_seconds == 7.0
     assert observe_gang({0: status()}, 1).checkpoint_seconds is None
+
+
+def test_the_declared_end_is_the_largest_any_rank_declared() -> None:
+    assert observe_gang({0: status(5), 1: status(5)}, 2).max_steps is None
+    view = observe_gang({0: status(5, max_steps=1000), 1: status(5)}, 2)
+    assert view.max_steps == 1000

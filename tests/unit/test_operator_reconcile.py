@@ -18,6 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trainguard_operator.goodput import MAX_RECORDS, job_goodput, kept_seconds, record_progress
+from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.pods import final_status, pod_rank, pods_to_poll
 from trainguard_operator.reconcile import (
     MIN_REQUEUE_SECONDS,
@@ -335,7 +336,7 @@ def test_a_diverged_status_on_the_sidecar_is_acted_on_before_the_exit_code() -> 
     failure = cluster.status.last_failure
     assert failure is not None
     assert failure.reason == "Diverged"
-    assert failure.message == "rank 1 diverged: 6 rollbacks in 2000 steps"
+    assert failure.message == "rank 1 diverged at step 100: 6 rollbacks in 2000 steps"
     assert cluster.status.remediation is not None
 
 
@@ -543,7 +544,7 @@ def test_a_configuration_error_names_the_field_and_reason_in_the_condition_and_t
     failed = cluster.status.condition("Failed")
     assert failed is not None
     assert (failed.status, failed.reason) == ("True", "ConfigError")
-    assert failed.message == f"rank 1 stopped: configuration error (permanent): {why}"
+    assert failed.message == f"rank 1 stopped at step 0: configuration error (permanent): {why}"
     events = {e.reason: e.message for e in plan.events}
     assert why in events["ConfigError"]
     assert cluster.status.last_failure is not None
@@ -572,7 +573,7 @@ def test_a_diverged_final_status_counts_before_an_exit_code_of_the_teardown() ->
     failure = cluster.status.last_failure
     assert failure is not None
     assert (failure.reason, failure.rank, failure.exit_code) == ("Diverged", 1, 134)
-    assert failure.message == "rank 1 diverged: 5 rollbacks within 2000 steps"
+    assert failure.message == "rank 1 diverged at step 61: 5 rollbacks within 2000 steps"
     assert cluster.status.remediation is not None
 
 
@@ -650,6 +651,74 @@ def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
     assert condition(status, "Ready")[0] == "False"
     assert reasons(plan) == ["Crashed", "Failed"]
     assert cluster.jobs == {}
+
+
+def crashed_pod(
+    attempt: int, step: int, why: str = "ValueError: shapes (8,16) and (32,1) (at train.py:9)"
+) -> dict[str, Any]:
+    """Rank 0 of ``attempt`` exited 1 over an exception at ``step``: its guardian's final status says so."""
+    final = {"phase": "failed", "step": step, "started_at": 1.0, "message": why, "exit_code": 1}
+    return terminated_with(attempt, 0, 1, json.dumps(final))
+
+
+def test_the_same_crash_at_the_same_step_in_two_attempts_fails_as_deterministic_from_the_status() -> None:
+    cluster = started_cluster()  # maxRestarts 3
+    cluster.set_pod(crashed_pod(1, 70))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
+    # What the next failure is compared with is in the status (every step here starts from it alone,
+    # as an operator restarted in between would).
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.reason, failure.kind, failure.attempt, failure.step, failure.repeats) == (
+        "Crashed",
+        "Crashed",
+        1,
+        70,
+        1,
+    )
+    assert failure.cause == "exited with code 1: ValueError: shapes (8,16) and (32,1) (at train.py:9)"
+    assert cluster.step(T0 + timedelta(seconds=71)).action is PlanAction.CREATE
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 70))
+    plan = cluster.step(T0 + timedelta(seconds=120))
+    assert plan.action is PlanAction.FAIL
+    status = cluster.status
+    assert (status.phase, status.restarts, status.attempt) == ("Failed", 1, 2)
+    assert condition(status, "Failed") == ("True", "DeterministicFailure")
+    assert status.last_failure is not None
+    assert status.last_failure.reason == "DeterministicFailure"
+    assert (status.last_failure.kind, status.last_failure.repeats) == ("Crashed", 2)
+    assert status.last_failure.message.startswith(
+        "deterministic failure: attempts 1 and 2 failed alike at step 70 (exited with code 1: ValueError: "
+    )
+    assert reasons(plan) == ["DeterministicFailure", "Failed"]
+    assert plan.delete == ("tiny-lm-2",)
+
+
+def test_a_crash_at_another_step_after_progress_restarts_again() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(crashed_pod(1, 70))
+    cluster.step(T0 + timedelta(seconds=60))
+    cluster.step(T0 + timedelta(seconds=71))
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 95))
+    assert cluster.step(T0 + timedelta(seconds=120)).action is PlanAction.RESTART
+    assert cluster.status.last_failure is not None
+    assert (cluster.status.last_failure.step, cluster.status.last_failure.repeats) == (95, 1)
+
+
+def test_a_last_failure_recorded_before_signatures_counts_as_none() -> None:
+    # An operator upgraded mid-job reads a lastFailure without kind, cause or attempt: the next crash
+    # is a first one, never a repeat of something unknown.
+    cluster = started_cluster()
+    cluster.set_pod(crashed_pod(1, 70))
+    cluster.step(T0 + timedelta(seconds=60))
+    for key in ("kind", "cause", "attempt", "repeats", "step"):
+        cluster.body["status"]["lastFailure"].pop(key)
+    cluster.step(T0 + timedelta(seconds=71))
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 70))
+    assert cluster.step(T0 + timedelta(seconds=120)).action is PlanAction.RESTART
 
 
 def test_a_configuration_error_fails_at_once() -> None:
@@ -990,6 +1059,41 @@ def test_goodput_loses_the_work_after_the_checkpoint_a_restart_resumed_from() ->
     assert cluster.status.goodput == round(160 / 250, 4)
 
 
+def test_the_status_gives_the_rate_the_eta_to_max_steps_and_the_time_lost_to_recoveries() -> None:
+    # The goodput scenario above, with the loop's declared end (max_steps 1000) in the workers' status.
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10, max_steps=1000))
+    cluster.step(at(110), master(1, 110, max_steps=1000))
+    st = cluster.status
+    assert (st.max_steps, st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1000, 1.0, 890, 0.0)
+    cluster.set_pod(pod(1, 1, exit_code=137))
+    assert cluster.step(at(110), master(1, 110, max_steps=1000)).action is PlanAction.RESTART
+    cluster.step(at(115))
+    st = cluster.status
+    # Restarting: no rate, no ETA (nothing steps); what is lost so far is the backoff.
+    assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (None, None, 5.0)
+    assert "stepsPerSecond" not in cluster.body["status"]
+    cluster.step(at(120))
+    cluster.run_pods(2)
+    cluster.step(at(140), master(2, 60, resumed=50, max_steps=1000))
+    cluster.step(at(240), master(2, 160, resumed=50, max_steps=1000))
+    st = cluster.status
+    # 1 step/s again: 840 steps to go. Lost: 240 s of wall time, 160 s of it on kept steps (goodput's).
+    assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1.0, 840, 80.0)
+    assert st.goodput == round(160 / 240, 4)
+
+
+def test_without_a_declared_end_there_is_a_rate_but_no_eta() -> None:
+    cluster = Cluster.of()
+    cluster.step(at(0))
+    cluster.run_pods(1)
+    cluster.step(at(10), master(1, 10))
+    cluster.step(at(30), master(1, 50))
+    assert (cluster.status.steps_per_second, cluster.status.eta_seconds) == (2.0, None)
+
+
 def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_resumed_from() -> None:
     cluster = Cluster.of()
     cluster.step(at(0))
@@ -1231,3 +1335,17 @@ def test_any_termination_message_or_sidecar_status_gives_a_plan_never_an_excepti
     json.dumps(plan.patch)
     assert [e.message for e in status_validator().iter_errors(plan.status.to_wire())] == []
     assert all(len(e.message) < 10_000 for e in plan.events)
+
+
+def test_the_pace_gauges_mirror_the_status_in_base_units() -> None:
+    metrics = OperatorMetrics()
+    metrics.observe_status(
+        "job", "ns", JobStatus(steps_per_second=2.5, eta_seconds=840, lost_seconds=80.0, goodput=0.5)
+    )
+    sample = metrics.registry.get_sample_value
+    labels = {"job": "job", "namespace": "ns"}
+    assert sample("trainguard_job_steps_per_second", labels) == 2.5
+    assert sample("trainguard_job_eta_seconds", labels) == 840
+    assert sample("trainguard_job_lost_seconds", labels) == 80.0
+    metrics.forget("job", "ns")
+    assert sample("trainguard_job_eta_seconds", labels) is None

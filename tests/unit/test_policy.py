@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainguard.core.policy import (
     Action,
+    Decision,
     FailureKind,
+    FailureSignature,
     Observation,
     RankObservation,
     backoff_seconds,
@@ -218,3 +222,191 @@ def test_a_failures_reason_names_the_step_of_the_look_it_was_decided_on_and_carr
     assert (exhausted.action, exhausted.step) == (Action.FAIL, 140)
     assert exhausted.reason.endswith("last: rank 1 hung at step 140: no step for 3.1 s, last step 140")
     assert decide(RECOVERY, gang(running(0), hung)).step is None
+
+
+# ------------------------------------------------------------------------- deterministic failures ---
+def crashed_at(
+    step: int | None, *, attempt: int, code: int = 1, why: str = "ValueError: bad shape"
+) -> Observation:
+    return Observation(
+        attempt=attempt, ranks=[running(0, exit_code=code, reason=f"exited: {why}")], step=step
+    )
+
+
+def run_of_failures(
+    recovery: RecoverySpec, failures: list[Observation]
+) -> tuple[list[Decision], FailureSignature | None]:
+    """Feed failures to the policy as an executor does: each attempt's observation carries the signature
+    of the failure acted on before it; stops at the first final decision."""
+    previous: FailureSignature | None = None
+    restarts = 0
+    decisions = []
+    for attempt, failure in enumerate(failures, start=1):
+        observation = replace(
+            failure,
+            attempt=attempt,
+            restarts=restarts,
+            handled_attempt=attempt - 1,
+            previous_failure=previous,
+        )
+        decision = decide(recovery, observation)
+        decisions.append(decision)
+        if decision.action is not Action.RESTART:
+            break
+        previous, restarts = decision.signature, decision.restarts
+    return decisions, previous
+
+
+def test_the_same_crash_at_the_same_step_twice_fails_as_deterministic_with_the_evidence() -> None:
+    first = decide(RECOVERY, crashed_at(1234, attempt=1))
+    assert first.action is Action.RESTART
+    assert first.signature == FailureSignature(
+        FailureKind.CRASH, 1234, 1, "exited: ValueError: bad shape", attempt=1, repeats=1
+    )
+    second = decide(
+        RECOVERY,
+        replace(crashed_at(1234, attempt=2), restarts=1, handled_attempt=1, previous_failure=first.signature),
+    )
+    assert second.action is Action.FAIL
+    assert second.failure is FailureKind.DETERMINISTIC
+    assert second.signature is not None
+    assert second.signature.repeats == 2
+    assert second.reason == (
+        "deterministic failure: attempts 1 and 2 failed alike at step 1234 (exited: ValueError: bad shape), "
+        "so another restart would fail there too; not retried; "
+        "last: rank 0 crashed at step 1234: exited: ValueError: bad shape"
+    )
+    assert (second.rank, second.exit_code, second.step) == (0, 1, 1234)
+
+
+def test_a_crash_before_any_step_that_repeats_is_deterministic_too() -> None:
+    # A missing file: the script fails before its first step, twice alike.
+    decisions, _ = run_of_failures(
+        RECOVERY, [crashed_at(None, attempt=0, why="FileNotFoundError: data.bin")] * 2
+    )
+    assert [d.action for d in decisions] == [Action.RESTART, Action.FAIL]
+    assert "attempts 1 and 2 failed alike before any step was reported" in decisions[-1].reason
+
+
+def test_a_crash_at_another_step_after_progress_is_transient() -> None:
+    decisions, _ = run_of_failures(RECOVERY, [crashed_at(1234, attempt=0), crashed_at(1800, attempt=0)])
+    assert [d.action for d in decisions] == [Action.RESTART, Action.RESTART]
+    assert decisions[-1].signature is not None
+    assert decisions[-1].signature.repeats == 1
+
+
+def test_a_kill_by_a_signal_an_oom_kill_a_hang_or_a_lost_pod_never_is_deterministic() -> None:
+    for ranks in (
+        [running(0, exit_code=137, reason="OOMKilled")],
+        [running(0, exit_code=-9)],
+        [running(0, alive=False, reason="no step for 31 s")],
+        [running(0, lost=True, alive=None, reason="node lost")],
+    ):
+        failures = [Observation(attempt=0, ranks=ranks, step=50)] * 4
+        decisions, _ = run_of_failures(RecoverySpec(max_restarts=3), failures)
+        assert [d.action for d in decisions] == [Action.RESTART] * 3 + [Action.FAIL], ranks
+        assert "restarts exhausted" in decisions[-1].reason
+
+
+def test_a_limit_of_0_turns_the_verdict_off_and_3_waits_for_a_third() -> None:
+    same = [crashed_at(7, attempt=0)] * 6
+    off, _ = run_of_failures(RecoverySpec(max_restarts=5, deterministic_failure_limit=0), same)
+    assert len(off) == 6
+    assert "restarts exhausted" in off[-1].reason
+    three, _ = run_of_failures(RecoverySpec(max_restarts=5, deterministic_failure_limit=3), same)
+    assert [d.action for d in three] == [Action.RESTART, Action.RESTART, Action.FAIL]
+    assert "attempts 1, 2 and 3 failed alike at step 7" in three[-1].reason
+
+
+def test_the_verdict_names_itself_even_when_restarts_run_out_at_the_same_time() -> None:
+    decisions, _ = run_of_failures(RecoverySpec(max_restarts=1), [crashed_at(7, attempt=0)] * 2)
+    assert decisions[-1].failure is FailureKind.DETERMINISTIC
+
+
+def test_a_previous_failure_of_an_older_attempt_is_not_a_repeat() -> None:
+    old = FailureSignature(FailureKind.CRASH, 7, 1, "exited: ValueError: bad shape", attempt=1)
+    decision = decide(
+        RECOVERY, replace(crashed_at(7, attempt=3), restarts=2, handled_attempt=2, previous_failure=old)
+    )
+    assert decision.action is Action.RESTART
+
+
+failure_kinds = st.sampled_from(["crash", "signal", "hang", "lost", "diverged"])
+failure_steps = st.one_of(st.none(), st.integers(0, 3))
+failure_codes = st.sampled_from([1, 4, 7])
+failure_causes = st.sampled_from(["ValueError: a", "ValueError: b"])
+
+
+def failing_rank(kind: str, code: int, cause: str) -> RankObservation:
+    return {
+        "crash": running(0, exit_code=code, reason=cause),
+        "signal": running(0, exit_code=128 + code, reason=cause),
+        "hang": running(0, alive=False, reason=cause),
+        "lost": running(0, lost=True, alive=None, reason=cause),
+        "diverged": running(0, exit_code=ExitCode.DIVERGED, diverged=True, reason=cause),
+    }[kind]
+
+
+failures = st.builds(
+    lambda kind, step, code, cause: Observation(
+        attempt=0, ranks=[failing_rank(kind, code, cause)], step=step
+    ),
+    failure_kinds,
+    failure_steps,
+    failure_codes,
+    failure_causes,
+)
+
+
+@settings(max_examples=300)
+@given(failure=failures, limit=st.sampled_from([2, 3, 5]), max_restarts=st.integers(0, 12))
+def test_identical_repeated_crashes_fail_after_exactly_the_limit_and_nothing_else_does(
+    failure: Observation, limit: int, max_restarts: int
+) -> None:
+    recovery = RecoverySpec(max_restarts=max_restarts, deterministic_failure_limit=limit)
+    decisions, _ = run_of_failures(recovery, [failure] * 20)
+    final = decisions[-1]
+    assert final.action is Action.FAIL
+    crash = classify(failure.ranks[0]) is FailureKind.CRASH and not killed_by_signal(
+        failure.ranks[0].exit_code
+    )
+    if crash and limit <= max_restarts + 1:
+        assert len(decisions) == limit
+        assert final.failure is FailureKind.DETERMINISTIC
+    else:
+        # Never for a hang, a lost rank, a signal kill or a divergence: the full policy.
+        assert len(decisions) == max_restarts + 1
+        assert final.failure is not FailureKind.DETERMINISTIC
+
+
+@settings(max_examples=300)
+@given(history=st.lists(failures, min_size=2, max_size=12), limit=st.sampled_from([2, 3]))
+def test_the_verdict_fires_only_after_limit_identical_crashes_in_a_row(
+    history: list[Observation], limit: int
+) -> None:
+    recovery = RecoverySpec(max_restarts=20, deterministic_failure_limit=limit)
+    decisions, _ = run_of_failures(recovery, history)
+    for index, decision in enumerate(decisions):
+        if decision.failure is not FailureKind.DETERMINISTIC:
+            continue
+        assert index == len(decisions) - 1  # final
+        window = history[index - limit + 1 : index + 1]
+        assert len(window) == limit
+        signatures = {(o.step, o.ranks[0].exit_code, o.ranks[0].reason) for o in window}
+        assert len(signatures) == 1  # every failure of the run identical
+        assert all(classify(o.ranks[0]) is FailureKind.CRASH for o in window)
+        assert not killed_by_signal(window[0].ranks[0].exit_code)
+    # Any differing pair in a row never counts: a different last failure resets the count.
+    for before, after, decision in zip(history, history[1:], decisions[1:], strict=False):
+        if (
+            (before.step, before.ranks[0].reason, before.ranks[0].exit_code)
+            != (
+                after.step,
+                after.ranks[0].reason,
+                after.ranks[0].exit_code,
+            )
+            or before.ranks[0].diverged != after.ranks[0].diverged
+            or before.ranks[0].lost != after.ranks[0].lost
+        ):
+            assert decision.signature is not None
+            assert decision.signature.repeats == 1

@@ -77,6 +77,8 @@ def test_defaults_are_the_documented_ones() -> None:
         ("spec.recovery", {"backoffSeconds": []}, "spec.recovery.backoffSeconds"),
         ("spec.recovery", {"backoffSeconds": [30, 10]}, "spec.recovery.backoffSeconds"),
         ("spec.recovery", {"backoffSeconds": [0, 10]}, "spec.recovery.backoffSeconds"),
+        ("spec.recovery", {"deterministicFailureLimit": 1}, "spec.recovery.deterministicFailureLimit"),
+        ("spec.recovery", {"deterministicFailureLimit": 101}, "spec.recovery.deterministicFailureLimit"),
         ("spec.guard", {"lossSpikeFactor": 1.0}, "spec.guard.lossSpikeFactor"),
         ("spec.guard", {"lossSpikeWindow": -5}, "spec.guard.lossSpikeWindow"),
         ("spec.template", {"spec": {"containers": [{"name": "trainer"}]}}, "spec.template.spec.containers"),
@@ -152,6 +154,9 @@ def test_invalid_specs_are_refused_naming_the_field(path: str, value: Any, named
         ("spec.guard", {"maxGradNorm": 2}),  # an int where a float is expected
         ("spec.health", {"hangTimeoutSeconds": 604_800, "startupGraceSeconds": 604_800}),
         ("spec.recovery", {"backoffSeconds": [1, 86_400], "maxRestarts": 10_000}),
+        ("spec.recovery", {"deterministicFailureLimit": 0}),
+        ("spec.recovery", {"deterministicFailureLimit": 2}),
+        ("spec.recovery", {"deterministicFailureLimit": 100}),
         ("spec.template", {"spec": {"containers": [{"name": "pytorch", "workingDir": "/w"}]}}),
     ],
 )
@@ -234,9 +239,18 @@ def test_crd_schema_is_structural() -> None:
         "Step",
         "Restarts",
         "Rollbacks",
+        "Steps/s",
+        "ETA",
+        "Lost",
         "Age",
     ]
     schema = version["schema"]["openAPIV3Schema"]
+    status = schema["properties"]["status"]["properties"]
+    for column in version["additionalPrinterColumns"]:
+        where, _, field = column["jsonPath"].lstrip(".").partition(".")
+        if where == "status":  # a column shows a field the status model has, of the column's type
+            assert field in status, column
+            assert status[field]["type"] == column["type"], column
     for path, node in _walk(schema):
         for forbidden in ("$ref", "anyOf", "oneOf", "allOf", "title", "$defs"):
             assert forbidden not in node, f"{path} has {forbidden}"
@@ -262,6 +276,7 @@ def test_every_cross_field_rule_has_a_cel_twin() -> None:
         ".spec.guard": ["!has(self.spikeMinHistory) || self.spikeMinHistory <= self.lossSpikeWindow"],
         ".spec.health": ["self.hangTimeoutSeconds > self.probePeriodSeconds"],
         ".spec.recovery.backoffSeconds": ["self.isSorted()"],
+        ".spec.recovery.deterministicFailureLimit": ["self == 0 || self >= 2"],
     }
 
 
@@ -293,7 +308,7 @@ def test_crd_check_mode_reports_a_stale_copy(tmp_path: Path) -> None:
 # "$" matches only at the end, as in Go), unknown fields refused (kubectl's strict
 # field validation), then each CEL rule through a Python twin. A rule without a twin fails the test.
 
-CEL_TWINS: dict[str, Callable[[dict[str, Any]], bool]] = {
+CEL_TWINS: dict[str, Callable[[Any], bool]] = {
     "self.containers.exists(c, c.name == 'pytorch')": lambda n: any(
         c.get("name") == "pytorch" for c in n["containers"]
     ),
@@ -304,6 +319,7 @@ CEL_TWINS: dict[str, Callable[[dict[str, Any]], bool]] = {
         n["hangTimeoutSeconds"] > n["probePeriodSeconds"]
     ),
     "self.isSorted()": lambda n: list(n) == sorted(n),
+    "self == 0 || self >= 2": lambda n: bool(n == 0 or n >= 2),
 }
 
 
@@ -454,6 +470,7 @@ def test_the_emulated_api_server_takes_both_verdicts() -> None:
         {**accepted, "health": {"hangTimeoutSeconds": 10, "probePeriodSeconds": 10}},
         {**accepted, "checkpoint": {"claimName": "../x"}},
         {**accepted, "recovery": {"backoffSeconds": [3, 2]}},
+        {**accepted, "recovery": {"deterministicFailureLimit": 1}},
         {**accepted, "guard": {"maxGradNorm": 1e7}},
     ):
         assert not api_server_accepts(refused), refused

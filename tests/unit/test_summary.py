@@ -15,12 +15,14 @@ from trainguard.core.spec import RecoverySpec
 from trainguard.core.summary import (
     Incident,
     Note,
+    Pace,
     RunRecord,
     Sample,
     Stretch,
     fault_time,
     goodput,
     kept_time,
+    pace,
     stretches,
 )
 
@@ -288,3 +290,36 @@ def test_a_hang_began_at_the_hung_ranks_last_step_within_the_attempt_and_the_pre
     assert hung_at(float("nan")) == 200.0
     crash = Decision(Action.RESTART, failure=FailureKind.CRASH, rank=1)
     assert fault_time(crash, observe_gang({}, 2), attempt_started=100.0, now=200.0) == 200.0
+
+
+# ------------------------------------------------------------------------------------------ pace ---
+def test_pace_is_the_current_stretchs_rate_with_the_eta_to_max_steps_and_the_time_not_kept() -> None:
+    stretch = Stretch(attempt=2, start_time=100.0, start_step=60, end_time=110.0, end_step=80)
+    assert pace(stretch, 500, kept_seconds=65.0, wall_seconds=110.0) == Pace(2.0, 210.0, 45.0)
+    assert pace(stretch, 80, kept_seconds=65.0, wall_seconds=110.0).eta_seconds == 0.0  # reached
+    assert pace(stretch, None, kept_seconds=None, wall_seconds=110.0) == Pace(2.0, None, None)
+    # Not stepping in this attempt, or one look only: no rate, so no ETA; the time lost is still known.
+    assert pace(None, 500, kept_seconds=65.0, wall_seconds=110.0) == Pace(None, None, 45.0)
+    still = Stretch(attempt=2, start_time=100.0, start_step=60, end_time=100.0, end_step=60)
+    assert pace(still, 500, kept_seconds=0.0, wall_seconds=1.0).steps_per_second is None
+
+
+def test_the_run_records_pace_follows_the_attempt_and_its_lost_time_is_goodputs_complement() -> None:
+    record = RunRecord(started=0.0)
+    for t in range(10, 81, 10):  # attempt 1: 1 step/s to step 80, loop declared max_steps 500
+        record.see(1, 0.0, gang(t, max_steps=500), float(t))
+    assert record.pace(80.0) == Pace(1.0, 420.0, 0.0)
+    # Attempt 2 starts at t=90 and has not stepped: no rate, no ETA.
+    record.see(2, 90.0, gang(0, resumed=0, stepped=False, phase=Phase.STARTING), 91.0)
+    assert record.pace(91.0).steps_per_second is None
+    assert record.pace(91.0).eta_seconds is None
+    # It resumed from the checkpoint at 50 and steps at 2 steps/s.
+    record.see(2, 90.0, gang(60, resumed=50, max_steps=500), 100.0)
+    record.see(2, 90.0, gang(80, resumed=50, max_steps=500), 110.0)
+    now = record.pace(110.0)
+    assert (now.steps_per_second, now.eta_seconds) == (2.0, 210.0)
+    # Kept: steps 0..50 of attempt 1 (50 s) and 50..80 of attempt 2 (15 s): 45 s of 110 s lost.
+    kept = record.figures(110.0, 0.0).kept_seconds
+    assert kept is not None
+    assert now.lost_seconds == pytest.approx(110.0 - kept)
+    assert now.lost_seconds == pytest.approx(45.0)

@@ -11,17 +11,19 @@ from rich.console import Console
 
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainguard.core.observation import observe_gang
+from trainguard.core.summary import Pace
 from trainguard.local.supervisor import Event
-from trainguard.local.view import LiveView, PlainView, state_text, step_text
+from trainguard.local.view import LiveView, PlainView, duration_text, state_text, step_text
 
 
 def fake_runner(step: int) -> Any:
     status = WorkerStatus(phase=Phase.RUNNING, step=step, loss=2.5, skipped_steps=3, rollbacks=1,
                           samples_seen=1000, samples_dropped=2, started_at=1.0)  # fmt: skip
     view = observe_gang({0: status}, 1)
+    pace = Pace(steps_per_second=2.5, eta_seconds=3725.0, lost_seconds=42.0)
     return SimpleNamespace(
         gang_view=lambda: view, job=SimpleNamespace(metadata=SimpleNamespace(name="demo")),
-        attempt=2, restarts=1,
+        attempt=2, restarts=1, record=SimpleNamespace(pace=lambda now: pace),
     )  # fmt: skip
 
 
@@ -39,6 +41,8 @@ def test_live_view_draws_the_gang_state_and_prints_events() -> None:
         "step",
         "loss",
         "steps/s",
+        "eta",
+        "lost",
         "skipped",
         "rollbacks",
         "restarts",
@@ -47,6 +51,20 @@ def test_live_view_draws_the_gang_state_and_prints_events() -> None:
         assert column in text
     assert "running" in text
     assert "0.2000%" in text  # 2 of 1000 samples dropped
+    # The run record's pace: 2.5 steps/s, 1h02m to max steps, 42 s lost to recoveries.
+    assert "2.50" in text
+    assert "1h02m" in text
+    assert "42s" in text
+
+
+def test_durations_read_as_a_person_would_say_them() -> None:
+    assert [duration_text(s) for s in (None, 0.4, 59.6, 425, 3600 + 125)] == [
+        "-",
+        "0s",
+        "1m00s",
+        "7m05s",
+        "1h02m",
+    ]
 
 
 def test_plain_view_prints_one_line_per_event() -> None:

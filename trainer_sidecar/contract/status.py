@@ -184,6 +184,11 @@ class WorkerStatus(BaseModel):
     checkpoint_seconds: NonNegativeFloat | None = Field(
         None, description="How long the worker's last checkpoint took to be written and durable (seconds)."
     )
+    max_steps: Count | None = Field(
+        None,
+        description="The step the loop declared it ends at (Guardian(max_steps=...), steps(max_steps) or "
+        "run(loader, max_steps)); None: not declared. The ETA is reckoned to it.",
+    )
     exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
         None,
         description="The code the guardian ends its process with, once it knows (a launcher between the "

@@ -25,13 +25,14 @@ import logging
 import os
 import sys
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from enum import Enum
 
 log = logging.getLogger("trainguard")
 
-__all__ = ["ExitPlan", "arm_at_exit", "disarm_at_exit", "exit_plan"]
+__all__ = ["ExitPlan", "arm_at_exit", "crash_message", "disarm_at_exit", "exit_plan"]
 
 
 class ExitPlan(Enum):
@@ -57,6 +58,20 @@ def exit_plan(*, crashed: bool, distributed: bool, step: int, max_steps: int | N
         # One process may save now: nothing to agree with anyone. A gang may not (see the module doc).
         return ExitPlan.UNDECLARED if distributed else ExitPlan.FINISH
     return ExitPlan.FINISH if step >= max_steps else ExitPlan.SHORT
+
+
+def crash_message(error: BaseException | None) -> str:
+    """What a worker that crashed over ``error`` reports: the exception's type and text, and where it was
+    raised (the innermost frame's file name and line), on one line; the same text for the same failure,
+    so that a repeat can be recognised. None (not known): "unhandled exception"."""
+    if error is None:
+        return "unhandled exception"
+    text = " ".join(str(error).split())
+    message = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        message += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+    return message
 
 
 _armed: weakref.WeakMethod[Callable[[bool], None]] | None = None

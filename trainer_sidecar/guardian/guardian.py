@@ -43,7 +43,7 @@ from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
-from trainer_sidecar.guardian.ending import ExitPlan, arm_at_exit, disarm_at_exit, exit_plan
+from trainer_sidecar.guardian.ending import ExitPlan, arm_at_exit, crash_message, disarm_at_exit, exit_plan
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
@@ -1246,6 +1246,7 @@ class Guardian:
             message=self.message,
             exit_code=self.exit_code,
             checkpoint_seconds=self.checkpoints.last_write_seconds,
+            max_steps=self.max_steps,
         )
 
     def _publish(self, force: bool = False) -> None:
@@ -1322,6 +1323,10 @@ class Guardian:
         self._release()
         if plan is ExitPlan.CRASHED:
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
+            # The step it failed at and why, in the status and the termination message: the periodic
+            # status may be steps behind, and whether a crash repeats at the same step is how a
+            # deterministic failure is told from a transient one (trainguard.core.policy).
+            self._report_end(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
             return
         newest = self.checkpoints.checkpointed_step
         if plan is ExitPlan.UNDECLARED:

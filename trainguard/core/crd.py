@@ -34,6 +34,24 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.rollbacks",
         "description": "In-process rollbacks.",
     },
+    {
+        "name": "Steps/s",
+        "type": "number",
+        "jsonPath": ".status.stepsPerSecond",
+        "description": "Steps per second of the current attempt.",
+    },
+    {
+        "name": "ETA",
+        "type": "integer",
+        "jsonPath": ".status.etaSeconds",
+        "description": "Seconds to the declared max steps at the current rate.",
+    },
+    {
+        "name": "Lost",
+        "type": "number",
+        "jsonPath": ".status.lostSeconds",
+        "description": "Seconds not spent on kept steps (recoveries, rollbacks, start).",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

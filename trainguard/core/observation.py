@@ -15,6 +15,7 @@ In: each rank's ``WorkerStatus`` as last reported (None: the rank has not report
 * the last step: the furthest step any rank reported; a rank completes a step only once every rank's
   gradients for it were reduced, so the gang computed it (the slowest rank's report may merely lag);
 * the newest clean checkpoint any rank reports;
+* the declared last step (``max_steps``): the largest any rank declared (every rank runs the same loop);
 * the failing ranks (phase diverged or failed), and the first of them (the lowest step, then rank).
 
 ``GangView.rank_observation`` turns a rank and what the executor knows of its process into the
@@ -153,6 +154,8 @@ class GangView:
     samples_dropped: int | None
     checkpoint: CleanCheckpoint | None
     checkpoint_seconds: float | None = None
+    #: The step the loop declared it ends at: the largest any rank declared (None: none did).
+    max_steps: int | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -291,4 +294,5 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
         checkpoint=_newest_checkpoint(values),
         # The slowest rank's write is what a stop must wait for.
         checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
+        max_steps=_collective(s.max_steps for s in values if s.max_steps is not None),
     )

@@ -12,6 +12,18 @@ Attribution: when several ranks have failed by the time the executor looks, the 
 misconfigured, fenced or diverged rank comes before a crashed one, a crash before a lost or hung rank;
 among ranks failing alike, the one that ended first (then one killed by a signal, then the lowest rank),
 since a rank whose peer died usually exits 1 from the collective a moment later.
+
+Deterministic failures: a failure that repeats exactly is not retried ``maxRestarts`` times. Every
+failure decided carries its ``FailureSignature`` (kind, step, exit code, the failing rank's own reason,
+the attempt, and how many attempts in a row failed so); the executor records it and hands it back as
+the next observation's ``previous_failure``. When ``recovery.deterministicFailureLimit`` attempts in a
+row (default 2; 0: never) crashed with the same exit code and reason at the same step, the job fails
+with ``FailureKind.DETERMINISTIC``: a resumed attempt that crashes where the one before did, after
+replaying the same steps from the same checkpoint, will crash there again. Only a crash by the
+process's own exit code counts: a hang, a lost pod or node, a kill by a signal (the OOM killer, a
+liveness kill, a preemption: the cause is outside the process and usually passes) and a divergence (the
+restart changes the run with a remediation) always get the full policy, and a crash at another step
+(progress was made, or lost) or with another reason is a new failure.
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ class FailureKind(StrEnum):
     CONFIG = "ConfigError"
     FENCED = "Fenced"
     LOST = "Lost"
+    #: Not a rank's failure: the verdict on a crash that repeated identically (see the module docstring).
+    DETERMINISTIC = "DeterministicFailure"
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,57 @@ class RankObservation:
     ended_at: float | None = None
 
 
+#: A signature's cause is cut to this many characters, so that it is stored whole (the status caps
+#: messages at 1024) and compares equal when read back.
+MAX_CAUSE_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class FailureSignature:
+    """What identifies a failure when the next one is compared with it, as plain values an executor can
+    store (the operator in ``status.lastFailure``, the local runner in memory).
+
+    ``kind``, ``step`` (the step the failure's reason names; None: not known), ``exit_code`` and
+    ``cause`` (the failing rank's own reason: its exit described, with the worker's message or log line)
+    are compared; ``attempt`` is the attempt that failed and ``repeats`` how many attempts in a row, up
+    to it, failed with this signature (1: the first).
+    """
+
+    kind: FailureKind
+    step: int | None
+    exit_code: int | None
+    cause: str
+    attempt: int
+    repeats: int = 1
+
+    @property
+    def repeatable(self) -> bool:
+        """Whether a repeat of this failure says it is deterministic: a crash by the process's own exit
+        code (not a signal from outside, not a hang, a lost rank or a divergence)."""
+        return self.kind is FailureKind.CRASH and not killed_by_signal(self.exit_code)
+
+    def same_as(self, other: FailureSignature) -> bool:
+        """Whether ``other`` is the same failure: same kind, step, exit code and cause."""
+        return (self.kind, self.step, self.exit_code, self.cause) == (
+            other.kind,
+            other.step,
+            other.exit_code,
+            other.cause,
+        )
+
+    def following(self, previous: FailureSignature | None) -> FailureSignature:
+        """This failure with ``repeats`` counted on from ``previous`` (the failure of the attempt before,
+        if any): a repeatable failure the same as a previous one of the attempt just before is one repeat
+        more; anything else starts at 1."""
+        repeated = (
+            previous is not None
+            and self.repeatable
+            and previous.attempt == self.attempt - 1
+            and self.same_as(previous)
+        )
+        return replace(self, repeats=previous.repeats + 1 if repeated and previous else 1)
+
+
 @dataclass(frozen=True)
 class Observation:
     """Everything the policy looks at, as plain values."""
@@ -79,6 +144,8 @@ class Observation:
     #: known). A failure's reason names it, and the decision carries it, so that whatever reports the
     #: failure (a restart's ``last_step``) takes its number from the same look as the reason.
     step: int | None = None
+    #: The failure the executor acted on last (the previous attempt's), as it recorded it (None: none).
+    previous_failure: FailureSignature | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +162,8 @@ class Decision:
     restarts: int = 0
     #: For a failure: the step its reason names (``Observation.step``; None: not known).
     step: int | None = None
+    #: For a failure: its signature, for the executor to record and hand back (``previous_failure``).
+    signature: FailureSignature | None = None
 
 
 def backoff_seconds(recovery: RecoverySpec, restarts_done: int) -> float:
@@ -161,6 +230,19 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
+def deterministic_reason(signature: FailureSignature, reason: str) -> str:
+    """The verdict on a failure repeated identically: the attempts, the step, the exit reason and the
+    last failure's own reason (``reason``)."""
+    first = signature.attempt - signature.repeats + 1
+    attempts = list(range(first, signature.attempt + 1))
+    named = ", ".join(map(str, attempts[:-1])) + f" and {attempts[-1]}"
+    at = f"at step {signature.step}" if signature.step is not None else "before any step was reported"
+    return (
+        f"deterministic failure: attempts {named} failed alike {at} ({signature.cause}), so another "
+        f"restart would fail there too; not retried; last: {reason}"
+    )
+
+
 def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     """Decide what to do about a gang. See the module docstring for the guarantees."""
     restarts = observation.restarts
@@ -195,8 +277,19 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
         restarts=restarts,
         step=observation.step,
     )
+    signature = FailureSignature(
+        kind, observation.step, rank.exit_code, what[:MAX_CAUSE_CHARS], observation.attempt
+    ).following(observation.previous_failure)
+    failed = replace(failed, signature=signature)
     if kind in (FailureKind.CONFIG, FailureKind.FENCED):  # the exit code's description says permanent
         return failed
+    limit = recovery.deterministic_failure_limit
+    if limit and signature.repeats >= limit:
+        return replace(
+            failed,
+            reason=deterministic_reason(signature, reason),
+            failure=FailureKind.DETERMINISTIC,
+        )
     if restarts >= recovery.max_restarts:
         return replace(
             failed, reason=f"restarts exhausted ({restarts} of {recovery.max_restarts}); last: {reason}"

@@ -168,6 +168,26 @@ class RecoverySpec(_Model):
     on_divergence: RemediationSpec = Field(
         default_factory=RemediationSpec, description="Applied after a diverged exit."
     )
+    deterministic_failure_limit: int = Field(
+        2,
+        ge=0,
+        le=100,
+        description="After this many attempts in a row crashed alike (the same exit code and reason at "
+        "the same step) the job fails as a deterministic failure instead of using up maxRestarts; 0: "
+        "never (every crash gets maxRestarts). 0, or from 2 to 100.",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self == 0 || self >= 2", "deterministicFailureLimit must be 0 (off) or at least 2")
+            ],
+        },
+    )
+
+    @field_validator("deterministic_failure_limit")
+    @classmethod
+    def _off_or_a_repeat(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("deterministicFailureLimit must be 0 (off) or at least 2")
+        return value
 
     @field_validator("backoff_seconds")
     @classmethod
@@ -405,7 +425,8 @@ class Condition(BaseModel):
 
 
 class LastFailure(BaseModel):
-    """The failure that caused the latest gang restart."""
+    """The failure that caused the latest gang restart (or the job's failure), with what the next
+    failure is compared with to tell a deterministic one (``trainguard.core.policy.FailureSignature``)."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
 
@@ -414,6 +435,15 @@ class LastFailure(BaseModel):
     rank: int | None = None
     exit_code: int | None = None
     time: str = ""
+    attempt: int | None = Field(None, description="The attempt that failed.")
+    step: int | None = Field(None, description="The step the failure's message names (unset: not known).")
+    kind: str | None = Field(
+        None, description="How the failing rank failed (Crashed, Hung, ...), when reason is a verdict."
+    )
+    cause: str | None = Field(None, description="The failing rank's own reason (its exit, and why).")
+    repeats: int | None = Field(
+        None, description="How many attempts in a row, up to this one, failed alike (1: the first)."
+    )
 
 
 class CheckpointStatus(BaseModel):
@@ -452,4 +482,16 @@ class GuardedTrainingJobStatus(BaseModel):
     goodput: float | None = None
     checkpoint_seconds: float | None = Field(
         None, description="The longest checkpoint write seen (seconds): it sizes the pods' stop grace."
+    )
+    max_steps: int | None = Field(None, description="The last step the training loop declared (max_steps).")
+    steps_per_second: float | None = Field(
+        None, description="Steps per second of the current attempt's progress (unset: not stepping yet)."
+    )
+    eta_seconds: int | None = Field(
+        None, description="Seconds to maxSteps at stepsPerSecond (unset: no end declared, or no rate yet)."
+    )
+    lost_seconds: float | None = Field(
+        None,
+        description="Wall time not spent on steps the final model kept: recoveries (detection, backoff, "
+        "restart, redone steps), rollbacks and the start (seconds; the complement of goodput).",
     )

@@ -180,6 +180,54 @@ class Incident:
         return None if ttr is None else ttr - self.backoff_seconds
 
 
+@dataclass(frozen=True)
+class Pace:
+    """Progress a user can plan with; None: not known.
+
+    ``steps_per_second``: the rate of the current stretch of progress (this attempt's steps since it
+    started or last rolled back). ``eta_seconds``: the time to the declared ``max_steps`` at that rate
+    (0 once reached). ``lost_seconds``: the wall time not spent on steps the final model kept (recoveries:
+    detection, backoff, restart and redone steps; rollbacks; the start), the complement of goodput's
+    kept time.
+    """
+
+    steps_per_second: float | None
+    eta_seconds: float | None
+    lost_seconds: float | None
+
+
+def pace(
+    current: Stretch | None,
+    max_steps: int | None,
+    *,
+    kept_seconds: float | None,
+    wall_seconds: float,
+) -> Pace:
+    """The pace of a job whose current stretch of progress is ``current`` (None: not stepping in this
+    attempt yet), with ``kept_seconds`` of ``wall_seconds`` spent on kept steps. Both runners report
+    these numbers from here; the operator's and ``trainguard run``'s kept time come from ``kept_time``."""
+    rate = None
+    if (
+        current is not None
+        and current.end_step > current.start_step
+        and current.end_time > current.start_time
+    ):
+        rate = (current.end_step - current.start_step) / (current.end_time - current.start_time)
+    eta = None
+    if rate is not None and max_steps is not None and current is not None:
+        eta = max(0, max_steps - current.end_step) / rate
+    lost = None if kept_seconds is None else max(0.0, wall_seconds - kept_seconds)
+    return Pace(rate, eta, lost)
+
+
+def current_stretch(samples: Sequence[Sample], attempt: int) -> Stretch | None:
+    """The newest stretch of progress of ``attempt`` as sampled (not extrapolated), or None."""
+    groups = _groups(samples)
+    if not groups or groups[-1][0].attempt != attempt:
+        return None
+    return _stretch(groups[-1], None, None)
+
+
 def goodput(kept_seconds: float, wall_seconds: float, excluded_seconds: float = 0.0) -> float:
     """Kept time over wall time (optionally with some wall time, such as backoff, excluded)."""
     denominator = wall_seconds - excluded_seconds
@@ -320,6 +368,17 @@ class RunRecord:
         """Wall time spent on the steps ``final_step`` builds on (see the module docstring)."""
         runs = stretches(self.samples, self.resume_steps, started=self.attempt_starts)
         return kept_time(runs, final_step)
+
+    def pace(self, now: float) -> Pace:
+        """The job's pace at ``now`` (see ``Pace``), from the samples and the last view taken in."""
+        final_step = self.final_step
+        kept = self.kept_seconds(final_step) if final_step is not None else None
+        return pace(
+            current_stretch(self.samples, self._attempt),
+            self.view.max_steps if self.view is not None else None,
+            kept_seconds=kept,
+            wall_seconds=now - self.started,
+        )
 
     def figures(self, wall_seconds: float, backoff_seconds: float) -> RunFigures:
         """The summary's figures for a run of ``wall_seconds`` that waited ``backoff_seconds`` in

@@ -492,13 +492,21 @@ class LocalRunner(GangSupervisor):
 
     def observe(self) -> Look:
         """The gang now, and what the policy sees of it (from that one view)."""
-        view = self.gang_view()
-        ranks = []
         now = time.monotonic()  # one reading: exits first seen in one observation tie
+        codes = []
         for rank in self.ranks:
             code = rank.worker.poll()
             if code is not None and rank.ended_at is None:
                 rank.ended_at = now
+                # What it wrote as it ended (the step it failed at, and why), not its last periodic
+                # report: a crash's step is compared with the next attempt's (a deterministic failure).
+                final = self.final_status(rank)
+                if final is not None:
+                    rank.status = final
+            codes.append(code)
+        view = self.gang_view()
+        ranks = []
+        for rank, code in zip(self.ranks, codes, strict=True):
             process = ProcessState(
                 exit_code=code,
                 alive=rank.alive,
@@ -513,6 +521,7 @@ class LocalRunner(GangSupervisor):
             restarts=self.restarts,
             handled_attempt=self.attempt - 1,
             step=view.last_step,
+            previous_failure=self.last_failure,
         )
         return Look(view, observation)
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView
-from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
+from trainguard.core.policy import Action, Decision, FailureKind, FailureSignature, Observation, decide
 from trainguard.core.spec import GuardedTrainingJob
 from trainguard.core.summary import Incident, RunFigures, RunRecord
 from trainguard.local.launch import StopSignals
@@ -160,6 +160,8 @@ class GangSupervisor(ABC):
         self.attempt_started = self.started
         self.record = RunRecord(self.started)
         self.final_decision: Decision | None = None
+        #: The last failure acted on, as the policy signed it: the next observation's previous failure.
+        self.last_failure: FailureSignature | None = None
 
     # ------------------------------------------------------------------------ what a subclass does ---
     @abstractmethod
@@ -243,6 +245,7 @@ class GangSupervisor(ABC):
         decided on ``look`` taken at ``now``: the restart's figures come from that look."""
         kind = decision.action.value if decision.action is Action.FAIL else "failure"
         self.event(kind, decision.reason, decision.step)
+        self.last_failure = decision.signature
         # A failure (a crash, a hang, a refused claim) leaves no gang that could checkpoint: stop it now.
         if decision.action is Action.FAIL:
             signals.disarm()

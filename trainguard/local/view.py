@@ -28,7 +28,31 @@ _STYLE = {
 }
 
 
-_COLUMNS = ("attempt", "state", "step", "loss", "steps/s", "skipped", "rollbacks", "restarts", "drop rate")
+_COLUMNS = (
+    "attempt",
+    "state",
+    "step",
+    "loss",
+    "steps/s",
+    "eta",
+    "lost",
+    "skipped",
+    "rollbacks",
+    "restarts",
+    "drop rate",
+)
+
+
+def duration_text(seconds: float | None) -> str:
+    """A duration for a person: ``42s``, ``7m05s``, ``3h02m``; "-" when not known."""
+    if seconds is None:
+        return "-"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 def state_text(view: GangView) -> str:
@@ -89,8 +113,6 @@ class LiveView(PlainView):
         self.console = console or Console()
         self.live = Live(console=self.console, refresh_per_second=4, transient=False)
         self.live.start()
-        self._last: tuple[float, int] | None = None
-        self._rate = 0.0
 
     def event(self, entry: Event) -> None:
         """Print one event above the table."""
@@ -99,13 +121,9 @@ class LiveView(PlainView):
     def update(self, runner: LocalRunner) -> None:
         """Redraw the table from the runner's view of the gang."""
         view = runner.gang_view()
-        step = view.progress.step if view.progress is not None else 0
-        now = time.time()
-        if self._last is not None and now - self._last[0] >= 1.0:
-            self._rate = max(0.0, (step - self._last[1]) / (now - self._last[0]))
-            self._last = (now, step)
-        elif self._last is None:
-            self._last = (now, step)
+        # The same numbers as the operator's status (trainguard.core.summary.pace), from the run's record.
+        pace = runner.record.pace(time.time())
+        speed = pace.steps_per_second
         table = Table(title=f"trainguard run: {runner.job.metadata.name}", expand=False)
         for column in _COLUMNS:
             table.add_column(column, justify="right")
@@ -117,7 +135,9 @@ class LiveView(PlainView):
             state_text(view),
             step_text(view),
             f"{loss:.4f}" if loss is not None else "-",
-            f"{self._rate:.1f}",
+            f"{speed:.2f}" if speed is not None else "-",
+            duration_text(pace.eta_seconds),
+            duration_text(pace.lost_seconds),
             str(view.skipped_steps or 0),
             str(view.rollbacks or 0),
             str(runner.restarts),

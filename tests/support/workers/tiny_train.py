@@ -9,7 +9,8 @@ guardian's counters and a SHA-256 of the final weights.
 batches, counted by ``guardian.steps``), ``own`` (a counter of its own, ``while iter_num < steps``) or
 ``dowhile`` (nanoGPT's ``iter_num += 1; if iter_num > steps: break``); the last two never call
 ``guardian.finish()``, as a loop that forgot it. ``--declare-max`` gives ``Guardian(max_steps=...)``;
-``--raise-after-loop`` ends in an unhandled exception after the loop.
+``--raise-after-loop`` ends in an unhandled exception after the loop; ``--raise-at STEP`` raises one (the
+same every time: a deterministic bug) once the guardian's step count reaches STEP.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> int:
     parser.add_argument("--loop", choices=("run", "steps", "own", "dowhile"), default="run")
     parser.add_argument("--declare-max", action="store_true", help="Guardian(..., max_steps=--steps)")
     parser.add_argument("--raise-after-loop", action="store_true")
+    parser.add_argument("--raise-at", type=int, default=-1, help="raise an exception at this step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -134,6 +136,8 @@ def main() -> int:
     for x, y in guardian.run(loader, max_steps=args.steps):
         loss = torch.nn.functional.mse_loss(model(x), y)
         guardian.step(loss)
+        if guardian.step_count == args.raise_at:
+            raise ValueError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x1)")
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if guardian.step_count == args.busy_at and guardian.rank == args.busy_rank:
