@@ -36,6 +36,7 @@ from trainguard_operator.pods import as_int, labels, meta, read_gang
 from trainguard_operator.render import (
     HUNG_WORKER_GRACE_SECONDS,
     JOB_LABEL,
+    FailureHistory,
     Owner,
     RenderError,
     pytorchjob_name,
@@ -284,6 +285,12 @@ class _Step:
         if value is not None:
             st.goodput = value
 
+    def failure_history(self) -> FailureHistory:
+        """The job's restarts so far and its run time until now, for the next attempt's workers."""
+        started = parse_time(self.st.job_started_at)
+        run = (self.now - started).total_seconds() if started is not None else 0.0
+        return FailureHistory(self.restarts, max(0.0, run))
+
     def attempt_started(self, at: datetime) -> None:
         """Record that the current attempt's PyTorchJob exists since ``at``."""
         self.st.attempt_created = self.attempt
@@ -430,6 +437,7 @@ class _Step:
                 self.st.remediation,
                 self.settings,
                 checkpoint_seconds=self.st.checkpoint_seconds,
+                history=self.failure_history(),
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))

@@ -37,7 +37,14 @@ from trainguard_operator.render import (
     pytorchjob_name,
 )
 from trainguard_operator.settings import OperatorSettings
-from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso_precise, merge_patch
+from trainguard_operator.status import (
+    FoldedHistory,
+    JobStatus,
+    StepRecord,
+    iso_precise,
+    merge_patch,
+    parse_time,
+)
 
 from tests.support.manifests import gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
@@ -290,6 +297,12 @@ def test_worker_killed_137_restarts_the_gang_after_the_first_backoff_without_rem
     assert env(plan.create)["TRAINGUARD_ATTEMPT"] == "2"
     assert "TRAINGUARD_REMEDIATION" not in env(plan.create)
     assert cluster.status.restarts == 1
+    # The failure history everySteps auto sizes its interval from: one restart, the job's run time so far.
+    started = parse_time(cluster.status.job_started_at)
+    assert started is not None
+    assert env(plan.create)["TRAINGUARD_RESTARTS"] == "1"
+    run = (failed_at + timedelta(seconds=10) - started).total_seconds()
+    assert env(plan.create)["TRAINGUARD_RUN_SECONDS"] == str(round(run))
 
 
 def test_diverged_exit_200_restarts_with_remediation_that_later_attempts_keep_once() -> None:

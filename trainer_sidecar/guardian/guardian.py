@@ -272,6 +272,7 @@ class Guardian:
             config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
         )
         self.checkpoints.rng_wanted = self._rng_may_be_saved
+        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
         self._stop_deferred = False  # see ``step``
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
