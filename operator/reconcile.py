@@ -510,6 +510,9 @@ class _Step:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
         if view.checkpoint_seconds is not None:
             st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
+        if view.checkpoint_cadence:
+            st.checkpoint_every_steps = view.checkpoint_every_steps
+            st.checkpoint_cadence = view.checkpoint_cadence
         if view.drop_rate is not None:
             self.track_drop_rate(view.drop_rate)
         if not view.stepped or view.progress is None or view.progress.step < 0:

@@ -629,6 +629,15 @@ def test_a_checkpoint_reference_longer_than_the_crd_allows_is_clipped() -> None:
     assert len(stored.path) == 1024
 
 
+def test_the_job_status_shows_the_checkpoint_cadence_and_why() -> None:
+    cluster = started_cluster()
+    reason = "auto: every 120 steps (save 2 s, MTBF 3600 s assumed, step 1 s: sqrt(2 x save x MTBF) = 120 s)"
+    cadence = {"checkpoint_every_steps": 120, "checkpoint_cadence": reason}
+    cluster.step(T0 + timedelta(seconds=30), served(120, **cadence))  # write_status checks it against the CRD
+    status = cluster.status
+    assert (status.checkpoint_every_steps, status.checkpoint_cadence) == (120, reason)
+
+
 def test_a_checkpoint_time_beyond_the_calendar_is_no_crash() -> None:
     cluster = started_cluster()
     checkpoint = {"step": 100, "path": "/ckpt/step-100", "sha256": "ab" * 32, "time": 1e20}

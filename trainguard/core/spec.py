@@ -459,3 +459,12 @@ class GuardedTrainingJobStatus(BaseModel):
     checkpoint_seconds: float | None = Field(
         None, description="The longest checkpoint write seen (seconds): it sizes the pods' stop grace."
     )
+    checkpoint_every_steps: int | None = Field(
+        None, description="The checkpoint interval in steps now in force (everySteps, or what auto chose)."
+    )
+    checkpoint_cadence: str | None = Field(
+        None,
+        max_length=300,
+        description="Why that interval: for everySteps auto the save stall, MTBF (and its source) and step "
+        "time it came from.",
+    )

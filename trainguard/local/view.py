@@ -28,7 +28,18 @@ _STYLE = {
 }
 
 
-_COLUMNS = ("attempt", "state", "step", "loss", "steps/s", "skipped", "rollbacks", "restarts", "drop rate")
+_COLUMNS = (
+    "attempt",
+    "state",
+    "step",
+    "loss",
+    "steps/s",
+    "skipped",
+    "rollbacks",
+    "restarts",
+    "drop rate",
+    "ckpt every",
+)
 
 
 def state_text(view: GangView) -> str:
@@ -122,7 +133,10 @@ class LiveView(PlainView):
             str(view.rollbacks or 0),
             str(runner.restarts),
             f"{rate:.4%}" if rate is not None and view.samples_seen else "-",
+            str(view.checkpoint_every_steps or "-"),
         )
+        # Why the checkpoint interval is what it is (everySteps auto: the numbers it came from).
+        table.caption = view.checkpoint_cadence or None
         self.live.update(table)
 
     def close(self) -> None:
