@@ -90,6 +90,7 @@ class CheckpointManager:
         self.interval: int | None = None if policy.every_steps == "auto" else int(policy.every_steps)
         self.choice: CadenceChoice | None = None
         self._proposal = 0
+        self._reason = ""  # why the interval in force (rank 0's choice; other ranks only adopt it)
         self._step_mean = 0.0  # a moving mean of the step time (rank 0's numbers decide)
         self._stall_pending: float | None = None  # a save's synchronous part, until its copy is waited for
         self._stall = 0.0
@@ -198,10 +199,14 @@ class CheckpointManager:
         """After a step boundary's checkpoint decision: take the interval the gang agreed on (the sum of
         the proposals, ``proposal``) for the boundaries that follow. Every rank calls it at the same
         boundary with the same number, so every rank checkpoints at the same steps."""
-        if self.policy.auto and agreed > 0 and agreed != self.interval:
-            self.interval = agreed
-            if self.choice is not None and self.gang.rank == 0:
-                log.info("checkpoint cadence %s", self.choice.reason())
+        if not self.policy.auto or agreed <= 0:
+            return
+        changed, self.interval = agreed != self.interval, agreed
+        choice = self.choice
+        if choice is not None and choice.steps == agreed:  # rank 0: the reason of the interval in force
+            self._reason = choice.reason()
+            if changed:
+                log.info("checkpoint cadence %s", self._reason)
 
     def _measured_stall(self, seconds: float) -> None:
         """A save's stall of the training thread is known: rank 0 chooses the next interval from it."""
@@ -233,9 +238,7 @@ class CheckpointManager:
             return f"every {self.policy.every_steps} steps"
         if self.interval is None:
             return f"auto: first checkpoint after {self._every_seconds} s (measures the save's stall)"
-        if self.choice is not None:
-            return self.choice.reason()
-        return f"auto: every {self.interval} steps (chosen by rank 0)"
+        return self._reason or f"auto: every {self.interval} steps (chosen by rank 0)"
 
     # ---------------------------------------------------------------------------------- cadence ---
     def time_due(self) -> bool:
