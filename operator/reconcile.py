@@ -36,6 +36,7 @@ from trainguard_operator.pods import as_int, labels, meta, read_gang
 from trainguard_operator.render import (
     HUNG_WORKER_GRACE_SECONDS,
     JOB_LABEL,
+    FailureHistory,
     Owner,
     RenderError,
     pytorchjob_name,
@@ -301,6 +302,12 @@ class _Step:
             st.eta_seconds = round(found.eta_seconds) if found.eta_seconds is not None else None
             st.lost_seconds = _rounded(found.lost_seconds, 3)
 
+    def failure_history(self) -> FailureHistory:
+        """The job's restarts so far and its run time until now, for the next attempt's workers."""
+        started = parse_time(self.st.job_started_at)
+        run = (self.now - started).total_seconds() if started is not None else 0.0
+        return FailureHistory(self.restarts, max(0.0, run))
+
     def attempt_started(self, at: datetime) -> None:
         """Record that the current attempt's PyTorchJob exists since ``at``."""
         self.st.attempt_created = self.attempt
@@ -447,6 +454,7 @@ class _Step:
                 self.st.remediation,
                 self.settings,
                 checkpoint_seconds=self.st.checkpoint_seconds,
+                history=self.failure_history(),
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
@@ -521,6 +529,9 @@ class _Step:
             st.max_steps = view.max_steps
         if view.checkpoint_seconds is not None:
             st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
+        if view.checkpoint_cadence:
+            st.checkpoint_every_steps = view.checkpoint_every_steps
+            st.checkpoint_cadence = view.checkpoint_cadence
         if view.drop_rate is not None:
             self.track_drop_rate(view.drop_rate)
         if not view.stepped or view.progress is None or view.progress.step < 0:

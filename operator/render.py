@@ -220,7 +220,11 @@ def _add_mounts(worker: dict[str, Any], checkpoint_mount: str) -> None:
 
 
 def _owned_env(
-    job: GuardedTrainingJob, attempt: int, remediation: RemediationOrder | None, worker: Mapping[str, Any]
+    job: GuardedTrainingJob,
+    attempt: int,
+    remediation: RemediationOrder | None,
+    worker: Mapping[str, Any],
+    history: FailureHistory,
 ) -> dict[str, str]:
     """trainguard's own variables of the worker (they replace any the user set of the same name)."""
     return worker_environment(
@@ -230,12 +234,23 @@ def _owned_env(
         checkpoint_dir=job.spec.checkpoint.mount_path,
         status_file=STATUS_FILE,
         termination_message_path=worker.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH,
+        restarts=history.restarts,
+        run_seconds=history.run_seconds,
     ).variables()
 
 
 #: The stop grace of a pod before anything is known of its checkpoints (Kubernetes' default is 30 s).
 BASE_STOP_GRACE_SECONDS = 60
 MAX_STOP_GRACE_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class FailureHistory:
+    """The job's gang restarts before an attempt and its run time until then (seconds): the failure rate
+    ``everySteps: auto`` sizes its interval from."""
+
+    restarts: int = 0
+    run_seconds: float = 0.0
 
 
 def stop_grace_seconds(user: int | None, checkpoint_seconds: float | None) -> int:
@@ -255,6 +270,7 @@ def render_pod_template(
     remediation: RemediationOrder | None,
     settings: OperatorSettings,
     checkpoint_seconds: float | None = None,
+    history: FailureHistory | None = None,
 ) -> dict[str, Any]:
     """One replica's pod template: the user's template with trainguard's pieces added (module docstring)."""
     spec = job.spec
@@ -274,9 +290,8 @@ def render_pod_template(
     _add_mounts(worker, spec.checkpoint.mount_path)
     if spec.nproc_per_node > 1:
         _run_under_torchrun(worker)
-    worker["env"] = _worker_env(
-        worker.get("env"), _owned_env(job, attempt, remediation, worker), NCCL_FAIL_FAST
-    )
+    owned = _owned_env(job, attempt, remediation, worker, history or FailureHistory())
+    worker["env"] = _worker_env(worker.get("env"), owned, NCCL_FAIL_FAST)
 
     health = spec.health
     timing = probe_timing(health.probe_period_seconds)
@@ -327,6 +342,7 @@ def render_pytorchjob(
     remediation: RemediationOrder | None,
     settings: OperatorSettings,
     checkpoint_seconds: float | None = None,
+    history: FailureHistory | None = None,
 ) -> dict[str, Any]:
     """The PyTorchJob manifest of ``attempt`` of ``job`` (see the module docstring for what it holds).
 
@@ -334,7 +350,7 @@ def render_pytorchjob(
     """
     name = pytorchjob_name(owner.name, attempt)
     labels = {JOB_LABEL: owner.name, ATTEMPT_LABEL: str(attempt), MANAGED_BY_LABEL: MANAGED_BY}
-    template = render_pod_template(job, attempt, remediation, settings, checkpoint_seconds)
+    template = render_pod_template(job, attempt, remediation, settings, checkpoint_seconds, history)
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(template)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,34 @@ def test_ranks_agree_on_the_checkpoint_to_resume_when_one_rank_file_is_corrupt(t
     assert "SHA-256 does not match" in second[1][2]
     assert [r["step"] for r in reports] == [25, 25]
     assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def test_every_steps_auto_checkpoints_every_rank_at_the_same_steps(tmp_path: Path) -> None:
+    """Rank 0 chooses the interval from its own timings; the choice travels in the step's collective, so
+    both ranks write every checkpoint (each verified with both ranks' files) and end alike."""
+    settings = {
+        "checkpoint": {
+            "everySteps": "auto",
+            "everySeconds": None,
+            "autoFirstSeconds": 1,
+            "autoMinSteps": 3,
+            "autoMaxSteps": 5,
+            "keepClean": 5,
+            "snapshotEverySteps": 1000,
+        }
+    }
+    reports = successful_reports(
+        run_gang(tmp_path, 2, ["--steps", "60", "--step-sleep", "0.05"], settings=settings)
+    )
+    assert reports[0]["digest"] == reports[1]["digest"]
+    store = CheckpointStore(tmp_path)
+    steps = store.steps()
+    assert steps[-1] == 60
+    assert len(steps) == 5
+    for step in steps:  # both ranks' files, verified: the ranks checkpointed the same steps
+        assert store.is_complete(step), step
+        for rank in (0, 1):
+            assert CheckpointStore(tmp_path, rank=rank, world_size=2).verify(step).valid, (step, rank)
+    gaps = [b - a for a, b in itertools.pairwise(steps[:-1])]  # the last one is the declared end
+    assert gaps
+    assert all(3 <= gap <= 5 for gap in gaps), steps

@@ -78,3 +78,57 @@ def test_injected_hang_stops_step_progress_on_that_rank(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.communicate()
+
+
+AUTO = {
+    "checkpoint": {
+        "everySteps": "auto",
+        "everySeconds": None,
+        "autoFirstSeconds": 1,
+        "autoMinSteps": 3,
+        "autoMaxSteps": 6,
+        "assumedMtbfSeconds": 60,
+        "snapshotEverySteps": 1000,
+    },
+    "statusIntervalSeconds": 0,
+}
+
+
+def test_every_steps_auto_checkpoints_and_resumes_bit_identically(tmp_path: Path) -> None:
+    """The checkpoints of everySteps auto fall where the measured costs put them, not where a fixed
+    cadence would: killed twice after its first checkpoint, the job still ends bit-identical to an
+    uninterrupted run checkpointed every 4 steps (a checkpoint's content does not depend on its step)."""
+    steps = 100
+    args = ["--steps", str(steps), "--step-sleep", "0.05"]
+    code, reference, err = finish(start_worker(args, worker_env(tmp_path / "reference", settings=SETTINGS)))
+    assert code == 0, err
+    assert reference is not None
+
+    seed = random.randrange(1 << 30)
+    # Each attempt's first checkpoint comes after a second (about 20 steps), then auto's interval: the
+    # second kill comes long enough after the first for its attempt to have chosen one too.
+    rng = random.Random(seed)
+    first = rng.randrange(35, 45)
+    kills = [first, rng.randrange(first + 35, steps - 5)]
+    ckpt, status_file = tmp_path / "auto", tmp_path / "status.json"
+    env = worker_env(ckpt, settings=AUTO, status_file=status_file)
+    chosen = []
+    for step in kills:
+        status_file.unlink(missing_ok=True)
+        proc = start_worker(args, env)
+        wait_for_step(status_file, step, time.monotonic() + 60)
+        status, _ = read_status(status_file)
+        assert status is not None
+        chosen.append((status.checkpoint_every_steps, status.checkpoint_cadence))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    for interval, cadence in chosen:
+        assert interval is not None, cadence
+        assert 3 <= interval <= 6, cadence
+        assert cadence.startswith(f"auto: every {interval} steps (save "), cadence
+    code, resumed, err = finish(start_worker(args, env))
+    assert code == 0, err
+    assert "resumed from the clean checkpoint" in err
+    assert resumed is not None
+    assert resumed["step"] == steps
+    assert resumed["digest"] == reference["digest"], f"kill steps {kills} (seed {seed})"

@@ -1781,3 +1781,128 @@ def test_the_guardians_clip_works_from_the_norm_after_the_loops_own_clip() -> No
     assert outcome.grad_norm > 0.5  # reported and judged before the loop's clip
     for a, b in zip(reference.parameters(), guarded.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_every_steps_auto_checkpoints_at_the_young_daly_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 1 s, saves that stall the loop 2 s, an assumed MTBF of an hour: after a first checkpoint
+    by time, one every sqrt(2 x 2 x 3600) = 120 steps, and the status says so and why."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    saved: list[int] = []
+    original = CheckpointStore.save_async
+
+    def slow_save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
+        saved.append(step)
+        clock[0] += 2.0
+        original(store, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save_async", slow_save)
+    model = tiny_model()
+    config = settings(
+        checkpoint={
+            "everySteps": "auto",
+            "everySeconds": None,
+            "autoFirstSeconds": 5,
+            "assumedMtbfSeconds": 3600,
+            "snapshotEverySteps": 1000,
+        }
+    )
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), checkpoint_dir=tmp_path, settings=config
+    )
+    assert guardian.status().checkpoint_every_steps is None
+    assert "first checkpoint after 5 s" in guardian.status().checkpoint_cadence
+    for _ in range(250):
+        clock[0] += 1.0
+        guardian.step(loss_of(model))
+    guardian.checkpoints.wait()
+    assert saved == [5, 125, 245]
+    status = guardian.status()
+    assert status.checkpoint_every_steps == 120
+    assert status.checkpoint_stall_seconds == 2.0
+    assert "every 120 steps (save 2 s, MTBF 3600 s assumed, step 1 s" in status.checkpoint_cadence
+
+
+@pytest.mark.parametrize(("stall", "interval"), [(0.0, 4), (1000.0, 7)])
+def test_every_steps_auto_keeps_within_its_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stall: float, interval: int
+) -> None:
+    """A free save would checkpoint every step and a costly one never: autoMinSteps and autoMaxSteps hold."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    saved: list[int] = []
+    original = CheckpointStore.save_async
+
+    def save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
+        saved.append(step)
+        clock[0] += stall
+        original(store, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save_async", save)
+    model = tiny_model()
+    config = settings(
+        checkpoint={
+            "everySteps": "auto",
+            "everySeconds": None,
+            "autoFirstSeconds": 3,
+            "autoMinSteps": 4,
+            "autoMaxSteps": 7,
+            "snapshotEverySteps": 1000,
+        }
+    )
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), checkpoint_dir=tmp_path, settings=config
+    )
+    for _ in range(20):
+        clock[0] += 1.0
+        guardian.step(loss_of(model))
+    guardian.checkpoints.wait()
+    assert saved == list(range(3, 21, interval))
+    assert guardian.status().checkpoint_every_steps == interval
+    assert f"held at the {'min' if interval == 4 else 'max'}imum" in guardian.status().checkpoint_cadence
+
+
+@pytest.mark.parametrize(
+    ("restarts", "saved_at", "mtbf"),
+    [(None, [5, 65, 125], "MTBF 3600 s assumed"), ("3", [5, 35, 65, 95, 125], "MTBF 900 s observed")],
+)
+def test_every_steps_auto_checkpoints_more_often_after_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restarts: str | None, saved_at: list[int], mtbf: str
+) -> None:
+    """The runner's failure history (3 restarts, no run time yet) quarters the assumed hour: the interval
+    halves, from sqrt(2 x 0.5 x 3600) = 60 steps of 1 s to sqrt(2 x 0.5 x 900) = 30."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    if restarts is not None:
+        monkeypatch.setenv("TRAINGUARD_RESTARTS", restarts)
+        monkeypatch.setenv("TRAINGUARD_RUN_SECONDS", "0")
+    saved: list[int] = []
+    original = CheckpointStore.save_async
+
+    def save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
+        saved.append(step)
+        clock[0] += 0.5
+        original(store, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save_async", save)
+    model = tiny_model()
+    config = settings(
+        checkpoint={
+            "everySteps": "auto",
+            "everySeconds": None,
+            "autoFirstSeconds": 5,
+            "assumedMtbfSeconds": 3600,
+            "snapshotEverySteps": 1000,
+        }
+    )
+    guardian = Guardian(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), checkpoint_dir=tmp_path, settings=config
+    )
+    for _ in range(125):
+        clock[0] += 1.0
+        guardian.step(loss_of(model))
+    guardian.checkpoints.wait()
+    assert saved == saved_at
+    assert mtbf in guardian.status().checkpoint_cadence

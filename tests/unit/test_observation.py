@@ -314,3 +314,17 @@ def test_the_declared_end_is_the_largest_any_rank_declared() -> None:
     assert observe_gang({0: status(5), 1: status(5)}, 2).max_steps is None
     view = observe_gang({0: status(5, max_steps=1000), 1: status(5)}, 2)
     assert view.max_steps == 1000
+
+
+def test_the_checkpoint_cadence_is_rank_zeros() -> None:
+    """Under everySteps auto rank 0 chooses the interval: the gang view shows its choice and reason."""
+    reason = "auto: every 120 steps (save 2 s, MTBF 3600 s assumed, step 1 s: ...)"
+    view = observe_gang(
+        {
+            1: status(checkpoint_every_steps=7),
+            0: status(checkpoint_every_steps=120, checkpoint_cadence=reason),
+        },
+        2,
+    )
+    assert (view.checkpoint_every_steps, view.checkpoint_cadence) == (120, reason)
+    assert observe_gang({1: status(checkpoint_every_steps=7)}, 2).checkpoint_every_steps is None

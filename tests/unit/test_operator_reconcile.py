@@ -38,7 +38,14 @@ from trainguard_operator.render import (
     pytorchjob_name,
 )
 from trainguard_operator.settings import OperatorSettings
-from trainguard_operator.status import FoldedHistory, JobStatus, StepRecord, iso_precise, merge_patch
+from trainguard_operator.status import (
+    FoldedHistory,
+    JobStatus,
+    StepRecord,
+    iso_precise,
+    merge_patch,
+    parse_time,
+)
 
 from tests.support.manifests import gtj_manifest, load, schema_errors
 from tests.support.paths import REPO_ROOT
@@ -291,6 +298,12 @@ def test_worker_killed_137_restarts_the_gang_after_the_first_backoff_without_rem
     assert env(plan.create)["TRAINGUARD_ATTEMPT"] == "2"
     assert "TRAINGUARD_REMEDIATION" not in env(plan.create)
     assert cluster.status.restarts == 1
+    # The failure history everySteps auto sizes its interval from: one restart, the job's run time so far.
+    started = parse_time(cluster.status.job_started_at)
+    assert started is not None
+    assert env(plan.create)["TRAINGUARD_RESTARTS"] == "1"
+    run = (failed_at + timedelta(seconds=10) - started).total_seconds()
+    assert env(plan.create)["TRAINGUARD_RUN_SECONDS"] == str(round(run))
 
 
 def test_diverged_exit_200_restarts_with_remediation_that_later_attempts_keep_once() -> None:
@@ -615,6 +628,15 @@ def test_a_checkpoint_reference_longer_than_the_crd_allows_is_clipped() -> None:
     assert stored.step == 100
     assert stored.path.startswith("/ckpt/xxx")
     assert len(stored.path) == 1024
+
+
+def test_the_job_status_shows_the_checkpoint_cadence_and_why() -> None:
+    cluster = started_cluster()
+    reason = "auto: every 120 steps (save 2 s, MTBF 3600 s assumed, step 1 s: sqrt(2 x save x MTBF) = 120 s)"
+    cadence = {"checkpoint_every_steps": 120, "checkpoint_cadence": reason}
+    cluster.step(T0 + timedelta(seconds=30), served(120, **cadence))  # write_status checks it against the CRD
+    status = cluster.status
+    assert (status.checkpoint_every_steps, status.checkpoint_cadence) == (120, reason)
 
 
 def test_a_checkpoint_time_beyond_the_calendar_is_no_crash() -> None:

@@ -21,6 +21,7 @@ from trainguard_operator.render import (
     SIDECAR_CONTAINER,
     STATUS_DIR,
     STATUS_FILE,
+    FailureHistory,
     Owner,
     RenderError,
     is_dns1035_label,
@@ -249,6 +250,7 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
     job = load(gtj_manifest(env=USER_ENV[:2]))  # no valueFrom: the local runner has no cluster
     runner = LocalRunner(job, checkpoint_root=tmp_path, run_dir=tmp_path)
     runner.attempt = 2
+    runner.restarts = 1
     runner.remediation = RemediationOrder.introduced_by(2, Remediation())
     local = {
         k: v
@@ -256,7 +258,9 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
         # The runner's own ways to find a gang's processes and a killed run's; a kubelet has cgroups.
         if k.startswith("TRAINGUARD_") and k not in (GANG_ENV, RUN_ENV)
     }
-    manifest = render_pytorchjob(job, OWNER, 2, RemediationOrder.introduced_by(2, Remediation()), SETTINGS)
+    history = FailureHistory(restarts=1, run_seconds=float(local["TRAINGUARD_RUN_SECONDS"]))
+    order = RemediationOrder.introduced_by(2, Remediation())
+    manifest = render_pytorchjob(job, OWNER, 2, order, SETTINGS, history=history)
     worker = named(
         manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"], "pytorch"
     )
@@ -268,6 +272,8 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
         "TRAINGUARD_NAMESPACE",
         "TRAINGUARD_ATTEMPT",
         "TRAINGUARD_FAULTS",
+        "TRAINGUARD_RESTARTS",
+        "TRAINGUARD_RUN_SECONDS",
     ):
         assert rendered[key] == local[key], key
     assert json.loads(rendered["TRAINGUARD_REMEDIATION"]) == json.loads(local["TRAINGUARD_REMEDIATION"])

@@ -47,6 +47,23 @@ def test_checkpoints_more_often_than_the_default_snapshots_are_accepted() -> Non
     assert spec.parse_job(document, "job.yaml").spec.checkpoint.every_steps == 10
 
 
+def test_every_steps_auto_reaches_the_guardian_with_its_bounds() -> None:
+    document = with_change(
+        "spec.checkpoint", {"claimName": "c", "everySteps": "auto", "assumedMtbfSeconds": 3600}
+    )
+    policy = spec.parse_job(document, "job.yaml").spec.guardian_settings().checkpoint
+    assert policy.auto
+    assert policy.every_steps == "auto"
+    assert (policy.assumed_mtbf_seconds, policy.auto_min_steps, policy.auto_max_steps) == (3600, 10, 100_000)
+
+
+def test_a_bad_every_steps_says_what_is_allowed() -> None:
+    with pytest.raises(spec.SpecError) as caught:
+        spec.parse_job(with_change("spec.checkpoint", {"claimName": "c", "everySteps": "often"}), "job.yaml")
+    expected = 'spec.checkpoint.everySteps: Value error, must be a positive integer (at most 10^9) or "auto"'
+    assert expected in str(caught.value)
+
+
 def test_defaults_are_the_documented_ones() -> None:
     job = spec.parse_job(VALID, "job.yaml")
     s = job.spec
@@ -121,6 +138,13 @@ def test_defaults_are_the_documented_ones() -> None:
         ("spec.guard", {"rollbackWindowSteps": 10**9 + 1}, "spec.guard.rollbackWindowSteps"),
         ("spec.checkpoint", {"claimName": "c", "everySteps": 10**18}, "spec.checkpoint.everySteps"),
         ("spec.checkpoint", {"claimName": "c", "keepClean": 1001}, "spec.checkpoint.keepClean"),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": "often"}, "spec.checkpoint.everySteps"),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": 0}, "spec.checkpoint.everySteps"),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": "100"}, "spec.checkpoint.everySteps"),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": True}, "spec.checkpoint.everySteps"),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": 10.0}, "spec.checkpoint.everySteps"),
+        ("spec.checkpoint", {"claimName": "c", "autoMinSteps": 5, "autoMaxSteps": 4}, "spec.checkpoint"),
+        ("spec.checkpoint", {"claimName": "c", "assumedMtbfSeconds": 59}, "checkpoint.assumedMtbfSeconds"),
         ("spec.replicas", 4097, "spec.replicas"),
         # Names are Kubernetes names: nothing a path could be built from to leave its folder.
         ("spec.checkpoint", {"claimName": "../../../../tmp/x"}, "spec.checkpoint.claimName"),
@@ -150,6 +174,8 @@ def test_invalid_specs_are_refused_naming_the_field(path: str, value: Any, named
     ("path", "value"),
     [
         ("spec.checkpoint", {"claimName": "team-a.ckpt-1"}),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": "auto"}),
+        ("spec.checkpoint", {"claimName": "c", "everySteps": 10**9, "autoMinSteps": 7, "autoMaxSteps": 7}),
         ("metadata.namespace", "ml-team-1"),
         ("spec.guard", {"maxGradNorm": 2}),  # an int where a float is expected
         ("spec.health", {"hangTimeoutSeconds": 604_800, "startupGraceSeconds": 604_800}),
@@ -254,7 +280,8 @@ def test_crd_schema_is_structural() -> None:
     for path, node in _walk(schema):
         for forbidden in ("$ref", "anyOf", "oneOf", "allOf", "title", "$defs"):
             assert forbidden not in node, f"{path} has {forbidden}"
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
+        untyped = node.get("x-kubernetes-preserve-unknown-fields") or node.get("x-kubernetes-int-or-string")
+        assert "type" in node or untyped, f"{path} has no type"
         if "properties" in node:
             assert node["type"] == "object", path
         if node.get("type") == "array":
@@ -277,6 +304,8 @@ def test_every_cross_field_rule_has_a_cel_twin() -> None:
         ".spec.health": ["self.hangTimeoutSeconds > self.probePeriodSeconds"],
         ".spec.recovery.backoffSeconds": ["self.isSorted()"],
         ".spec.recovery.deterministicFailureLimit": ["self == 0 || self >= 2"],
+        ".spec.checkpoint": ["self.autoMinSteps <= self.autoMaxSteps"],
+        ".spec.checkpoint.everySteps": [EVERY_STEPS_RULE],
     }
 
 
@@ -308,6 +337,7 @@ def test_crd_check_mode_reports_a_stale_copy(tmp_path: Path) -> None:
 # "$" matches only at the end, as in Go), unknown fields refused (kubectl's strict
 # field validation), then each CEL rule through a Python twin. A rule without a twin fails the test.
 
+EVERY_STEPS_RULE = "type(self) == string ? self == 'auto' : (self >= 1 && self <= 1000000000)"
 CEL_TWINS: dict[str, Callable[[Any], bool]] = {
     "self.containers.exists(c, c.name == 'pytorch')": lambda n: any(
         c.get("name") == "pytorch" for c in n["containers"]
@@ -320,6 +350,12 @@ CEL_TWINS: dict[str, Callable[[Any], bool]] = {
     ),
     "self.isSorted()": lambda n: list(n) == sorted(n),
     "self == 0 || self >= 2": lambda n: bool(n == 0 or n >= 2),
+    "self.autoMinSteps <= self.autoMaxSteps": lambda n: bool(n["autoMinSteps"] <= n["autoMaxSteps"]),
+    EVERY_STEPS_RULE: lambda n: (
+        n == "auto"
+        if isinstance(n, str)
+        else isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 10**9  # an int-or-string's int
+    ),
 }
 
 
@@ -404,6 +440,8 @@ def pydantic_accepts(job_spec: dict[str, Any]) -> bool:
 def _candidates(node: dict[str, Any]) -> list[Any]:
     """Values on and around a leaf's bounds, and values of the wrong type."""
     wrong = [True, "7", None, [1]]
+    if node.get("x-kubernetes-int-or-string"):
+        return [0, 1, 10**9, 10**9 + 1, "auto", "Auto", "", 2.5, *wrong]
     if node.get("type") == "integer":
         low, high = node.get("minimum", 0), node.get("maximum", 10**6)
         return [low - 1, low, low + 1, high - 1, high, high + 1, 10**30, 2.5, *wrong]

@@ -32,6 +32,10 @@ NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
 ATTEMPT_ENV = "TRAINGUARD_ATTEMPT"
 REMEDIATION_ENV = "TRAINGUARD_REMEDIATION"
 FAULTS_ENV = "TRAINGUARD_FAULTS"
+#: The job's failure history before this attempt, for ``everySteps: auto``: its gang restarts so far and
+#: the seconds since it first started (set from the first restart on).
+RESTARTS_ENV = "TRAINGUARD_RESTARTS"
+RUN_SECONDS_ENV = "TRAINGUARD_RUN_SECONDS"
 
 # Read by the sidecar (besides STATUS_FILE_ENV, JOB_NAME_ENV and NAMESPACE_ENV).
 SIDECAR_HOST_ENV = "TRAINGUARD_SIDECAR_HOST"
@@ -56,7 +60,9 @@ __all__ = [
     "NAMESPACE_ENV",
     "PREFIX",
     "REMEDIATION_ENV",
+    "RESTARTS_ENV",
     "RUN_ENV",
+    "RUN_SECONDS_ENV",
     "SETTINGS_ENV",
     "SIDECAR_HOST_ENV",
     "SIDECAR_PORT_ENV",
@@ -84,9 +90,13 @@ class WorkerEnvironment:
     namespace: str
     attempt: int
     remediation: RemediationOrder | None = None
+    #: The job's gang restarts before this attempt and its run time until this attempt (seconds).
+    restarts: int = 0
+    run_seconds: float = 0.0
 
     def variables(self) -> dict[str, str]:
-        """The worker's ``TRAINGUARD_*`` variables, ``TRAINGUARD_REMEDIATION`` only when there is one."""
+        """The worker's ``TRAINGUARD_*`` variables, ``TRAINGUARD_REMEDIATION`` only when there is one, the
+        failure history (``TRAINGUARD_RESTARTS``, ``TRAINGUARD_RUN_SECONDS``) only after a restart."""
         variables = {
             SETTINGS_ENV: self.settings.model_dump_json(by_alias=True),
             CHECKPOINT_DIR_ENV: self.checkpoint_dir,
@@ -100,6 +110,9 @@ class WorkerEnvironment:
         }
         if self.remediation is not None:
             variables[REMEDIATION_ENV] = self.remediation.to_json()
+        if self.restarts > 0:
+            variables[RESTARTS_ENV] = str(self.restarts)
+            variables[RUN_SECONDS_ENV] = str(max(0, round(self.run_seconds)))
         return variables
 
 

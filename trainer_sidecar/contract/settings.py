@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 SETTINGS_ENV = "TRAINGUARD_SETTINGS"
@@ -25,6 +26,10 @@ MAX_FACTOR = 1e6
 MAX_WINDOW = 10_000
 #: Durations: at most a week.
 MAX_SECONDS = 7 * 24 * 3600
+#: A mean time between failures: at most ten years (a small job on reliable hardware).
+MAX_MTBF_SECONDS = 10 * 365 * 24 * 3600
+#: ``checkpoint.everySteps: auto``: the interval follows the failure rate (``contract.cadence``).
+AUTO = "auto"
 
 
 class _Section(BaseModel):
@@ -104,8 +109,44 @@ class CheckpointPolicy(_Section):
         description="Clean disk checkpoints kept; the newest is never deleted (at most 1000: each is "
         "listed and verified on every start).",
     )
-    every_steps: int = Field(
-        2000, ge=1, le=MAX_STEPS, description="A disk checkpoint every this many steps (at most 10^9)."
+    every_steps: int | Literal["auto"] = Field(
+        2000,
+        description='A disk checkpoint every this many steps (1 to 10^9), or "auto": the interval that '
+        "loses the least time to saves and failures, sqrt(2 x save stall x MTBF) in measured step times "
+        "(Young-Daly), within autoMinSteps and autoMaxSteps, the first after autoFirstSeconds.",
+        json_schema_extra={
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self) == string ? self == 'auto' : (self >= 1 && self <= 1000000000)",
+                    "message": 'everySteps must be a positive integer (at most 10^9) or "auto"',
+                }
+            ],
+        },
+    )
+    assumed_mtbf_seconds: int = Field(
+        86_400,
+        ge=60,
+        le=MAX_MTBF_SECONDS,
+        description="everySteps auto: the mean time between failures assumed for this job (seconds, 60 to "
+        "ten years); it counts as one failure in that time, and the job's own restarts over its run time "
+        "take over as they add up.",
+    )
+    auto_min_steps: int = Field(
+        10, ge=1, le=MAX_STEPS, description="everySteps auto: at least this many steps between checkpoints."
+    )
+    auto_max_steps: int = Field(
+        100_000,
+        ge=1,
+        le=MAX_STEPS,
+        description="everySteps auto: at most this many steps between checkpoints (not below autoMinSteps).",
+    )
+    auto_first_seconds: int = Field(
+        60,
+        ge=1,
+        le=MAX_SECONDS,
+        description="everySteps auto: the first checkpoint of an attempt comes after this many seconds of "
+        "steps (it measures the save's stall), so a job that dies in its first minutes loses little.",
     )
     snapshot_every_steps: int = Field(
         100,
@@ -121,6 +162,25 @@ class CheckpointPolicy(_Section):
         description="Also a disk checkpoint when this many seconds passed since the last one, whatever the "
         "steps (null: by steps only; at most a week), so a short or slow run loses minutes, not hours.",
     )
+
+    @field_validator("every_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: object) -> object:
+        valid_int = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_STEPS
+        if value != AUTO and not valid_int:
+            raise ValueError(f'must be a positive integer (at most 10^9) or "auto", not {value!r}')
+        return value
+
+    @model_validator(mode="after")
+    def _auto_bounds_ordered(self) -> CheckpointPolicy:
+        if self.auto_min_steps > self.auto_max_steps:
+            raise ValueError("autoMinSteps must not exceed autoMaxSteps")
+        return self
+
+    @property
+    def auto(self) -> bool:
+        """Whether the interval follows the failure rate (``everySteps: auto``)."""
+        return self.every_steps == AUTO
 
 
 class Remediation(_Section):

@@ -68,6 +68,8 @@ MAX_BUSY_SECONDS = 7 * 24 * 3600.0
 MAX_BUSY_REASON_CHARS = 200
 #: Open busy sections a status carries at most (the guardian refuses to open more, nested or not).
 MAX_BUSY_SECTIONS = 32
+#: The checkpoint cadence's reason: one line.
+MAX_CADENCE_CHARS = 300
 BusySeconds = Annotated[float, Strict(), Field(gt=0.0, le=MAX_BUSY_SECONDS)]
 FiniteFloat = Annotated[float, Strict()]
 NonNegativeFloat = Annotated[float, Strict(), Field(ge=0.0)]
@@ -188,6 +190,20 @@ class WorkerStatus(BaseModel):
         None,
         description="The step the loop declared it ends at (Guardian(max_steps=...), steps(max_steps) or "
         "run(loader, max_steps)); None: not declared. The ETA is reckoned to it.",
+    )
+    checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1)] | None = Field(
+        None,
+        description="The checkpoint interval in steps now in force (None: everySteps auto has not chosen one "
+        "yet, the first checkpoint comes by time).",
+    )
+    checkpoint_cadence: str = Field(
+        "",
+        max_length=MAX_CADENCE_CHARS,
+        description="Why that interval: for everySteps auto the save stall, MTBF (and its source) and step "
+        "time it came from.",
+    )
+    checkpoint_stall_seconds: NonNegativeFloat | None = Field(
+        None, description="How long the last checkpoint stalled the training thread (seconds)."
     )
     exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
         None,

@@ -2,10 +2,12 @@
 
 ``CheckpointManager`` owns this rank's view of the clean-checkpoint ring (``trainer_sidecar.checkpoint``):
 the epoch the gang claimed, when a checkpoint is due (every ``every_steps`` steps, or ``every_seconds`` as
-the gang agreed), what a checkpoint holds (the training objects, the data position, the counters and the
-random generators as of the last forward pass), writing it in the background, and on start restoring the
-newest checkpoint every rank can load. Whether a state is clean enough to save is the guardian's call
-(the step judge); the manager is told only to save.
+the gang agreed; with ``every_steps: auto`` the interval rank 0 chose from the measured save stall and step
+time by the Young-Daly rule, ``contract.cadence``, as the gang agreed), what a checkpoint holds (the
+training objects, the data position, the counters and the random generators as of the last forward
+pass), writing it in the background, and on start restoring the newest checkpoint every rank can load.
+Whether a state is clean enough to save is the guardian's call (the step judge); the manager is told only
+to save.
 
 Without a checkpoint directory the manager is inert: nothing is due, nothing is saved, nothing resumes.
 """
@@ -27,6 +29,7 @@ from trainer_sidecar.checkpoint import (
     EpochOwner,
     FencedError,
 )
+from trainer_sidecar.contract.cadence import CadenceChoice, choose_interval
 from trainer_sidecar.contract.env import CHECKPOINT_DIR_ENV
 from trainer_sidecar.contract.settings import CheckpointPolicy
 from trainer_sidecar.contract.status import CheckpointRef
@@ -81,6 +84,20 @@ class CheckpointManager:
         self._rng_always = False
         self._boundary_at: float | None = None  # monotonic time of the last step boundary
         self._step_seconds = 0.0  # the last interval between step boundaries
+        # everySteps auto. The interval every rank uses (None: not chosen yet in this attempt, the first
+        # checkpoint comes after auto_first_seconds); rank 0's choice, which travels in the step's
+        # collective (``proposal``, ``adopt``), so every rank changes it at the same boundary.
+        self.interval: int | None = None if policy.every_steps == "auto" else int(policy.every_steps)
+        self.choice: CadenceChoice | None = None
+        self._proposal = 0
+        self._reason = ""  # why the interval in force (rank 0's choice; other ranks only adopt it)
+        self._step_mean = 0.0  # a moving mean of the step time (rank 0's numbers decide)
+        self._stall_pending: float | None = None  # a save's synchronous part, until its copy is waited for
+        self._stall = 0.0
+        self._stalled = 0.0  # stall seconds since the last boundary
+        #: This job's restarts and run time before this attempt (from the runner), for the failure rate.
+        self.failures = 0
+        self.run_seconds = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -130,36 +147,110 @@ class CheckpointManager:
 
     def may_save_after(self, step: int) -> bool:
         """Whether the step-count cadence writes a checkpoint at the boundary that follows ``step``."""
-        return self.store is not None and (step + 1) % self.policy.every_steps == 0
+        return self.store is not None and self._steps_due(step + 1)
+
+    def _steps_due(self, step: int) -> bool:
+        """Whether the step cadence checkpoints ``step``: a multiple of a fixed interval, or (auto) the
+        agreed interval since the last checkpoint."""
+        if self.interval is None:
+            return False
+        if not self.policy.auto:
+            return step % self.interval == 0
+        return step - (self.checkpointed_step or 0) >= self.interval
+
+    @property
+    def _every_seconds(self) -> int | None:
+        """The time cadence: ``every_seconds``, and before auto has chosen an interval at most
+        ``auto_first_seconds`` (the first checkpoint measures what a save costs)."""
+        every = self.policy.every_seconds
+        if self.policy.auto and self.interval is None:
+            first = self.policy.auto_first_seconds
+            return first if every is None else min(every, first)
+        return every
 
     def _time_near_due(self) -> bool:
         """Whether ``every_seconds`` may make the coming boundary checkpoint: within two step intervals (at
         least 10% of the period, and a second) of being due on this rank's clock, which every rank reset at
         the same boundary."""
-        every = self.policy.every_seconds
+        every = self._every_seconds
         if self.store is None or every is None:
             return False
         margin = max(1.0, 0.1 * every, 2 * self._step_seconds)
         return time.monotonic() - self._clock >= every - margin
 
     def boundary(self) -> None:
-        """Note a step boundary (for the time cadence's margin)."""
+        """Note a step boundary (for the time cadence's margin, and auto's step time)."""
         now = time.monotonic()
         if self._boundary_at is not None:
-            self._step_seconds = now - self._boundary_at
+            # A save's stall is not a step's work: the interval is counted in steps of work.
+            self._step_seconds = max(0.0, now - self._boundary_at - self._stalled)
+            mean = self._step_mean
+            self._step_mean = self._step_seconds if mean == 0.0 else 0.8 * mean + 0.2 * self._step_seconds
         self._boundary_at = now
+        self._stalled = 0.0
+
+    # ------------------------------------------------------------------------------ auto cadence ---
+    def proposal(self) -> int:
+        """What this rank adds to the step's collective (a sum) for the auto interval: rank 0 its choice,
+        every other rank 0, so the sum is rank 0's choice on every rank (0: none yet)."""
+        return self._proposal if self.gang.rank == 0 else 0
+
+    def adopt(self, agreed: int) -> None:
+        """After a step boundary's checkpoint decision: take the interval the gang agreed on (the sum of
+        the proposals, ``proposal``) for the boundaries that follow. Every rank calls it at the same
+        boundary with the same number, so every rank checkpoints at the same steps."""
+        if not self.policy.auto or agreed <= 0:
+            return
+        changed, self.interval = agreed != self.interval, agreed
+        choice = self.choice
+        if choice is not None and choice.steps == agreed:  # rank 0: the reason of the interval in force
+            self._reason = choice.reason()
+            if changed:
+                log.info("checkpoint cadence %s", self._reason)
+
+    def _measured_stall(self, seconds: float) -> None:
+        """A save's stall of the training thread is known: rank 0 chooses the next interval from it."""
+        self._stall = seconds
+        if not self.policy.auto or self.gang.rank != 0:
+            return
+        policy = self.policy
+        self.choice = choose_interval(
+            seconds,
+            self._step_mean,
+            policy.auto_min_steps,
+            policy.auto_max_steps,
+            policy.assumed_mtbf_seconds,
+            self.failures,
+            self.run_seconds,
+        )
+        self._proposal = self.choice.steps
+
+    @property
+    def stall_seconds(self) -> float:
+        """The last checkpoint's stall of the training thread (seconds): the synchronous part of the save
+        and the wait for its background copy before the next optimizer step; 0 before the first."""
+        return self._stall
+
+    @property
+    def cadence(self) -> str:
+        """The checkpoint cadence and why, for the status."""
+        if not self.policy.auto:
+            return f"every {self.policy.every_steps} steps"
+        if self.interval is None:
+            return f"auto: first checkpoint after {self._every_seconds} s (measures the save's stall)"
+        return self._reason or f"auto: every {self.interval} steps (chosen by rank 0)"
 
     # ---------------------------------------------------------------------------------- cadence ---
     def time_due(self) -> bool:
         """Whether ``every_seconds`` passed since this rank's last checkpoint (or start); any rank's clock
         makes the whole gang checkpoint at the same boundary (the guardian agrees it in the step's
         collective)."""
-        every = self.policy.every_seconds
+        every = self._every_seconds
         return self.store is not None and every is not None and time.monotonic() - self._clock >= every
 
     def due(self, step: int, time_due: bool) -> bool:
         """Whether a checkpoint is due after ``step`` (by steps, or by time as the gang agreed)."""
-        return self.store is not None and (step % self.policy.every_steps == 0 or time_due)
+        return self.store is not None and (self._steps_due(step) or time_due)
 
     def saved(self, step: int) -> bool:
         """Whether the checkpoint of ``step`` was started (or resumed from) already."""
@@ -172,10 +263,15 @@ class CheckpointManager:
         ``stable`` is the training objects' storage the copy may read while the loop goes on (None: copy
         synchronously). Raises FencedError when a newer writer claimed the directory."""
         assert self.store is not None, "save() without a checkpoint directory"
+        started = time.monotonic()
         meta = {"loss": counters.last_loss, "state_finite": True, "clean": True}
         self.store.save_async(counters.step, self._state(counters, rank), meta, stable=stable)
         self.checkpointed_step = counters.step
         self._clock = time.monotonic()
+        # The stall: this, and the next settle's wait for the background copy of what the step changes
+        # (the forward and backward passes between them overlap the copy and are not counted).
+        self._stall_pending = self._clock - started
+        self._stalled += self._stall_pending
 
     def _state(self, counters: GuardCounters, rank: int) -> dict[str, Any]:
         rng = self._rng_after_forward
@@ -202,7 +298,16 @@ class CheckpointManager:
 
     def settle(self) -> bool:
         """Wait until a background copy has read the state; True if the state changed under it."""
-        return self.store is not None and self.store.settle()
+        if self.store is None:
+            return False
+        started = time.monotonic()
+        changed = self.store.settle()
+        if self._stall_pending is not None:
+            waited = time.monotonic() - started
+            self._stalled += waited
+            self._measured_stall(self._stall_pending + waited)
+            self._stall_pending = None
+        return changed
 
     def wait(self) -> None:
         """Wait until every checkpoint started is durable (or failed). Raises FencedError."""

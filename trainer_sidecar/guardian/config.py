@@ -28,6 +28,8 @@ from trainer_sidecar.contract.env import (
     JOB_NAME_ENV,
     NAMESPACE_ENV,
     REMEDIATION_ENV,
+    RESTARTS_ENV,
+    RUN_SECONDS_ENV,
     STATUS_FILE_ENV,
     TERMINATION_MESSAGE_ENV,
 )
@@ -94,6 +96,9 @@ class GuardianConfig(BaseModel):
     job: str = ""
     namespace: str = ""
     attempt: int = 0
+    #: The job's gang restarts before this attempt and its run time until then (``everySteps: auto``).
+    restarts: int = 0
+    run_seconds: float = 0.0
 
     @classmethod
     def from_env(
@@ -124,6 +129,8 @@ class GuardianConfig(BaseModel):
             job=env.get(JOB_NAME_ENV, ""),
             namespace=env.get(NAMESPACE_ENV, ""),
             attempt=_attempt(env),
+            restarts=_count(env, RESTARTS_ENV),
+            run_seconds=float(_count(env, RUN_SECONDS_ENV)),
         )
 
 
@@ -207,15 +214,20 @@ def _remediation(env: Mapping[str, str]) -> RemediationOrder | None:
 
 
 def _attempt(env: Mapping[str, str]) -> int:
-    text = env.get(ATTEMPT_ENV, "").strip()
+    return _count(env, ATTEMPT_ENV)
+
+
+def _count(env: Mapping[str, str], name: str) -> int:
+    """A non-negative integer variable (0 when unset); ConfigError naming it otherwise."""
+    text = env.get(name, "").strip()
     if not text:
         return 0
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"{ATTEMPT_ENV}: {text!r} is not an integer") from None
+        raise ConfigError(f"{name}: {text!r} is not an integer") from None
     if not 0 <= value < 1 << 62:
-        raise ConfigError(f"{ATTEMPT_ENV}: {value} is out of range")
+        raise ConfigError(f"{name}: {value} is out of range")
     return value
 
 

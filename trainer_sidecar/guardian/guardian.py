@@ -114,6 +114,8 @@ class _Agreed:
     current_norm: float
     #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
     rng_missing: bool = False
+    #: The checkpoint interval rank 0 chose (``everySteps: auto``; 0: none), the same on every rank.
+    interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,7 @@ class Guardian:
             config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
         )
         self.checkpoints.rng_wanted = self._rng_may_be_saved
+        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
         self._stop_deferred = False  # see ``step``
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
@@ -597,6 +600,8 @@ class Guardian:
             outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
         self.checkpoints.boundary()
+        # After this boundary's checkpoint decision, so that the next forward pass foresees the new cadence.
+        self.checkpoints.adopt(agreed.interval)
         if agreed.stop:
             if agreed.rng_missing and self.checkpoints.enabled and not self._stop_deferred:
                 # Some rank's last forward pass did not keep the random generators (the signal came after
@@ -701,6 +706,7 @@ class Guardian:
                 float(self._stop.requested or self._stop_deferred),
                 float(self.checkpoints.time_due()),
                 float(not self.checkpoints.rng_captured),
+                float(self.checkpoints.proposal()),  # exact: a sum of one integer and zeros
             ],
             dtype=torch.float64,
         ).to(device)
@@ -715,19 +721,19 @@ class Guardian:
             reduced = self.gang.all_reduce(local)
             self._norm = reduced[2].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, local_bad = torch.cat(
+            loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, interval, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
             loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
             norm_v = math.sqrt(squares) if not squares < 0 else math.nan
             pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
         else:
-            loss_v, bad_ranks, norm_v, pre_v, stops, due, missing = local.tolist()  # the one host sync
+            loss_v, bad_ranks, norm_v, pre_v, stops, due, missing, interval = local.tolist()  # one host sync
             locally_nonfinite = bad_ranks > 0
         # The larger of the norm the backward produced and the one about to be applied (NaN if either is).
         judged = math.nan if math.isnan(pre_v) or math.isnan(norm_v) else max(pre_v, norm_v)
         reading = StepReading(loss_v, judged, bad_ranks > 0, self._benign_overflow(judged))
-        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, norm_v, missing > 0)
+        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, norm_v, missing > 0, round(interval))
 
     def _norm_part(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's part of the total norm of ``grads`` (this rank's local gradients): the norm alone,
@@ -1247,6 +1253,9 @@ class Guardian:
             exit_code=self.exit_code,
             checkpoint_seconds=self.checkpoints.last_write_seconds,
             max_steps=self.max_steps,
+            checkpoint_every_steps=self.checkpoints.interval,
+            checkpoint_cadence=self.checkpoints.cadence,
+            checkpoint_stall_seconds=self.checkpoints.stall_seconds or None,
         )
 
     def _publish(self, force: bool = False) -> None:

@@ -74,6 +74,12 @@ def structural(node: Any) -> Any:
         return node
     node = dict(node)
     node.pop("title", None)
+    if node.get("x-kubernetes-int-or-string"):
+        # An int or a string: the API server knows no anyOf of types, only this marker; the values
+        # themselves are checked by the node's CEL rule.
+        node.pop("anyOf", None)
+        node.pop("type", None)
+        return node
     any_of = node.pop("anyOf", None)
     if any_of is not None:
         non_null = [s for s in any_of if s.get("type") != "null"]

@@ -20,8 +20,11 @@ def worker_environment(
     checkpoint_dir: str,
     status_file: str,
     termination_message_path: str,
+    restarts: int = 0,
+    run_seconds: float = 0.0,
 ) -> WorkerEnvironment:
-    """What attempt ``attempt`` of ``job`` tells each worker's guardian, with the runner's paths."""
+    """What attempt ``attempt`` of ``job`` tells each worker's guardian, with the runner's paths and the
+    job's failure history (``restarts`` gang restarts in ``run_seconds`` since it first started)."""
     return WorkerEnvironment(
         settings=job.spec.guardian_settings(),
         checkpoint_dir=checkpoint_dir,
@@ -31,6 +34,8 @@ def worker_environment(
         namespace=job.metadata.namespace,
         attempt=attempt,
         remediation=remediation,
+        restarts=restarts,
+        run_seconds=run_seconds,
     )
 
 

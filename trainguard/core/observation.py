@@ -156,6 +156,9 @@ class GangView:
     checkpoint_seconds: float | None = None
     #: The step the loop declared it ends at: the largest any rank declared (None: none did).
     max_steps: int | None = None
+    #: The checkpoint interval in force and why, as rank 0 (which chooses it under auto) reported it.
+    checkpoint_every_steps: int | None = None
+    checkpoint_cadence: str = ""
 
     @property
     def last_step(self) -> int | None:
@@ -278,6 +281,7 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
     }
     ranks = tuple(RankState.of(rank, status) for rank, status in reported.items())
     values = list(reported.values())
+    lead = reported.get(0)
     # A rank that completed steps without a sample seen did not count them: 0 would read as measured.
     counted = bool(values) and all(s.samples_seen > 0 or s.step == 0 for s in values)
     return GangView(
@@ -295,4 +299,6 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
         # The slowest rank's write is what a stop must wait for.
         checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
         max_steps=_collective(s.max_steps for s in values if s.max_steps is not None),
+        checkpoint_every_steps=lead.checkpoint_every_steps if lead is not None else None,
+        checkpoint_cadence=lead.checkpoint_cadence if lead is not None else "",
     )

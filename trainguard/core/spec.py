@@ -75,7 +75,18 @@ class _Model(BaseModel):
 class CheckpointSpec(GuardianCheckpointPolicy):
     """Where checkpoints live (a ReadWriteMany claim shared by all workers) and how often they are written."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(
+        strict=True,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.autoMinSteps <= self.autoMaxSteps",
+                    "autoMinSteps must not exceed autoMaxSteps",
+                    ".autoMinSteps",
+                )
+            ]
+        },
+    )
 
     claim_name: str = Field(
         min_length=1,
@@ -93,12 +104,7 @@ class CheckpointSpec(GuardianCheckpointPolicy):
 
     def policy(self) -> GuardianCheckpointPolicy:
         """The part the in-process guardian needs."""
-        return GuardianCheckpointPolicy(
-            keep_clean=self.keep_clean,
-            every_steps=self.every_steps,
-            snapshot_every_steps=self.snapshot_every_steps,
-            every_seconds=self.every_seconds,
-        )
+        return GuardianCheckpointPolicy.model_validate(self.model_dump(exclude={"claim_name", "mount_path"}))
 
 
 class HealthSpec(_Model):
@@ -494,4 +500,13 @@ class GuardedTrainingJobStatus(BaseModel):
         None,
         description="Wall time not spent on steps the final model kept: recoveries (detection, backoff, "
         "restart, redone steps), rollbacks and the start (seconds; the complement of goodput).",
+    )
+    checkpoint_every_steps: int | None = Field(
+        None, description="The checkpoint interval in steps now in force (everySteps, or what auto chose)."
+    )
+    checkpoint_cadence: str | None = Field(
+        None,
+        max_length=300,
+        description="Why that interval: for everySteps auto the save stall, MTBF (and its source) and step "
+        "time it came from.",
     )

@@ -205,6 +205,8 @@ class LocalRunner(GangSupervisor):
                 checkpoint_dir=str(self.worker_checkpoint_dir),
                 status_file=str(status_file),
                 termination_message_path=str(status_file.with_name(TERMINATION_MESSAGE_FILE)),
+                restarts=self.restarts,
+                run_seconds=time.time() - self.started,
             ).variables()
         )
         env[GANG_ENV] = self.gang_id

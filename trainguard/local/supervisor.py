@@ -162,6 +162,7 @@ class GangSupervisor(ABC):
         self.final_decision: Decision | None = None
         #: The last failure acted on, as the policy signed it: the next observation's previous failure.
         self.last_failure: FailureSignature | None = None
+        self._cadence = ""  # the checkpoint cadence last shown (a change is a timeline event)
 
     # ------------------------------------------------------------------------ what a subclass does ---
     @abstractmethod
@@ -212,6 +213,11 @@ class GangSupervisor(ABC):
         now = time.time() if now is None else now
         for note in self.record.see(self.attempt, self.attempt_started, view, now):
             self.event(note.kind, note.message, note.step)
+        chosen = self.spec.checkpoint.auto and view.checkpoint_every_steps is not None
+        if chosen and view.checkpoint_cadence != self._cadence:
+            # everySteps auto chose (or changed) its interval: say which and why.
+            self._cadence = view.checkpoint_cadence
+            self.event("checkpoint", f"checkpoint cadence {view.checkpoint_cadence}", view.last_step)
 
     def start_attempt(self) -> None:
         """Count a new attempt and start its gang."""

@@ -40,6 +40,7 @@ _COLUMNS = (
     "rollbacks",
     "restarts",
     "drop rate",
+    "ckpt every",
 )
 
 
@@ -142,7 +143,10 @@ class LiveView(PlainView):
             str(view.rollbacks or 0),
             str(runner.restarts),
             f"{rate:.4%}" if rate is not None and view.samples_seen else "-",
+            str(view.checkpoint_every_steps or "-"),
         )
+        # Why the checkpoint interval is what it is (everySteps auto: the numbers it came from).
+        table.caption = view.checkpoint_cadence or None
         self.live.update(table)
 
     def close(self) -> None:
