@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
@@ -205,6 +205,14 @@ def pod_process(pod: Mapping[str, Any], report: SidecarReport | None) -> Process
     return ProcessState(alive=report.alive, health_reason=report.reason)
 
 
+def pod_place(pod: Mapping[str, Any]) -> str:
+    """Where a rank runs, as a reason names it: "pod p on node n" (the node once it is scheduled)."""
+    spec = pod.get("spec")
+    node = spec.get("nodeName") if isinstance(spec, Mapping) else None
+    place = f"pod {meta(pod).get('name', '?')}"
+    return f"{place} on node {node}" if isinstance(node, str) and node else place
+
+
 def _reported(pod: Mapping[str, Any], report: SidecarReport | None) -> WorkerStatus | None:
     """What the rank of ``pod`` last reported: its final status once the worker ended, else its
     sidecar's."""
@@ -263,7 +271,8 @@ def read_gang(
         report = sidecars.get(str(meta(pod).get("name")))
         status = _reported(pod, report)
         state = RankState.of(rank, status) if status is not None else None
-        seen = rank_observation(rank, state, pod_process(pod, report))
+        process = replace(pod_process(pod, report), place=pod_place(pod))
+        seen = rank_observation(rank, state, process)
         if rank not in chosen or classify(seen) is not None:
             chosen[rank] = (status, seen)
     view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas)

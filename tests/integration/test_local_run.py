@@ -131,7 +131,7 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     last, resumed = restart["last_step"], restart["resumed_step"]
     assert last is not None, restart
     assert 0 < last <= 15, restart
-    assert f"hung at step {last}: " in restart["reason"], restart
+    assert f"rank 1 hung at step {last} in its own work" in restart["reason"], restart
     assert f"last step {last}" in restart["reason"], restart
     assert resumed is not None
     assert restart["redone_steps"] == max(0, last - resumed)
@@ -139,6 +139,22 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     assert failure["step"] == last
     assert summary["final_step"] == 40
     assert summary["attempts"] == 2
+
+
+def test_a_hang_names_the_rank_stuck_in_its_own_work_not_the_rank_that_waited_for_it(tmp_path: Path) -> None:
+    """Rank 1 hangs before its backward pass (the fault stands for a hang in its forward pass); rank 0
+    goes on into its own backward (DDP's gradient all-reduce) and waits there. Both stop stepping and
+    both sidecars fail liveness; the failure names rank 1 as hung in its own work, rank 0 as waiting."""
+    code, summary, output = run(
+        tmp_path,
+        job(tmp_path, steps=30, faults="hang@12:1", recovery={"maxRestarts": 0, "backoffSeconds": [1]}),
+    )
+    assert code == 1, output
+    reason = summary["reason"]
+    assert re.search(r"rank 1 hung at step \d+ in its own work \(the loop", reason), reason
+    assert "rank 0 waited for it" in reason, reason
+    assert "rank 0 hung" not in reason, reason
+    assert "ranks 0, 1 hung" not in reason, reason
 
 
 def test_a_hung_gang_is_stopped_at_once_not_after_the_stop_grace(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,10 +19,12 @@ import torch
 from tests.support.copies import copies_held
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainer_sidecar.contract.status import read_status
+from trainer_sidecar.contract.status import Activity, WorkerStatus, read_status
 from trainer_sidecar.guardian.config import GuardianConfig
 from trainer_sidecar.guardian.data import GuardedLoader, sample_is_bad
+from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.guardian import Fenced, UncleanState
+from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.stopping import STOP, StopRequest
 from trainer_sidecar.guardian.training import fit_keys
 
@@ -1906,3 +1909,98 @@ def test_every_steps_auto_checkpoints_more_often_after_restarts(
     guardian.checkpoints.wait()
     assert saved == saved_at
     assert mtbf in guardian.status().checkpoint_cadence
+
+
+# ---------------------------------------------------------------- activity: waiting or own work ---
+def test_a_rank_blocked_in_the_steps_collective_has_published_that_it_waits(tmp_path: Path) -> None:
+    """The peer never enters the step's all-reduce: this rank blocks there. It marked the collective
+    before entering it, and its status file says so while it is blocked (so its sidecar's verdict, and
+    the policy, see a rank waiting for a peer, not one stuck in its own work)."""
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file)
+    guardian.step(loss_of(model))
+    entered, release = threading.Event(), threading.Event()
+    marked: list[Activity | None] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class PeerNeverComes(Gang):
+        def all_reduce(self, values: torch.Tensor, op: Any = None) -> torch.Tensor:
+            marked.append(guardian.status().activity)
+            entered.set()
+            assert release.wait(60)
+            return values.to(self.device, copy=True) * self.world_size
+
+    guardian.gang = PeerNeverComes(rank=0, world_size=2, tracker=guardian.gang.tracker)
+    loss = loss_of(model)
+    before = time.time()
+    stepping = threading.Thread(target=guardian.step, args=(loss,))
+    stepping.start()
+    try:
+        assert entered.wait(30)
+        deadline = time.monotonic() + 20
+        published = read_status(status_file).status
+        while (published is None or published.activity is not Activity.COLLECTIVE) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+            published = read_status(status_file).status
+    finally:
+        release.set()
+        stepping.join(60)
+    assert marked == [Activity.COLLECTIVE]
+    assert published is not None
+    assert published.activity is Activity.COLLECTIVE
+    assert published.activity_since is not None
+    assert before <= published.activity_since <= time.time()
+    assert guardian.status().activity is Activity.LOOP  # the step returned to the loop
+    guardian.close()
+
+
+def test_the_activity_is_republished_only_when_it_lasts_a_watch_period(tmp_path: Path) -> None:
+    """A stepping rank changes activity several times a step and writes no status for it; one that stays
+    in an activity the file does not say yet for a watch period is due a write."""
+    published: list[WorkerStatus] = []
+    reporter = StatusReporter(tmp_path / "status.json", 0.5, None, lambda: WorkerStatus(started_at=1.0))
+    original = reporter._publisher.publish
+
+    def counting(status: WorkerStatus, *, force: bool = False) -> bool:
+        published.append(status)
+        return original(status, force=force)
+
+    reporter._publisher.publish = counting  # type: ignore[method-assign]
+    reporter.publish(Phase.RUNNING, force=True)
+    _, since = reporter.tracker.current
+    assert not reporter.stale_activity(since + 10, 0.5)  # the file says this very activity
+    reporter.tracker.mark(Activity.COLLECTIVE)
+    _, since = reporter.tracker.current
+    assert not reporter.stale_activity(since + 0.1, 0.5)  # a passing activity: no write
+    assert reporter.stale_activity(since + 0.5, 0.5)  # it lasted: due
+    reporter.publish(Phase.RUNNING, force=True)
+    assert not reporter.stale_activity(since + 5, 0.5)
+    assert len(published) == 2
+
+
+def test_a_quickly_stepping_guardian_writes_its_status_no_more_often_than_the_interval(
+    tmp_path: Path,
+) -> None:
+    status_file = tmp_path / "status.json"
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), status_file=status_file)
+    writes: list[float] = []
+    original = guardian._reporter._publisher.publish
+
+    def counting(status: WorkerStatus, *, force: bool = False) -> bool:
+        wrote = original(status, force=force)
+        if wrote:
+            writes.append(time.monotonic())
+        return wrote
+
+    guardian._reporter._publisher.publish = counting  # type: ignore[method-assign]
+    started = time.monotonic()
+    for _ in range(200):
+        guardian.step(loss_of(model))
+    elapsed = time.monotonic() - started
+    # Five activity changes a step, none lasting a watch period: the interval alone paces the writes.
+    assert len(writes) <= 2 + elapsed / 0.5, (len(writes), elapsed)
+    guardian.close()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_sidecar.contract.exitcodes import ExitCode
-from trainer_sidecar.contract.status import CheckpointRef, Phase, WorkerStatus
+from trainer_sidecar.contract.status import Activity, CheckpointRef, Phase, WorkerStatus
 from trainguard.core.observation import ProcessState, SidecarReport, observe_gang
 from trainguard.core.policy import FailureKind, classify
 
@@ -328,3 +328,19 @@ def test_the_checkpoint_cadence_is_rank_zeros() -> None:
     )
     assert (view.checkpoint_every_steps, view.checkpoint_cadence) == (120, reason)
     assert observe_gang({1: status(checkpoint_every_steps=7)}, 2).checkpoint_every_steps is None
+
+
+def test_a_ranks_activity_step_and_place_reach_the_policy_and_an_older_workers_none_stays_none() -> None:
+    newer = status(step=15, activity="collective", activity_since=140.0)
+    older = status(step=15)
+    view = observe_gang({0: newer, 1: older}, 2)
+    hung = ProcessState(alive=False, health_reason="no step for 31 s", place="pod w-0 on node n1")
+    seen = view.rank_observation(0, hung)
+    assert (seen.step, seen.activity, seen.activity_since) == (15, Activity.COLLECTIVE, 140.0)
+    assert seen.place == "pod w-0 on node n1"
+    assert classify(seen) is FailureKind.HANG
+    old = view.rank_observation(1, hung)
+    assert (old.step, old.activity, old.activity_since) == (15, None, None)
+    assert view.rank_observation(1, ProcessState(exit_code=1, ended_at=3.0)).activity is None
+    # A newer worker's activity this reader does not know reads as unknown, not as an unreadable status.
+    assert WorkerStatus.model_validate(newer.model_dump() | {"activity": "teleporting"}).activity is None

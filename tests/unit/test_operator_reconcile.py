@@ -366,6 +366,31 @@ def test_a_hang_seen_by_the_sidecar_restarts_with_its_reason() -> None:
     assert reasons(plan) == ["Hung", "GangRestart"]
 
 
+def test_a_hang_names_the_rank_in_its_own_work_with_its_pod_and_node_not_the_rank_waiting_for_it() -> None:
+    # Both sidecars fail liveness: rank 1 is stuck in its forward pass, rank 0 waits for it in the step's
+    # all-reduce. The failure used to read "rank 0 hung" (the lowest rank): only the victim.
+    cluster = started_cluster()
+    stuck = pod(1, 1)
+    stuck["spec"] = {"nodeName": "node-b"}
+    cluster.set_pod(stuck)
+    why = "no step for 312.0 s (hang timeout 300 s), last step 4200"
+    plan = cluster.step(
+        T0 + timedelta(seconds=400),
+        {
+            "tiny-lm-1-master-0": report(alive=False, reason=why, activity="collective", step=4200),
+            "tiny-lm-1-worker-0": report(alive=False, reason=why, activity="loop", step=4200),
+        },
+    )
+    assert plan.action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.reason, failure.rank) == ("Hung", 1)
+    assert failure.message.startswith("rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung in its own work")
+    assert failure.message.endswith("; rank 0 waited for it in a collective")
+    hung = next(event for event in plan.events if event.reason == "Hung")
+    assert "rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung in its own work" in hung.message
+
+
 def test_a_liveness_kill_carries_the_sidecars_reason() -> None:
     cluster = started_cluster()
     cluster.set_pod(pod(1, 1, exit_code=137))

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.status import Activity
 from trainguard.core.policy import (
     Action,
     Decision,
@@ -19,6 +20,7 @@ from trainguard.core.policy import (
     classify,
     decide,
     killed_by_signal,
+    waiting_order,
 )
 from trainguard.core.spec import RecoverySpec
 
@@ -410,3 +412,145 @@ def test_the_verdict_fires_only_after_limit_identical_crashes_in_a_row(
         ):
             assert decision.signature is not None
             assert decision.signature.repeats == 1
+
+
+# --- Naming the cause of a hang (or a crash) by where each rank was: its own work, or a collective ---
+
+activities = st.one_of(st.none(), st.sampled_from(list(Activity)))
+hung_states = st.builds(
+    RankObservation,
+    rank=st.integers(0, 7),
+    alive=st.just(False),
+    reason=st.just("no step for 31 s"),
+    step=st.one_of(st.none(), st.integers(10, 13)),
+    activity=activities,
+    activity_since=st.one_of(st.none(), st.integers(0, 3).map(float)),
+)
+
+
+def test_a_rank_stuck_in_its_forward_is_named_and_the_rank_waiting_for_it_is_not() -> None:
+    decision = decide(
+        RECOVERY,
+        Observation(
+            attempt=1,
+            step=15,
+            ranks=(
+                running(0, alive=False, reason="no step for 31 s", step=15, activity=Activity.COLLECTIVE),
+                running(
+                    1,
+                    alive=False,
+                    reason="no step for 33 s",
+                    step=15,
+                    activity=Activity.LOOP,
+                    place="pod job-worker-0 on node n2",
+                ),
+            ),
+        ),
+    )
+    assert (decision.failure, decision.rank) == (FailureKind.HANG, 1)
+    assert decision.reason == (
+        "rank 1 (pod job-worker-0 on node n2) hung at step 15 in its own work (the loop: next batch or "
+        "forward pass): no step for 33 s; rank 0 waited for it in a collective"
+    )
+
+
+def test_under_ddp_a_rank_in_its_forward_is_named_before_a_rank_in_its_backward() -> None:
+    # DDP's gradient all-reduce runs inside backward: rank 0 waits there for rank 1, which never got to it.
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, alive=False, step=15, activity=Activity.BACKWARD, activity_since=1.0),
+            running(1, alive=False, step=15, activity=Activity.LOOP, activity_since=2.0),
+        ),
+    )
+    assert decision.rank == 1
+    assert "rank 0 waited for it in the backward pass" in decision.reason
+
+
+@settings(max_examples=300)
+@given(ranks=st.lists(hung_states, min_size=1, max_size=6, unique_by=lambda r: r.rank))
+def test_a_hung_rank_in_its_own_work_among_waiters_is_always_named(ranks: list[RankObservation]) -> None:
+    decision = decide(RECOVERY, gang(*ranks))
+    assert decision.failure is FailureKind.HANG
+    blamed = next(r for r in ranks if r.rank == decision.rank)
+    least = min(waiting_order(r.activity) for r in ranks)
+    assert waiting_order(blamed.activity) == least
+    if least < 3 and any(r.activity is not None for r in ranks):
+        assert f"rank {blamed.rank} hung" in decision.reason
+        for waiter in (r for r in ranks if r.activity is Activity.COLLECTIVE):
+            assert f"rank {waiter.rank} hung" not in decision.reason
+            assert not decision.reason.startswith("ranks")
+
+
+@settings(max_examples=200)
+@given(ranks=st.lists(hung_states, min_size=1, max_size=6, unique_by=lambda r: r.rank))
+def test_when_every_hung_rank_waits_in_a_collective_the_lowest_step_then_the_earliest_is_named(
+    ranks: list[RankObservation],
+) -> None:
+    waiting = [replace(r, activity=Activity.COLLECTIVE) for r in ranks]
+    decision = decide(RECOVERY, Observation(attempt=1, ranks=waiting, step=13))
+    never = float("inf")
+    first = min(
+        waiting,
+        key=lambda r: (
+            r.step if r.step is not None else never,
+            r.activity_since if r.activity_since is not None else never,
+            r.rank,
+        ),
+    )
+    assert decision.rank == first.rank
+    assert "every one waiting in a collective" in decision.reason
+
+
+def test_a_running_rank_in_its_own_work_is_the_likely_cause_of_peers_waiting_for_it() -> None:
+    # The peer's liveness has not failed yet (its sidecar's clock, a probe period): it is still named.
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, alive=False, reason="no step for 31 s", activity=Activity.COLLECTIVE),
+            running(1, alive=True, activity=Activity.DATA, place="pod w-1 on node n7"),
+        ),
+    )
+    assert (decision.failure, decision.rank) == (FailureKind.HANG, 1)
+    assert "rank 0 hung waiting in a collective" in decision.reason
+    assert "the likely cause is rank 1 (pod w-1 on node n7), in its own work (fetching the next batch)" in (
+        decision.reason
+    )
+
+
+@settings(max_examples=300)
+@given(
+    ranks=st.lists(rank_states, min_size=1, max_size=6, unique_by=lambda r: r.rank),
+    steps=st.lists(st.integers(0, 9), min_size=6, max_size=6),
+)
+def test_without_activity_reports_the_decision_is_the_old_one(
+    ranks: list[RankObservation], steps: list[int]
+) -> None:
+    # Workers older than the activity field report none: their steps and places change nothing, and a
+    # hang names every hung rank, lowest first, as it always did.
+    decision = decide(RECOVERY, gang(*ranks))
+    evidenced = [
+        replace(r, step=s, activity_since=1.0, place="pod p") for r, s in zip(ranks, steps, strict=False)
+    ]
+    assert decide(RECOVERY, gang(*evidenced)) == decision
+    if decision.failure is FailureKind.HANG:
+        hung = sorted(r.rank for r in ranks if classify(r) is FailureKind.HANG)
+        assert decision.rank == hung[0]
+        named = f"rank {hung[0]}" if len(hung) == 1 else f"ranks {', '.join(map(str, hung))}"
+        assert decision.reason.startswith(f"{named} hung"), decision.reason
+
+
+def test_of_crashed_ranks_that_ended_together_the_one_in_its_own_work_is_the_cause() -> None:
+    # Rank 1 raised in its own work; rank 0's collective broke and it exited 1 in the same second.
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, exit_code=1, ended_at=10.0, activity=Activity.COLLECTIVE),
+            running(1, exit_code=1, ended_at=10.0, activity=Activity.STEP),
+        ),
+    )
+    assert decision.rank == 1
+    assert (
+        decision.reason
+        == "rank 1 crashed first: exited with code 1; rank 0 too (in a collective its exit broke)"
+    )

@@ -1,12 +1,13 @@
 """The status channel from a worker's guardian to its sidecar: one small JSON file, written atomically, and
 the one contract every reader of it validates against.
 
-The guardian rewrites the file at most every ``status_interval_seconds`` (and at once on a phase change);
-the sidecar reads it, and the operator and the local runner receive it again as JSON (the sidecar's
-``/status`` body, a container's termination message). Every reader goes through ``read_status`` (a file)
-or ``parse_status`` / ``parse_status_document`` (JSON from elsewhere), which validate with
-``WorkerStatus`` and never raise: a missing, half-written, oversized, special or garbage input reads as
-``None`` with a reason.
+The guardian rewrites the file at most every ``status_interval_seconds`` (and at once on a phase change,
+and when its training thread has stayed in one ``Activity`` for a watch period the file does not say yet:
+``trainer_sidecar.guardian.reporting``); the sidecar reads it, and the operator and the local runner
+receive it again as JSON (the sidecar's ``/status`` body, a container's termination message). Every
+reader goes through ``read_status`` (a file) or ``parse_status`` / ``parse_status_document`` (JSON from
+elsewhere), which validate with ``WorkerStatus`` and never raise: a missing, half-written, oversized,
+special or garbage input reads as ``None`` with a reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Annotated, NamedTuple, Self, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -91,6 +93,40 @@ class Phase(StrEnum):
     #: Told to stop (SIGTERM, Ctrl-C): the worker wrote its checkpoint (when clean) and is exiting.
     STOPPED = "stopped"
     FAILED = "failed"
+
+
+class Activity(StrEnum):
+    """Where a worker's training thread is, as far as its guardian knows (``WorkerStatus.activity``).
+
+    What a hang of the gang is read from: among ranks that stopped stepping, one in its own work is the
+    cause and those in a collective wait for it (``trainguard.core.policy``). The guardian knows its own
+    calls only: under DistributedDataParallel the gradient all-reduce runs inside ``backward`` (a rank in
+    backward may be waiting for a peer's gradients), and under FSDP the forward pass all-gathers
+    parameters (a rank in ``loop`` may be waiting for a peer that never started its forward).
+    """
+
+    #: The training loop's own code between the guardian's calls: the next batch, the forward pass.
+    LOOP = "loop"
+    #: The guardian's loader is fetching the next batch (``Guardian.run``).
+    DATA = "data"
+    #: ``Guardian.backward``: the backward pass (under DDP it holds the gradient all-reduce).
+    BACKWARD = "backward"
+    #: The guardian's own work at a step boundary: norms, the judge, clipping, the optimizer's update.
+    STEP = "step"
+    #: In a collective of the guardian's (the step's all-reduce, an agreement, a barrier): it returns
+    #: only once every rank has entered it.
+    COLLECTIVE = "collective"
+    #: Opening, loading or saving a checkpoint.
+    CHECKPOINT = "checkpoint"
+    #: Inside ``Guardian.busy`` (an evaluation, a save of the loop's own).
+    BUSY = "busy"
+
+
+def _known_activity(value: object) -> object:
+    # A newer writer's activity this reader does not know reads as unknown, not as an unreadable status.
+    if isinstance(value, str) and value not in Activity.__members__.values():
+        return None
+    return value
 
 
 class CheckpointRef(BaseModel):
@@ -204,6 +240,13 @@ class WorkerStatus(BaseModel):
     )
     checkpoint_stall_seconds: NonNegativeFloat | None = Field(
         None, description="How long the last checkpoint stalled the training thread (seconds)."
+    )
+    activity: Annotated[Activity | None, BeforeValidator(_known_activity)] = Field(
+        None,
+        description="Where the training thread is (see Activity); None from a worker older than this field.",
+    )
+    activity_since: Timestamp | None = Field(
+        None, description="When the training thread entered that activity (unix seconds)."
     )
     exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
         None,

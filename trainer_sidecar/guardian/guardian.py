@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,9 +35,11 @@ from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
 from trainer_sidecar.contract.status import (
+    Activity,
     Phase,
     WorkerStatus,
 )
+from trainer_sidecar.guardian.activity import ActivityTracker
 from trainer_sidecar.guardian.busy import BusySections
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
@@ -219,7 +221,10 @@ class Guardian:
     ) -> None:
         self.config = config
         self.settings = config.settings
-        self.gang = Gang.current()
+        # Where the training thread is: marked at the guardian's calls, published with the status.
+        self._activity = ActivityTracker(Activity.CHECKPOINT)
+        self._mark = self._activity.mark
+        self.gang = replace(Gang.current(), tracker=self._activity)
         self.training = TrainingObjects(model, optimizer, scheduler, scaler)
         self.model, self.module, self.optimizer = model, self.training.module, optimizer
         self.training.refuse_loop_steps(self._misused)
@@ -263,6 +268,7 @@ class Guardian:
             config.settings.status_interval_seconds,
             config.termination_message_path,
             self.status,
+            self._activity,
         )
         self._busy = BusySections()
         self._stop = STOP
@@ -295,7 +301,9 @@ class Guardian:
         if self.gang.distributed:
             self._busy.watch_peers(self.rank, lambda: self._publish(force=True))
         self.phase = Phase.RUNNING
+        self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
+        self._reporter.watch_activity(lambda: self.phase)
         arm_at_exit(self._at_exit)
 
     # ---------------------------------------------------------------------------------------- busy ---
@@ -311,10 +319,12 @@ class Guardian:
         around the evaluation only rank 0 runs is enough). Usable as a decorator as well."""
         with self._adoption():
             section = self._busy.enter(reason, seconds)
+        before = self._mark(Activity.BUSY)
         self._publish(force=True)
         try:
             yield
         finally:
+            self._mark(before)
             self._busy.leave(section)
             if self._busy.since is None and self.last_step_time is not None:
                 # The end of a busy stretch is progress, as a rollback's is: without it, the first status
@@ -535,9 +545,16 @@ class Guardian:
 
     def _batches_until(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
         empty_epochs = 0
+        mark = self._mark
         while self.counters.step < max_steps:
             yielded = False
-            for batch in loader:
+            batches = iter(loader)
+            while True:
+                mark(Activity.DATA)
+                batch = next(batches, None)
+                mark(Activity.LOOP)
+                if batch is None:
+                    break
                 yielded = True
                 self._current_batch = BatchRef(batch.epoch, batch.index, batch.sample_ids)
                 yield batch.data
@@ -557,7 +574,9 @@ class Guardian:
         Call ``step()`` at the accumulation boundary.
         """
         if self._micro == 0 and self._faults.active:
+            # An injected hang or crash stands for one in the loop's forward pass: before the backward.
             loss = self._faults.loss_hook(loss, self.counters.step)
+        self._mark(Activity.BACKWARD)
         with self._adoption():
             self.training.backward(loss)
         self._mark_grads()
@@ -566,6 +585,7 @@ class Guardian:
         if self._current_batch is not None:
             self._step_batches.append(self._current_batch)
         self._micro += 1
+        self._mark(Activity.LOOP)
 
     def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
         """Check, clip and step the optimizer (or skip the update, or roll back) at a step boundary.
@@ -582,6 +602,7 @@ class Guardian:
                 return StepOutcome(boundary=False)
         elif self._micro == 0:
             self._refuse_step_without_backward()
+        self._mark(Activity.STEP)
         self._micro = 0
         if self.max_steps is not None and self.counters.step >= self.max_steps:
             return self._past_the_end()
@@ -610,6 +631,7 @@ class Guardian:
                 self._stop_deferred = True
             else:
                 self._stop_now()
+        self._mark(Activity.LOOP)
         return outcome
 
     def _past_the_end(self) -> StepOutcome:
@@ -622,6 +644,7 @@ class Guardian:
         self.training.unscale()  # a GradScaler's update needs its inf checks recorded
         self.training.drop_update()
         self._loss_sum, self._step_batches = None, []
+        self._mark(Activity.LOOP)
         reason = f"past max_steps={self.max_steps}: not applied (training is over)"
         if not self._past_end_warned:
             self._past_end_warned = True
@@ -718,12 +741,16 @@ class Guardian:
         ]
         local = torch.cat([torch.stack(measured), flags])
         if distributed:
+            # Marked before the collective and until its host sync (where NCCL's wait is): a rank that
+            # waits here for a peer says so (``trainer_sidecar.guardian.activity``).
+            self._mark(Activity.COLLECTIVE)
             reduced = self.gang.all_reduce(local)
             self._norm = reduced[2].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
             loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, interval, local_bad = torch.cat(
                 [reduced, local[1:2].to(reduced.device)]
             ).tolist()
+            self._mark(Activity.STEP)
             loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
             norm_v = math.sqrt(squares) if not squares < 0 else math.nan
             pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
@@ -839,6 +866,7 @@ class Guardian:
         if self._locator.armed:
             self._located(self._locator.after_good_step())
         unclean = self._save_if_due(time_due)
+        self._mark(Activity.LOOP)  # what a periodic status says until the next mark is published
         self._publish()
         return StepOutcome(
             boundary=True, applied=unclean is None, loss=reading.loss, grad_norm=reading.grad_norm,
@@ -880,6 +908,7 @@ class Guardian:
             self._localize(replay, locally_nonfinite)
         self._forensics(verdict.cause, reading, batches)
         self._carry_out(verdict)
+        self._mark(Activity.LOOP)
         self._publish(force=True)
         return StepOutcome(
             boundary=True, applied=False, loss=reading.loss, grad_norm=reading.grad_norm,
@@ -924,7 +953,8 @@ class Guardian:
         When it is not, the judge decides (roll back at once, or diverge when the budget is spent), the
         verdict is carried out and returned."""
         flag = self.training.nonfinite_flag()
-        finite = not bool(self.gang.all_reduce(flag.reshape(1), _MAX).item())
+        with self.gang.waiting():
+            finite = not bool(self.gang.all_reduce(flag.reshape(1), _MAX).item())
         verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
         if verdict.action is Action.APPLY:
             return None
@@ -984,10 +1014,12 @@ class Guardian:
 
     def _save_checkpoint(self) -> None:
         stable = self.training.stable_storage() if self._copies_in_background else None
+        before = self._mark(Activity.CHECKPOINT)
         try:
             self.checkpoints.save(self.counters, stable, self.rank)
         except FencedError as exc:
             self._fenced(exc)
+        self._mark(before)
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.
@@ -1221,6 +1253,7 @@ class Guardian:
         data = self.feed.loader.counters if self.feed.loader is not None else None
         counters = self.counters
         busy = self._busy.view(self.phase, self.busy_since)
+        activity, activity_since = self._activity.current
         return WorkerStatus(
             rank=self.rank,
             world_size=self.world_size,
@@ -1256,6 +1289,8 @@ class Guardian:
             checkpoint_every_steps=self.checkpoints.interval,
             checkpoint_cadence=self.checkpoints.cadence,
             checkpoint_stall_seconds=self.checkpoints.stall_seconds or None,
+            activity=activity,
+            activity_since=activity_since,
         )
 
     def _publish(self, force: bool = False) -> None:
@@ -1271,6 +1306,7 @@ class Guardian:
         is not done.
         """
         self.settle()  # the loop may have changed the state in place since its last step
+        self._mark(Activity.CHECKPOINT)
         if self.checkpoints.enabled:
             self.checkpoints.wait()  # a save of this very step may still be in flight
             final = self.counters.step
@@ -1331,6 +1367,10 @@ class Guardian:
             return
         self._release()
         if plan is ExitPlan.CRASHED:
+            # Where the exception left the training thread (a collective a dead peer broke, or its own
+            # work): the evidence that tells a crash's cause from its victims (``core.policy``).
+            self._publish(force=True)
+            self._reporter.write_termination_message()
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             # The step it failed at and why, in the status and the termination message: the periodic
             # status may be steps behind, and whether a crash repeats at the same step is how a
@@ -1373,6 +1413,7 @@ class Guardian:
             self._holding_stop = False
             self._stop.release()
         self._busy.stop()
+        self._reporter.stop_watching()
 
 
 _MAX = torch.distributed.ReduceOp.MAX

@@ -4,25 +4,40 @@
 ``status_interval_seconds`` (a phase change or a forced publish: at once), from the training thread and
 the peer watch alike, and writes the final status into the container's termination message. The payload
 itself is the contract's ``WorkerStatus`` (``trainer_sidecar.contract.status``).
+
+``ActivityTracker`` holds where the training thread is (``Activity``) and since when. The guardian marks
+it at its own calls (``mark``: two stores, no write, a few times a step) and the tracker's watch publishes
+it from a thread of its own once the training thread has stayed in one activity for a watch period: a
+rank that blocks in a collective (or anywhere) has said so within a period or two of blocking, well
+inside any hang timeout, and a rank that steps normally costs no extra write. The training thread itself
+cannot publish "about to block" for free: it cannot know which collective will block, and writing the
+file before every one would be a write a step. A thread that holds the GIL while it hangs (a C extension
+stuck without releasing it) starves the watch too; its status then keeps the last activity published.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from trainer_sidecar.contract.env import STATUS_FILE_ENV
 from trainer_sidecar.contract.status import (
+    Activity,
     Phase,
     StatusPublisher,
     WorkerStatus,
     write_termination_message,
 )
+from trainer_sidecar.guardian.activity import ActivityTracker
 from trainer_sidecar.guardian.config import ConfigError
 
 log = logging.getLogger("trainguard")
+
+#: How often the activity watch looks, and how long an activity must last before it is published.
+ACTIVITY_WATCH_SECONDS = 0.5
 
 
 class StatusReporter:
@@ -40,23 +55,59 @@ class StatusReporter:
         interval_seconds: float,
         termination_message_path: Path | None,
         status: Callable[[], WorkerStatus],
+        tracker: ActivityTracker | None = None,
     ) -> None:
         self._publisher = StatusPublisher(status_file, interval_seconds)
         self._termination_message_path = termination_message_path
         self._status = status
-        self._lock = threading.Lock()  # the main thread and the peer watch both publish
+        self._lock = threading.Lock()  # the main thread, the peer watch and the activity watch publish
         self._failing = False
+        self.tracker = tracker if tracker is not None else ActivityTracker()
+        self._published: tuple[Activity, float] | None = None  # the activity the file says
+        self._watch_stop = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def publish(self, phase: Phase, force: bool = False) -> None:
         """Write the current status if it is due for ``phase`` (or ``force``)."""
         with self._lock:
             if force or self._publisher.due(phase):
+                activity = self.tracker.current  # read before the status: never newer than what it says
                 try:
                     self._publisher.publish(self._status(), force=True)
                 except OSError as exc:
                     self._unwritable(exc)
                 else:
                     self._failing = False
+                    self._published = activity
+
+    def stale_activity(self, now: float, period: float) -> bool:
+        """Whether the file says another activity (or start) than the training thread's current one,
+        which has lasted ``period`` seconds by ``now``: a stall worth a write."""
+        current = self.tracker.current
+        return self._published is not None and current != self._published and now - current[1] >= period
+
+    def watch_activity(self, phase: Callable[[], Phase], period: float = ACTIVITY_WATCH_SECONDS) -> None:
+        """Publish, from a daemon thread, an activity the training thread has stayed in for ``period``
+        seconds that the file does not say yet (see the module docstring); nothing without a status file.
+        ``stop_watching`` ends it."""
+        if self._publisher.path is None or self._watch is not None:
+            return
+
+        def run() -> None:
+            while not self._watch_stop.wait(period):
+                if not self.stale_activity(time.time(), period):
+                    continue
+                try:
+                    self.publish(phase(), force=True)
+                except Exception:  # the sidecar judges a silent worker; the watch must not die loudly
+                    log.debug("publishing the activity failed", exc_info=True)
+
+        self._watch = threading.Thread(target=run, name="trainguard-activity-watch", daemon=True)
+        self._watch.start()
+
+    def stop_watching(self) -> None:
+        """Stop the activity watch (its thread ends within one period)."""
+        self._watch_stop.set()
 
     def _unwritable(self, exc: OSError) -> None:
         where = f"the status file {self._publisher.path} ({STATUS_FILE_ENV} or status_file=)"

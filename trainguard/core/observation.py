@@ -19,17 +19,20 @@ In: each rank's ``WorkerStatus`` as last reported (None: the rank has not report
 * the failing ranks (phase diverged or failed), and the first of them (the lowest step, then rank).
 
 ``GangView.rank_observation`` turns a rank and what the executor knows of its process into the
-policy's ``RankObservation``; the rule that a diverged phase counts before the exit code lives there.
+policy's ``RankObservation``; the rule that a diverged phase counts before the exit code lives there. It
+carries the rank's own step and activity (where its training thread was: in its own work, or waiting in
+a collective) and where the executor placed it (pod, node): the evidence the policy names a hang's or a
+crash's cause by, rather than the peers that waited for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
-from trainer_sidecar.contract.status import Phase, WorkerStatus, parse_status_document
+from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
 from trainguard.core.policy import RankObservation
 
 #: Phases in which a rank has failed by its own account.
@@ -90,6 +93,8 @@ class RankState:
     grad_norm: float | None
     message: str
     exit_code: int | None = None
+    activity: Activity | None = None
+    activity_since: float | None = None
 
     @classmethod
     def of(cls, rank: int, status: WorkerStatus) -> RankState:
@@ -107,6 +112,8 @@ class RankState:
             grad_norm=status.grad_norm,
             message=status.message,
             exit_code=status.exit_code,
+            activity=status.activity,
+            activity_since=status.activity_since,
         )
 
 
@@ -128,7 +135,8 @@ class ProcessState:
     ``alive``: the liveness verdict (None: not known). ``health_reason``: why it is not alive.
     ``exit_reason``: how it ended in words (default: the exit code described). ``lost``: why the rank is
     gone without an exit code of its own (deleted, evicted, node lost), or "". ``ended_at``: when it
-    ended, in seconds on the executor's clock for all ranks (None: running, or not known).
+    ended, in seconds on the executor's clock for all ranks (None: running, or not known). ``place``:
+    where it runs, as the executor names it ("pod p on node n"; "": nothing to add).
     """
 
     exit_code: int | None = None
@@ -137,6 +145,7 @@ class ProcessState:
     exit_reason: str = ""
     lost: str = ""
     ended_at: float | None = None
+    place: str = ""
 
 
 @dataclass(frozen=True)
@@ -209,7 +218,14 @@ class GangView:
 
 
 def rank_observation(rank: int, state: RankState | None, process: ProcessState) -> RankObservation:
-    """The policy's view of one rank: its process as the executor saw it, and its own last report.
+    """The policy's view of one rank: its process as the executor saw it, and its own last report
+    (see ``_judged``), with the rank's own evidence (its step and activity, when it reported) and the
+    place the executor knows it by."""
+    return replace(_judged(rank, state, process), **_evidence(state, process))
+
+
+def _judged(rank: int, state: RankState | None, process: ProcessState) -> RankObservation:
+    """How one rank is doing, from its process as the executor saw it and its own last report.
 
     A failed exit is judged by the code the worker's guardian declared in its last report when there is
     one (a launcher such as torchrun exits 1 whatever its workers' codes were). A rank that reports
@@ -243,6 +259,18 @@ def rank_observation(rank: int, state: RankState | None, process: ProcessState) 
             rank=rank, exit_code=code, alive=None, reason=reason, ended_at=process.ended_at
         )
     return RankObservation(rank=rank, alive=alive, reason=process.health_reason if alive is False else "")
+
+
+def _evidence(state: RankState | None, process: ProcessState) -> dict[str, Any]:
+    """Where the rank was by its own last report, and where the executor placed it."""
+    if state is None:
+        return {"place": process.place}
+    return {
+        "step": state.step,
+        "activity": state.activity,
+        "activity_since": state.activity_since,
+        "place": process.place,
+    }
 
 
 def _collective(values: Iterable[int]) -> int | None:

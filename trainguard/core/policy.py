@@ -10,8 +10,29 @@ restarts in the middle of a recovery does not restart the gang twice.
 
 Attribution: when several ranks have failed by the time the executor looks, the decision names one. A
 misconfigured, fenced or diverged rank comes before a crashed one, a crash before a lost or hung rank;
-among ranks failing alike, the one that ended first (then one killed by a signal, then the lowest rank),
-since a rank whose peer died usually exits 1 from the collective a moment later.
+among ranks failing alike, the one that ended first (then, by their activity, one that was in its own
+work before one in a collective; then one killed by a signal; then the lowest rank), since a rank whose
+peer died usually exits 1 from the collective a moment later.
+
+Hangs are read from where each rank's guardian last said its training thread was
+(``RankObservation.activity``, the status contract's ``Activity``). A gang steps in lockstep: when one
+rank stops, the others stop in their next collective and look hung too. Among hung ranks the cause is
+one in its own work (the loop's code, the data, the guardian's step, a checkpoint, a busy section), then
+one in its backward pass, then one that reported nothing, and last one waiting in a collective; among
+equals the lowest step, then the one that entered its activity first, then the lowest rank. The reason
+names it, its place when the executor knows it (pod, node), and the ranks that waited for it ("rank 1
+hung at step 15 in its own work (the loop: next batch or forward pass): ...; rank 0 waited for it in a
+collective"). When every hung rank is waiting in a collective, a running rank that reports its own work
+is what they wait for (its liveness may merely not have failed yet): it is named the likely cause. When
+they all wait and no such rank exists, the lowest step (then the earliest, then the lowest rank) is
+named, and the reason says they were all waiting. A gang that reports no activity (workers older than
+the field) is named as before: every hung rank, lowest first.
+
+What the guardian can and cannot tell apart: it marks its own calls only. Under DistributedDataParallel
+the gradient all-reduce runs inside the backward pass, so a rank in backward may be computing or waiting
+for a peer's gradients: a rank stuck in its own forward pass never reaches backward and is told apart
+(loop before backward), but two ranks both in backward are not (the step, the time, the rank decide).
+Under FSDP the forward pass all-gathers parameters: a rank waiting there reads as the loop's own work.
 
 Deterministic failures: a failure that repeats exactly is not retried ``maxRestarts`` times. Every
 failure decided carries its ``FailureSignature`` (kind, step, exit code, the failing rank's own reason,
@@ -34,6 +55,7 @@ from enum import StrEnum
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit
 from trainer_sidecar.contract.settings import Remediation
+from trainer_sidecar.contract.status import Activity
 from trainguard.core.spec import RecoverySpec
 
 
@@ -68,6 +90,9 @@ class RankObservation:
     ``alive`` is the sidecar's liveness verdict (None: not known yet); ``lost`` means the pod or node
     is gone without an exit code (deleted, evicted, node lost). ``ended_at`` is when the process ended,
     in seconds on any clock the executor uses for all ranks alike (None: running, or not known).
+    The rank's own evidence, from its last status (None: not reported): ``step``, ``activity`` (where its
+    training thread was) and ``activity_since`` (since when, on the worker's clock). ``place`` is where
+    the executor knows it ("pod p on node n"; "": nothing to add).
     """
 
     rank: int
@@ -77,6 +102,10 @@ class RankObservation:
     diverged: bool = False
     lost: bool = False
     ended_at: float | None = None
+    step: int | None = None
+    activity: Activity | None = None
+    activity_since: float | None = None
+    place: str = ""
 
 
 #: A signature's cause is cut to this many characters, so that it is stored whole (the status caps
@@ -217,13 +246,48 @@ def killed_by_signal(exit_code: int | None) -> bool:
     return exit_code is not None and (exit_code < 0 or 128 < exit_code <= 192)
 
 
-def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, bool, int]:
+_NEVER = float("inf")
+
+
+def waiting_order(activity: Activity | None) -> int:
+    """How much an activity says a rank waits for its peers (0: its own work; 1: the backward pass, which
+    under DDP holds the gradient all-reduce; 2: not reported; 3: a collective): the lower, the likelier
+    the rank is a hang's cause."""
+    if activity is Activity.COLLECTIVE:
+        return 3
+    if activity is None:
+        return 2
+    return 1 if activity is Activity.BACKWARD else 0
+
+
+def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, int, bool, int]:
     # Among ranks failing alike, the one that ended first is the cause, its peers' failures the effect
     # (a rank whose peer vanished exits 1 from the collective). Ending times may tie (a container's is
-    # in whole seconds): then a rank killed by a signal (OOM, a liveness kill) is the likelier cause
-    # than one that exited by itself; then the lowest rank.
-    ended = rank.ended_at if rank.ended_at is not None else float("inf")
-    return (_PRIORITY.index(kind), ended, not killed_by_signal(rank.exit_code), rank.rank)
+    # in whole seconds): then a rank that was in its own work is the likelier cause than one in a
+    # collective, then one killed by a signal (OOM, a liveness kill) than one that exited by itself;
+    # then the lowest rank.
+    ended = rank.ended_at if rank.ended_at is not None else _NEVER
+    evidence = waiting_order(rank.activity)
+    return (_PRIORITY.index(kind), ended, evidence, not killed_by_signal(rank.exit_code), rank.rank)
+
+
+def _hang_order(rank: RankObservation) -> tuple[int, float, float, int]:
+    """Among hung ranks: own work first, then the lowest step, the earliest activity, the lowest rank."""
+    step = rank.step if rank.step is not None else _NEVER
+    since = rank.activity_since if rank.activity_since is not None else _NEVER
+    return (waiting_order(rank.activity), step, since, rank.rank)
+
+
+#: What each activity reads as in a reason.
+_DOING = {
+    Activity.LOOP: "the loop: next batch or forward pass",
+    Activity.DATA: "fetching the next batch",
+    Activity.BACKWARD: "the backward pass",
+    Activity.STEP: "the guardian's step",
+    Activity.COLLECTIVE: "a collective",
+    Activity.CHECKPOINT: "a checkpoint",
+    Activity.BUSY: "a busy section",
+}
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -243,6 +307,63 @@ def deterministic_reason(signature: FailureSignature, reason: str) -> str:
     )
 
 
+def _where(rank: RankObservation) -> str:
+    """Where the rank's training thread was, as a reason says it after "hung"."""
+    if rank.activity is None:
+        return ""
+    if rank.activity is Activity.BACKWARD:
+        return " in its backward pass"
+    if rank.activity is Activity.COLLECTIVE:
+        return " waiting in a collective"
+    return f" in its own work ({_DOING[rank.activity]})"
+
+
+def _waited(culprit: RankObservation, others: Sequence[RankObservation]) -> str:
+    """The other hung ranks, by what they were doing: waiting for ``culprit``, or hung too."""
+    groups: dict[str, list[int]] = {}
+    for other in others:
+        if other.activity is Activity.COLLECTIVE or (
+            other.activity is Activity.BACKWARD and waiting_order(culprit.activity) == 0
+        ):
+            words = f"waited for it in {_DOING[other.activity]}"
+        elif other.activity is None:
+            words = "hung too"
+        else:
+            words = f"hung too (in {_DOING[other.activity]})"
+        groups.setdefault(words, []).append(other.rank)
+    return "; ".join(f"{_ranks(sorted(ranks))} {words}" for words, ranks in groups.items())
+
+
+def _hang_reason(
+    culprit: RankObservation,
+    hung: Sequence[RankObservation],
+    ranks: Sequence[RankObservation],
+    at: str,
+    what: str,
+) -> tuple[RankObservation, str]:
+    """The rank a hang is blamed on and the reason, when some hung rank reported its activity."""
+    others = [r for r in hung if r is not culprit]
+    if culprit.activity is Activity.COLLECTIVE:
+        running = [
+            r for r in ranks if classify(r) is None and r.exit_code is None and waiting_order(r.activity) < 2
+        ]
+        if running:
+            cause = min(running, key=_hang_order)
+            place = f" ({cause.place})" if cause.place else ""
+            waiting = _ranks(sorted(r.rank for r in hung))
+            return cause, (
+                f"{waiting} hung{at} waiting in a collective: {what}; the likely cause is rank "
+                f"{cause.rank}{place},{_where(cause)} and not stepping"
+            )
+        return culprit, (
+            f"{_ranks(sorted(r.rank for r in hung))} hung{at}, every one waiting in a collective (for a "
+            f"peer that is gone, or the network): {what}"
+        )
+    place = f" ({culprit.place})" if culprit.place else ""
+    reason = f"rank {culprit.rank}{place} hung{at}{_where(culprit)}: {what}"
+    return culprit, reason + (f"; {_waited(culprit, others)}" if others else "")
+
+
 def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     """Decide what to do about a gang. See the module docstring for the guarantees."""
     restarts = observation.restarts
@@ -258,14 +379,23 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
         return Decision(Action.WAIT, "this attempt's failure is already being handled", restarts=restarts)
 
     kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
+    hung = [r for k, r in failures if k is FailureKind.HANG]
+    if kind is FailureKind.HANG and any(r.activity is not None for r in hung):
+        rank = min(hung, key=_hang_order)
     what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
     alike = sorted(r.rank for k, r in failures if k is kind)
     others = [r for r in alike if r != rank.rank]
     at = f" at step {observation.step}" if observation.step is not None else ""
-    if not others:
+    if kind is FailureKind.HANG and any(r.activity is not None for r in hung):
+        rank, reason = _hang_reason(rank, hung, observation.ranks, at, what)
+    elif not others:
         reason = f"rank {rank.rank} {_VERBS[kind]}{at}: {what}"
     elif rank.ended_at is not None:  # ordered by when they ended: name the first
-        reason = f"rank {rank.rank} {_VERBS[kind]} first{at}: {what}; {_ranks(others)} too"
+        waited = [r for k, r in failures if k is kind and r is not rank]
+        note = ""
+        if all(r.activity is Activity.COLLECTIVE for r in waited):
+            note = " (in a collective its exit broke)"
+        reason = f"rank {rank.rank} {_VERBS[kind]} first{at}: {what}; {_ranks(others)} too{note}"
     else:
         reason = f"{_ranks(alike)} {_VERBS[kind]}{at}: {what}"
     failed = Decision(
