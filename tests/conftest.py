@@ -1,12 +1,7 @@
 """Marks every test with its tier (``unit``, ``integration``, ``e2e``: the folder it is in), so that
-``pytest -m unit`` selects a tier as ``pytest tests/unit`` does; sets hypothesis's profile; and makes
-SIGTERM stop a test session the way Ctrl-C does."""
+``pytest -m unit`` selects a tier as ``pytest tests/unit`` does; and sets hypothesis's profile."""
 
 from __future__ import annotations
-
-import os
-import signal
-from types import FrameType
 
 import pytest
 from hypothesis import settings
@@ -27,19 +22,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
                 break
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """SIGTERM (a cancelled CI job, ``.ci/run`` stopped) interrupts the session as Ctrl-C does, so the
-    fixtures' teardown runs: the test node, the control plane and every worker they started are stopped
-    instead of being left running beside the next run. A process forked from pytest keeps the default."""
-    session_pid = os.getpid()
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != session_pid:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, interrupt)
