@@ -385,10 +385,12 @@ def test_a_hang_names_the_rank_in_its_own_work_with_its_pod_and_node_not_the_ran
     failure = cluster.status.last_failure
     assert failure is not None
     assert (failure.reason, failure.rank) == ("Hung", 1)
-    assert failure.message.startswith("rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung in its own work")
+    assert failure.message.startswith(
+        "rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung at step 4200 in its own work"
+    )
     assert failure.message.endswith("; rank 0 waited for it in a collective")
     hung = next(event for event in plan.events if event.reason == "Hung")
-    assert "rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung in its own work" in hung.message
+    assert "rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung at step 4200 in its own work" in hung.message
 
 
 def test_a_liveness_kill_carries_the_sidecars_reason() -> None:
