@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from trainer_sidecar.contract.env import STATUS_FILE_ENV
+from trainer_sidecar.contract.hang import GapLearner
 from trainer_sidecar.contract.status import (
     Phase,
     StatusPublisher,
@@ -46,17 +48,26 @@ class StatusReporter:
         self._status = status
         self._lock = threading.Lock()  # the main thread and the peer watch both publish
         self._failing = False
+        self._learner = GapLearner()
 
     def publish(self, phase: Phase, force: bool = False) -> None:
-        """Write the current status if it is due for ``phase`` (or ``force``)."""
+        """Write the current status if it is due for ``phase`` (or ``force``). Each status written carries
+        the gaps between the progress changes published so far (``contract.hang``): timed here, where
+        the sidecar's view of progress is made, on the monotonic clock."""
         with self._lock:
             if force or self._publisher.due(phase):
+                status = self._status()
+                progress = (status.phase.value, status.step, status.steps_total)
+                learner = self._learner.published(progress, status.phase is Phase.RUNNING, time.monotonic())
+                status.progress_gaps = learner.gaps.count
+                status.longest_progress_gap_seconds = learner.gaps.longest
                 try:
-                    self._publisher.publish(self._status(), force=True)
+                    self._publisher.publish(status, force=True)
                 except OSError as exc:
                     self._unwritable(exc)
                 else:
                     self._failing = False
+                    self._learner = learner  # unwritten progress is none the sidecar saw
 
     def _unwritable(self, exc: OSError) -> None:
         where = f"the status file {self._publisher.path} ({STATUS_FILE_ENV} or status_file=)"
@@ -73,6 +84,9 @@ class StatusReporter:
         if path is None:
             return
         try:
-            write_termination_message(path, self._status())
+            status = self._status()
+            status.progress_gaps = self._learner.gaps.count
+            status.longest_progress_gap_seconds = self._learner.gaps.longest
+            write_termination_message(path, status)
         except OSError as exc:
             log.warning("could not write the termination message to %s: %s", path, exc)
