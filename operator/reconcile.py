@@ -502,6 +502,8 @@ class _Step:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
         if view.checkpoint_seconds is not None:
             st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
+        if view.hang_timeout_seconds is not None:
+            st.hang_timeout_seconds = round(view.hang_timeout_seconds, 3)
         if view.drop_rate is not None:
             self.track_drop_rate(view.drop_rate)
         if not view.stepped or view.progress is None or view.progress.step < 0:

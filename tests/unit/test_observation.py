@@ -308,3 +308,20 @@ def test_the_slowest_checkpoint_write_is_the_gangs() -> None:
     )
     assert view.checkpoint_seconds == 7.0
     assert observe_gang({0: status()}, 1).checkpoint_seconds is None
+
+
+def test_the_gangs_hang_timeout_is_its_strictest_ranks_as_the_sidecars_said() -> None:
+    document = {
+        "status": None,
+        "health": {"alive": True, "ready": False, "reason": "starting", "hang_timeout_seconds": 7.5},
+        "time": 1.0,
+        "sidecar": {"started_at": 1.0, "hang_timeout_seconds": 300.0, "startup_grace_seconds": 600.0},
+    }
+    assert SidecarReport.from_document(json.dumps(document)).hang_timeout_seconds == 7.5
+    older = {**document, "health": {"alive": True, "ready": False}}
+    assert SidecarReport.from_document(older).hang_timeout_seconds is None
+    statuses = {0: status(5), 1: status(5)}
+    view = observe_gang(statuses, 2, {0: 12.0, 1: 7.5, 5: 1.0})  # rank 5 is not of this gang
+    assert view.hang_timeout_seconds == 7.5
+    assert observe_gang(statuses, 2, {0: None}).hang_timeout_seconds is None
+    assert observe_gang(statuses, 2).hang_timeout_seconds is None

@@ -44,6 +44,8 @@ class SidecarReport:
     alive: bool | None = None
     reason: str = ""
     status: WorkerStatus | None = None
+    #: The hang timeout the sidecar judges its worker by now (learned from its pace; None: not said).
+    hang_timeout_seconds: float | None = None
 
     @classmethod
     def from_document(cls, document: Any) -> SidecarReport:
@@ -53,7 +55,13 @@ class SidecarReport:
         if parsed is None:
             return cls(reachable=False, reason=why)
         health = parsed.health
-        return cls(reachable=True, alive=health.alive, reason=health.reason, status=parsed.status)
+        return cls(
+            reachable=True,
+            alive=health.alive,
+            reason=health.reason,
+            status=parsed.status,
+            hang_timeout_seconds=health.hang_timeout_seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,8 @@ class GangView:
     samples_dropped: int | None
     checkpoint: CleanCheckpoint | None
     checkpoint_seconds: float | None = None
+    #: The hang timeout the gang is judged by now: the strictest of its ranks' sidecars (None: not said).
+    hang_timeout_seconds: float | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -265,9 +275,14 @@ def _progress(ranks: tuple[RankState, ...]) -> Progress | None:
     )
 
 
-def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -> GangView:
+def observe_gang(
+    statuses: Mapping[int, WorkerStatus | None],
+    world_size: int,
+    hang_timeouts: Mapping[int, float | None] | None = None,
+) -> GangView:
     """The gang view of ``world_size`` ranks from their statuses by rank (None or absent: not reported;
-    a rank outside ``0 .. world_size - 1`` is ignored)."""
+    a rank outside ``0 .. world_size - 1`` is ignored), with the hang timeout each rank's sidecar said it
+    judges by (``hang_timeouts``; the gang's is the strictest)."""
     reported = {
         rank: status
         for rank, status in sorted(statuses.items())
@@ -291,4 +306,8 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
         checkpoint=_newest_checkpoint(values),
         # The slowest rank's write is what a stop must wait for.
         checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
+        hang_timeout_seconds=min(
+            (t for r, t in (hang_timeouts or {}).items() if t is not None and 0 <= r < world_size),
+            default=None,
+        ),
     )

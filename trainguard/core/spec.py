@@ -463,3 +463,8 @@ class GuardedTrainingJobStatus(BaseModel):
     checkpoint_seconds: float | None = Field(
         None, description="The longest checkpoint write seen (seconds): it sizes the pods' stop grace."
     )
+    hang_timeout_seconds: float | None = Field(
+        None,
+        description="The hang timeout the gang is judged by now (the strictest rank's, seconds): learned "
+        "from its pace, between hangTimeoutFloorSeconds and hangTimeoutSeconds.",
+    )

@@ -28,7 +28,18 @@ _STYLE = {
 }
 
 
-_COLUMNS = ("attempt", "state", "step", "loss", "steps/s", "skipped", "rollbacks", "restarts", "drop rate")
+_COLUMNS = (
+    "attempt",
+    "state",
+    "step",
+    "loss",
+    "steps/s",
+    "skipped",
+    "rollbacks",
+    "restarts",
+    "drop rate",
+    "hang timeout",
+)
 
 
 def state_text(view: GangView) -> str:
@@ -122,6 +133,7 @@ class LiveView(PlainView):
             str(view.rollbacks or 0),
             str(runner.restarts),
             f"{rate:.4%}" if rate is not None and view.samples_seen else "-",
+            f"{view.hang_timeout_seconds:.1f} s" if view.hang_timeout_seconds is not None else "-",
         )
         self.live.update(table)
 
