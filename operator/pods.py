@@ -264,6 +264,7 @@ def read_gang(
     """
     mine = attempt_pods(pods, name, attempt)
     chosen: dict[int, tuple[WorkerStatus | None, RankObservation]] = {}
+    timeouts: dict[int, float | None] = {}
     for pod in mine:
         rank = pod_rank(pod)
         if rank is None or not 0 <= rank < replicas:
@@ -275,7 +276,8 @@ def read_gang(
         seen = rank_observation(rank, state, process)
         if rank not in chosen or classify(seen) is not None:
             chosen[rank] = (status, seen)
-    view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas)
+            timeouts[rank] = report.hang_timeout_seconds if report is not None else None
+    view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas, timeouts)
     running = sum(1 for p in mine if status_of(p).get("phase") == "Running")
     return GangReading(view, _job_ranks(job, job_name, chosen, replicas), running)
 

@@ -532,6 +532,8 @@ class _Step:
         if view.checkpoint_cadence:
             st.checkpoint_every_steps = view.checkpoint_every_steps
             st.checkpoint_cadence = view.checkpoint_cadence
+        if view.hang_timeout_seconds is not None:
+            st.hang_timeout_seconds = round(view.hang_timeout_seconds, 3)
         if view.drop_rate is not None:
             self.track_drop_rate(view.drop_rate)
         if not view.stepped or view.progress is None or view.progress.step < 0:

@@ -37,6 +37,7 @@ def job(
     nproc_per_node: int = 1,
     namespace: str = "default",
     extra_args: tuple[str, ...] = (),
+    health: dict[str, Any] | None = None,
 ) -> Path:
     document = {
         "apiVersion": "trainguard.dev/v1alpha1",
@@ -71,6 +72,7 @@ def job(
                 "hangTimeoutSeconds": hang_timeout,
                 "startupGraceSeconds": 60,
                 "probePeriodSeconds": 1,
+                **(health or {}),
             },
             "recovery": recovery or {"maxRestarts": 3, "backoffSeconds": [1, 2]},
         },
@@ -155,6 +157,28 @@ def test_a_hang_names_the_rank_stuck_in_its_own_work_not_the_rank_that_waited_fo
     assert "rank 0 waited for it" in reason, reason
     assert "rank 0 hung" not in reason, reason
     assert "ranks 0, 1 hung" not in reason, reason
+
+
+def test_a_hang_is_caught_at_the_learned_timeout_far_below_hang_timeout_seconds(tmp_path: Path) -> None:
+    """hangTimeoutSeconds at its default (300 s), steps of 0.1 s with a checkpoint every 5: once the warm-up
+    has passed (20 published gaps, about 10 s), a hung rank is caught at the learned timeout (the 5 s
+    floor, as 4 x the ~0.5 s published gaps is below it) plus the probes, not after five minutes."""
+    floor, probe_period = 5, 1
+    path = job(
+        tmp_path, steps=190, faults="hang@150:1", hang_timeout=300, step_sleep=0.1,
+        health={"hangTimeoutFloorSeconds": floor},
+    )  # fmt: skip
+    code, summary, output = run(tmp_path, path, timeout=400)
+    assert code == 0, output
+    assert len(summary["restarts"]) == 1, summary["restarts"]
+    restart = summary["restarts"][0]
+    assert "hung" in restart["reason"]
+    assert "learned from its pace, at most 300 s" in restart["reason"], restart["reason"]
+    # No false alarm before the fault (one restart only), and the hang caught in seconds: the learned
+    # timeout (the floor, or 4 x the longest published gap on a loaded machine: a few seconds more),
+    # LIVENESS_FAILURE_THRESHOLD probes, and scheduling slack, all far below the 300 s ceiling.
+    assert restart["detect_seconds"] <= 3 * floor + LIVENESS_FAILURE_THRESHOLD * probe_period + 1.5, restart
+    assert summary["final_step"] == 190
 
 
 def test_a_hung_gang_is_stopped_at_once_not_after_the_stop_grace(tmp_path: Path) -> None:

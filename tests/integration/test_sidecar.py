@@ -149,7 +149,12 @@ def test_hung_worker_fails_liveness_with_the_reason(serve: Serve, status_file: P
     assert "last step 7" in body
     assert get(f"{server.url}/readyz")[0] == 503
     document = get_json(f"{server.url}/status")
-    assert document["health"] == {"alive": False, "ready": False, "reason": body.strip()}
+    assert document["health"] == {
+        "alive": False,
+        "ready": False,
+        "reason": body.strip(),
+        "hang_timeout_seconds": HANG,  # nothing learned: the worker published no gaps
+    }
 
 
 def test_worker_recovers_once_it_steps_again(serve: Serve, status_file: Path) -> None:

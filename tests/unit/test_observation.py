@@ -344,3 +344,20 @@ def test_a_ranks_activity_step_and_place_reach_the_policy_and_an_older_workers_n
     assert view.rank_observation(1, ProcessState(exit_code=1, ended_at=3.0)).activity is None
     # A newer worker's activity this reader does not know reads as unknown, not as an unreadable status.
     assert WorkerStatus.model_validate(newer.model_dump() | {"activity": "teleporting"}).activity is None
+
+
+def test_the_gangs_hang_timeout_is_its_strictest_ranks_as_the_sidecars_said() -> None:
+    document = {
+        "status": None,
+        "health": {"alive": True, "ready": False, "reason": "starting", "hang_timeout_seconds": 7.5},
+        "time": 1.0,
+        "sidecar": {"started_at": 1.0, "hang_timeout_seconds": 300.0, "startup_grace_seconds": 600.0},
+    }
+    assert SidecarReport.from_document(json.dumps(document)).hang_timeout_seconds == 7.5
+    older = {**document, "health": {"alive": True, "ready": False}}
+    assert SidecarReport.from_document(older).hang_timeout_seconds is None
+    statuses = {0: status(5), 1: status(5)}
+    view = observe_gang(statuses, 2, {0: 12.0, 1: 7.5, 5: 1.0})  # rank 5 is not of this gang
+    assert view.hang_timeout_seconds == 7.5
+    assert observe_gang(statuses, 2, {0: None}).hang_timeout_seconds is None
+    assert observe_gang(statuses, 2).hang_timeout_seconds is None

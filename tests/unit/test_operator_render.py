@@ -36,6 +36,7 @@ from tests.support.paths import REPO_ROOT
 from trainer_sidecar.contract.env import (
     GANG_ENV,
     HANG_TIMEOUT_ENV,
+    HANG_TIMEOUT_FLOOR_ENV,
     JOB_NAME_ENV,
     LOCAL_RANKS_ENV,
     NAMESPACE_ENV,
@@ -233,6 +234,7 @@ def test_rendered_pytorchjob_is_valid_and_complete(
             STATUS_FILE_ENV,
             SIDECAR_PORT_ENV,
             HANG_TIMEOUT_ENV,
+            HANG_TIMEOUT_FLOOR_ENV,
             STARTUP_GRACE_ENV,
             JOB_NAME_ENV,
             NAMESPACE_ENV,
@@ -242,6 +244,7 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         assert side_env[STATUS_FILE_ENV] == env["TRAINGUARD_STATUS_FILE"]
         assert side_env[SIDECAR_PORT_ENV] == "9400"
         assert side_env[HANG_TIMEOUT_ENV] == "300"
+        assert side_env[HANG_TIMEOUT_FLOOR_ENV] == "10"
         assert side_env[STARTUP_GRACE_ENV] == "605"
 
 

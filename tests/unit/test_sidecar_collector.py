@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trainer_sidecar.contract.hang import WARMUP_GAPS, GapLearner
 from trainer_sidecar.contract.status import Phase, WorkerStatus, parse_status_document, write_status
 from trainer_sidecar.sidecar.server import COUNTER_FIELDS, WorkerStatusCollector, fold_counters
 
@@ -359,3 +360,73 @@ def test_a_monotonic_clock_that_goes_backwards_does_not_revive_a_hung_worker(tmp
     reading = source.read()
     assert not reading.health.alive
     assert reading.health.reason.startswith("no step for 31.0 s (hang timeout 30 s), last step 5;")
+
+
+def test_a_fast_worker_that_stops_is_hung_at_the_learned_deadline_far_before_the_ceiling(
+    tmp_path: Path,
+) -> None:
+    """A worker publishing every 0.5 s (a 0.1 s step under the default status interval), as the guardian's
+    reporter does (its gaps learned on the way), then nothing: not alive once the floor has passed, with
+    the ceiling at 300 s; the learned value is in /status and /metrics."""
+    path = tmp_path / "status.json"
+    clocks = FakeClocks()
+    source = WorkerStatusCollector(
+        path,
+        hang_timeout_seconds=300.0,
+        startup_grace_seconds=GRACE,
+        job="j",
+        namespace="n",
+        monotonic=lambda: clocks.monotonic,
+        wall=lambda: clocks.wall,
+        hang_timeout_floor_seconds=5.0,
+    )
+    learner = GapLearner()
+    step = 0
+
+    def publish() -> None:
+        nonlocal learner
+        learner = learner.published(("running", step, step), True, clocks.monotonic)
+        status = worker(step=step, steps_total=step, last_step_time=clocks.wall)
+        status.progress_gaps, status.longest_progress_gap_seconds = learner.gaps.count, learner.gaps.longest
+        write_status(path, status)
+
+    for step in range(1, WARMUP_GAPS + 1):  # noqa: B007 - ``publish`` reads it
+        publish()
+        assert source.read().hang_timeout_seconds == 300.0, "learned before the warm-up"
+        clocks.advance(0.5)
+    for step in range(WARMUP_GAPS + 1, WARMUP_GAPS + 40):  # noqa: B007
+        publish()
+        reading = source.read()
+        assert reading.health.alive, reading.health.reason
+        clocks.advance(0.5)
+    step += 1
+    publish()  # the last step, then nothing
+    assert source.read().hang_timeout_seconds == 5.0  # 4 x 0.5 s is below the floor
+    document = source.document(source.read())
+    assert document.health.hang_timeout_seconds == 5.0
+    assert document.sidecar.hang_timeout_floor_seconds == 5.0
+    assert samples(source)["trainguard_worker_hang_timeout_seconds"] == 5.0
+    clocks.advance(5.0)
+    assert source.read().health.alive  # exactly the deadline: not yet more than it
+    clocks.advance(0.5)
+    reading = source.read()
+    assert not reading.health.alive
+    assert reading.health.reason.startswith(
+        "no step for 5.5 s (hang timeout 5.0 s, learned from its pace, at most 300 s)"
+    )
+
+
+def test_what_a_worker_publishes_never_loosens_the_ceiling(tmp_path: Path) -> None:
+    path = tmp_path / "status.json"
+    clocks = FakeClocks()
+    source = collector(path, clocks)  # no floor: the fixed rule
+    loose = {"progress_gaps": 10**6, "longest_progress_gap_seconds": 1e9}
+    write_status(path, worker(step=5, steps_total=5, last_step_time=clocks.wall, **loose))
+    assert source.read().hang_timeout_seconds == HANG
+    clocks.advance(HANG + 1)
+    assert not source.read().health.alive
+    learning = WorkerStatusCollector(
+        path, hang_timeout_seconds=HANG, startup_grace_seconds=GRACE, job="j", namespace="n",
+        hang_timeout_floor_seconds=1.0,
+    )  # fmt: skip
+    assert learning.read().hang_timeout_seconds == HANG

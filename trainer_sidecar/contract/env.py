@@ -41,6 +41,7 @@ RUN_SECONDS_ENV = "TRAINGUARD_RUN_SECONDS"
 SIDECAR_HOST_ENV = "TRAINGUARD_SIDECAR_HOST"
 SIDECAR_PORT_ENV = "TRAINGUARD_SIDECAR_PORT"
 HANG_TIMEOUT_ENV = "TRAINGUARD_HANG_TIMEOUT_SECONDS"
+HANG_TIMEOUT_FLOOR_ENV = "TRAINGUARD_HANG_TIMEOUT_FLOOR_SECONDS"
 STARTUP_GRACE_ENV = "TRAINGUARD_STARTUP_GRACE_SECONDS"
 #: How many workers share the pod (``nprocPerNode``); each writes its own status file.
 LOCAL_RANKS_ENV = "TRAINGUARD_LOCAL_RANKS"
@@ -55,6 +56,7 @@ __all__ = [
     "FAULTS_ENV",
     "GANG_ENV",
     "HANG_TIMEOUT_ENV",
+    "HANG_TIMEOUT_FLOOR_ENV",
     "JOB_NAME_ENV",
     "LOCAL_RANKS_ENV",
     "NAMESPACE_ENV",
@@ -128,6 +130,7 @@ class SidecarEnvironment:
     job_name: str
     namespace: str
     local_ranks: int
+    hang_timeout_floor_seconds: float | None = None
 
     def variables(self) -> dict[str, str]:
         """The sidecar's ``TRAINGUARD_*`` variables (``TRAINGUARD_SIDECAR_HOST`` only when one is given)."""
@@ -142,6 +145,8 @@ class SidecarEnvironment:
         }
         if self.host is not None:
             variables[SIDECAR_HOST_ENV] = self.host
+        if self.hang_timeout_floor_seconds is not None:
+            variables[HANG_TIMEOUT_FLOOR_ENV] = _number(self.hang_timeout_floor_seconds)
         return variables
 
 

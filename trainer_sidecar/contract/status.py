@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from trainer_sidecar.contract.files import FileRefused, read_small_file
+from trainer_sidecar.contract.hang import ProgressGaps
 
 MAX_LOCAL_RANKS = 256
 #: The kubelet keeps at most this much of a container's termination message.
@@ -248,6 +249,15 @@ class WorkerStatus(BaseModel):
     activity_since: Timestamp | None = Field(
         None, description="When the training thread entered that activity (unix seconds)."
     )
+    progress_gaps: Count = Field(
+        0,
+        description="How many gaps between the progress changes it published the worker timed while "
+        "running (declared pauses excluded): the hang deadline is learned once there are enough "
+        "(trainer_sidecar.contract.hang).",
+    )
+    longest_progress_gap_seconds: NonNegativeFloat = Field(
+        0.0, description="The longest of those gaps after the warm-up (seconds; 0 before)."
+    )
     exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
         None,
         description="The code the guardian ends its process with, once it knows (a launcher between the "
@@ -263,6 +273,11 @@ class WorkerStatus(BaseModel):
                 f"local_rank {self.local_rank} is not below local_world_size {self.local_world_size}"
             )
         return self
+
+    @property
+    def gaps(self) -> ProgressGaps:
+        """What the worker learned of its pace, as the hang deadline's rule takes it."""
+        return ProgressGaps(self.progress_gaps, self.longest_progress_gap_seconds)
 
     @property
     def drop_rate(self) -> float:
@@ -346,23 +361,32 @@ Reason = Annotated[str, AfterValidator(_shorten_reason)]
 
 class HealthReport(BaseModel):
     """The sidecar's verdict on its worker: ``alive`` is what ``/healthz`` answers, ``ready`` what
-    ``/readyz`` answers, ``reason`` why (also when both are true)."""
+    ``/readyz`` answers, ``reason`` why (also when both are true), and the hang timeout it judged by."""
 
     model_config = ConfigDict(extra="ignore")
 
     alive: Annotated[bool, Strict()]
     ready: Annotated[bool, Strict()]
     reason: Reason = ""
+    hang_timeout_seconds: NonNegativeFloat | None = Field(
+        None,
+        description="The hang timeout the worker is judged by now: learned from its pace, between the "
+        "sidecar's floor and ceiling (None: a sidecar older than learning).",
+    )
 
 
 class SidecarInfo(BaseModel):
-    """The settings a sidecar judges with: when it started (unix seconds) and its two time limits."""
+    """The settings a sidecar judges with: when it started (unix seconds), its two time limits, and the
+    floor of the hang timeout it learns (the hang timeout is the ceiling)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     started_at: Timestamp
     hang_timeout_seconds: NonNegativeFloat
     startup_grace_seconds: NonNegativeFloat
+    hang_timeout_floor_seconds: NonNegativeFloat | None = Field(
+        None, description="The least hang timeout learned (None: the fixed rule, or an older sidecar)."
+    )
 
 
 class SidecarStatusDocument(BaseModel):

@@ -1016,6 +1016,12 @@ class Guardian:
         stable = self.training.stable_storage() if self._copies_in_background else None
         before = self._mark(Activity.CHECKPOINT)
         try:
+            if self.checkpoints.writing:
+                # A save waits for the previous write still in flight (checkpoints slower than their
+                # cadence): a pause of the checkpoint's length, declared so that no learned hang deadline
+                # (``contract.hang``) takes it for a hang; its end is progress.
+                with self.busy("checkpoint: waiting for the previous write"):
+                    self.checkpoints.wait()
             self.checkpoints.save(self.counters, stable, self.rank)
         except FencedError as exc:
             self._fenced(exc)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer_sidecar.contract.env import STATUS_FILE_ENV
+from trainer_sidecar.contract.hang import GapLearner
 from trainer_sidecar.contract.status import (
     Activity,
     Phase,
@@ -66,19 +67,28 @@ class StatusReporter:
         self._published: tuple[Activity, float] | None = None  # the activity the file says
         self._watch_stop = threading.Event()
         self._watch: threading.Thread | None = None
+        self._learner = GapLearner()
 
     def publish(self, phase: Phase, force: bool = False) -> None:
-        """Write the current status if it is due for ``phase`` (or ``force``)."""
+        """Write the current status if it is due for ``phase`` (or ``force``). Each status written carries
+        the gaps between the progress changes published so far (``contract.hang``): timed here, where
+        the sidecar's view of progress is made, on the monotonic clock."""
         with self._lock:
             if force or self._publisher.due(phase):
                 activity = self.tracker.current  # read before the status: never newer than what it says
+                status = self._status()
+                progress = (status.phase.value, status.step, status.steps_total)
+                learner = self._learner.published(progress, status.phase is Phase.RUNNING, time.monotonic())
+                status.progress_gaps = learner.gaps.count
+                status.longest_progress_gap_seconds = learner.gaps.longest
                 try:
-                    self._publisher.publish(self._status(), force=True)
+                    self._publisher.publish(status, force=True)
                 except OSError as exc:
                     self._unwritable(exc)
                 else:
                     self._failing = False
                     self._published = activity
+                    self._learner = learner  # unwritten progress is none the sidecar saw
 
     def stale_activity(self, now: float, period: float) -> bool:
         """Whether the file says another activity (or start) than the training thread's current one,
@@ -124,6 +134,9 @@ class StatusReporter:
         if path is None:
             return
         try:
-            write_termination_message(path, self._status())
+            status = self._status()
+            status.progress_gaps = self._learner.gaps.count
+            status.longest_progress_gap_seconds = self._learner.gaps.longest
+            write_termination_message(path, status)
         except OSError as exc:
             log.warning("could not write the termination message to %s: %s", path, exc)

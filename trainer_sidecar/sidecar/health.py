@@ -8,6 +8,14 @@ timestamps may only make a verdict stricter (a plausible past ``last_step_time``
 timeout is a hang even when the sidecar itself has just started), never looser. A timestamp in the future
 (beyond ``clock_skew_seconds``) is a failure to report: the worker gets the startup grace, then is not
 alive.
+
+The hang timeout of a running worker is learned from its pace (``trainer_sidecar.contract.hang``): the
+worker publishes the gaps between its progress changes, timed where it writes them; the sidecar turns
+them into a deadline with its own ceiling (``hang_timeout_seconds``) and floor
+(``hang_timeout_floor_seconds``), so what a worker publishes can only bring its deadline down from the
+ceiling to the floor, a stricter verdict, never a looser one. Only the running phase is judged by it:
+starting, rolling back and busy sections keep their own allowances, and a worker without a readable
+status is judged by the ceiling.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainer_sidecar.contract.allowance import OpenSection, busy_allowance
+from trainer_sidecar.contract.hang import hang_deadline
 from trainer_sidecar.contract.status import BusySection, Phase, WorkerStatus
 
 #: How far in the future a worker's timestamp may be before it is implausible. The worker and its sidecar
@@ -39,6 +48,23 @@ class HealthPolicy:
     hang_timeout_seconds: float
     startup_grace_seconds: float
     clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS
+    #: The learned hang deadline's floor (None, or at least ``hang_timeout_seconds``: not learned, the
+    #: fixed rule); see ``hang_timeout``.
+    hang_timeout_floor_seconds: float | None = None
+
+
+def hang_timeout(policy: HealthPolicy, status: WorkerStatus | None) -> float:
+    """The hang timeout a running worker is judged by now: learned from the gaps ``status`` publishes
+    and its last checkpoint's write time, between the policy's floor and its ceiling
+    (``contract.hang.hang_deadline``); the ceiling without a status or before the warm-up."""
+    if status is None:
+        return policy.hang_timeout_seconds
+    return hang_deadline(
+        policy.hang_timeout_seconds,
+        policy.hang_timeout_floor_seconds,
+        status.gaps,
+        status.checkpoint_seconds,
+    )
 
 
 @dataclass(frozen=True)
@@ -273,16 +299,20 @@ OUTSIDE_STEPS_HINT = (
 )
 
 
-def _stepping(tracking: Tracking, status: WorkerStatus, clocks: Clocks, hang: float) -> Health:
+def _stepping(tracking: Tracking, status: WorkerStatus, clocks: Clocks, policy: HealthPolicy) -> Health:
     age = _elapsed(tracking.progress_since, clocks, _step_of_this_run(status))
+    hang = hang_timeout(policy, status)
     if age > hang:
         between_steps = (
             status.phase is Phase.RUNNING and status.busy_since is None and not status.busy_sections
         )
+        timeout = f"{hang:g} s"
+        if hang < policy.hang_timeout_seconds:
+            timeout = f"{hang:.1f} s, learned from its pace, at most {policy.hang_timeout_seconds:g} s"
         return Health(
             alive=False,
             ready=False,
-            reason=f"no step for {age:.1f} s (hang timeout {hang:g} s), last step {status.step}"
+            reason=f"no step for {age:.1f} s (hang timeout {timeout}), last step {status.step}"
             + (OUTSIDE_STEPS_HINT if between_steps else ""),
         )
     return Health(
@@ -320,7 +350,9 @@ def judge(
       than ``started_at``): alive but not ready for the startup grace (counted from ``started_at`` if
       that is earlier), then not alive.
     * otherwise: not alive once its progress has not changed for longer than the hang timeout (or its
-      ``last_step_time`` of this run is older than that); else alive and ready.
+      ``last_step_time`` of this run is older than that); else alive and ready. The hang timeout is
+      ``hang_timeout(policy, status)``: learned from the worker's pace, between the floor and the
+      ceiling.
     """
     grace = policy.startup_grace_seconds
     if status is None:
@@ -342,7 +374,7 @@ def judge(
         return _busy(tracking, status, clocks, grace)
     if not tracking.stepped and _step_of_this_run(status) is None:
         return _starting(tracking, status, clocks, grace)
-    return _stepping(tracking, status, clocks, policy.hang_timeout_seconds)
+    return _stepping(tracking, status, clocks, policy)
 
 
 def assess_health(

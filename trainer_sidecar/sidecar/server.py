@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer_sidecar.contract.env import (
     HANG_TIMEOUT_ENV,
+    HANG_TIMEOUT_FLOOR_ENV,
     JOB_NAME_ENV,
     LOCAL_RANKS_ENV,
     NAMESPACE_ENV,
@@ -55,6 +56,7 @@ from trainer_sidecar.contract.env import (
     STATUS_FILE_ENV,
 )
 from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.hang import DEFAULT_FLOOR_SECONDS
 from trainer_sidecar.contract.status import (
     MAX_LOCAL_RANKS,
     HealthReport,
@@ -72,6 +74,7 @@ from trainer_sidecar.sidecar.health import (
     HealthPolicy,
     Tracking,
     assess_health,
+    hang_timeout,
     implausible_timestamps,
 )
 
@@ -111,7 +114,8 @@ _COUNTER_HELP: Mapping[str, str] = {
 @dataclass(frozen=True)
 class Reading:
     """One read of the status file: what was read (or why nothing was), the sidecar's clocks at the time,
-    the verdict, the sidecar's age of the worker's last step, and the counter totals after it."""
+    the verdict, the sidecar's age of the worker's last step, the counter totals after it, and the hang
+    timeout the worker is judged by (learned from its pace; None: not known, the policy's ceiling)."""
 
     clocks: Clocks
     status: WorkerStatus | None
@@ -119,6 +123,7 @@ class Reading:
     health: Health
     seconds_since_step: float | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
+    hang_timeout_seconds: float | None = None
 
 
 def fold_counters(
@@ -182,6 +187,7 @@ class _Watched:
             health=health,
             seconds_since_step=_seconds_since_step(self.tracking, status, clocks, policy),
             counters=dict(self.totals),
+            hang_timeout_seconds=hang_timeout(policy, status),
         )
 
 
@@ -246,6 +252,7 @@ def _combined(readings: Sequence[Reading], watched: Sequence[_Watched], ignored:
     }
     errors = [f"{w.path}: {r.read_error}" for w, r in zip(watched, readings, strict=True) if r.read_error]
     ages = [r.seconds_since_step for r in readings if r.seconds_since_step is not None]
+    timeouts = [r.hang_timeout_seconds for r in readings if r.hang_timeout_seconds is not None]
     return Reading(
         clocks=readings[shown].clocks,
         status=readings[shown].status,
@@ -253,6 +260,8 @@ def _combined(readings: Sequence[Reading], watched: Sequence[_Watched], ignored:
         health=Health(alive=not failing, ready=not worst, reason=reason),
         seconds_since_step=max(ages, default=None),
         counters=counters,
+        # The strictest: the pod is not alive once any of its ranks passed its own.
+        hang_timeout_seconds=min(timeouts, default=None),
     )
 
 
@@ -301,9 +310,12 @@ class WorkerStatusCollector(Collector):
         clock_skew_seconds: float = DEFAULT_CLOCK_SKEW_SECONDS,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        hang_timeout_floor_seconds: float | None = None,
     ) -> None:
         self.status_file = status_file
-        self.policy = HealthPolicy(hang_timeout_seconds, startup_grace_seconds, clock_skew_seconds)
+        self.policy = HealthPolicy(
+            hang_timeout_seconds, startup_grace_seconds, clock_skew_seconds, hang_timeout_floor_seconds
+        )
         self.job = job
         self.namespace = namespace
         self._monotonic = monotonic
@@ -381,6 +393,13 @@ class WorkerStatusCollector(Collector):
         reading = self.read()
         labels = [self.job, self.namespace]
         yield from _health_families(reading, labels)
+        yield from _gauge(
+            "trainguard_worker_hang_timeout_seconds",
+            "The hang timeout the worker is judged by now: learned from its pace (between the floor and "
+            "hangTimeoutSeconds), or hangTimeoutSeconds before the warm-up.",
+            labels,
+            _hang_timeout_of(reading, self.policy),
+        )
         if reading.status is not None:
             yield from _status_families(reading, reading.status, labels)
         yield from _counter_families(reading, labels)
@@ -390,14 +409,24 @@ class WorkerStatusCollector(Collector):
         return SidecarStatusDocument(
             status=reading.status,
             read_error=reading.read_error,
-            health=HealthReport(**asdict(reading.health)),
+            health=HealthReport(
+                **asdict(reading.health),
+                hang_timeout_seconds=_hang_timeout_of(reading, self.policy),
+            ),
             time=reading.clocks.wall,
             sidecar=SidecarInfo(
                 started_at=self.started_at,
                 hang_timeout_seconds=self.policy.hang_timeout_seconds,
                 startup_grace_seconds=self.policy.startup_grace_seconds,
+                hang_timeout_floor_seconds=self.policy.hang_timeout_floor_seconds,
             ),
         )
+
+
+def _hang_timeout_of(reading: Reading, policy: HealthPolicy) -> float:
+    """The hang timeout ``reading``'s worker is judged by (the ceiling when none was learned)."""
+    timeout = reading.hang_timeout_seconds
+    return policy.hang_timeout_seconds if timeout is None else timeout
 
 
 def _gauge(name: str, doc: str, labels: list[str], value: float | None) -> Iterable[Metric]:
@@ -601,6 +630,7 @@ class SidecarServer:
         job: str = DEFAULT_JOB_NAME,
         namespace: str = DEFAULT_NAMESPACE,
         local_ranks: int = 1,
+        hang_timeout_floor_seconds: float = DEFAULT_FLOOR_SECONDS,
     ) -> None:
         settings = SidecarSettings(
             status_file=Path(status_file),
@@ -611,6 +641,7 @@ class SidecarServer:
             job=job,
             namespace=namespace,
             local_ranks=local_ranks,
+            hang_timeout_floor_seconds=hang_timeout_floor_seconds,
         )
         self.host = settings.host
         self.collector = WorkerStatusCollector(
@@ -620,6 +651,7 @@ class SidecarServer:
             job=settings.job,
             namespace=settings.namespace,
             local_ranks=settings.local_ranks,
+            hang_timeout_floor_seconds=settings.hang_timeout_floor_seconds,
         )
         self.registry = CollectorRegistry()
         self.registry.register(self.collector)
@@ -700,6 +732,12 @@ class SidecarSettings(BaseModel):
         ge=0,
         description="Time a worker gets to publish its status and make its first step (and a rollback).",
     )
+    hang_timeout_floor_seconds: Seconds = Field(
+        DEFAULT_FLOOR_SECONDS,
+        gt=0,
+        description="The least hang timeout learned from the worker's pace (the hang timeout is the "
+        "ceiling); at or above the hang timeout: not learned, the fixed rule.",
+    )
     job: str = Field(DEFAULT_JOB_NAME, min_length=1, max_length=253, description="The job label on metrics.")
     namespace: str = Field(
         DEFAULT_NAMESPACE, min_length=1, max_length=253, description="The namespace label on metrics."
@@ -727,6 +765,7 @@ SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
     "port": ("--port", SIDECAR_PORT_ENV),
     "hang_timeout_seconds": ("--hang-timeout-seconds", HANG_TIMEOUT_ENV),
     "startup_grace_seconds": ("--startup-grace-seconds", STARTUP_GRACE_ENV),
+    "hang_timeout_floor_seconds": ("--hang-timeout-floor-seconds", HANG_TIMEOUT_FLOOR_ENV),
     "job": ("--job", JOB_NAME_ENV),
     "namespace": ("--namespace", NAMESPACE_ENV),
     "local_ranks": ("--local-ranks", LOCAL_RANKS_ENV),

@@ -53,4 +53,5 @@ def sidecar_environment(
         job_name=job.metadata.name,
         namespace=job.metadata.namespace,
         local_ranks=job.spec.nproc_per_node,
+        hang_timeout_floor_seconds=health.hang_timeout_floor_seconds,
     )

@@ -48,6 +48,8 @@ class SidecarReport:
     alive: bool | None = None
     reason: str = ""
     status: WorkerStatus | None = None
+    #: The hang timeout the sidecar judges its worker by now (learned from its pace; None: not said).
+    hang_timeout_seconds: float | None = None
 
     @classmethod
     def from_document(cls, document: Any) -> SidecarReport:
@@ -57,7 +59,13 @@ class SidecarReport:
         if parsed is None:
             return cls(reachable=False, reason=why)
         health = parsed.health
-        return cls(reachable=True, alive=health.alive, reason=health.reason, status=parsed.status)
+        return cls(
+            reachable=True,
+            alive=health.alive,
+            reason=health.reason,
+            status=parsed.status,
+            hang_timeout_seconds=health.hang_timeout_seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,8 @@ class GangView:
     #: The checkpoint interval in force and why, as rank 0 (which chooses it under auto) reported it.
     checkpoint_every_steps: int | None = None
     checkpoint_cadence: str = ""
+    #: The hang timeout the gang is judged by now: the strictest of its ranks' sidecars (None: not said).
+    hang_timeout_seconds: float | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -299,9 +309,14 @@ def _progress(ranks: tuple[RankState, ...]) -> Progress | None:
     )
 
 
-def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -> GangView:
+def observe_gang(
+    statuses: Mapping[int, WorkerStatus | None],
+    world_size: int,
+    hang_timeouts: Mapping[int, float | None] | None = None,
+) -> GangView:
     """The gang view of ``world_size`` ranks from their statuses by rank (None or absent: not reported;
-    a rank outside ``0 .. world_size - 1`` is ignored)."""
+    a rank outside ``0 .. world_size - 1`` is ignored), with the hang timeout each rank's sidecar said it
+    judges by (``hang_timeouts``; the gang's is the strictest)."""
     reported = {
         rank: status
         for rank, status in sorted(statuses.items())
@@ -329,4 +344,8 @@ def observe_gang(statuses: Mapping[int, WorkerStatus | None], world_size: int) -
         max_steps=_collective(s.max_steps for s in values if s.max_steps is not None),
         checkpoint_every_steps=lead.checkpoint_every_steps if lead is not None else None,
         checkpoint_cadence=lead.checkpoint_cadence if lead is not None else "",
+        hang_timeout_seconds=min(
+            (t for r, t in (hang_timeouts or {}).items() if t is not None and 0 <= r < world_size),
+            default=None,
+        ),
     )

@@ -126,7 +126,17 @@ class HealthSpec(_Model):
         300,
         ge=1,
         le=MAX_WAIT_SECONDS,
-        description="No step for this long means hung (at most a week: longer is no hang detection).",
+        description="No step for this long means hung: the ceiling of the hang timeout learned from the "
+        "job's pace (see hangTimeoutFloorSeconds; at most a week: longer is no hang detection).",
+    )
+    hang_timeout_floor_seconds: int = Field(
+        10,
+        ge=1,
+        le=MAX_WAIT_SECONDS,
+        description="After a warm-up the hang timeout is learned from the job's own pace (4x its "
+        "longest gap between steps, 2x its last checkpoint write), at least this and at most "
+        "hangTimeoutSeconds. At or above hangTimeoutSeconds: not learned, the fixed rule (at most a "
+        "week).",
     )
     startup_grace_seconds: int = Field(
         600,
@@ -509,4 +519,9 @@ class GuardedTrainingJobStatus(BaseModel):
         max_length=300,
         description="Why that interval: for everySteps auto the save stall, MTBF (and its source) and step "
         "time it came from.",
+    )
+    hang_timeout_seconds: float | None = Field(
+        None,
+        description="The hang timeout the gang is judged by now (the strictest rank's, seconds): learned "
+        "from its pace, between hangTimeoutFloorSeconds and hangTimeoutSeconds.",
     )

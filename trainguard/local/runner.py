@@ -98,6 +98,8 @@ class RankProcesses:
     ended_at: float | None = None
     #: The worker's status as its sidecar last served it (None: not read yet).
     status: WorkerStatus | None = None
+    #: The hang timeout its sidecar last said it judges the worker by (None: not said yet).
+    hang_timeout_seconds: float | None = None
 
     @property
     def sidecar_url(self) -> str:
@@ -447,6 +449,8 @@ class LocalRunner(GangSupervisor):
         report = SidecarReport.from_document(body)
         if report.status is not None:
             rank.status = report.status
+        if report.hang_timeout_seconds is not None:
+            rank.hang_timeout_seconds = report.hang_timeout_seconds
 
     def _monitor_workers(self) -> Look:
         """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as
@@ -490,7 +494,11 @@ class LocalRunner(GangSupervisor):
 
     def gang_view(self) -> GangView:
         """The current attempt's gang as its ranks last reported."""
-        return observe_gang({r.rank: r.status for r in self.ranks}, self.spec.replicas)
+        return observe_gang(
+            {r.rank: r.status for r in self.ranks},
+            self.spec.replicas,
+            {r.rank: r.hang_timeout_seconds for r in self.ranks},
+        )
 
     def observe(self) -> Look:
         """The gang now, and what the policy sees of it (from that one view)."""

@@ -41,6 +41,7 @@ _COLUMNS = (
     "restarts",
     "drop rate",
     "ckpt every",
+    "hang timeout",
 )
 
 
@@ -144,6 +145,7 @@ class LiveView(PlainView):
             str(runner.restarts),
             f"{rate:.4%}" if rate is not None and view.samples_seen else "-",
             str(view.checkpoint_every_steps or "-"),
+            f"{view.hang_timeout_seconds:.1f} s" if view.hang_timeout_seconds is not None else "-",
         )
         # Why the checkpoint interval is what it is (everySteps auto: the numbers it came from).
         table.caption = view.checkpoint_cadence or None
