@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
@@ -649,3 +650,21 @@ def test_any_header_gives_a_state_or_a_checkpoint_error_and_never_allocates_beyo
 ) -> None:
     """Random headers (entries of any shape, state trees naming them or not, metadata of any kind)."""
     _outcome_of(entries, data_size, tree, metadata_extra)
+
+
+class _Small(enum.IntEnum):
+    ONE = 1
+
+
+@given(
+    st.lists(st.one_of(st.integers(), st.booleans(), st.just(_Small.ONE), st.just(np.int64(3))), max_size=30)
+)
+def test_a_sequence_of_integers_is_encoded_as_each_of_its_values_would_be(values: list[Any]) -> None:
+    # Sequences of plain ints take a shortcut (Python's generator state, in every checkpoint): it must
+    # write exactly the nodes the element-by-element path writes, bools and int subclasses included.
+    encoder = checkpoint_format._Encoder([])
+    for sequence, kind in ((values, "list"), (tuple(values), "tuple")):
+        expected = {kind: [encoder.node(value, "state") for value in sequence]}
+        encoded = encoder.node(sequence, "state")
+        assert json.dumps(encoded) == json.dumps(expected)
+        assert [type(v) for v in encoded[kind]] == [type(v) for v in expected[kind]]

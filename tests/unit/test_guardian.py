@@ -615,6 +615,25 @@ def test_a_poisoned_state_is_never_saved_as_clean_and_rolls_back(tmp_path: Path,
     assert guardian.checkpoints.newest_valid() == 4  # nothing was written from the poisoned state
 
 
+def test_a_state_of_huge_but_finite_values_is_saved_as_clean(tmp_path: Path) -> None:
+    # 1e30 squared overflows float32: the fast screen (a Euclidean norm) cannot prove this state finite,
+    # and only the exact check may refuse it. It is finite, so it is snapshotted and checkpointed.
+    model = Poisonable()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    with torch.no_grad():
+        model.embed.weight[7].fill_(1e30)  # a row no batch looks up: no gradient ever reaches it
+    config = settings(checkpoint={"snapshotEverySteps": 1, "everySteps": 2})
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=config)
+    outcomes = [guardian.step(poisonable_loss(model)) for _ in range(4)]
+    assert all(outcome.applied for outcome in outcomes)
+    assert guardian.rollbacks == 0
+    guardian.checkpoints.wait()
+    assert guardian.checkpoints.newest_valid() == 4
+    saved = CheckpointStore(tmp_path).load(4)["model"]["embed.weight"]
+    assert torch.equal(saved[7], torch.full((4,), 1e30))
+    guardian.close()
+
+
 def test_a_state_that_stays_poisoned_diverges_instead_of_finishing(tmp_path: Path) -> None:
     model = Poisonable()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)

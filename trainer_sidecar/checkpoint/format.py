@@ -185,6 +185,10 @@ class _Encoder:
             return {"dict": items}
         if isinstance(value, (list, tuple)):
             kind = "tuple" if isinstance(value, tuple) else "list"
+            if all(type(v) is int for v in value):
+                # Python's generator state is 625 of them, in every checkpoint: each is its own node, as
+                # below, without a path built for each (the writer thread holds the GIL while it encodes).
+                return {kind: list(value)}
             nodes = [self.node(v, f"{where}[{i}]", (*path, str(i)), depth + 1) for i, v in enumerate(value)]
             return {kind: nodes}
         raise CheckpointError(

@@ -948,13 +948,16 @@ class Guardian:
         return None
 
     def _unclean_state(self) -> Verdict | None:
-        """None when the whole training state is finite on every rank (one collective, one host sync).
+        """None when the whole training state is finite on every rank (one collective, one host sync; a
+        second of each only when the fast screen cannot prove it finite: a real NaN, or huge values).
 
         When it is not, the judge decides (roll back at once, or diverge when the budget is spent), the
         verdict is carried out and returned."""
-        flag = self.training.nonfinite_flag()
-        with self.gang.waiting():
-            finite = not bool(self.gang.all_reduce(flag.reshape(1), _MAX).item())
+        finite = not self._agreed_flag(self.training.maybe_nonfinite_flag)
+        if not finite:
+            # The screen can overflow on large finite values: only the exact check may call a state unclean
+            # (every rank saw the same screen, so every rank takes this second collective alike).
+            finite = not self._agreed_flag(self.training.nonfinite_flag)
         verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
         if verdict.action is Action.APPLY:
             return None
@@ -967,6 +970,12 @@ class Guardian:
         self.message = verdict.reason
         self._carry_out(verdict)
         return verdict
+
+    def _agreed_flag(self, flag: Callable[[], torch.Tensor]) -> bool:
+        """Whether ``flag()`` (a 0-dim 0.0/1.0 tensor) is set on any rank: one collective, one host sync."""
+        local = flag().reshape(1)
+        with self.gang.waiting():
+            return bool(self.gang.all_reduce(local, _MAX).item())
 
     def _take_snapshot(self) -> None:
         # Parameters and optimizer state are copied while the next forward and backward passes run; the

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer_sidecar.guardian.config import ConfigError
 from trainer_sidecar.guardian.snapshot import stable_storage
-from trainer_sidecar.tensors.finite import nonfinite_flag
+from trainer_sidecar.tensors.finite import maybe_nonfinite_flag, nonfinite_flag
 from trainer_sidecar.tensors.sharding import (
     Readable,
     check_placements,
@@ -432,6 +432,13 @@ class TrainingObjects:
             "param_names": list(self.param_names),
             **self.small_state(),
         }
+
+    def maybe_nonfinite_flag(self) -> torch.Tensor:
+        """``nonfinite_flag``'s fast screen over the same state (``finite.maybe_nonfinite_flag``): 0.0
+        proves it finite; 1.0 means it may not be, and only ``nonfinite_flag`` can tell."""
+        return maybe_nonfinite_flag(
+            self.module.state_dict(), self.optimizer.state_dict()["state"], self.small_state()
+        )
 
     def stable_storage(self) -> set[int]:
         """The storage of the parameters and the optimizer state: what changes only in the optimizer
