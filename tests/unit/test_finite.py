@@ -47,3 +47,12 @@ def test_a_single_non_finite_value_is_flagged_by_both() -> None:
         tensor[617] = bad
         assert nonfinite_flag([tensor]).item() == 1.0
         assert maybe_nonfinite_flag([tensor]).item() == 1.0
+
+
+@given(st.lists(st.floats(width=64), max_size=40))
+def test_the_exact_check_flags_a_float64_state_exactly_when_a_value_is_not_finite(
+    values: list[float],
+) -> None:
+    # A finite float64 value beyond float32's range (1e300) is finite: judged in its own dtype.
+    expected = float(any(not math.isfinite(v) for v in values))
+    assert nonfinite_flag({"w": torch.tensor(values, dtype=torch.float64)}).item() == expected

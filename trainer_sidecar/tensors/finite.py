@@ -51,8 +51,9 @@ def _flag(plain_bad: bool, by_device: dict[torch.device, list[torch.Tensor]], or
     flags = [torch.tensor(float(plain_bad))]
     for tensors in by_device.values():
         norms = torch._foreach_norm(tensors, ord=order)
-        worst = torch.stack([n.float() for n in norms]).max()
-        flags.append((~torch.isfinite(worst)).float().cpu())
+        # Each norm is judged in its own dtype: a float64 value beyond float32's range is finite.
+        finite = torch.stack([torch.isfinite(n) for n in norms]).all()
+        flags.append((~finite).float().cpu())
     return torch.stack(flags).max()
 
 
