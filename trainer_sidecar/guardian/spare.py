@@ -44,8 +44,16 @@ from typing import Any
 
 from trainer_sidecar.contract.handoff import READY, Handoff, HandoffError, RunMode, receive_handoff
 
-#: Imported by every spare: what a guarded worker imports first, and pays most of its start for.
-BASE_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "trainer_sidecar.guardian")
+#: Imported by every spare: what a guarded worker imports first, and pays most of its start for (the
+#: package ``trainer_sidecar.guardian`` alone would not do: ``trainer_sidecar.Guardian`` is exported lazily
+#: and its module, with the checkpoint store under it, is another second and a half on a busy machine).
+BASE_IMPORTS = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "trainer_sidecar.guardian",
+    "trainer_sidecar.guardian.guardian",
+)
 #: A script larger than this is not parsed for its imports (it is run all the same).
 _MAX_SCRIPT_BYTES = 4 << 20
 # Whatever the script left (its globals, the exception that ended it) is kept here until the interpreter
