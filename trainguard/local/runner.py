@@ -187,6 +187,8 @@ class LocalRunner(GangSupervisor):
         self._spare_gang = ""
         # Every spare process, registered the moment it exists (as _workers), until handed off or stopped.
         self._spare_procs: list[subprocess.Popen[Any]] = []
+        #: Spares handed off before they had finished their imports (the handoff waited for them).
+        self.unready_handoffs = 0
 
     # ---------------------------------------------------------------------------------- template ---
     def _command(self) -> list[str]:
@@ -418,10 +420,12 @@ class LocalRunner(GangSupervisor):
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
         nproc = self.spec.nproc_per_node
         each = f" of {nproc} processes each" if nproc > 1 else ""
-        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}{self._how(warm)}")
+        how = self._how(warm, offered=len(spares))
+        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}{how}")
 
-    def _how(self, warm: int) -> str:
-        """How an attempt's workers started, for its start event ("" for a first attempt, always cold)."""
+    def _how(self, warm: int, *, offered: int) -> str:
+        """How an attempt's workers started, for its start event ("" for a first attempt, always cold):
+        ``warm`` of them in the ``offered`` spares."""
         replicas = self.spec.replicas
         if warm == replicas:
             return " in warm spares"
@@ -431,7 +435,7 @@ class LocalRunner(GangSupervisor):
             return ""
         if isinstance(self.warm_plan, str):
             return f" cold ({self.warm_plan})"
-        return " cold (no warm spares were ready)"
+        return " cold (its warm spares had exited)" if offered else " cold (no warm spares had started)"
 
     def _new_gang_id(self, attempt: int) -> str:
         return f"{os.getpid()}-{attempt}-{secrets.token_hex(4)}"
@@ -510,6 +514,8 @@ class LocalRunner(GangSupervisor):
         handoff = Handoff.for_command(self.warm_plan, environment=env, cwd=self.working_dir)
         if spare.proc.poll() is not None:
             return None
+        if not spare.is_warm():
+            self.unready_handoffs += 1
         try:
             send_handoff(spare.channel, handoff, log_file.fileno())
         except OSError as exc:
