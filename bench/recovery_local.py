@@ -11,9 +11,11 @@ Phases of the one recovery, all on this machine's wall clock:
 
 - ``detect_s``: the last step rank 0 logged in attempt 1 to the runner's failure decision;
 - ``stop_s``: that decision to the old gang being stopped (the ``restart`` event);
-- ``start_s``: the end of the backoff to the first step rank 0 logs in attempt 2, split into
-  ``to_guardian_s`` (to the guardian's creation in rank 0: interpreter, imports, rendezvous, data and
-  model; the status file's ``started_at``) and ``guardian_to_step_s`` (checkpoint read, first step);
+- ``start_s``: the end of the backoff to the first step rank 0 logs in attempt 2; within it
+  ``to_rendezvous_s`` (to rank 0's first log line, just after the gloo rendezvous and reading the
+  corpus: interpreter and imports, or the handoff), ``to_guardian_s`` (to the guardian's creation in
+  rank 0, the status file's ``started_at``: model, DDP, optimizer too) and ``guardian_to_step_s``
+  (resume from the checkpoint, the example's held-out loss on rank 0, the first step);
 - ``recover_s``: the last step of attempt 1 to the first of attempt 2, the backoff excluded
   (``detect_s + stop_s + start_s``). The goal for warm spares is ``recover_s`` <= 2 s.
 
@@ -77,6 +79,14 @@ def job_document(steps: int, crash_step: int, checkpoint_every: int) -> dict[str
     }
 
 
+def first_line_time(log: Path, text: str) -> float:
+    """When rank 0 first logged a line containing ``text`` (NaN: never)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if text in line and line[:4].isdigit():
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return float("nan")
+
+
 def step_times(log: Path) -> list[tuple[int, float]]:
     """(step, wall-clock time) of every step line rank 0 logged."""
     found = []
@@ -110,6 +120,7 @@ def run_once(scratch: Path, document: dict[str, Any], *, warm: bool) -> dict[str
     first_step, first_time = step_times(folder / "logs" / "attempt-2-rank-0.log")[0]
     status, _ = read_status(folder / "attempt-2" / "rank-0" / "status.json")
     guardian = status.started_at if status is not None else float("nan")
+    corpus = first_line_time(folder / "logs" / "attempt-2-rank-0.log", "tiny_lm: corpus:")
     return {
         "mode": "warm" if warm else "cold",
         "start_message": events[("start", 2)].message,
@@ -119,6 +130,7 @@ def run_once(scratch: Path, document: dict[str, Any], *, warm: bool) -> dict[str
         "detect_s": round(failed - last_time, 3),
         "stop_s": round(restarted - failed, 3),
         "start_s": round(first_time - starting, 3),
+        "to_rendezvous_s": round(corpus - starting, 3),
         "to_guardian_s": round(guardian - starting, 3),
         "guardian_to_step_s": round(first_time - guardian, 3),
         "recover_s": round(first_time - last_time - BACKOFF_SECONDS, 3),
@@ -142,7 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--crash-step must lie within --steps")
     document = job_document(args.steps, args.crash_step, args.checkpoint_every)
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
-    phases = ("detect_s", "stop_s", "start_s", "to_guardian_s", "guardian_to_step_s", "recover_s")
+    phases = (
+        "detect_s",
+        "stop_s",
+        "start_s",
+        "to_rendezvous_s",
+        "to_guardian_s",
+        "guardian_to_step_s",
+        "recover_s",
+    )
     with tempfile.TemporaryDirectory(prefix="trainguard-recovery-local-") as scratch:
         for index in range(args.runs):
             for warm in (False, True):

@@ -6,7 +6,11 @@ own free port. The runner probes each sidecar's ``/healthz`` every ``probePeriod
 kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
 ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
 ``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
-waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
+waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
+command is a plain ``python SCRIPT`` or ``python -m MODULE``, the new attempt runs in warm spares: one
+interpreter per rank, started with the next attempt's environment and gang marker once the current
+attempt steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.
+handoff``); the first attempt, and any other command, start cold.
 
 Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
 child is registered for cleanup the moment it exists and dies with the runner even when the runner is
