@@ -363,11 +363,11 @@ class LocalRunner(GangSupervisor):
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
 
     def _start_workers(self) -> None:
-        """Start the workers of attempt ``self.attempt`` (in its warm spares where there are some), then
-        their sidecars.
+        """Start the sidecars of attempt ``self.attempt``, side by side, then, once they listen, its
+        workers (in its warm spares where there are some).
 
-        The workers come first: their start and rendezvous are the restart's critical path, and a
-        sidecar only reads what its worker writes (its startup grace counts from its own start).
+        A worker starts only beside a sidecar that is up, as before; the sidecars start together so that
+        their start costs the restart one sidecar's time, not one per rank.
         """
         assert self.run_folder is not None, "prepare() before the first attempt"
         period = float(self.spec.health.probe_period_seconds)
@@ -385,11 +385,23 @@ class LocalRunner(GangSupervisor):
         logs.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.ranks = []
-        started: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
-        warm = 0
+        sidecars = []
         for rank in range(self.spec.replicas):
             status_file = attempt_dir / f"rank-{rank}" / "status.json"
             status_file.parent.mkdir(parents=True, exist_ok=True)
+            sidecar = SidecarProcess(
+                [sys.executable, "-m", "trainer_sidecar.sidecar"],
+                status_file.with_name("sidecar.log"),
+                lambda argv, **options: self._spawn(argv, worker=False, **options),
+                env=self.sidecar_env(status_file),
+            )
+            sidecar.launch()
+            sidecars.append((rank, sidecar, status_file))
+        for rank, sidecar, _ in sidecars:
+            if not sidecar.wait_until_listening():
+                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
+        warm = 0
+        for rank, sidecar, status_file in sidecars:
             log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"
             log_file = open(log_path, "xb")  # noqa: SIM115 - closed by _stop_workers
             self._files.append(log_file)
@@ -407,18 +419,8 @@ class LocalRunner(GangSupervisor):
                 )
             else:
                 warm += 1
-            started.append((rank, worker, status_file, log_path))
-        self._stop_spares()  # those no rank took (a spare that had exited was replaced by a cold start)
-        for rank, worker, status_file, log_path in started:
-            sidecar = SidecarProcess(
-                [sys.executable, "-m", "trainer_sidecar.sidecar"],
-                status_file.with_name("sidecar.log"),
-                lambda argv, **options: self._spawn(argv, worker=False, **options),
-                env=self.sidecar_env(status_file),
-            )
-            if not sidecar.start():
-                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
             self.ranks.append(RankProcesses(rank, worker, sidecar, status_file, log_path))
+        self._stop_spares()  # those no rank took (a spare that had exited was replaced by a cold start)
         remediation = ""
         if self.remediation is not None:
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
