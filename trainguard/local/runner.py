@@ -457,13 +457,14 @@ class LocalRunner(GangSupervisor):
     # ------------------------------------------------------------------------------ warm spares ---
     def _spares_due(self, look: Look) -> bool:
         """Whether to start the next attempt's spares now: restarts can run in them, there are none yet,
-        a restart is still allowed, and this attempt is training (started earlier, the spares' imports
-        would compete with the workers' own start for the cores)."""
+        a restart is still allowed, and this attempt has stepped (started earlier, the spares' imports
+        would compete for the cores with the workers' own start, resume and first step; a resumed
+        worker reports its checkpoint's step before it has taken one, so the step alone does not say)."""
         return (
             isinstance(self.warm_plan, WarmStart)
             and self._spare_attempt <= self.attempt
             and self.restarts < self.spec.recovery.max_restarts
-            and look.view.last_step is not None
+            and look.view.stepped
         )
 
     def _start_spares(self) -> None:
