@@ -71,7 +71,12 @@ def _run_job(
     view = LiveView() if interactive else PlainView()
     try:
         runner = LocalRunner(
-            job, checkpoint_root=checkpoint_root, run_dir=run_root, view=view, signals=signals
+            job,
+            checkpoint_root=checkpoint_root,
+            run_dir=run_root,
+            view=view,
+            signals=signals,
+            warm_spares=not args.no_warm_spares,
         )
         return runner.run(), runner
     finally:
@@ -305,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--summary", type=Path, help="where to write the JSON summary")
     run.add_argument("--plot", type=Path, help="also draw the timeline PNG here")
     run.add_argument("--plain", action="store_true", help="event lines only, even on a terminal")
+    run.add_argument(
+        "--no-warm-spares",
+        action="store_true",
+        help="start every attempt's workers cold: no spare interpreter with torch imported waits per rank "
+        "(each costs ~300-400 MB while the job runs)",
+    )
     run.set_defaults(handler=_run)
     report = commands.add_parser("report", help="draw a summary's timeline as a PNG")
     report.add_argument("summary", type=Path)

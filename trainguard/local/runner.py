@@ -6,7 +6,11 @@ own free port. The runner probes each sidecar's ``/healthz`` every ``probePeriod
 kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
 ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
 ``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
-waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint.
+waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
+command is a plain ``python SCRIPT`` or ``python -m MODULE``, the new attempt runs in warm spares: one
+interpreter per rank, started with the next attempt's environment and gang marker once the current
+attempt steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.
+handoff``); the first attempt, and any other command, start cold.
 
 Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
 child is registered for cleanup the moment it exists and dies with the runner even when the runner is
@@ -22,6 +26,7 @@ import hashlib
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -33,6 +38,7 @@ from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
 from trainer_sidecar.contract.files import read_small_file
+from trainer_sidecar.contract.handoff import READY, Handoff, RunMode, WarmStart, plan_warm_start, send_handoff
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.status import (
     MAX_STATUS_BYTES,
@@ -112,6 +118,29 @@ class RankProcesses:
         return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
+#: The module a warm spare runs (``trainer_sidecar.guardian.spare``), named, not imported: it imports torch.
+SPARE_MODULE = "trainer_sidecar.guardian.spare"
+
+
+@dataclass
+class Spare:
+    """A warm spare for one rank of the next attempt: its process and the runner's end of its channel."""
+
+    rank: int
+    proc: subprocess.Popen[bytes]
+    channel: socket.socket
+    warm: bool = False
+
+    def is_warm(self) -> bool:
+        """Whether the spare has said it finished its imports (without waiting for it)."""
+        if not self.warm and select.select([self.channel], [], [], 0)[0]:
+            try:
+                self.warm = self.channel.recv(1) == READY
+            except OSError:
+                self.warm = False
+        return self.warm
+
+
 class LocalRunner(GangSupervisor):
     """Runs one GuardedTrainingJob to success or failure on this machine. See the module docstring."""
 
@@ -124,11 +153,13 @@ class LocalRunner(GangSupervisor):
         stop_grace_seconds: float = 10.0,
         view: Any = None,
         signals: StopSignals | None = None,
+        warm_spares: bool = True,
     ) -> None:
         """Check the job against this machine (command, working directory, names); nothing starts yet.
 
         ``run_dir`` is the job's run root: each ``run()`` writes into a new folder under it
-        (``run_folder``). Raises SpecError or RunRefused naming the field.
+        (``run_folder``). ``warm_spares``: restart through warm spare interpreters where the command
+        allows it (see ``warm_plan``). Raises SpecError or RunRefused naming the field.
         """
         super().__init__(job, view=view)
         self.checkpoint_root = checkpoint_root.absolute()
@@ -154,6 +185,16 @@ class LocalRunner(GangSupervisor):
         self.gang_id = ""  # set per attempt: the marker every process of the gang carries (GANG_ENV)
         self.ranks: list[RankProcesses] = []
         self._next_probe = 0.0  # when the sidecars are probed next (time.monotonic())
+        #: How a restart can run in warm spares, or (a str) why every attempt starts cold.
+        self.warm_plan: WarmStart | str = self._warm_plan(warm_spares)
+        # The spares of the next attempt (``_spare_attempt``), all carrying its gang marker.
+        self._spares: list[Spare] = []
+        self._spare_attempt = 0
+        self._spare_gang = ""
+        # Every spare process, registered the moment it exists (as _workers), until handed off or stopped.
+        self._spare_procs: list[subprocess.Popen[Any]] = []
+        #: Spares handed off before they had finished their imports (the handoff waited for them).
+        self.unready_handoffs = 0
 
     # ---------------------------------------------------------------------------------- template ---
     def _command(self) -> list[str]:
@@ -170,6 +211,13 @@ class LocalRunner(GangSupervisor):
                 raise SpecError(f"{_CONTAINER}.command: {exc}") from exc
         return resolved
 
+    def _warm_plan(self, enabled: bool) -> WarmStart | str:
+        if not enabled:
+            return "warm spares are turned off"
+        if self.spec.nproc_per_node > 1:
+            return "nprocPerNode above 1 starts the workers under torchrun"
+        return plan_warm_start(self.command, sys.executable)
+
     def _template_env(self) -> dict[str, str]:
         env: dict[str, str] = {}
         for index, item in enumerate(self.worker.env or []):
@@ -181,8 +229,17 @@ class LocalRunner(GangSupervisor):
             env[str(item["name"])] = str(item.get("value", ""))
         return env
 
-    def worker_env(self, rank: int, port: int, status_file: Path) -> dict[str, str]:
-        """The environment of one worker process in the current attempt.
+    def worker_env(
+        self,
+        rank: int,
+        port: int,
+        status_file: Path,
+        *,
+        attempt: int | None = None,
+        gang_id: str | None = None,
+    ) -> dict[str, str]:
+        """The environment of one worker process in the current attempt (or in ``attempt`` with the gang
+        marker ``gang_id``: a spare's, made before that attempt starts).
 
         As torchrun does, ``OMP_NUM_THREADS`` shares this machine's cores among the workers unless the
         user set it. The termination-message file sits beside the status file.
@@ -202,7 +259,7 @@ class LocalRunner(GangSupervisor):
         env.update(
             worker_environment(
                 self.job,
-                attempt=self.attempt,
+                attempt=self.attempt if attempt is None else attempt,
                 remediation=self.remediation,
                 checkpoint_dir=str(self.worker_checkpoint_dir),
                 status_file=str(status_file),
@@ -211,7 +268,7 @@ class LocalRunner(GangSupervisor):
                 run_seconds=time.time() - self.started,
             ).variables()
         )
-        env[GANG_ENV] = self.gang_id
+        env[GANG_ENV] = self.gang_id if gang_id is None else gang_id
         env[RUN_ENV] = self.run_marker
         return env
 
@@ -273,7 +330,9 @@ class LocalRunner(GangSupervisor):
                 return
             time.sleep(0.1)
 
-    def _spawn(self, argv: list[str], *, worker: bool, **options: Any) -> subprocess.Popen[Any]:
+    def _spawn(
+        self, argv: list[str], *, worker: bool, spare: bool = False, **options: Any
+    ) -> subprocess.Popen[Any]:
         """Start a child and register it for cleanup before a stop signal can interrupt."""
         signals = self.signals if self.signals is not None else StopSignals()
         with signals.deferred():
@@ -281,7 +340,7 @@ class LocalRunner(GangSupervisor):
                 proc = spawn(argv, **options)
             except OSError as exc:
                 raise RunRefused(f"cannot start {argv[0]}: {exc}") from exc
-            (self._workers if worker else self._sidecars).append(proc)
+            (self._spare_procs if spare else self._workers if worker else self._sidecars).append(proc)
         return proc
 
     def sidecar_env(self, status_file: Path) -> dict[str, str]:
@@ -308,24 +367,29 @@ class LocalRunner(GangSupervisor):
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
 
     def _start_workers(self) -> None:
-        """Start the sidecars and workers of attempt ``self.attempt``."""
+        """Start the sidecars of attempt ``self.attempt``, side by side, then, once they listen, its
+        workers (in its warm spares where there are some).
+
+        A worker starts only beside a sidecar that is up, as before; the sidecars start together so that
+        their start costs the restart one sidecar's time, not one per rank.
+        """
         assert self.run_folder is not None, "prepare() before the first attempt"
         period = float(self.spec.health.probe_period_seconds)
         self._next_probe = 0.0 if self.attempt == 1 else time.monotonic() + period
-        self.gang_id = f"{os.getpid()}-{self.attempt}-{secrets.token_hex(4)}"
-        # Before the gang's first process: a runner killed from here on takes the gang with it, even
-        # the processes a launcher (torchrun) starts in sessions of their own.
-        if self.watchdog is None or not self.watchdog.announce(self.gang_id):
-            log.warning(
-                "attempt %d: no watchdog; if this runner is killed (SIGKILL), workers a launcher started "
-                "may outlive it until the job's next run",
-                self.attempt,
-            )
+        spares = self._take_spares()
+        if spares:
+            self.gang_id = self._spare_gang  # announced to the watchdog before the spares started
+        else:
+            self.gang_id = self._new_gang_id(self.attempt)
+            # Before the gang's first process: a runner killed from here on takes the gang with it, even
+            # the processes a launcher (torchrun) starts in sessions of their own.
+            self._announce(self.gang_id)
         attempt_dir = self.run_folder / f"attempt-{self.attempt}"
         logs = self.run_folder / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.ranks = []
+        sidecars = []
         for rank in range(self.spec.replicas):
             status_file = attempt_dir / f"rank-{rank}" / "status.json"
             status_file.parent.mkdir(parents=True, exist_ok=True)
@@ -335,27 +399,159 @@ class LocalRunner(GangSupervisor):
                 lambda argv, **options: self._spawn(argv, worker=False, **options),
                 env=self.sidecar_env(status_file),
             )
-            if not sidecar.start():
+            sidecar.launch()
+            sidecars.append((rank, sidecar, status_file))
+        for rank, sidecar, _ in sidecars:
+            if not sidecar.wait_until_listening():
                 raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
+        warm = 0
+        for rank, sidecar, status_file in sidecars:
             log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"
             log_file = open(log_path, "xb")  # noqa: SIM115 - closed by _stop_workers
             self._files.append(log_file)
-            worker = self._spawn(
-                self._pod_command(rank, port),
-                worker=True,
-                env=self.worker_env(rank, port, status_file),
-                cwd=self.working_dir,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                pass_fds=(self.lock.fd,),  # the checkpoint lock lives as long as the gang
-            )
+            env = self.worker_env(rank, port, status_file)
+            worker = self._hand_off(spares[rank], env, log_file) if rank in spares else None
+            if worker is None:
+                worker = self._spawn(
+                    self._pod_command(rank, port),
+                    worker=True,
+                    env=env,
+                    cwd=self.working_dir,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(self.lock.fd,),  # the checkpoint lock lives as long as the gang
+                )
+            else:
+                warm += 1
             self.ranks.append(RankProcesses(rank, worker, sidecar, status_file, log_path))
+        self._stop_spares()  # those no rank took (a spare that had exited was replaced by a cold start)
         remediation = ""
         if self.remediation is not None:
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
         nproc = self.spec.nproc_per_node
         each = f" of {nproc} processes each" if nproc > 1 else ""
-        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}")
+        how = self._how(warm, offered=len(spares))
+        self.event("start", f"started {self.spec.replicas} worker(s){each}{remediation}{how}")
+
+    def _how(self, warm: int, *, offered: int) -> str:
+        """How an attempt's workers started, for its start event ("" for a first attempt, always cold):
+        ``warm`` of them in the ``offered`` spares."""
+        replicas = self.spec.replicas
+        if warm == replicas:
+            return " in warm spares"
+        if warm:
+            return f" ({warm} in warm spares, {replicas - warm} cold: a spare had exited)"
+        if self.attempt == 1:
+            return ""
+        if isinstance(self.warm_plan, str):
+            return f" cold ({self.warm_plan})"
+        return " cold (its warm spares had exited)" if offered else " cold (no warm spares had started)"
+
+    def _new_gang_id(self, attempt: int) -> str:
+        return f"{os.getpid()}-{attempt}-{secrets.token_hex(4)}"
+
+    def _announce(self, gang_id: str) -> None:
+        if self.watchdog is None or not self.watchdog.announce(gang_id):
+            log.warning(
+                "attempt %d: no watchdog; if this runner is killed (SIGKILL), workers a launcher started "
+                "may outlive it until the job's next run",
+                self.attempt,
+            )
+
+    # ------------------------------------------------------------------------------ warm spares ---
+    def _spares_due(self, look: Look) -> bool:
+        """Whether to start the next attempt's spares now: restarts can run in them, there are none yet,
+        a restart is still allowed, and this attempt has stepped (started earlier, the spares' imports
+        would compete for the cores with the workers' own start, resume and first step; a resumed
+        worker reports its checkpoint's step before it has taken one, so the step alone does not say)."""
+        return (
+            isinstance(self.warm_plan, WarmStart)
+            and self._spare_attempt <= self.attempt
+            and self.restarts < self.spec.recovery.max_restarts
+            and look.view.stepped
+        )
+
+    def _start_spares(self) -> None:
+        """Start one warm spare per rank for attempt ``self.attempt + 1``, carrying its gang marker (told
+        the watchdog first) and its environment as far as it is known (the port, a remediation and the
+        log come with the handoff). Spares are optional: if one cannot start, the attempt starts cold."""
+        plan = self.warm_plan
+        assert isinstance(plan, WarmStart)
+        assert self.run_folder is not None
+        attempt = self.attempt + 1
+        gang = self._new_gang_id(attempt)
+        self._spare_attempt, self._spare_gang = attempt, gang
+        self._announce(gang)
+        logs = self.run_folder / "logs"
+        preload = ["--preload-script", plan.target] if plan.mode is RunMode.PATH else []
+        for rank in range(self.spec.replicas):
+            status_file = self.run_folder / f"attempt-{attempt}" / f"rank-{rank}" / "status.json"
+            env = self.worker_env(rank, 0, status_file, attempt=attempt, gang_id=gang)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            argv = [sys.executable, "-m", SPARE_MODULE, "--channel", str(theirs.fileno()), *preload]
+            try:
+                with open(logs / f"attempt-{attempt}-rank-{rank}.spare.log", "ab") as spare_log:
+                    proc = self._spawn(
+                        argv,
+                        worker=False,
+                        spare=True,
+                        env=env,
+                        cwd=self.working_dir,
+                        stdout=spare_log,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=(self.lock.fd, theirs.fileno()),
+                    )
+            except (RunRefused, OSError) as exc:
+                ours.close()
+                log.warning("attempt %d: no warm spares (%s); it will start cold", attempt, exc)
+                self._stop_spares()
+                return
+            finally:
+                theirs.close()
+            self._spares.append(Spare(rank, proc, ours))
+
+    def _take_spares(self) -> dict[int, Spare]:
+        """The spares made for the attempt starting now, by rank ({}: none)."""
+        if self._spare_attempt != self.attempt:
+            return {}
+        return {spare.rank: spare for spare in self._spares}
+
+    def _hand_off(
+        self, spare: Spare, env: dict[str, str], log_file: IO[bytes]
+    ) -> subprocess.Popen[Any] | None:
+        """Make ``spare`` this attempt's worker (see ``trainer_sidecar.contract.handoff``); None if it has
+        exited or cannot be told (the rank then starts cold)."""
+        assert isinstance(self.warm_plan, WarmStart)
+        handoff = Handoff.for_command(self.warm_plan, environment=env, cwd=self.working_dir)
+        if spare.proc.poll() is not None:
+            return None
+        if not spare.is_warm():
+            self.unready_handoffs += 1
+        try:
+            send_handoff(spare.channel, handoff, log_file.fileno())
+        except OSError as exc:
+            log.warning("attempt %d: rank %d's spare could not be told (%s)", self.attempt, spare.rank, exc)
+            return None
+        finally:
+            spare.channel.close()
+        signals = self.signals if self.signals is not None else StopSignals()
+        with signals.deferred():  # from a spare to a worker without a moment in neither list
+            self._workers.append(spare.proc)
+            self._spare_procs.remove(spare.proc)
+        self._spares.remove(spare)
+        return spare.proc
+
+    def _stop_spares(self) -> None:
+        """SIGKILL every spare not handed off (they hold nothing: no checkpoint, no peer) and reap it."""
+        spares, procs = self._spares, self._spare_procs
+        self._spares, self._spare_procs = [], []
+        for spare in spares:
+            spare.channel.close()
+        for proc in procs:
+            if proc.poll() is None:  # not reaped yet: its pid cannot have been reused
+                signal_group(proc, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
 
     def _stop_workers(self, grace_seconds: float | None = None) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.
@@ -461,7 +657,10 @@ class LocalRunner(GangSupervisor):
             self._next_probe = now + float(self.spec.health.probe_period_seconds)
         else:
             self.read_statuses()
-        return self.observe()
+        look = self.observe()
+        if self._spares_due(look):
+            self._start_spares()
+        return look
 
     def _read_final_statuses(self) -> None:
         """Once the gang is stopped (its sidecars too): each rank's final status from what its workers
@@ -562,6 +761,7 @@ class LocalRunner(GangSupervisor):
         finally:
             signals.disarm()  # from here on a stop signal cannot cut the cleanup short
             self._stop_workers()
+            self._stop_spares()
             self.lock.release()
             if self.watchdog is not None:
                 self.watchdog.close()  # the gang is stopped: the watchdog has nothing left to do

@@ -114,9 +114,19 @@ class SidecarProcess:
 
     def start(self) -> bool:
         """Start a sidecar and wait for its URL; False (and nothing left running) if it did not come up."""
+        self.launch()
+        return self.wait_until_listening()
+
+    def launch(self) -> None:
+        """Start the sidecar process without waiting for it (``wait_until_listening`` then does), so that
+        several sidecars start side by side."""
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = self.spawn(self.argv, stdout=subprocess.PIPE, stderr=log, env=self.env)
         self.started = time.monotonic()
+
+    def wait_until_listening(self) -> bool:
+        """Wait for the launched sidecar's URL; False (and nothing left running) if it did not come up."""
+        assert self.proc is not None, "launch() first"
         self.url = listening_url(self.proc, SIDECAR_START_TIMEOUT)
         if not self.url:
             self.stop()
