@@ -208,7 +208,16 @@ def _simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from trainguard.core.failure_models import MODELS, REFERENCES
-    from trainguard.core.simulate import COST_FLAGS, SWEEP_STEPS, Costs, Scenario, report, simulate, sweep
+    from trainguard.core.simulate import (
+        COST_FLAGS,
+        SWEEP_STEPS,
+        Costs,
+        Scenario,
+        ScenarioTooLarge,
+        report,
+        simulate,
+        sweep,
+    )
 
     try:
         job = load_job(args.job)
@@ -227,7 +236,11 @@ def _simulate(args: argparse.Namespace) -> int:
     gpus = args.gpus if args.gpus is not None else model.gpus
     days = args.days if args.days is not None else model.seconds / 86_400
     scenario = Scenario(spec, model, gpus, days, costs, args.failure_scale, args.seed)
-    outcome = simulate(scenario)
+    try:
+        outcome = simulate(scenario)
+    except ScenarioTooLarge as exc:
+        print(f"trainguard simulate: {exc}", file=sys.stderr)
+        return 2
     points = sweep(scenario, SWEEP_STEPS)
     references = [(r.name, r.ratio, r.what) for r in REFERENCES]
     print("\n".join(report(scenario, outcome, points, given, references=references)))

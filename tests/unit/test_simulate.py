@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainguard.cli import main
+from trainguard.core import simulate as simulate_module
 from trainguard.core import spec as spec_module
 from trainguard.core.failure_models import LLAMA3, FailureModel, Shows
 from trainguard.core.simulate import Costs, Scenario, simulate
@@ -199,3 +200,14 @@ def test_a_bad_job_file_exits_2_naming_the_field(tmp_path: Path, capsys: pytest.
     assert "spec.checkpoint.everySteps" in capsys.readouterr().err
     assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_a_scenario_too_large_to_play_exits_2_saying_what_to_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A century on a million GPUs with restarts unbounded: refused, not played for hours (the bound
+    # lowered so that the test plays few events before it).
+    monkeypatch.setattr(simulate_module, "MAX_EVENTS", 10_000)
+    arguments = ["--days", "36500", "--gpus", "1000000", "--max-restarts", "1000000000"]
+    assert main(["simulate", str(write_job(tmp_path)), *arguments]) == 2
+    assert "shorten --days" in capsys.readouterr().err

@@ -164,8 +164,18 @@ class _Cadence:
             ).steps
 
 
+#: The most checkpoints and failures one simulation plays (a few seconds of work): beyond it a scenario
+#: is refused rather than run for hours (Llama 3's 54 days at a checkpoint a step is about 470,000).
+MAX_EVENTS = 2_000_000
+
+
+class ScenarioTooLarge(ValueError):
+    """A scenario needs more than ``MAX_EVENTS`` checkpoints and failures."""
+
+
 def simulate(scenario: Scenario) -> Outcome:
-    """Play the scenario (see the module docstring); the same scenario and seed give the same outcome."""
+    """Play the scenario (see the module docstring); the same scenario and seed give the same outcome.
+    Raises ``ScenarioTooLarge`` (naming what to change) past ``MAX_EVENTS`` events."""
     spec, costs = scenario.spec, scenario.costs
     rng = random.Random(scenario.seed)
     end = scenario.days * DAY
@@ -192,7 +202,14 @@ def simulate(scenario: Scenario) -> Outcome:
     failure_at = next_failure(t)
     restarts = 0
     attempt = 1
+    events = 0
     while t < end:
+        events += 1
+        if events > MAX_EVENTS:
+            raise ScenarioTooLarge(
+                f"more than {MAX_EVENTS:,} checkpoints and failures to play: shorten --days, lower --gpus "
+                "or --failure-scale, or lengthen --step-seconds or the checkpoint interval"
+            )
         steps = cadence.steps_to_next(kept)
         span = steps * costs.step_seconds
         if t + span + costs.save_stall_seconds <= min(failure_at, end):
@@ -246,12 +263,16 @@ def simulate(scenario: Scenario) -> Outcome:
 
 def sweep(scenario: Scenario, intervals: list[int]) -> list[tuple[int, float]]:
     """Goodput for each fixed ``everySteps`` in ``intervals`` (the rest of the scenario alike, the time
-    cadence off so that the steps alone decide): where the chosen setting lies among the others."""
+    cadence off so that the steps alone decide): where the chosen setting lies among the others. An
+    interval too costly to play (``ScenarioTooLarge``) is left out."""
     results = []
     for every in intervals:
         checkpoint = scenario.spec.checkpoint.model_copy(update={"every_steps": every, "every_seconds": None})
         spec = scenario.spec.model_copy(update={"checkpoint": checkpoint})
-        outcome = simulate(replace(scenario, spec=spec))
+        try:
+            outcome = simulate(replace(scenario, spec=spec))
+        except ScenarioTooLarge:
+            continue  # a point too costly to play is left off the plot
         results.append((every, outcome.goodput(scenario.costs.step_seconds)))
     return results
 
