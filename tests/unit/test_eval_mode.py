@@ -1,6 +1,6 @@
 """An evaluation the loop did not declare: the guarded model in eval mode between steps counts as a busy
 section (``guardian.busy.evaluation_change``, opened by the activity watch), so the learned hang timeout
-does not take it for a hang.
+does not take it for a hang; and the end of a wait for a busy peer restarts the hang clock.
 
 The guardian's statuses are judged by the sidecar's pure health rule on the real clocks, with a learned
 timeout's floor of a second, so that a pause of a couple of seconds is past the learned deadline."""
@@ -21,10 +21,12 @@ from tests.support.health import Sidecar
 from trainer_sidecar import Guardian, GuardianSettings
 from trainer_sidecar.contract.hang import WARMUP_GAPS
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, read_status
+from trainer_sidecar.guardian import busy
 from trainer_sidecar.guardian.busy import (
     EVAL_MODE_REASON,
     STEP_ACTIVITIES,
     EvalChange,
+    PeerBoard,
     evaluation_change,
 )
 from trainer_sidecar.sidecar.health import Health, HealthPolicy, hang_timeout
@@ -228,4 +230,50 @@ def test_a_loop_that_trains_in_eval_mode_has_no_inferred_evaluations(tmp_path: P
     time.sleep(0.6)
     assert guardian._watch_evaluation(0.5) is None
     assert guardian.status().phase is Phase.RUNNING
+    guardian.close()
+
+
+# --- the end of a wait for a busy peer ---------------------------------------------------------------------
+
+
+class FakeStore:
+    """The part of a c10d store the busy board uses, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.values[key])
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = int(self.values.get(key, 0)) + amount
+        return int(self.values[key])
+
+
+def test_the_end_of_a_wait_for_a_busy_peer_restarts_the_hang_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 waits for rank 0's evaluation longer than its learned deadline. When rank 0 is done, rank
+    1's peer watch publishes "running" before rank 1 steps again: that status must not carry the step
+    time from before the wait, which the sidecar would count as a hang."""
+    store = FakeStore()
+    monkeypatch.setattr(busy, "default_store", lambda: store)
+    monkeypatch.setattr(busy, "WATCH_SECONDS", 0.1)
+    guardian, _, status_file, sidecar = learned_guardian(tmp_path)
+    guardian._busy.watch_peers(1, guardian._peer_changed)  # as a distributed guardian's start does
+    peer = PeerBoard(store, 0)
+    peer.announce("eval", None)
+    waiting = wait_for(status_file, lambda s: s.phase is Phase.BUSY)
+    assert waiting.busy_reason == "waiting for rank 0: eval"
+    sleep_past_the_deadline(waiting)
+    assert look(sidecar, published(status_file)).alive
+    peer.withdraw()
+    running = wait_for(status_file, lambda s: s.phase is Phase.RUNNING)
+    assert running.phase is Phase.RUNNING
+    assert running.step == waiting.step  # the main thread has not stepped: the peer watch published it
+    verdict = look(sidecar, running)
+    assert verdict.alive, verdict.reason
     guardian.close()

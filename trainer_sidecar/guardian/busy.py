@@ -260,6 +260,11 @@ class BusySections:
         It stays while any section is open, whichever closes first."""
         return self._stretch_since
 
+    @property
+    def waiting(self) -> bool:
+        """Whether this rank waits for a busy peer (as the peer watch last saw)."""
+        return self._peer is not None
+
     def enter(self, reason: str, seconds: float | None) -> object:
         """Begin a section; returns its token, for ``leave``. Raises ConfigError for a bound that is not a
         positive number of at most ``MAX_BUSY_SECONDS``, or beyond ``MAX_BUSY_SECTIONS`` open sections (a

@@ -312,7 +312,7 @@ class Guardian:
         self._stop.acquire()
         self._holding_stop = True
         if self.gang.distributed:
-            self._busy.watch_peers(self.rank, lambda: self._publish(force=True))
+            self._busy.watch_peers(self.rank, self._peer_changed)
         self.phase = Phase.RUNNING
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
@@ -393,6 +393,20 @@ class Guardian:
             # The end of the pause is progress, as a busy section's is (see ``busy``).
             self.last_step_time = now
         return now
+
+    def _peer_changed(self) -> None:
+        """The busy peer this rank waits for appeared or went (the peer watch's thread)."""
+        if (
+            self.phase is Phase.RUNNING
+            and self.last_step_time is not None
+            and not self._busy.waiting
+            and self._busy.since is None
+        ):
+            # The end of the wait is progress, as the end of a busy section is: the status that says
+            # "running" again must not carry the step time from before the wait, which the sidecar
+            # would count against the hang timeout until this rank's next step.
+            self.last_step_time = time.time()
+        self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
     @property
