@@ -215,14 +215,41 @@ def test_a_busy_section_inside_the_inferred_evaluation_nests_in_it(tmp_path: Pat
     guardian.close()
 
 
+def stop_the_watch(guardian: Guardian) -> None:
+    """Stop the activity watch's thread: the test looks itself, as that thread would."""
+    guardian._reporter.stop_watching()
+    watch = guardian._reporter._watch
+    assert watch is not None
+    watch.join(5)
+
+
+def test_an_evaluation_that_ends_in_the_next_backward_pass_restarts_the_hang_clock(tmp_path: Path) -> None:
+    """model.train() and the next backward pass within one look of the watch: the section ends on the
+    step's own work, before the step; the status then says running, and must not carry the step time from
+    before the evaluation until the step's own status."""
+    guardian, model, _, _ = learned_guardian(tmp_path)
+    stop_the_watch(guardian)
+    model.eval()
+    time.sleep(0.6)
+    assert guardian._watch_evaluation(0.5) is not None
+    assert guardian.status().phase is Phase.BUSY
+    ended = time.time()
+    model.train()
+    guardian._mark(Activity.BACKWARD)
+    assert guardian._watch_evaluation(0.5) is not None
+    status = guardian.status()
+    assert status.phase is Phase.RUNNING
+    assert status.last_step_time is not None
+    assert status.last_step_time >= ended
+    guardian._mark(Activity.LOOP)
+    guardian.close()
+
+
 def test_a_loop_that_trains_in_eval_mode_has_no_inferred_evaluations(tmp_path: Path) -> None:
     """Frozen batch norm and no dropout: a loop may train with the model in eval mode. Once the watch
     sees it in a step's own work in eval mode, eval mode says nothing of an evaluation any more."""
     guardian, model, _, _ = learned_guardian(tmp_path)
-    guardian._reporter.stop_watching()  # the test looks itself, as the watch's thread would
-    watch = guardian._reporter._watch
-    assert watch is not None
-    watch.join(5)
+    stop_the_watch(guardian)
     model.eval()
     guardian._mark(Activity.BACKWARD)  # as the watch would see a backward pass in eval mode
     assert guardian._watch_evaluation(0.5) is None

@@ -389,8 +389,16 @@ class Guardian:
             return None
         self._evaluation = None
         self._busy.leave(opened[0])
-        if change is EvalChange.END and self._busy.since is None and self.last_step_time is not None:
-            # The end of the pause is progress, as a busy section's is (see ``busy``).
+        stepped = progress != opened[1]  # the step set the step time itself
+        if (
+            not stepped
+            and self.phase is Phase.RUNNING
+            and self._busy.since is None
+            and self.last_step_time is not None
+        ):
+            # The end of the pause is progress, as a busy section's is (see ``busy``), also when the
+            # watch first sees the next step's work (model.train() and a backward within one look):
+            # until that step's own status, this one must not carry the step time from before it.
             self.last_step_time = now
         return now
 
