@@ -15,6 +15,7 @@ from tests.support.ports import free_port
 from tests.support.procs import finish, start_worker, successful_reports, worker_env
 from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.contract.status import Phase, WorkerStatus, read_status
+from trainer_sidecar.guardian.busy import EVAL_MODE_REASON
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,28 @@ def test_a_rank_waiting_for_a_busy_peer_reports_that_it_waits(tmp_path: Path) ->
     assert waiting.busy_reason == "waiting for rank 0: eval"
     assert waiting.busy_seconds is not None
     assert 1 <= waiting.busy_seconds <= 150
+    assert waiting.step == 5
+
+
+def test_a_rank_waiting_for_a_peer_evaluating_in_eval_mode_reports_that_it_waits(tmp_path: Path) -> None:
+    """As above, but rank 0 evaluates as real loops do (model.eval() ... model.train(), no guardian.busy):
+    its guardian infers the evaluation, and announces it to rank 1 as a declared one."""
+    release = tmp_path / "release"
+    args = ["--steps", "12", "--busy-at", "5", "--busy-rank", "0", "--busy-seconds", "90", "--busy-eval-mode"]
+    gang = start_gang(tmp_path, [*args, "--busy-until", str(release)])
+    try:
+        deadline = time.monotonic() + 120
+        evaluating = poll_status(tmp_path / "status-0.json", deadline, Phase.BUSY)
+        waiting = poll_status(tmp_path / "status-1.json", deadline, Phase.BUSY)
+    finally:
+        release.touch()
+        results = [finish(proc, timeout=120) for proc in gang]
+    successful_reports(results)
+    assert evaluating is not None
+    assert evaluating.busy_reason == EVAL_MODE_REASON
+    assert evaluating.busy_seconds is None  # unbounded, as busy("eval"): the startup grace
+    assert waiting is not None, "rank 1 never said it was waiting"
+    assert waiting.busy_reason == f"waiting for rank 0: {EVAL_MODE_REASON}"
     assert waiting.step == 5
 
 

@@ -181,6 +181,22 @@ def test_a_hang_is_caught_at_the_learned_timeout_far_below_hang_timeout_seconds(
     assert summary["final_step"] == 190
 
 
+def test_an_evaluation_in_eval_mode_is_no_hang_at_the_learned_timeout(tmp_path: Path) -> None:
+    """Rank 0 evaluates as real loops do (model.eval() ... model.train(), no guardian.busy) for twice the
+    learned timeout's floor, once the timeout is learned; rank 1 waits for it in its next collective. The
+    guardian sees the model in eval mode between steps and publishes an evaluation, which its peer waits
+    for: no restart (without it, rank 0 is taken for hung at the floor)."""
+    floor = 6
+    path = job(
+        tmp_path, steps=170, hang_timeout=300, step_sleep=0.1, health={"hangTimeoutFloorSeconds": floor},
+        extra_args=("--busy-at", "150", "--busy-seconds", str(2 * floor), "--busy-eval-mode"),
+    )  # fmt: skip
+    code, summary, output = run(tmp_path, path, timeout=400)
+    assert code == 0, output
+    assert summary["restarts"] == [], summary["restarts"]
+    assert summary["final_step"] == 170
+
+
 def test_a_hung_gang_is_stopped_at_once_not_after_the_stop_grace(tmp_path: Path) -> None:
     """Once rank 1 hangs, rank 0 waits in the step's collective and cannot reach a boundary to checkpoint:
     the runner stops both within a moment, not after its stop grace (10 s), which is for a stop where

@@ -10,9 +10,10 @@ could time on its own clock are the gaps between its readers, not between steps:
 own monotonic clock, and what kind of stretch a gap was (stepping, or a pause it declared). So it times
 the gap between two *published* progress changes (phase, step, step count: what the sidecar's hang clock
 restarts on), which already holds the status interval's delay that the sidecar's age of a step carries.
-A gap counts only when it began while the worker was running: a busy section, a rollback and the start
-are declared pauses with their own allowance (the startup grace, a section's own bound) and are never
-step gaps; their end is progress, so the next gap starts there.
+A gap counts only when it began while the worker was running: a busy section (declared, or an
+evaluation the guardian inferred from the model's eval mode), a rollback and the start are declared
+pauses with their own allowance (the startup grace, a section's own bound) and are never step gaps; their
+end is progress, so the next gap starts there.
 
 The worker's numbers only ever make the sidecar's verdict **stricter**, never looser (the sidecar
 distrusts what a worker writes; see ``trainer_sidecar.sidecar.health``): the deadline is at most the

@@ -2,12 +2,13 @@
 the one contract every reader of it validates against.
 
 The guardian rewrites the file at most every ``status_interval_seconds`` (and at once on a phase change,
-and when its training thread has stayed in one ``Activity`` for a watch period the file does not say yet:
-``trainer_sidecar.guardian.reporting``); the sidecar reads it, and the operator and the local runner
-receive it again as JSON (the sidecar's ``/status`` body, a container's termination message). Every
-reader goes through ``read_status`` (a file) or ``parse_status`` / ``parse_status_document`` (JSON from
-elsewhere), which validate with ``WorkerStatus`` and never raise: a missing, half-written, oversized,
-special or garbage input reads as ``None`` with a reason.
+when its training thread has stayed in one ``Activity`` for a watch period the file does not say yet,
+and when that watch sees an evaluation begin or end: ``trainer_sidecar.guardian.reporting``); the
+sidecar reads it, and the operator and the local runner receive it again as JSON (the sidecar's
+``/status`` body, a container's termination message). Every reader goes through ``read_status`` (a file)
+or ``parse_status`` / ``parse_status_document`` (JSON from elsewhere), which validate with
+``WorkerStatus`` and never raise: a missing, half-written, oversized, special or garbage input reads as
+``None`` with a reason.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ torch.distributed job has), and a light thread on every rank watches it: while a
 rank makes no progress, this rank reports itself busy too ("waiting for rank 0: eval"), for at most what
 the peer asked. The store is used from that thread's own connection, so a main thread blocked in a
 collective does not block it.
+
+An evaluation the loop did not declare is one too when the guardian can see it: the guarded model in eval
+mode while the training thread is in the loop's own code (``evaluation_change``, asked by the activity
+watch's thread, never by the training thread). It is an unbounded section like ``busy("eval")``, opened
+and closed from that thread (``BusySections.enter_implicit``), announced to the peers alike.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch.distributed as dist
@@ -31,6 +37,7 @@ from trainer_sidecar.contract.status import (
     MAX_BUSY_REASON_CHARS,
     MAX_BUSY_SECONDS,
     MAX_BUSY_SECTIONS,
+    Activity,
     BusySection,
     Phase,
 )
@@ -41,6 +48,57 @@ log = logging.getLogger(__name__)
 _COUNT_KEY = "trainguard/busy-count"
 _LATEST_KEY = "trainguard/busy-latest"
 WATCH_SECONDS = 2.0
+#: What an evaluation the guardian inferred (the model in eval mode between steps) is published as.
+EVAL_MODE_REASON = "eval (the model is in eval mode)"
+#: What a step's training runs in (the loop's forward pass aside): a model in eval mode seen in one of
+#: these trains in eval mode (frozen batch norm, no dropout), so its eval mode says nothing of an evaluation.
+STEP_ACTIVITIES = frozenset({Activity.BACKWARD, Activity.STEP, Activity.COLLECTIVE})
+
+#: The progress a step makes: the step kept and the cumulative step count (a rollback changes either).
+StepProgress = tuple[int, int]
+
+
+class EvalChange(StrEnum):
+    """What ``evaluation_change`` tells the activity watch to do."""
+
+    NONE = "none"
+    BEGIN = "begin"  # open the implicit evaluation section
+    END = "end"  # close it: the model went back to train mode (the end of a pause: progress)
+    STEPPED = "stepped"  # close it: a step (or a rollback, or the loop's end) ended it
+
+
+def evaluation_change(
+    open_at: StepProgress | None,
+    progress: StepProgress,
+    phase: Phase,
+    activity: Activity,
+    lasted: float,
+    period: float,
+    eval_mode: bool,
+    trains_in_eval_mode: bool,
+) -> EvalChange:
+    """Whether an implicit evaluation section begins or ends, from one look of the activity watch: the
+    section open since ``progress`` was ``open_at`` (None: none open), the ``progress`` and ``phase`` now,
+    the training thread's ``activity`` (lasted ``lasted`` seconds), whether the guarded model is in eval
+    mode, and whether the loop was seen training in eval mode.
+
+    Begins when running, in the loop's own code for at least ``period``, with the model in eval mode,
+    unless the loop trains in eval mode. Ends with ``STEPPED`` once the progress moved, the phase is no
+    longer running, or the thread is in a step's own work; else with ``END`` once the model is back in
+    train mode. Inside the loop's own busy sections (activity busy) an open section stays open. Pure."""
+    if open_at is not None:
+        if progress != open_at or phase is not Phase.RUNNING or activity in STEP_ACTIVITIES:
+            return EvalChange.STEPPED
+        return EvalChange.NONE if eval_mode else EvalChange.END
+    if (
+        eval_mode
+        and not trains_in_eval_mode
+        and phase is Phase.RUNNING
+        and activity is Activity.LOOP
+        and lasted >= period
+    ):
+        return EvalChange.BEGIN
+    return EvalChange.NONE
 
 
 @dataclass(frozen=True)
@@ -186,6 +244,8 @@ class BusySections:
 
     def __init__(self) -> None:
         self._sections: list[_Section] = []
+        # The implicit evaluation section, and the progress it began at (see ``enter_implicit``).
+        self._implicit: tuple[_Section, StepProgress] | None = None
         self._stretch_since: float | None = None  # when the open sections began (the first of them opened)
         self._lock = threading.Lock()
         self._peer: PeerBusy | None = None
@@ -199,6 +259,11 @@ class BusySections:
         """When the busy stretch began: the first of the open sections opened then (None: none is open).
         It stays while any section is open, whichever closes first."""
         return self._stretch_since
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this rank waits for a busy peer (as the peer watch last saw)."""
+        return self._peer is not None
 
     def enter(self, reason: str, seconds: float | None) -> object:
         """Begin a section; returns its token, for ``leave``. Raises ConfigError for a bound that is not a
@@ -223,6 +288,16 @@ class BusySections:
             self._board.announce(reason, seconds)
         return section
 
+    def enter_implicit(self, reason: str, progress: StepProgress) -> object:
+        """Begin a section the guardian inferred rather than the loop declared: unbounded, as
+        ``enter(reason, None)``, and shown by ``view`` only while the step progress is still ``progress``
+        (a step ends it at once, before the watch that opened it closes it with ``leave``)."""
+        token = self.enter(reason, None)
+        with self._lock:
+            assert isinstance(token, _Section)
+            self._implicit = (token, progress)
+        return token
+
     def leave(self, token: object) -> None:
         """End the section ``enter`` returned ``token`` for; the hang clock restarts. A section that is
         not open (closed before) is left alone, and the peers are told only once."""
@@ -232,6 +307,8 @@ class BusySections:
                 log.warning("a busy section was closed twice (or never opened); ignored")
                 return
             del self._sections[found]
+            if self._implicit is not None and self._implicit[0] is token:
+                self._implicit = None
             if not self._sections:
                 self._stretch_since = None
         if self._board is not None:
@@ -265,14 +342,18 @@ class BusySections:
         if self._watch is not None:
             self._watch.stop()
 
-    def view(self, phase: Phase, busy_since: float | None) -> BusyView:
+    def view(self, phase: Phase, busy_since: float | None, progress: StepProgress | None = None) -> BusyView:
         """What the status says: the rank's own ``phase`` (and ``busy_since``) unless it is running and
         in sections (then every open section, see ``BusyView``), or running and waiting for a busy peer
-        (then for at most what the peer asked, counted from its start)."""
+        (then for at most what the peer asked, counted from its start). An implicit section is left out
+        once ``progress`` differs from the one it began at: a step ended it."""
         if phase is not Phase.RUNNING:
             return BusyView(phase, busy_since)
         with self._lock:
             sections, since = list(self._sections), self._stretch_since
+            implicit = self._implicit
+        if implicit is not None and progress is not None and implicit[1] != progress:
+            sections = [s for s in sections if s is not implicit[0]]
         opened = tuple(BusySection(reason=s.reason, since=s.since, seconds=s.seconds) for s in sections)
         if opened and since is not None:
             since = min(since, *(s.since for s in opened))  # a wall clock stepped back: the earliest

@@ -40,7 +40,14 @@ from trainer_sidecar.contract.status import (
     WorkerStatus,
 )
 from trainer_sidecar.guardian.activity import ActivityTracker
-from trainer_sidecar.guardian.busy import BusySections
+from trainer_sidecar.guardian.busy import (
+    EVAL_MODE_REASON,
+    STEP_ACTIVITIES,
+    BusySections,
+    EvalChange,
+    StepProgress,
+    evaluation_change,
+)
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
@@ -271,6 +278,12 @@ class Guardian:
             self._activity,
         )
         self._busy = BusySections()
+        # The evaluation inferred from the model's eval mode (``_watch_evaluation``, the watch's thread
+        # alone): its section's token and the progress it began at; and whether the loop trains in eval
+        # mode (then eval mode says nothing).
+        self._evaluation: tuple[object, StepProgress] | None = None
+        self._trains_in_eval_mode = False
+        self._train_mode_seen = time.time()  # the watch's last look that found the model in train mode
         self._stop = STOP
         self._holding_stop = False
         self.checkpoint_dir = config.checkpoint_dir
@@ -299,11 +312,11 @@ class Guardian:
         self._stop.acquire()
         self._holding_stop = True
         if self.gang.distributed:
-            self._busy.watch_peers(self.rank, lambda: self._publish(force=True))
+            self._busy.watch_peers(self.rank, self._peer_changed)
         self.phase = Phase.RUNNING
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
-        self._reporter.watch_activity(lambda: self.phase)
+        self._reporter.watch_activity(lambda: self.phase, look=self._watch_evaluation)
         arm_at_exit(self._at_exit)
 
     # ---------------------------------------------------------------------------------------- busy ---
@@ -331,6 +344,77 @@ class Guardian:
                 # after an evaluation longer than the hang timeout reads "no step for" that long.
                 self.last_step_time = time.time()
             self._publish(force=True)
+
+    def _step_progress(self) -> StepProgress:
+        return (self.counters.step, self.counters.iterations)
+
+    def _watch_evaluation(self, period: float) -> float | None:
+        """Open or close the implicit evaluation section (``busy.evaluation_change``); called by the
+        activity watch's thread every ``period``, never by the training thread, so a step pays nothing
+        for it. Reads the model's ``training`` flag (a plain attribute: fine from another thread; the
+        thread-local ``torch.no_grad`` is not visible from here). Returns when the status changed (unix
+        seconds: an evaluation began after the loop's code did and after the last look that found the model
+        in train mode, so the watch's delay is no step gap), or None when it did not."""
+        progress = self._step_progress()  # first: a step after this makes the section stale, not missed
+        current = self._activity.current
+        activity, since = current
+        eval_mode = not self.module.training
+        now = time.time()
+        if not eval_mode:
+            self._train_mode_seen = now
+        if (
+            eval_mode
+            and activity in STEP_ACTIVITIES
+            and self.phase is Phase.RUNNING  # a rollback's validation runs in a step, in eval mode
+            and self._activity.current is current  # the mode was read inside that very activity
+            and not self._trains_in_eval_mode
+        ):
+            self._trains_in_eval_mode = True
+            log.info("the model is trained in eval mode: eval mode no longer counts as an evaluation")
+        opened = self._evaluation
+        change = evaluation_change(
+            None if opened is None else opened[1],
+            progress,
+            self.phase,
+            activity,
+            now - since,
+            period,
+            eval_mode,
+            self._trains_in_eval_mode,
+        )
+        if change is EvalChange.BEGIN:
+            self._evaluation = (self._busy.enter_implicit(EVAL_MODE_REASON, progress), progress)
+            return max(since, self._train_mode_seen)  # it began after both
+        if opened is None or change is EvalChange.NONE:
+            return None
+        self._evaluation = None
+        self._busy.leave(opened[0])
+        stepped = progress != opened[1]  # the step set the step time itself
+        if (
+            not stepped
+            and self.phase is Phase.RUNNING
+            and self._busy.since is None
+            and self.last_step_time is not None
+        ):
+            # The end of the pause is progress, as a busy section's is (see ``busy``), also when the
+            # watch first sees the next step's work (model.train() and a backward within one look):
+            # until that step's own status, this one must not carry the step time from before it.
+            self.last_step_time = now
+        return now
+
+    def _peer_changed(self) -> None:
+        """The busy peer this rank waits for appeared or went (the peer watch's thread)."""
+        if (
+            self.phase is Phase.RUNNING
+            and self.last_step_time is not None
+            and not self._busy.waiting
+            and self._busy.since is None
+        ):
+            # The end of the wait is progress, as the end of a busy section is: the status that says
+            # "running" again must not carry the step time from before the wait, which the sidecar
+            # would count against the hang timeout until this rank's next step.
+            self.last_step_time = time.time()
+        self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
     @property
@@ -1267,7 +1351,7 @@ class Guardian:
         """The worker's current status, as published to the sidecar."""
         data = self.feed.loader.counters if self.feed.loader is not None else None
         counters = self.counters
-        busy = self._busy.view(self.phase, self.busy_since)
+        busy = self._busy.view(self.phase, self.busy_since, self._step_progress())
         activity, activity_since = self._activity.current
         return WorkerStatus(
             rank=self.rank,

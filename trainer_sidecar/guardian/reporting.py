@@ -69,16 +69,21 @@ class StatusReporter:
         self._watch: threading.Thread | None = None
         self._learner = GapLearner()
 
-    def publish(self, phase: Phase, force: bool = False) -> None:
+    def publish(self, phase: Phase, force: bool = False, at: float | None = None) -> None:
         """Write the current status if it is due for ``phase`` (or ``force``). Each status written carries
         the gaps between the progress changes published so far (``contract.hang``): timed here, where
-        the sidecar's view of progress is made, on the monotonic clock."""
+        the sidecar's view of progress is made, on the monotonic clock. ``at``: when the change this
+        status publishes happened (unix seconds), if it was found later (a pause the activity watch
+        inferred): the gap it ends is timed to then, not to the watch's delay."""
         with self._lock:
             if force or self._publisher.due(phase):
                 activity = self.tracker.current  # read before the status: never newer than what it says
                 status = self._status()
                 progress = (status.phase.value, status.step, status.steps_total)
-                learner = self._learner.published(progress, status.phase is Phase.RUNNING, time.monotonic())
+                now = time.monotonic()
+                if at is not None:
+                    now -= max(0.0, time.time() - at)
+                learner = self._learner.published(progress, status.phase is Phase.RUNNING, now)
                 status.progress_gaps = learner.gaps.count
                 status.longest_progress_gap_seconds = learner.gaps.longest
                 try:
@@ -96,19 +101,31 @@ class StatusReporter:
         current = self.tracker.current
         return self._published is not None and current != self._published and now - current[1] >= period
 
-    def watch_activity(self, phase: Callable[[], Phase], period: float = ACTIVITY_WATCH_SECONDS) -> None:
+    def watch_activity(
+        self,
+        phase: Callable[[], Phase],
+        period: float = ACTIVITY_WATCH_SECONDS,
+        look: Callable[[float], float | None] | None = None,
+    ) -> None:
         """Publish, from a daemon thread, an activity the training thread has stayed in for ``period``
         seconds that the file does not say yet (see the module docstring); nothing without a status file.
-        ``stop_watching`` ends it."""
+        ``look(period)``, if given, is called from that thread every period first; when it returns a time
+        (unix seconds) something changed then (the guardian's inferred evaluation began or ended), and a
+        status is published (see ``publish``'s ``at``). ``stop_watching`` ends it."""
         if self._publisher.path is None or self._watch is not None:
             return
 
         def run() -> None:
             while not self._watch_stop.wait(period):
-                if not self.stale_activity(time.time(), period):
+                try:
+                    changed = None if look is None else look(period)
+                except Exception:  # as below: the watch must go on
+                    log.debug("looking at the training thread failed", exc_info=True)
+                    changed = None
+                if changed is None and not self.stale_activity(time.time(), period):
                     continue
                 try:
-                    self.publish(phase(), force=True)
+                    self.publish(phase(), force=True, at=changed)
                 except Exception:  # the sidecar judges a silent worker; the watch must not die loudly
                     log.debug("publishing the activity failed", exc_info=True)
 

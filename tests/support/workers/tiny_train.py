@@ -85,6 +85,13 @@ def own_loop(
             break
 
 
+def pause(seconds: float, until: Path | None) -> None:
+    """Sleep ``seconds``, or until the file ``until`` exists."""
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends and not (until and until.exists()):
+        time.sleep(0.05)
+
+
 def main() -> int:
     """Train for --steps steps under the guardian and report."""
     parser = argparse.ArgumentParser()
@@ -98,6 +105,12 @@ def main() -> int:
     parser.add_argument("--busy-rank", type=int, default=0)
     parser.add_argument("--busy-seconds", type=float, default=0.0, help="how long it is busy (sleeping)")
     parser.add_argument("--busy-until", type=Path, help="busy until this file exists")
+    parser.add_argument(
+        "--busy-eval-mode",
+        action="store_true",
+        help="the busy pause is an evaluation as real loops write it: model.eval() ... model.train(), no "
+        "guardian.busy",
+    )
     parser.add_argument("--loop", choices=("run", "steps", "own", "dowhile"), default="run")
     parser.add_argument("--declare-max", action="store_true", help="Guardian(..., max_steps=--steps)")
     parser.add_argument("--raise-after-loop", action="store_true")
@@ -141,11 +154,14 @@ def main() -> int:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if guardian.step_count == args.busy_at and guardian.rank == args.busy_rank:
-            with guardian.busy("eval", seconds=args.busy_seconds + 60):
-                # An evaluation only this rank runs; the others wait.
-                ends = time.monotonic() + args.busy_seconds
-                while time.monotonic() < ends and not (args.busy_until and args.busy_until.exists()):
-                    time.sleep(0.05)
+            # An evaluation only this rank runs; the others wait.
+            if args.busy_eval_mode:
+                model.eval()
+                pause(args.busy_seconds, args.busy_until)
+                model.train()
+            else:
+                with guardian.busy("eval", seconds=args.busy_seconds + 60):
+                    pause(args.busy_seconds, args.busy_until)
     report = {
         "rank": guardian.rank,
         "step": guardian.step_count,
