@@ -40,6 +40,7 @@ from tests.support.jobs import (
     scrape,
     timestamp,
 )
+from tests.support.manifests import get_gtj_header
 from trainer_sidecar.checkpoint import CheckpointStore
 
 # Rank 1 of attempt 1 leaks memory once it has trained past step 30: the kernel kills the worker at its
@@ -156,7 +157,7 @@ def test_the_example_job_trains_to_success(
     assert [summary["final_step"] for summary in summaries] == [60], logs
     table = cluster.kubectl("get", "gtj", "-n", namespace.name)
     header, row = table.splitlines()[:2]
-    assert header.split() == ["NAME", "STATE", "STEP", "RESTARTS", "ROLLBACKS", "AGE"]
+    assert header.split() == get_gtj_header()
     assert row.split()[:5] == [JOB, "Succeeded", str(status["step"]), "0", "0"]
     described = cluster.kubectl("describe", "gtj", JOB, "-n", namespace.name)
     assert "AttemptCreated" in described

@@ -21,6 +21,7 @@ import yaml
 
 from tests.support.controlplane import ControlPlane
 from tests.support.kubeflow import pytorchjob_crd, pytorchjob_example
+from tests.support.manifests import get_gtj_header
 from tests.support.paths import REPO_ROOT
 from trainguard.core import spec
 from trainguard.core.crd import build_crd
@@ -389,9 +390,9 @@ def test_status_is_a_subresource(api: Api) -> None:
 
 
 def test_kubectl_get_gtj_shows_the_printer_columns(api: Api, running_job: str) -> None:
-    """``kubectl get gtj`` (the short name) prints State, Step, Restarts, Rollbacks and Age."""
+    """``kubectl get gtj`` (the short name) prints the CRD's printer columns."""
     out = api.plane.kubectl("get", "gtj", running_job).stdout.splitlines()
-    assert out[0].split() == ["NAME", "STATE", "STEP", "RESTARTS", "ROLLBACKS", "AGE"], out
+    assert out[0].split() == get_gtj_header(), out
     assert out[1].split()[:5] == [running_job, "Running", "120", "1", "2"], out
     listed = api.plane.kubectl("get", "guardedtrainingjobs", "--output=name").stdout.split()
     assert f"guardedtrainingjob.trainguard.dev/{running_job}" in listed

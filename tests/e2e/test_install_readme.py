@@ -33,6 +33,7 @@ from tests.support import controlplane, tools
 from tests.support.cluster import OPERATOR_NAMESPACE, OPERATOR_RELEASE, Cluster, wait_for
 from tests.support.controlplane import Process
 from tests.support.jobs import JOB, persistent_volume
+from tests.support.manifests import get_gtj_header
 from tests.support.paths import REPO_ROOT
 from tests.support.ports import free_port
 
@@ -205,7 +206,7 @@ def test_the_readme_install_section_runs_as_written(
         # 4. Watch it train; its Events and the operator's metrics tell the same.
         (watch_line,) = [line for line in observe if " -w" in line]
         rows = watch(watch_line, environment, timeout=600)
-        assert rows[0].split() == ["NAME", "STATE", "STEP", "RESTARTS", "ROLLBACKS", "AGE"], rows
+        assert rows[0].split() == get_gtj_header(), rows
         outputs = [run(line, environment) for line in observe if line != watch_line]
         assert any("AttemptCreated" in out for out in outputs), outputs
         steps = [

@@ -11,6 +11,7 @@ import jsonschema  # type: ignore[import-untyped]
 import yaml
 
 from tests.support import kubeflow
+from trainguard.core.crd import PRINTER_COLUMNS
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 
 USER_ENV: list[dict[str, Any]] = [
@@ -99,3 +100,8 @@ def validator() -> jsonschema.Draft7Validator:
 def schema_errors(manifest: Mapping[str, Any]) -> list[str]:
     """Every way ``manifest`` breaks the strict PyTorchJob schema (``path: message``)."""
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator().iter_errors(manifest)]
+
+
+def get_gtj_header() -> list[str]:
+    """The header ``kubectl get gtj`` prints: NAME, then the CRD's printer columns (upper case)."""
+    return ["NAME", *(str(column["name"]).upper() for column in PRINTER_COLUMNS)]
