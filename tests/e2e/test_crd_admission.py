@@ -192,6 +192,7 @@ def test_example_job_is_created_with_the_api_servers_defaults(api: Api) -> None:
     assert stored["recovery"]["backoffSeconds"] == [10, 30, 90]  # none given: the default
     assert stored["health"] == {
         "hangTimeoutSeconds": 300,
+        "hangTimeoutFloorSeconds": 10,
         "startupGraceSeconds": 600,
         "probePeriodSeconds": 10,
     }
