@@ -554,3 +554,18 @@ def test_of_crashed_ranks_that_ended_together_the_one_in_its_own_work_is_the_cau
         decision.reason
         == "rank 1 crashed first: exited with code 1; rank 0 too (in a collective its exit broke)"
     )
+
+
+def test_of_crashed_ranks_that_ended_together_one_killed_by_a_signal_is_the_cause_whatever_the_activity() -> (
+    None
+):
+    # FSDP: rank 1 is SIGKILLed in its step (its last published activity says a collective); rank 0,
+    # waiting in the forward pass's all-gather (which reads as its own work), exits 1 the same second.
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, exit_code=1, ended_at=10.0, activity=Activity.LOOP),
+            running(1, exit_code=137, ended_at=10.0, activity=Activity.COLLECTIVE),
+        ),
+    )
+    assert decision.rank == 1

@@ -10,9 +10,9 @@ restarts in the middle of a recovery does not restart the gang twice.
 
 Attribution: when several ranks have failed by the time the executor looks, the decision names one. A
 misconfigured, fenced or diverged rank comes before a crashed one, a crash before a lost or hung rank;
-among ranks failing alike, the one that ended first (then, by their activity, one that was in its own
-work before one in a collective; then one killed by a signal; then the lowest rank), since a rank whose
-peer died usually exits 1 from the collective a moment later.
+among ranks failing alike, the one that ended first (then one killed by a signal; then, by their
+activity, one that was in its own work before one in a collective; then the lowest rank), since a rank
+whose peer died usually exits 1 from the collective a moment later.
 
 Hangs are read from where each rank's guardian last said its training thread was
 (``RankObservation.activity``, the status contract's ``Activity``). A gang steps in lockstep: when one
@@ -260,15 +260,17 @@ def waiting_order(activity: Activity | None) -> int:
     return 1 if activity is Activity.BACKWARD else 0
 
 
-def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, int, bool, int]:
+def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, bool, int, int]:
     # Among ranks failing alike, the one that ended first is the cause, its peers' failures the effect
     # (a rank whose peer vanished exits 1 from the collective). Ending times may tie (a container's is
-    # in whole seconds): then a rank that was in its own work is the likelier cause than one in a
-    # collective, then one killed by a signal (OOM, a liveness kill) than one that exited by itself;
-    # then the lowest rank.
+    # in whole seconds): then a rank killed by a signal (OOM, a liveness kill) is the likelier cause than
+    # one that exited by itself; then one that was in its own work than one in a collective; then the
+    # lowest rank. The signal comes first: a killed rank could not publish where it was (its activity is
+    # stale), and a peer waiting in a collective the guardian does not see (FSDP's all-gather in the
+    # forward pass) reads as its own work.
     ended = rank.ended_at if rank.ended_at is not None else _NEVER
     evidence = waiting_order(rank.activity)
-    return (_PRIORITY.index(kind), ended, evidence, not killed_by_signal(rank.exit_code), rank.rank)
+    return (_PRIORITY.index(kind), ended, not killed_by_signal(rank.exit_code), evidence, rank.rank)
 
 
 def _hang_order(rank: RankObservation) -> tuple[int, float, float, int]:
