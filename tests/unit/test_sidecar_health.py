@@ -550,3 +550,21 @@ def test_a_stopped_worker_is_alive_while_it_exits() -> None:
     assert verdict.alive
     assert not verdict.ready
     assert "SIGTERM" in verdict.reason
+
+
+def test_a_worker_failing_with_its_exit_code_is_alive_while_it_ends_then_not() -> None:
+    # The guardian publishes failed with the code it exits with as its process ends: a crash in progress,
+    # not a hang (until the exit, the executor would otherwise blame it before the peer that caused it).
+    sidecar = Sidecar()
+    assert sidecar.read(worker(step=10, last_step_time=sidecar.wall)).alive
+    failing = worker(phase=Phase.FAILED, step=10, exit_code=1, message="RuntimeError: peer gone")
+    verdict = sidecar.read(failing)
+    assert verdict == Health(
+        alive=True,
+        ready=False,
+        reason="worker failed at step 10: RuntimeError: peer gone; its process is ending",
+    )
+    sidecar.advance(HANG + 1)  # it never ended: not alive, so the executor acts
+    verdict = sidecar.read(failing)
+    assert not verdict.alive
+    assert "its process did not end within" in verdict.reason

@@ -322,6 +322,27 @@ def _stepping(tracking: Tracking, status: WorkerStatus, clocks: Clocks, policy: 
     )
 
 
+def _ending(tracking: Tracking, status: WorkerStatus, clocks: Clocks, policy: HealthPolicy) -> Health:
+    """A worker that published ``failed`` with the code it exits with: its guardian does so as its
+    process ends (an exception left the loop), and the exit code tells the crash. Until then it is alive
+    but not ready, as a stopped worker is; judged not alive only if it has not ended within the hang
+    timeout of the sidecar seeing it fail. Judging it not alive at once made a crash in progress read as
+    a hang, named before the peer whose death caused it had been seen to end."""
+    detail = f": {status.message}" if status.message else ""
+    limit = hang_timeout(policy, status)
+    if clocks.monotonic - tracking.progress_since <= limit:
+        return Health(
+            alive=True,
+            ready=False,
+            reason=f"worker failed at step {status.step}{detail}; its process is ending",
+        )
+    return Health(
+        alive=False,
+        ready=False,
+        reason=f"worker phase is failed{detail}; its process did not end within {limit:g} s",
+    )
+
+
 def judge(
     tracking: Tracking, status: WorkerStatus | None, read_error: str, clocks: Clocks, policy: HealthPolicy
 ) -> Health:
@@ -357,6 +378,8 @@ def judge(
     grace = policy.startup_grace_seconds
     if status is None:
         return _unreported(tracking, read_error, clocks, policy)
+    if status.phase is Phase.FAILED and status.exit_code is not None:
+        return _ending(tracking, status, clocks, policy)
     if status.phase in (Phase.DIVERGED, Phase.FAILED):
         detail = f": {status.message}" if status.message else ""
         return Health(alive=False, ready=False, reason=f"worker phase is {status.phase.value}{detail}")
