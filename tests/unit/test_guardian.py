@@ -1805,22 +1805,29 @@ def test_the_guardians_clip_works_from_the_norm_after_the_loops_own_clip() -> No
         torch.testing.assert_close(a, b)
 
 
-def test_every_steps_auto_checkpoints_at_the_young_daly_interval(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Steps of 1 s, saves that stall the loop 2 s, an assumed MTBF of an hour: after a first checkpoint
-    by time, one every sqrt(2 x 2 x 3600) = 120 steps, and the status says so and why."""
+def stalling_saves(monkeypatch: pytest.MonkeyPatch, stall: float) -> tuple[list[float], list[int]]:
+    """A monotonic clock the test moves (its one entry, from 1000 s) and checkpoint saves that each stall
+    the training thread ``stall`` seconds on it; returns the clock and the steps saved, in order."""
     clock = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     saved: list[int] = []
     original = CheckpointStore.save_async
 
-    def slow_save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
+    def save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
         saved.append(step)
-        clock[0] += 2.0
+        clock[0] += stall
         original(store, step, *args, **kwargs)
 
-    monkeypatch.setattr(CheckpointStore, "save_async", slow_save)
+    monkeypatch.setattr(CheckpointStore, "save_async", save)
+    return clock, saved
+
+
+def test_every_steps_auto_checkpoints_at_the_young_daly_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 1 s, saves that stall the loop 2 s, an assumed MTBF of an hour: after a first checkpoint
+    by time, one every sqrt(2 x 2 x 3600) = 120 steps, and the status says so and why."""
+    clock, saved = stalling_saves(monkeypatch, 2.0)
     model = tiny_model()
     config = settings(
         checkpoint={
@@ -1852,17 +1859,7 @@ def test_every_steps_auto_keeps_within_its_bounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stall: float, interval: int
 ) -> None:
     """A free save would checkpoint every step and a costly one never: autoMinSteps and autoMaxSteps hold."""
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    saved: list[int] = []
-    original = CheckpointStore.save_async
-
-    def save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
-        saved.append(step)
-        clock[0] += stall
-        original(store, step, *args, **kwargs)
-
-    monkeypatch.setattr(CheckpointStore, "save_async", save)
+    clock, saved = stalling_saves(monkeypatch, stall)
     model = tiny_model()
     config = settings(
         checkpoint={
@@ -1895,20 +1892,10 @@ def test_every_steps_auto_checkpoints_more_often_after_restarts(
 ) -> None:
     """The runner's failure history (3 restarts, no run time yet) quarters the assumed hour: the interval
     halves, from sqrt(2 x 0.5 x 3600) = 60 steps of 1 s to sqrt(2 x 0.5 x 900) = 30."""
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     if restarts is not None:
         monkeypatch.setenv("TRAINGUARD_RESTARTS", restarts)
         monkeypatch.setenv("TRAINGUARD_RUN_SECONDS", "0")
-    saved: list[int] = []
-    original = CheckpointStore.save_async
-
-    def save(store: CheckpointStore, step: int, *args: Any, **kwargs: Any) -> None:
-        saved.append(step)
-        clock[0] += 0.5
-        original(store, step, *args, **kwargs)
-
-    monkeypatch.setattr(CheckpointStore, "save_async", save)
+    clock, saved = stalling_saves(monkeypatch, 0.5)
     model = tiny_model()
     config = settings(
         checkpoint={
