@@ -502,6 +502,20 @@ class CheckpointStatus(BaseModel):
     time: str = ""
 
 
+class StragglerStatus(BaseModel):
+    """The rank the gang view names a straggler now (``health.straggler``), and where it runs."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    rank: int
+    score: float = Field(description="Its compute per step over the median of the other ranks'.")
+    own_score: float | None = Field(None, description="Its compute per step over its own best.")
+    pod: str = ""
+    node: str = ""
+    step: int | None = Field(None, description="The gang's last step when it was last scored.")
+    message: str = Field("", max_length=1024)
+
+
 class GuardedTrainingJobStatus(BaseModel):
     """What the operator (or the local runner) reports about a job."""
 
@@ -553,4 +567,15 @@ class GuardedTrainingJobStatus(BaseModel):
         None,
         description="The hang timeout the gang is judged by now (the strictest rank's, seconds): learned "
         "from its pace, between hangTimeoutFloorSeconds and hangTimeoutSeconds.",
+    )
+    straggler: StragglerStatus | None = Field(
+        None, description="The rank slower than the gang now (health.straggler; unset: none)."
+    )
+    straggler_scores: list[float | None] | None = Field(
+        None,
+        description="Each rank's compute per step over the median of the other ranks', by rank (null: "
+        "not scored).",
+    )
+    avoid_node: str | None = Field(
+        None, description="The node the current attempt's pods keep off: the straggler's, after a restart."
     )
