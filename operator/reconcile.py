@@ -654,12 +654,10 @@ class _Step:
             if scores and replicas <= MAX_SCORED_RANKS
             else None
         )
-        places = {
-            rank: f"pod {pod} on node {node}" if node else f"pod {pod}"
-            for rank, (pod, node) in gang.pods.items()
-        }
-        found = view.straggler(threshold, places)
+        found = view.straggler(threshold, {r.rank: r.place for r in gang.ranks})
         before = self.old.straggler
+        if found is None and not scores:
+            return None  # a gang not scored now (starting, ending): the last straggler seen stays
         if found is None:
             self.st.straggler = None
             if before is not None:

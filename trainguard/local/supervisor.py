@@ -226,8 +226,9 @@ class GangSupervisor(ABC):
         none any more); what the policy does about it (``health.straggler.action``) is its decision."""
         found = look.observation.straggler
         rank = found.rank if found is not None else None
-        if rank == self.straggler:
-            return
+        threshold = self.spec.health.straggler.threshold
+        if rank == self.straggler or (found is None and not look.view.straggler_scores(threshold)):
+            return  # the same, or a gang not scored now (starting, ending): nothing new is known
         self.straggler = rank
         if found is None:
             self.event("straggler", "no rank is a straggler any more", look.view.last_step)
