@@ -18,6 +18,10 @@ A second case trains a small model (a step of tens of milliseconds) plain and gu
 checkpoints every 25 steps and snapshots every 10, every cost of those in the timed steps
 (``checkpointing_case``; ``--checkpointing-only`` runs it alone).
 
+The straggler measurement (each rank's own compute per step, from the activity marks) is timed apart,
+side by side with the same marks without it (``compute_measurement_case``), and set against the small
+model's guarded step.
+
 Run ``python -m bench.guard_overhead`` (``--quick`` for a smoke test). The last line printed is JSON.
 Goals: ``guarded_over_plain <= 1.03``; with checkpoints, ``checkpointing_guarded_over_plain_total <= 1.02``.
 """
@@ -41,6 +45,9 @@ import torch
 from torch import nn
 
 from trainer_sidecar import CheckpointPolicy, Guardian, GuardianSettings, GuardThresholds
+from trainer_sidecar.contract.compute import ComputeWindow
+from trainer_sidecar.contract.status import Activity
+from trainer_sidecar.guardian.activity import ActivityTracker
 from trainer_sidecar.guardian.snapshot import Snapshot
 
 # The guardian reads these when an argument is missing; none may leak into the benchmark.
@@ -267,6 +274,78 @@ def checkpointing_case(
     return result
 
 
+#: The activities one guarded step of a gang passes through, in order (``Guardian.backward`` and
+#: ``Guardian.step``): what the straggler measurement sums its own work over.
+STEP_MARKS = (
+    Activity.BACKWARD,
+    Activity.LOOP,
+    Activity.STEP,
+    Activity.COLLECTIVE,
+    Activity.STEP,
+    Activity.LOOP,
+)
+
+
+class _UnmeasuredTracker:
+    """``ActivityTracker`` as it was before it summed the rank's own work: the baseline."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: tuple[Activity, float] = (Activity.LOOP, time.time())
+
+    def mark(self, activity: Activity) -> Activity:
+        previous = self.current[0]
+        if activity is not previous:
+            self.current = (activity, time.time())
+        return previous
+
+
+def compute_measurement_case(steps: int, batches: int) -> dict[str, float]:
+    """What the straggler measurement adds to a step, timed side by side with the same marks without it:
+    a step's activity marks on ``ActivityTracker`` (summing own work) plus ``ComputeWindow.lap``, against
+    the marks on a tracker that does not sum; the fastest of ``batches`` batches of ``steps`` steps each,
+    in nanoseconds a step. The window's median, read once per status write (at most twice a second), is
+    timed apart."""
+    measured, window = ActivityTracker(), ComputeWindow()
+    baseline = _UnmeasuredTracker()
+
+    def run_measured() -> None:
+        mark, lap = measured.mark, window.lap
+        for _ in range(steps):
+            for activity in STEP_MARKS:
+                mark(activity)
+            lap(measured.own)
+
+    def run_baseline() -> None:
+        mark = baseline.mark
+        for _ in range(steps):
+            for activity in STEP_MARKS:
+                mark(activity)
+
+    times: dict[str, list[float]] = {"measured": [], "baseline": []}
+    for rep in range(batches):
+        pair = [("measured", run_measured), ("baseline", run_baseline)]
+        for name, run in pair if rep % 2 == 0 else pair[::-1]:
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) / steps)
+    start = time.perf_counter()
+    for _ in range(steps):
+        window.reading()
+    reading_s = (time.perf_counter() - start) / steps
+    result = {
+        "marks_ns": min(times["baseline"]) * 1e9,
+        "added_ns": (min(times["measured"]) - min(times["baseline"])) * 1e9,
+        "reading_ns": reading_s * 1e9,
+    }
+    print(
+        f"  a step's marks {result['marks_ns']:.0f} ns without the measurement; the measurement adds "
+        f"{result['added_ns']:.0f} ns a step, and {result['reading_ns']:.0f} ns a status write"
+    )
+    return result
+
+
 def run_interleaved(variants: Sequence[Variant], warmup: int, repetitions: int) -> None:
     """Warm up, then time one step of every variant per repetition, rotating which one goes first."""
     for _ in range(warmup):
@@ -410,8 +489,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     checkpointing = checkpointing_case(
         small, args.lr, args.seed, case_dir, args.warmup, args.checkpointing_repetitions
     )
+    print("straggler measurement (own compute per step), timed apart:")
+    measurement = compute_measurement_case(2_000 if args.quick else 100_000, 3 if args.quick else 7)
+    # What it adds to the small model's guarded step, as a ratio (the goal: the guard stays <= 1.02).
+    measurement["over_guarded"] = (
+        checkpointing["guarded_median_s"] + measurement["added_ns"] * 1e-9
+    ) / checkpointing["guarded_median_s"]
+    print(f"  on the small model's guarded step: x{measurement['over_guarded']:.6f}")
+    measured = {f"compute_measurement_{key}": round(value, 6) for key, value in measurement.items()}
     if args.checkpointing_only:
         only = {f"checkpointing_{key}": round(value, 6) for key, value in checkpointing.items()}
+        only.update(measured)
         print(json.dumps(only))
         return only
     variants, guardian, batch = build_variants(shape, args.lr, args.seed, Path(scratch.name) / "status.json")
@@ -475,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
         "snapshot_s": round(snap_s, 6),
         "load_average": round(max(load_before, load_after), 2),
         **{f"checkpointing_{key}": round(value, 6) for key, value in checkpointing.items()},
+        **measured,
     }
     print(json.dumps(result))
     return result

@@ -1,9 +1,10 @@
 """The operator's Prometheus metrics, on a private registry served over HTTP.
 
-Labels are ``job`` and ``namespace`` only (plus ``phase`` on the phase gauge and ``kind``, one of the
-policy's failure kinds, on the failures counter): cardinality is bounded by the number of
-GuardedTrainingJobs. Values are in base units (seconds, ratios). The gauges mirror the jobs' status;
-the counters count what this operator process did (Prometheus handles the reset when it restarts).
+Labels are ``job`` and ``namespace`` only (plus ``phase`` on the phase gauge, ``kind``, one of the
+policy's failure kinds, on the failures counter, and ``rank`` on the straggler score, at most 256 ranks
+a job): cardinality is bounded by the number of GuardedTrainingJobs. Values are in base units (seconds,
+ratios). The gauges mirror the jobs' status; the counters count what this operator process did
+(Prometheus handles the reset when it restarts).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ class OperatorMetrics:
             "trainguard_job_last_restart_timestamp_seconds",
             "When the last gang restart was decided (unix seconds).",
         )
+        self.straggler_score = self._gauge(
+            "trainguard_worker_straggler_score",
+            "A rank's own compute per step over the median of the other ranks' (1: the gang's pace; "
+            "health.straggler.threshold flags a straggler). Label rank: bounded by the world size.",
+            (*LABELS, "rank"),
+        )
         self.time_to_recover = self._histogram(
             "trainguard_job_time_to_recover_seconds",
             "From a gang failure to the first training step of the attempt that replaced it.",
@@ -87,6 +94,7 @@ class OperatorMetrics:
             labels=(),
         )
         self._kinds: dict[tuple[str, str], set[str]] = {}
+        self._scored: dict[tuple[str, str], set[str]] = {}  # the ranks with a straggler score, by job
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -122,6 +130,13 @@ class OperatorMetrics:
         ):
             if value is not None:
                 gauge.labels(*labels).set(value)
+        scored = {str(r): v for r, v in enumerate(status.straggler_scores or []) if v is not None}
+        for rank in self._scored.get(labels, set()) - scored.keys():
+            with contextlib.suppress(KeyError):
+                self.straggler_score.remove(*labels, rank)
+        for rank, value in scored.items():
+            self.straggler_score.labels(*labels, rank).set(value)
+        self._scored[labels] = set(scored)
         if status.phase:
             for phase in Phase:
                 self.phase.labels(*labels, phase.value).set(float(phase.value == status.phase))
@@ -163,6 +178,9 @@ class OperatorMetrics:
         for phase in Phase:
             with contextlib.suppress(KeyError):
                 self.phase.remove(job, namespace, phase.value)
+        for rank in self._scored.pop((job, namespace), set()):
+            with contextlib.suppress(KeyError):
+                self.straggler_score.remove(job, namespace, rank)
         for kind in self._kinds.pop((job, namespace), set()):
             self.failures.remove(job, namespace, kind)
 

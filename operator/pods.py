@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
@@ -205,12 +205,18 @@ def pod_process(pod: Mapping[str, Any], report: SidecarReport | None) -> Process
     return ProcessState(alive=report.alive, health_reason=report.reason)
 
 
-def pod_place(pod: Mapping[str, Any]) -> str:
-    """Where a rank runs, as a reason names it: "pod p on node n" (the node once it is scheduled)."""
+def pod_node(pod: Mapping[str, Any]) -> str:
+    """The node a pod is scheduled on ("" before it is)."""
     spec = pod.get("spec")
     node = spec.get("nodeName") if isinstance(spec, Mapping) else None
+    return node if isinstance(node, str) else ""
+
+
+def pod_place(pod: Mapping[str, Any]) -> str:
+    """Where a rank runs, as a reason names it: "pod p on node n" (the node once it is scheduled)."""
+    node = pod_node(pod)
     place = f"pod {meta(pod).get('name', '?')}"
-    return f"{place} on node {node}" if isinstance(node, str) and node else place
+    return f"{place} on node {node}" if node else place
 
 
 def _reported(pod: Mapping[str, Any], report: SidecarReport | None) -> WorkerStatus | None:
@@ -243,6 +249,8 @@ class GangReading:
     view: GangView
     ranks: tuple[RankObservation, ...]
     running: int
+    #: Each rank's pod and node ("" until it is scheduled).
+    pods: Mapping[int, tuple[str, str]] = field(default_factory=dict)
 
 
 def read_gang(
@@ -265,6 +273,7 @@ def read_gang(
     mine = attempt_pods(pods, name, attempt)
     chosen: dict[int, tuple[WorkerStatus | None, RankObservation]] = {}
     timeouts: dict[int, float | None] = {}
+    places: dict[int, tuple[str, str]] = {}
     for pod in mine:
         rank = pod_rank(pod)
         if rank is None or not 0 <= rank < replicas:
@@ -277,9 +286,10 @@ def read_gang(
         if rank not in chosen or classify(seen) is not None:
             chosen[rank] = (status, seen)
             timeouts[rank] = report.hang_timeout_seconds if report is not None else None
+            places[rank] = (str(meta(pod).get("name", "")), pod_node(pod))
     view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas, timeouts)
     running = sum(1 for p in mine if status_of(p).get("phase") == "Running")
-    return GangReading(view, _job_ranks(job, job_name, chosen, replicas), running)
+    return GangReading(view, _job_ranks(job, job_name, chosen, replicas), running, places)
 
 
 def _job_ranks(

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, job_pace, record_progress
-from trainguard_operator.pods import as_int, labels, meta, read_gang
+from trainguard_operator.pods import GangReading, as_int, labels, meta, read_gang
 from trainguard_operator.render import (
     HUNG_WORKER_GRACE_SECONDS,
     JOB_LABEL,
@@ -63,8 +63,8 @@ from trainguard_operator.status import (
 
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView, SidecarReport
-from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
-from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, StragglerObservation, decide
+from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, StragglerStatus, parse_job
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
 IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
@@ -73,6 +73,8 @@ IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
 RESIZABLE_FIELDS = ("replicas", "nprocPerNode")
 #: How soon to look again while waiting for an old attempt's PyTorchJob to go away.
 STALE_POLL_SECONDS = 2.0
+#: Ranks scored in the status (and the metric) at most: beyond, the status would grow with the world.
+MAX_SCORED_RANKS = 256
 #: The shortest requeue: a wait that is nearly over must not become a hot loop.
 MIN_REQUEUE_SECONDS = 0.2
 
@@ -455,6 +457,7 @@ class _Step:
                 self.settings,
                 checkpoint_seconds=self.st.checkpoint_seconds,
                 history=self.failure_history(),
+                avoid_node=self.st.avoid_node,
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
@@ -597,6 +600,7 @@ class _Step:
             job_name=self.job_name,
         )
         recovered = self.track_progress(gang.view)
+        straggler = self.track_straggler(gang)
         observation = Observation(
             attempt=self.attempt,
             ranks=gang.ranks,
@@ -605,8 +609,9 @@ class _Step:
             step=gang.view.last_step,
             # From the status, not from memory: an operator restarted between two failures compares alike.
             previous_failure=failure_signature(self.old.last_failure),
+            straggler=straggler,
         )
-        decision = decide(self.job.spec.recovery, observation)
+        decision = decide(self.job.spec.recovery, observation, self.job.spec.health.straggler)
         if decision.action is Action.RESTART:
             return self.restart(decision, recovered)
         if decision.action is Action.FAIL:
@@ -637,6 +642,43 @@ class _Step:
             phase_message=self.pods_running_message(gang.running),
         )
 
+    def track_straggler(self, gang: GangReading) -> StragglerObservation | None:
+        """Score the ranks (``GangView.straggler``, as ``trainguard run`` does), keep the scores and the
+        straggler in the status, and post an Event when a straggler is named or no longer is."""
+        threshold = self.job.spec.health.straggler.threshold
+        view = gang.view
+        scores = {s.rank: s.score for s in view.straggler_scores(threshold)}
+        replicas = self.job.spec.replicas
+        self.st.straggler_scores = (
+            [_rounded(scores.get(r), 3) for r in range(replicas)]
+            if scores and replicas <= MAX_SCORED_RANKS
+            else None
+        )
+        found = view.straggler(threshold, {r.rank: r.place for r in gang.ranks})
+        before = self.old.straggler
+        if found is None and not scores:
+            return None  # a gang not scored now (starting, ending): the last straggler seen stays
+        if found is None:
+            self.st.straggler = None
+            if before is not None:
+                self.event("Normal", "StragglerCleared", f"rank {before.rank} is no straggler any more")
+            return None
+        pod, node = gang.pods.get(found.rank, ("", ""))
+        message = f"rank {found.rank} ({found.place or 'not placed'}) is a straggler: {found.reason}"
+        self.st.straggler = StragglerStatus(
+            rank=found.rank,
+            score=round(found.score, 3),
+            own_score=_rounded(found.own_score, 3),
+            pod=pod,
+            node=node,
+            step=view.last_step,
+            message=clip(message),
+        )
+        if before is None or before.rank != found.rank or before.node != node:
+            action = self.job.spec.health.straggler.action
+            self.event("Warning", "StragglerDetected", f"{message} (action: {action})")
+        return found
+
     def record_failure(self, decision: Decision) -> None:
         kind = decision.failure.value if decision.failure else "Failed"
         self.st.last_failure = last_failure(
@@ -650,6 +692,11 @@ class _Step:
     def restart(self, decision: Decision, recovered: float | None) -> Plan:
         self.record_failure(decision)
         st = self.st
+        # A straggler's gang is whole: its pods get their own grace to checkpoint, and the next attempt
+        # keeps off its node. Any other restart places the next attempt freely.
+        straggler = decision.failure is FailureKind.STRAGGLER
+        st.avoid_node = (st.straggler.node or None) if straggler and st.straggler is not None else None
+        st.straggler = None
         st.restarts = decision.restarts
         st.attempt = self.attempt + 1
         due = self.now + timedelta(seconds=decision.delay_seconds)
@@ -673,7 +720,7 @@ class _Step:
             PlanAction.RESTART,
             min(self.period, decision.delay_seconds),
             delete=(*self.stale_delete, self.job_name),
-            stop_pods_within_seconds=HUNG_WORKER_GRACE_SECONDS,
+            stop_pods_within_seconds=None if straggler else HUNG_WORKER_GRACE_SECONDS,
             write_status_first=True,
             decision=decision,
             recovered_seconds=recovered,

@@ -264,6 +264,27 @@ def stop_grace_seconds(user: int | None, checkpoint_seconds: float | None) -> in
     return max(grace, user or 0)
 
 
+#: The node label a straggler's node is kept off by (every node has it).
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def _avoid_node(pod: dict[str, Any], node: str) -> None:
+    """Keep the pod off ``node``: a required node affinity ``kubernetes.io/hostname NotIn [node]``, added
+    to every one of the user's node selector terms (they are alternatives: each must exclude it), or as
+    the one term when there are none."""
+    affinity = pod.setdefault("affinity", {})
+    required = affinity.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        term.setdefault("matchExpressions", []).append(
+            {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": [node]}
+        )
+
+
 def render_pod_template(
     job: GuardedTrainingJob,
     attempt: int,
@@ -271,11 +292,15 @@ def render_pod_template(
     settings: OperatorSettings,
     checkpoint_seconds: float | None = None,
     history: FailureHistory | None = None,
+    avoid_node: str | None = None,
 ) -> dict[str, Any]:
-    """One replica's pod template: the user's template with trainguard's pieces added (module docstring)."""
+    """One replica's pod template: the user's template with trainguard's pieces added (module docstring);
+    with ``avoid_node`` (a straggler's node, after ``health.straggler.action: restart``), kept off it."""
     spec = job.spec
     template = spec.template.model_dump(mode="json", exclude_none=True)
     pod = template.setdefault("spec", {})
+    if avoid_node:
+        _avoid_node(pod, avoid_node)
     _label_template(template, job.metadata.name, attempt)
     pod["restartPolicy"] = "Never"
     pod["terminationGracePeriodSeconds"] = stop_grace_seconds(
@@ -343,14 +368,18 @@ def render_pytorchjob(
     settings: OperatorSettings,
     checkpoint_seconds: float | None = None,
     history: FailureHistory | None = None,
+    avoid_node: str | None = None,
 ) -> dict[str, Any]:
-    """The PyTorchJob manifest of ``attempt`` of ``job`` (see the module docstring for what it holds).
+    """The PyTorchJob manifest of ``attempt`` of ``job`` (see the module docstring for what it holds;
+    ``avoid_node``: see ``render_pod_template``).
 
     Raises RenderError when the user's template collides with trainguard's reserved names or paths.
     """
     name = pytorchjob_name(owner.name, attempt)
     labels = {JOB_LABEL: owner.name, ATTEMPT_LABEL: str(attempt), MANAGED_BY_LABEL: MANAGED_BY}
-    template = render_pod_template(job, attempt, remediation, settings, checkpoint_seconds, history)
+    template = render_pod_template(
+        job, attempt, remediation, settings, checkpoint_seconds, history, avoid_node
+    )
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(template)}

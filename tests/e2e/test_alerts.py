@@ -44,6 +44,7 @@ ALERTS = (
     "TrainguardJobHung",
     "TrainguardRestartsExhausted",
     "TrainguardCheckpointStale",
+    "TrainguardStragglerRank",
 )
 JOB = {"job": "llm", "namespace": "ml"}
 
@@ -114,7 +115,7 @@ def _rules(groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def test_promtool_accepts_the_rendered_rules(rules_file: Path) -> None:
     result = run(tool("promtool"), "check", "rules", "--lint=all", "--lint-fatal", str(rules_file))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout, result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout, result.stdout
 
 
 def test_every_alert_is_documented_and_names_the_job(groups: list[dict[str, Any]]) -> None:
@@ -137,6 +138,7 @@ def test_disabled_alerts_and_extra_labels(tmp: Path) -> None:
         "alerts": {
             "jobHung": {"enabled": False},
             "checkpointStale": {"enabled": False},
+            "straggler": {"enabled": False},
             "labels": {"team": "ml-platform"},
         }
     }
@@ -156,6 +158,7 @@ def test_thresholds_and_windows_come_from_values(tmp: Path) -> None:
             "batchDropRate": {"window": "10m", "threshold": 0.005, "for": "1m"},
             "jobHung": {"afterSeconds": 900},
             "checkpointStale": {"maxAgeSeconds": 3600},
+            "straggler": {"threshold": 2.5, "for": "30m"},
         }
     }
     rules = _rules(rule_groups(tmp, values))
@@ -168,6 +171,8 @@ def test_thresholds_and_windows_come_from_values(tmp: Path) -> None:
     assert "> 900" in rules["TrainguardJobHung"]["expr"]
     assert "> 3600" in rules["TrainguardCheckpointStale"]["expr"]
     assert "offset 3600s" in rules["TrainguardCheckpointStale"]["expr"]
+    assert rules["TrainguardStragglerRank"]["expr"].endswith("> 2.5")
+    assert rules["TrainguardStragglerRank"]["for"] == "30m"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,6 +272,8 @@ def expected_alert(
         text = text.replace("{{ $labels.job }}", JOB["job"]).replace(
             "{{ $labels.namespace }}", JOB["namespace"]
         )
+        for label, value in labels.items():
+            text = text.replace(f"{{{{ $labels.{label} }}}}", value)
         if value_text is not None:
             text = re.sub(r"\{\{ \$value[^}]*\}\}", value_text, text)
         assert "{{" not in text, f"unexpanded template in {rule['alert']}: {text}"
@@ -281,8 +288,10 @@ def case(
     checks: list[tuple[str, bool]],
     rules: Mapping[str, Any],
     value_text: str | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A promtool test: the series, then per (eval time, firing?) the alert expected (or none)."""
+    """A promtool test: the series, then per (eval time, firing?) the alert expected (or none), with
+    ``labels`` beyond the job's (a rank)."""
     return {
         "name": name,
         "interval": "1m",
@@ -291,7 +300,7 @@ def case(
             {
                 "eval_time": at,
                 "alertname": alert,
-                "exp_alerts": [expected_alert(rules[alert], value_text)] if firing else [],
+                "exp_alerts": [expected_alert(rules[alert], value_text, **(labels or {}))] if firing else [],
             }
             for at, firing in checks
         ],
@@ -306,6 +315,9 @@ def promtool_cases(rules: Mapping[str, Any]) -> list[dict[str, Any]]:
     assert defaults["batchDropRate"]["for"] == "5m"
     assert defaults["jobHung"]["afterSeconds"] == 1800
     assert defaults["checkpointStale"]["maxAgeSeconds"] == 7200
+    assert defaults["straggler"]["threshold"] == 1.5
+    assert defaults["straggler"]["for"] == "10m"
+    score = "trainguard_worker_straggler_score"
     rollbacks = "trainguard_worker_rollbacks_total"
     samples, dropped = "trainguard_worker_samples_total", "trainguard_worker_dropped_samples_total"
     steps, phase = "trainguard_worker_steps_total", "trainguard_job_phase"
@@ -446,6 +458,30 @@ def promtool_cases(rules: Mapping[str, Any]) -> list[dict[str, Any]]:
             ranks("trainguard_worker_step", "_x100 0+10x50"),
             "TrainguardCheckpointStale",
             [("130m", False)],
+            rules,
+        ),
+        # --- TrainguardStragglerRank: the operator's score per rank.
+        case(
+            "rank 1 at twice the others' compute fires once it held for 10m, naming the rank",
+            [series(score, "0.5x40", rank="0"), series(score, "2x40", rank="1")],
+            "TrainguardStragglerRank",
+            [("9m", False), ("11m", True), ("30m", True)],
+            rules,
+            value_text="2.00",
+            labels={"rank": "1"},
+        ),
+        case(
+            "a rank slower than the threshold for 5m only stays silent",
+            [series(score, "1x40", rank="0"), series(score, "1x10 3x5 1x25", rank="1")],
+            "TrainguardStragglerRank",
+            [("14m", False), ("20m", False), ("30m", False)],
+            rules,
+        ),
+        case(
+            "ranks within 1.3x of each other stay silent",
+            [series(score, "0.77x40", rank="0"), series(score, "1.3x40", rank="1")],
+            "TrainguardStragglerRank",
+            [("30m", False)],
             rules,
         ),
     ]

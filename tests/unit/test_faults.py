@@ -15,6 +15,7 @@ from trainer_sidecar.contract.env import FAULTS_ENV
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig
 from trainer_sidecar.guardian.faults import (
+    MAX_STEP,
     Fault,
     FaultInjector,
     FaultKind,
@@ -122,20 +123,29 @@ _items = st.tuples(
     st.integers(0, 10_000),
     st.one_of(st.none(), st.integers(1, 5)),
     st.one_of(st.none(), st.integers(0, 7)),
+    st.sampled_from(["1", "1.5", "2", "100", "3.25"]),
 )
 
 
 @given(st.lists(_items, max_size=6))
 def test_parse_reads_any_well_formed_schedule(
-    items: list[tuple[FaultKind, int, int | None, int | None]],
+    items: list[tuple[FaultKind, int, int | None, int | None, str]],
 ) -> None:
     text = ",".join(
-        f"{kind.value}@{step}"
+        kind.value
+        + (f"*{factor}" if kind is FaultKind.SLOW else "")
+        + f"@{step}"
         + (f"x{count}" if count is not None else "")
         + (f":{rank}" if rank is not None else "")
-        for kind, step, count, rank in items
+        for kind, step, count, rank, factor in items
     )
-    expected = tuple(Fault(kind, step, count or 1, rank) for kind, step, count, rank in items)
+    # slow is a condition: without a count it lasts to the end.
+    expected = tuple(
+        Fault(kind, step, count or (MAX_STEP - step if kind is FaultKind.SLOW else 1), rank, float(factor))
+        if kind is FaultKind.SLOW
+        else Fault(kind, step, count or 1, rank)
+        for kind, step, count, rank, factor in items
+    )
     assert parse_faults(text).faults == expected
 
 

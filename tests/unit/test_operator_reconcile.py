@@ -1398,3 +1398,81 @@ def test_the_pace_gauges_mirror_the_status_in_base_units() -> None:
     assert sample("trainguard_job_lost_seconds", labels) == 80.0
     metrics.forget("job", "ns")
     assert sample("trainguard_job_eta_seconds", labels) is None
+
+
+# ---------------------------------------------------------------------------------- stragglers ---
+def straggler_cluster(action: str) -> Cluster:
+    """A job of three ranks whose attempt 1 runs, rank 2 on node node-c, with ``health.straggler``."""
+    manifest = gtj_manifest(
+        replicas=3,
+        recovery={"backoffSeconds": [10, 30, 90], "maxRestarts": 3},
+        health={"straggler": {"action": action, "threshold": 1.5}},
+    )
+    cluster = Cluster.of(manifest)
+    assert cluster.step(T0).action is PlanAction.CREATE
+    cluster.run_pods(1, replicas=3)
+    slow = pod(1, 2)
+    slow["spec"] = {"nodeName": "node-c"}
+    cluster.set_pod(slow)
+    return cluster
+
+
+def paced(rank2: float) -> dict[str, SidecarReport]:
+    """The three ranks' sidecars: ranks 0 and 1 compute 0.1 s a step, rank 2 ``rank2`` s (best 0.1)."""
+    names = ["tiny-lm-1-master-0", "tiny-lm-1-worker-0", "tiny-lm-1-worker-1"]
+    computes = [0.1, 0.1, rank2]
+    return {
+        name: report(rank=rank, world_size=3, compute_seconds=compute, best_compute_seconds=0.1)
+        for rank, (name, compute) in enumerate(zip(names, computes, strict=True))
+    }
+
+
+def test_a_straggler_is_named_in_the_status_an_event_and_the_metric_and_only_reported() -> None:
+    cluster = straggler_cluster("report")
+    plan = cluster.step(T0 + timedelta(seconds=10), paced(0.2))
+    assert plan.action is PlanAction.NOTHING
+    found = cluster.status.straggler
+    assert found is not None
+    assert (found.rank, found.pod, found.node, found.score) == (2, "tiny-lm-1-worker-1", "node-c", 2.0)
+    assert found.own_score == 2.0
+    assert "rank 2 (pod tiny-lm-1-worker-1 on node node-c) is a straggler" in found.message
+    assert cluster.status.straggler_scores == [0.667, 0.667, 2.0]  # 0.1 over the median of 0.1 and 0.2
+    assert reasons(plan) == ["StragglerDetected"]
+    assert "node-c" in plan.events[0].message
+    # Named once: the next look says nothing new; a rank back at the gang's pace clears it.
+    assert reasons(cluster.step(T0 + timedelta(seconds=20), paced(0.2))) == []
+    cleared = cluster.step(T0 + timedelta(seconds=30), paced(0.1))
+    assert reasons(cleared) == ["StragglerCleared"]
+    assert cluster.status.straggler is None
+    metrics = OperatorMetrics()
+    metrics.observe_status("tiny-lm", "research", cluster.status)
+    sample = metrics.registry.get_sample_value(
+        "trainguard_worker_straggler_score", {"job": "tiny-lm", "namespace": "research", "rank": "2"}
+    )
+    assert sample == 1.0
+
+
+def test_a_straggler_restart_keeps_the_next_attempt_off_its_node_and_lets_the_pods_checkpoint() -> None:
+    cluster = straggler_cluster("restart")
+    plan = cluster.step(T0 + timedelta(seconds=10), paced(0.3))
+    assert plan.action is PlanAction.RESTART
+    assert plan.stop_pods_within_seconds is None  # a whole gang: the pods' own grace, to checkpoint
+    assert reasons(plan) == ["StragglerDetected", "Straggler", "GangRestart"]
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert (failure.reason, failure.rank) == ("Straggler", 2)
+    assert cluster.status.avoid_node == "node-c"
+    created = cluster.step(T0 + timedelta(seconds=30))
+    assert created.action is PlanAction.CREATE
+    assert created.create is not None
+    for replica in created.create["spec"]["pytorchReplicaSpecs"].values():
+        terms = replica["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"]
+        assert terms == [
+            {
+                "matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-c"]}
+                ]
+            }
+        ]

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from trainer_sidecar.contract.compute import DEFAULT_WINDOW_STEPS, MAX_WINDOW_STEPS
+
 SETTINGS_ENV = "TRAINGUARD_SETTINGS"
 
 # Upper bounds: every count and factor is finite and fits what its consumer can honour. Step counts stay
@@ -231,6 +233,13 @@ class GuardianSettings(_Section):
         le=60,
         description="The status file is rewritten at most this often (phase changes: at once); at most "
         "60 s, so the sidecar's view stays fresh.",
+    )
+    compute_window_steps: int = Field(
+        DEFAULT_WINDOW_STEPS,
+        ge=1,
+        le=MAX_WINDOW_STEPS,
+        description="Steps whose own compute time the published compute median covers (the job's "
+        "health.straggler.windowSteps).",
     )
 
 

@@ -265,6 +265,17 @@ class WorkerStatus(BaseModel):
         "worker and the orchestrator, such as torchrun, may report another).",
     )
 
+    compute_seconds: NonNegativeFloat | None = Field(
+        None,
+        description="The rank's own compute per step: the median over its last steps (the job's straggler "
+        "window) of the time its training thread spent in its own work between step boundaries, time "
+        "waiting in collectives excluded (trainer_sidecar.contract.compute). None until the window is "
+        "full, and from a worker older than this field.",
+    )
+    best_compute_seconds: NonNegativeFloat | None = Field(
+        None, description="The lowest such median this process published (its own best pace)."
+    )
+
     @model_validator(mode="after")
     def _rank_in_gang(self) -> Self:
         if self.rank >= self.world_size:

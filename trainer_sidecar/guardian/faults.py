@@ -1,14 +1,18 @@
 """Fault injection for tests, demos and fire drills, driven by ``TRAINGUARD_FAULTS``.
 
 Format: comma-separated ``KIND@STEP[xCOUNT][:RANK]``. KIND is one of nan_loss, inf_grad, loss_spike,
-bad_sample, hang, crash. ``xCOUNT`` repeats the fault on COUNT consecutive steps (a burst); ``:RANK``
-limits it to one rank (default: every rank). Examples: ``nan_loss@120x4``, ``hang@300:1``, ``crash@500``.
-A burst is kept as a range, never expanded, so its length costs nothing; every malformed or out-of-range
-item is a ``FaultSpecError`` naming it (the guardian makes it a configuration error).
+bad_sample, hang, crash, or ``slow*FACTOR``. ``xCOUNT`` repeats the fault on COUNT consecutive steps (a
+burst); ``:RANK`` limits it to one rank (default: every rank). Examples: ``nan_loss@120x4``,
+``hang@300:1``, ``crash@500``, ``slow*2@20:1``. A burst is kept as a range, never expanded, so its length
+costs nothing; every malformed or out-of-range item is a ``FaultSpecError`` naming it (the guardian makes
+it a configuration error).
 
 Each fault fires once per job, even across restarts: fired steps are recorded in a ledger beside the
 checkpoints (one file per rank) *before* they take effect, so a crash at step 500 does not recur after
-resuming from step 400.
+resuming from step 400. ``slow*FACTOR`` is a condition, not an event (a slow machine): from STEP on (for
+COUNT steps when given, else to the end) the rank's own compute of every step is stretched FACTOR times
+(from 1 to 100) by a sleep in the guardian's step, before the step's collective; it is not recorded in
+the ledger, so it holds again after a restart.
 
 The faults act through hooks the guardian offers (``FaultInjector.loss_hook``, ``grad_hook``,
 ``bad_sample_hook``), installed only when a fault is scheduled for the rank: the training step itself
@@ -57,6 +61,8 @@ class FaultKind(StrEnum):
     BAD_SAMPLE = "bad_sample"
     HANG = "hang"
     CRASH = "crash"
+    #: A condition: the rank's own compute stretched by ``Fault.factor`` (see the module docstring).
+    SLOW = "slow"
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class Fault:
     step: int
     count: int = 1
     rank: int | None = None
+    #: ``slow``'s stretch of the rank's own compute (1: none).
+    factor: float = 1.0
 
     def covers(self, step: int) -> bool:
         """Whether the fault is scheduled at ``step``."""
@@ -84,7 +92,12 @@ class FaultSchedule:
         return tuple(f for f in self.faults if f.rank is None or f.rank == rank)
 
 
-_ITEM = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d{1,20})(?:x(?P<count>\d{1,20}))?(?::(?P<rank>\d{1,20}))?$")
+_ITEM = re.compile(
+    r"^(?P<kind>[a-z_]+)(?:\*(?P<factor>\d{1,3}(?:\.\d{1,6})?))?@(?P<step>\d{1,20})"
+    r"(?:x(?P<count>\d{1,20}))?(?::(?P<rank>\d{1,20}))?$"
+)
+#: The largest ``slow`` factor: beyond it a rank is hung more than slow.
+MAX_SLOW_FACTOR = 100.0
 
 
 class FaultSpecError(ValueError):
@@ -94,13 +107,26 @@ class FaultSpecError(ValueError):
 def _parse_item(item: str) -> Fault:
     match = _ITEM.match(item)
     if match is None:
-        raise FaultSpecError(f"{FAULTS_ENV}: cannot parse {item!r}; expected KIND@STEP[xCOUNT][:RANK]")
+        raise FaultSpecError(
+            f"{FAULTS_ENV}: cannot parse {item!r}; expected KIND@STEP[xCOUNT][:RANK] (slow*FACTOR@...)"
+        )
     try:
         kind = FaultKind(match["kind"])
     except ValueError:
         known = ", ".join(k.value for k in FaultKind)
         raise FaultSpecError(f"{FAULTS_ENV}: unknown fault kind in {item!r}; known: {known}") from None
-    step, count = int(match["step"]), int(match["count"] or 1)
+    factor = 1.0
+    if kind is FaultKind.SLOW:
+        if match["factor"] is None:
+            raise FaultSpecError(f"{FAULTS_ENV}: slow needs its factor in {item!r}, as in slow*2@20:1")
+        factor = float(match["factor"])
+        if not 1.0 <= factor <= MAX_SLOW_FACTOR:
+            raise FaultSpecError(f"{FAULTS_ENV}: slow factor must be 1 to {MAX_SLOW_FACTOR:g} in {item!r}")
+    elif match["factor"] is not None:
+        raise FaultSpecError(f"{FAULTS_ENV}: only slow takes a factor, not {kind.value} in {item!r}")
+    step = int(match["step"])
+    # A slow machine stays slow: without a count, to the end.
+    count = int(match["count"]) if match["count"] else (MAX_STEP - step if kind is FaultKind.SLOW else 1)
     rank = int(match["rank"]) if match["rank"] is not None else None
     if count < 1:
         raise FaultSpecError(f"{FAULTS_ENV}: burst count must be at least 1 in {item!r}")
@@ -108,7 +134,7 @@ def _parse_item(item: str) -> Fault:
         raise FaultSpecError(f"{FAULTS_ENV}: steps beyond 2^53 in {item!r}")
     if rank is not None and rank >= MAX_RANK:
         raise FaultSpecError(f"{FAULTS_ENV}: rank {rank} out of range in {item!r}")
-    return Fault(kind, step, count, rank)
+    return Fault(kind, step, count, rank, factor)
 
 
 def parse_faults(text: str) -> FaultSchedule:
@@ -194,13 +220,20 @@ class FaultInjector:
         # One ledger per rank: ranks never write the same file, so no read-modify-write race.
         self._ledger = ledger_dir / f"faults-fired-rank{rank}.json" if ledger_dir is not None else None
         self._fired = self._read_ledger()
-        self._pending = [f for f in self._faults if not self._fired.covers_all(f)]
+        self._slow = [f for f in self._faults if f.kind is FaultKind.SLOW]
+        self._pending = [
+            f for f in self._faults if f.kind is not FaultKind.SLOW and not self._fired.covers_all(f)
+        ]
         self.rank = rank
 
     @property
     def active(self) -> bool:
         """Whether a fault is still to fire on this rank (the guardian's hooks do nothing otherwise)."""
-        return bool(self._pending)
+        return bool(self._pending or self._slow)
+
+    def slow_factor(self, step: int) -> float:
+        """How many times its own compute ``step`` takes on this rank (1: not slowed). Never recorded."""
+        return max((f.factor for f in self._slow if f.covers(step)), default=1.0)
 
     def _read_ledger(self) -> FiredSteps:
         if self._ledger is None or not self._faults or not self._ledger.parent.exists():

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_sidecar.checkpoint import CheckpointError, EpochOwner, FencedError
+from trainer_sidecar.contract.compute import ComputeWindow
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
@@ -231,6 +232,8 @@ class Guardian:
         # Where the training thread is: marked at the guardian's calls, published with the status.
         self._activity = ActivityTracker(Activity.CHECKPOINT)
         self._mark = self._activity.mark
+        # Each step's own compute (the marks' sum of own work between boundaries), kept in memory.
+        self._compute = ComputeWindow(config.settings.compute_window_steps)
         self.gang = replace(Gang.current(), tracker=self._activity)
         self.training = TrainingObjects(model, optimizer, scheduler, scaler)
         self.model, self.module, self.optimizer = model, self.training.module, optimizer
@@ -690,6 +693,8 @@ class Guardian:
         self._micro = 0
         if self.max_steps is not None and self.counters.step >= self.max_steps:
             return self._past_the_end()
+        if self._faults.active:
+            self._slow_down()
         if not self._adoption_checked:
             self._check_adoption()
         if self.checkpoints.fenced is not None:
@@ -716,7 +721,16 @@ class Guardian:
             else:
                 self._stop_now()
         self._mark(Activity.LOOP)
+        self._compute.lap(self._activity.own)
         return outcome
+
+    def _slow_down(self) -> None:
+        """The ``slow`` fault: stretch this step's own compute so far (the loop's forward and backward) by
+        its factor, with a sleep in the guardian's step, before the step's collective: the rank's own work,
+        as a slow machine's would be."""
+        factor = self._faults.slow_factor(self.counters.step)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * self._compute.since_lap(self._activity.own))
 
     def _past_the_end(self) -> StepOutcome:
         """A step boundary once ``max_steps`` steps are kept: nothing is applied, counted or saved.
@@ -1353,6 +1367,7 @@ class Guardian:
         counters = self.counters
         busy = self._busy.view(self.phase, self.busy_since, self._step_progress())
         activity, activity_since = self._activity.current
+        compute, best_compute = self._compute.reading()
         return WorkerStatus(
             rank=self.rank,
             world_size=self.world_size,
@@ -1390,6 +1405,8 @@ class Guardian:
             checkpoint_stall_seconds=self.checkpoints.stall_seconds or None,
             activity=activity,
             activity_since=activity_since,
+            compute_seconds=compute,
+            best_compute_seconds=best_compute,
         )
 
     def _publish(self, force: bool = False) -> None:

@@ -488,6 +488,12 @@ def _status_gauges(reading: Reading, status: WorkerStatus) -> list[tuple[str, st
             "Factor the guardian's remediation applies to the learning rates (1 = unchanged).",
             status.lr_scale,
         ),
+        (
+            "trainguard_worker_compute_seconds",
+            "The worker's own compute per step, time waiting in collectives excluded: the median over its "
+            "last steps (the job's health.straggler.windowSteps).",
+            status.compute_seconds,
+        ),
     ]
     if reading.seconds_since_step is not None:
         gauges += [

@@ -16,7 +16,9 @@ In: each rank's ``WorkerStatus`` as last reported (None: the rank has not report
   gradients for it were reduced, so the gang computed it (the slowest rank's report may merely lag);
 * the newest clean checkpoint any rank reports;
 * the declared last step (``max_steps``): the largest any rank declared (every rank runs the same loop);
-* the failing ranks (phase diverged or failed), and the first of them (the lowest step, then rank).
+* the failing ranks (phase diverged or failed), and the first of them (the lowest step, then rank);
+* stragglers: each rank's own compute per step scored against the other ranks' and its own best
+  (``trainguard.core.straggler``); ``GangView.straggler`` names the worst one, for the policy.
 
 ``GangView.rank_observation`` turns a rank and what the executor knows of its process into the
 policy's ``RankObservation``; the rule that a diverged phase counts before the exit code lives there. It
@@ -33,7 +35,8 @@ from typing import Any
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
-from trainguard.core.policy import RankObservation
+from trainguard.core.policy import RankObservation, StragglerObservation
+from trainguard.core.straggler import RankPace, RankScore, score_ranks, worst_straggler
 
 #: Phases in which a rank has failed by its own account.
 FAILING_PHASES = frozenset({Phase.DIVERGED, Phase.FAILED})
@@ -103,6 +106,8 @@ class RankState:
     exit_code: int | None = None
     activity: Activity | None = None
     activity_since: float | None = None
+    compute_seconds: float | None = None
+    best_compute_seconds: float | None = None
 
     @classmethod
     def of(cls, rank: int, status: WorkerStatus) -> RankState:
@@ -122,6 +127,8 @@ class RankState:
             exit_code=status.exit_code,
             activity=status.activity,
             activity_since=status.activity_since,
+            compute_seconds=status.compute_seconds,
+            best_compute_seconds=status.best_compute_seconds,
         )
 
 
@@ -221,6 +228,34 @@ class GangView:
     def lead(self) -> RankState | None:
         """The lowest reporting rank (rank 0 when it reported): the one whose loss a chart shows."""
         return self.ranks[0] if self.ranks else None
+
+    def straggler_scores(self, threshold: float) -> tuple[RankScore, ...]:
+        """Each running rank's compute score against the others' (``trainguard.core.straggler``); ranks
+        that are not running (starting, ended, failed) are not scored."""
+        return score_ranks(
+            (
+                RankPace(r.rank, r.compute_seconds, r.best_compute_seconds)
+                for r in self.ranks
+                if r.phase is Phase.RUNNING
+            ),
+            threshold,
+        )
+
+    def straggler(
+        self, threshold: float, places: Mapping[int, str] | None = None
+    ) -> StragglerObservation | None:
+        """The worst straggler at ``threshold`` as the policy takes it, with where the executor placed it
+        (``places`` by rank: "pod p on node n"); None when no rank is one."""
+        worst = worst_straggler(self.straggler_scores(threshold))
+        if worst is None:
+            return None
+        return StragglerObservation(
+            rank=worst.rank,
+            score=worst.score,
+            own_score=worst.own_score,
+            reason=worst.describe(),
+            place=(places or {}).get(worst.rank, ""),
+        )
 
     def rank_observation(self, rank: int, process: ProcessState) -> RankObservation:
         """The policy's view of ``rank``: see ``rank_observation``."""

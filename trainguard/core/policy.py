@@ -34,6 +34,11 @@ for a peer's gradients: a rank stuck in its own forward pass never reaches backw
 (loop before backward), but two ranks both in backward are not (the step, the time, the rank decide).
 Under FSDP the forward pass all-gathers parameters: a rank waiting there reads as the loop's own work.
 
+Stragglers: a running gang whose view names a straggler (``Observation.straggler``, from
+``trainguard.core.straggler``) is restarted only under ``health.straggler.action: restart`` and while
+restarts are left (the restart counts against ``maxRestarts``, with its backoff); the executor's next
+attempt keeps off the straggler's node. Otherwise, and whenever a rank has failed, it is only reported.
+
 Deterministic failures: a failure that repeats exactly is not retried ``maxRestarts`` times. Every
 failure decided carries its ``FailureSignature`` (kind, step, exit code, the failing rank's own reason,
 the attempt, and how many attempts in a row failed so); the executor records it and hands it back as
@@ -56,7 +61,7 @@ from enum import StrEnum
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit
 from trainer_sidecar.contract.settings import Remediation
 from trainer_sidecar.contract.status import Activity
-from trainguard.core.spec import RecoverySpec
+from trainguard.core.spec import RecoverySpec, StragglerSpec
 
 
 class Action(StrEnum):
@@ -80,6 +85,8 @@ class FailureKind(StrEnum):
     LOST = "Lost"
     #: Not a rank's failure: the verdict on a crash that repeated identically (see the module docstring).
     DETERMINISTIC = "DeterministicFailure"
+    #: Not a failure either: a rank slower than the gang, restarted away from under ``action: restart``.
+    STRAGGLER = "Straggler"
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,18 @@ class RankObservation:
     step: int | None = None
     activity: Activity | None = None
     activity_since: float | None = None
+    place: str = ""
+
+
+@dataclass(frozen=True)
+class StragglerObservation:
+    """The worst straggler of the gang view (``GangView.straggler``): its rank, its score against the other
+    ranks and against its own best, the score in words, and where the executor placed it."""
+
+    rank: int
+    score: float
+    own_score: float | None = None
+    reason: str = ""
     place: str = ""
 
 
@@ -175,6 +194,8 @@ class Observation:
     step: int | None = None
     #: The failure the executor acted on last (the previous attempt's), as it recorded it (None: none).
     previous_failure: FailureSignature | None = None
+    #: The gang's worst straggler at the job's threshold (None: none, or not scored).
+    straggler: StragglerObservation | None = None
 
 
 @dataclass(frozen=True)
@@ -366,8 +387,46 @@ def _hang_reason(
     return culprit, reason + (f"; {_waited(culprit, others)}" if others else "")
 
 
-def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
-    """Decide what to do about a gang. See the module docstring for the guarantees."""
+def _straggler_decision(
+    recovery: RecoverySpec, straggler: StragglerSpec | None, observation: Observation
+) -> Decision:
+    """A running gang with a straggler: under ``action: restart`` (and restarts left) a gang restart whose
+    next attempt avoids the straggler's node; otherwise go on (the executor reports it)."""
+    restarts = observation.restarts
+    found = observation.straggler
+    if found is None or straggler is None or straggler.action != "restart":
+        return Decision(Action.CONTINUE, restarts=restarts)
+    if observation.attempt <= observation.handled_attempt:
+        return Decision(Action.WAIT, "this attempt's straggler is already being handled", restarts=restarts)
+    place = f" ({found.place})" if found.place else ""
+    at = f" at step {observation.step}" if observation.step is not None else ""
+    reason = f"rank {found.rank}{place} is a straggler{at}: {found.reason}"
+    if restarts >= recovery.max_restarts:
+        return Decision(
+            Action.CONTINUE,
+            f"{reason}; not restarted: restarts exhausted ({restarts} of {recovery.max_restarts})",
+            rank=found.rank,
+            restarts=restarts,
+        )
+    return Decision(
+        Action.RESTART,
+        f"{reason}; restarting the gang away from its node",
+        delay_seconds=backoff_seconds(recovery, restarts),
+        failure=FailureKind.STRAGGLER,
+        rank=found.rank,
+        restarts=restarts + 1,
+        step=observation.step,
+        signature=FailureSignature(
+            FailureKind.STRAGGLER, observation.step, None, found.reason[:MAX_CAUSE_CHARS], observation.attempt
+        ),
+    )
+
+
+def decide(
+    recovery: RecoverySpec, observation: Observation, straggler: StragglerSpec | None = None
+) -> Decision:
+    """Decide what to do about a gang. See the module docstring for the guarantees. ``straggler``: the
+    job's ``health.straggler`` (None: report only); a failure always comes before a straggler."""
     restarts = observation.restarts
     if observation.terminal in (Action.SUCCEED, Action.FAIL):
         return Decision(observation.terminal, observation.terminal_reason, restarts=restarts)
@@ -376,7 +435,7 @@ def decide(recovery: RecoverySpec, observation: Observation) -> Decision:
     if not failures:
         if observation.ranks and all(r.exit_code == 0 for r in observation.ranks):
             return Decision(Action.SUCCEED, "every rank exited 0", restarts=restarts)
-        return Decision(Action.CONTINUE, restarts=restarts)
+        return _straggler_decision(recovery, straggler, observation)
     if observation.attempt <= observation.handled_attempt:
         return Decision(Action.WAIT, "this attempt's failure is already being handled", restarts=restarts)
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from trainer_sidecar.contract.compute import MAX_WINDOW_STEPS
 from trainer_sidecar.contract.files import FileRefused, read_small_file
 from trainer_sidecar.contract.settings import (
     CheckpointPolicy as GuardianCheckpointPolicy,
@@ -107,6 +108,30 @@ class CheckpointSpec(GuardianCheckpointPolicy):
         return GuardianCheckpointPolicy.model_validate(self.model_dump(exclude={"claim_name", "mount_path"}))
 
 
+class StragglerSpec(_Model):
+    """When a rank counts as a straggler (its own compute per step against the gang's), and what is done."""
+
+    action: Literal["report", "restart"] = Field(
+        "report",
+        description="report: name the rank in the status, a metric, an Event; restart: also restart the "
+        "gang, its next attempt's pods kept off the straggler's node.",
+    )
+    threshold: float = Field(
+        1.5,
+        gt=1,
+        le=100,
+        description="A rank whose compute per step (the median over windowSteps) is more than this "
+        "multiple of the median of the other ranks' is a straggler (above 1, at most 100).",
+    )
+    window_steps: int = Field(
+        8,
+        ge=1,
+        le=MAX_WINDOW_STEPS,
+        description="Steps each rank's compute median covers: a rank is flagged once it stays slow for "
+        "about half of them (1 to 1000).",
+    )
+
+
 class HealthSpec(_Model):
     """When a worker counts as hung, and how often the kubelet (or local runner) asks."""
 
@@ -150,6 +175,9 @@ class HealthSpec(_Model):
         ge=1,
         le=MAX_PROBE_PERIOD_SECONDS,
         description="How often health is checked (at most an hour; the kubelet's probe period).",
+    )
+    straggler: StragglerSpec = Field(
+        default_factory=StragglerSpec, description="Straggler detection: a rank slower than the gang."
     )
 
     @model_validator(mode="after")
@@ -332,6 +360,7 @@ class GuardedTrainingJobSpec(_Model):
             guard=GuardThresholds.model_validate(self.guard.model_dump()),
             checkpoint=self.checkpoint.policy(),
             remediation=Remediation.model_validate(self.recovery.on_divergence.model_dump()),
+            compute_window_steps=self.health.straggler.window_steps,
         )
 
 
@@ -473,6 +502,20 @@ class CheckpointStatus(BaseModel):
     time: str = ""
 
 
+class StragglerStatus(BaseModel):
+    """The rank the gang view names a straggler now (``health.straggler``), and where it runs."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    rank: int
+    score: float = Field(description="Its compute per step over the median of the other ranks'.")
+    own_score: float | None = Field(None, description="Its compute per step over its own best.")
+    pod: str = ""
+    node: str = ""
+    step: int | None = Field(None, description="The gang's last step when it was last scored.")
+    message: str = Field("", max_length=1024)
+
+
 class GuardedTrainingJobStatus(BaseModel):
     """What the operator (or the local runner) reports about a job."""
 
@@ -524,4 +567,15 @@ class GuardedTrainingJobStatus(BaseModel):
         None,
         description="The hang timeout the gang is judged by now (the strictest rank's, seconds): learned "
         "from its pace, between hangTimeoutFloorSeconds and hangTimeoutSeconds.",
+    )
+    straggler: StragglerStatus | None = Field(
+        None, description="The rank slower than the gang now (health.straggler; unset: none)."
+    )
+    straggler_scores: list[float | None] | None = Field(
+        None,
+        description="Each rank's compute per step over the median of the other ranks', by rank (null: "
+        "not scored).",
+    )
+    avoid_node: str | None = Field(
+        None, description="The node the current attempt's pods keep off: the straggler's, after a restart."
     )

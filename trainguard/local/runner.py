@@ -731,6 +731,7 @@ class LocalRunner(GangSupervisor):
             handled_attempt=self.attempt - 1,
             step=view.last_step,
             previous_failure=self.last_failure,
+            straggler=view.straggler(self.spec.health.straggler.threshold),
         )
         return Look(view, observation)
 

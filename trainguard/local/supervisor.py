@@ -163,6 +163,8 @@ class GangSupervisor(ABC):
         #: The last failure acted on, as the policy signed it: the next observation's previous failure.
         self.last_failure: FailureSignature | None = None
         self._cadence = ""  # the checkpoint cadence last shown (a change is a timeline event)
+        #: The rank last named a straggler (None: none): a change is a timeline event.
+        self.straggler: int | None = None
 
     # ------------------------------------------------------------------------ what a subclass does ---
     @abstractmethod
@@ -219,6 +221,31 @@ class GangSupervisor(ABC):
             self._cadence = view.checkpoint_cadence
             self.event("checkpoint", f"checkpoint cadence {view.checkpoint_cadence}", view.last_step)
 
+    def see_straggler(self, look: Look) -> None:
+        """A timeline event when the gang view names a straggler other than the one named last (or
+        none any more); what the policy does about it (``health.straggler.action``) is its decision."""
+        found = look.observation.straggler
+        rank = found.rank if found is not None else None
+        threshold = self.spec.health.straggler.threshold
+        if rank == self.straggler or (found is None and not look.view.straggler_scores(threshold)):
+            return  # the same, or a gang not scored now (starting, ending): nothing new is known
+        self.straggler = rank
+        if found is None:
+            self.event("straggler", "no rank is a straggler any more", look.view.last_step)
+            return
+        restart = self.spec.health.straggler.action == "restart"
+        what = (
+            "restart: the gang restarts (one machine: its next attempt runs on this same machine)"
+            if restart
+            else "report"
+        )
+        at = f" at step {look.view.last_step}" if look.view.last_step is not None else ""
+        self.event(
+            "straggler",
+            f"rank {found.rank} is a straggler{at}: {found.reason} (action: {what})",
+            look.view.last_step,
+        )
+
     def start_attempt(self) -> None:
         """Count a new attempt and start its gang."""
         self._prepare_attempt()
@@ -234,7 +261,8 @@ class GangSupervisor(ABC):
             self.record_progress(look.view, now)
             if self.view is not None:
                 self.view.update(self)
-            decision = decide(self.spec.recovery, look.observation)
+            self.see_straggler(look)
+            decision = decide(self.spec.recovery, look.observation, self.spec.health.straggler)
             if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
                 time.sleep(IDLE_SECONDS)
                 continue
@@ -250,7 +278,8 @@ class GangSupervisor(ABC):
         """Carry out a RESTART (stop, backoff, start the next attempt) or a FAIL (stop; returns False),
         decided on ``look`` taken at ``now``: the restart's figures come from that look."""
         kind = decision.action.value if decision.action is Action.FAIL else "failure"
-        self.event(kind, decision.reason, decision.step)
+        straggler = decision.failure is FailureKind.STRAGGLER
+        self.event("straggler" if straggler else kind, decision.reason, decision.step)
         self.last_failure = decision.signature
         # A failure (a crash, a hang, a refused claim) leaves no gang that could checkpoint: stop it now.
         if decision.action is Action.FAIL:
@@ -263,7 +292,9 @@ class GangSupervisor(ABC):
             decision, look.view, attempt=self.attempt, attempt_started=self.attempt_started, now=now
         )
         with signals.deferred():
-            self._stop_workers(BROKEN_GANG_GRACE_SECONDS)
+            # A straggler's gang is whole: its stop grace lets it checkpoint first.
+            self._stop_workers(None if straggler else BROKEN_GANG_GRACE_SECONDS)
+        self.straggler = None
         self.restarts = decision.restarts
         if decision.remediation is not None:
             self.remediation = RemediationOrder.introduced_by(self.attempt + 1, decision.remediation)

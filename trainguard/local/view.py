@@ -25,6 +25,7 @@ _STYLE = {
     "recovered": "green",
     "succeeded": "bold green",
     "checkpoint": "cyan",
+    "straggler": "bold yellow",
 }
 
 

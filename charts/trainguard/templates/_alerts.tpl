@@ -126,4 +126,23 @@ Every threshold and window comes from .Values.alerts. Label `job` is the Guarded
       runbook_url: {{ printf "%s#trainguardcheckpointstale" $runbook | quote }}
   {{- end }}
   {{- end }}
+  {{- with $a.straggler }}
+  {{- if .enabled }}
+  # The operator scores each rank's own compute per step against the other ranks' median (the gang view
+  # the job's health.straggler acts on); one series a rank.
+  - alert: TrainguardStragglerRank
+    expr: |-
+      max by (namespace, job, rank) (trainguard_worker_straggler_score) > {{ .threshold }}
+    for: {{ .for }}
+    labels:
+      severity: {{ .severity }}
+      {{- with $a.labels }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    annotations:
+      summary: {{ `GuardedTrainingJob {{ $labels.namespace }}/{{ $labels.job }} has a straggler: rank {{ $labels.rank }}` | quote }}
+      description: {{ printf "Rank {{ $labels.rank }} of job {{ $labels.job }} in namespace {{ $labels.namespace }} computes each step {{ $value | printf \"%%.2f\" }} times as long as the other ranks' median (alert threshold: %v, held for %s). The whole gang steps at its pace; status.straggler and the StragglerDetected Event name its pod and node." .threshold .for | quote }}
+      runbook_url: {{ printf "%s#trainguardstragglerrank" $runbook | quote }}
+  {{- end }}
+  {{- end }}
 {{- end -}}

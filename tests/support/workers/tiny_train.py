@@ -115,6 +115,7 @@ def main() -> int:
     parser.add_argument("--declare-max", action="store_true", help="Guardian(..., max_steps=--steps)")
     parser.add_argument("--raise-after-loop", action="store_true")
     parser.add_argument("--raise-at", type=int, default=-1, help="raise an exception at this step")
+    parser.add_argument("--statuses", type=Path, help="write the status after every step to DIR/rank<R>.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -146,9 +147,12 @@ def main() -> int:
         if distributed:
             dist.destroy_process_group()  # before exit, as the examples do: no collective after this
         return 0
+    statuses: list[dict[str, object]] = []
     for x, y in guardian.run(loader, max_steps=args.steps):
         loss = torch.nn.functional.mse_loss(model(x), y)
         guardian.step(loss)
+        if args.statuses is not None:
+            statuses.append(guardian.status().to_document())
         if guardian.step_count == args.raise_at:
             raise ValueError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x1)")
         if args.step_sleep:
@@ -162,6 +166,8 @@ def main() -> int:
             else:
                 with guardian.busy("eval", seconds=args.busy_seconds + 60):
                     pause(args.busy_seconds, args.busy_until)
+    if args.statuses is not None:
+        (args.statuses / f"rank{guardian.rank}.json").write_text(json.dumps(statuses))
     report = {
         "rank": guardian.rank,
         "step": guardian.step_count,
