@@ -15,7 +15,11 @@ its 1 s poll period; the API server's for pods, to the second):
 - ``pod_start_s``: the kubelet's share, those pods' creation to their training container running
   (scheduling, sandbox and network, the init containers, the sidecar);
 - ``first_step_s``: the container running to its first step (Python, torch, the rendezvous, the
-  checkpoint).
+  checkpoint), split by rank 0's log lines (the kubelet's timestamps; absent when a line is missing):
+  ``to_corpus_s`` the container running to the script's first line (Python, torch, the rendezvous, the
+  corpus), ``to_model_s`` to its model (built and wrapped in DDP), ``to_resumed_s`` to its held-out loss
+  (the Guardian: the checkpoint agreed on and restored; the script's validation), ``to_step_s`` from
+  there to the first step (the operator's clock).
 
 Run as root, after ``bash scripts/setup.sh``::
 
@@ -57,13 +61,48 @@ def measure(namespace: JobNamespace, job: dict[str, Any]) -> dict[str, float]:
         (container,) = [s for s in pod["status"]["containerStatuses"] if s["name"] == "pytorch"]
         state = container["state"].get("running") or container["state"].get("terminated") or {}
         running.append(timestamp(state["startedAt"]))
-    return {
+    phases = {
         "recover_s": first_step - last_step,
         "detect_s": failed - last_step,
         "restart_s": created - failed,
         "pod_start_s": max(running) - created,
         "first_step_s": first_step - max(running),
     }
+    # The container's start (to the second) is rank 0's, not the latest: its log is the one read.
+    master = next(p for p in pods if p["metadata"]["name"] == f"{JOB}-2-master-0")
+    (container,) = [s for s in master["status"]["containerStatuses"] if s["name"] == "pytorch"]
+    state = container["state"].get("running") or container["state"].get("terminated") or {}
+    mark = timestamp(state["startedAt"])
+    lines = log_times(namespace, f"{JOB}-2-master-0")
+    for phase, text in LOG_MARKS:
+        if text not in lines:
+            return phases
+        phases[phase], mark = lines[text] - mark, lines[text]
+    phases["to_step_s"] = first_step - mark
+    return phases
+
+
+#: The lines of the example's rank 0 that split ``first_step_s``: the phase that ends at each.
+LOG_MARKS = (
+    ("to_corpus_s", "tiny_lm: corpus:"),
+    ("to_model_s", "tiny_lm: model:"),
+    ("to_resumed_s", "held-out loss"),
+)
+
+
+def log_times(namespace: JobNamespace, pod: str) -> dict[str, float]:
+    """When each of ``LOG_MARKS``' texts first appeared in the ``pytorch`` container's log of ``pod``, by
+    the kubelet's timestamps (Unix seconds)."""
+    found: dict[str, float] = {}
+    logs = namespace.cluster.node.pod_logs_dir.glob(f"{namespace.name}_{pod}_*/pytorch/*.log")
+    for log in sorted(logs):
+        for line in log.read_text(errors="replace").splitlines():
+            stamp, _, rest = line.partition(" ")
+            for _, text in LOG_MARKS:
+                if text in rest and text not in found:
+                    whole, _, fraction = stamp.rstrip("Z").partition(".")
+                    found[text] = timestamp(f"{whole}.{fraction[:6] or '0'}Z")
+    return found
 
 
 def run_once(cluster: test_cluster.Cluster, kind: str, index: int, volume: Path) -> dict[str, float]:
@@ -116,7 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             plane.stop()
     medians = {
-        kind: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        kind: {
+            key: statistics.median(run[key] for run in runs)
+            for key in runs[0]
+            if all(key in run for run in runs)
+        }
         for kind, runs in results.items()
         if runs
     }

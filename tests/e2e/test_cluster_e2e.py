@@ -19,6 +19,7 @@ module.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -69,6 +70,41 @@ sys.path.insert(0, "examples/tiny_lm")
 sys.argv = ["examples/tiny_lm/train.py", *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+# Rank 1 hangs at HANG_STEP in attempt 1 (a fault), which steps at most two a second, so that its sidecar
+# has learned the hang timeout (a warm-up of 20 gaps between published steps) well before, however fast
+# the machine. From attempt 2 on, every rank raises the same error at BUG_STEP: a user's bug that a
+# resumed attempt meets again where the one before did. A wrapper that the job's command runs, with the
+# training script run unchanged.
+HANG_STEP = 40
+BUG_STEP = 55
+BUGGY_TRAINER = f"""
+import os, runpy, sys, time
+from trainer_sidecar import Guardian
+
+step = Guardian.step
+first = os.environ.get("TRAINGUARD_ATTEMPT", "1") == "1"
+
+def paced_or_buggy_step(self, *args, **kwargs):
+    if first:
+        time.sleep(0.5)
+    elif self.step_count == {BUG_STEP}:
+        raise ValueError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x1)")
+    return step(self, *args, **kwargs)
+
+Guardian.step = paced_or_buggy_step
+sys.path.insert(0, "examples/tiny_lm")
+sys.argv = ["examples/tiny_lm/train.py", *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+#: A hang timeout that is learned: a ceiling of minutes (the example's), a floor of seconds.
+LEARNED_HANG_DETECTION = {
+    "hangTimeoutSeconds": 120,
+    "hangTimeoutFloorSeconds": 5,
+    "startupGraceSeconds": 120,
+    "probePeriodSeconds": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +400,103 @@ def test_repeated_divergence_fails_the_job_with_the_reason(
         lambda: cluster.get("pytorchjob", f"{JOB}-2", namespace.name) is None,
         120,
     )
+
+
+@pytest.mark.timeout(600)
+def test_a_hang_is_blamed_on_the_hung_rank_at_its_learned_timeout_and_a_repeated_crash_is_deterministic(
+    e2e_cluster: Cluster, namespace: JobNamespace
+) -> None:
+    """Issue 24 on the real node, in one job of three attempts. Attempt 1: while it trains, the status and
+    ``kubectl get gtj`` show its pace (steps/s, ETA) and the hang timeout learned from it, far below the
+    120 s ceiling; then rank 1 hangs in its own work and rank 0 waits for it in the gradient all-reduce:
+    the hang is caught at the learned timeout, and blamed on rank 1, with its pod and node. Attempts 2
+    and 3 crash by the script's own exit code at the same step: the job fails as a deterministic failure
+    after them, though restarts are left."""
+    cluster = e2e_cluster
+    documents = example(
+        steps=80,
+        faults=f"hang@{HANG_STEP}:1",
+        health=LEARNED_HANG_DETECTION,
+        recovery={"maxRestarts": 4, "backoffSeconds": [1]},
+        command=["python", "-c", BUGGY_TRAINER],
+    )
+    namespace.apply(documents)
+
+    seen: dict[str, Any] = {}
+
+    def paced() -> tuple[dict[str, Any], list[str]] | None:
+        status = (namespace.job() or {}).get("status", {})
+        # The pace must be seen before the hang.
+        assert not status.get("restarts"), f"restarted; attempt 1 was last seen as {json.dumps(seen)}"
+        seen.update(status)
+        timeout = status.get("hangTimeoutSeconds")
+        if status.get("stepsPerSecond") is None or status.get("etaSeconds") is None or timeout is None:
+            return None
+        if timeout >= LEARNED_HANG_DETECTION["hangTimeoutSeconds"]:
+            return None  # not learned yet
+        return status, cluster.kubectl("get", "gtj", "-n", namespace.name).splitlines()
+
+    running, table = namespace.wait("the pace and a learned hang timeout", paced, timeout=400)
+    assert running["stepsPerSecond"] > 0, running
+    assert running["etaSeconds"] >= 0, running
+    assert (
+        LEARNED_HANG_DETECTION["hangTimeoutFloorSeconds"]
+        <= running["hangTimeoutSeconds"]
+        < LEARNED_HANG_DETECTION["hangTimeoutSeconds"]
+    ), running
+    header, row = table[0].split(), table[1].split()
+    assert header == get_gtj_header()
+    columns = dict(zip(header, row, strict=False))
+    assert float(columns["STEPS/S"]) > 0, table
+    assert int(columns["ETA"]) >= 0, table
+
+    # The hang: caught at the learned timeout, not at the ceiling, and blamed on the rank that hung.
+    hung = namespace.wait(
+        "the restart after the hang",
+        lambda: (job := namespace.job()) and job.get("status", {}).get("restarts") == 1 and job,
+        timeout=240,
+    )["status"]
+    failure = hung["lastFailure"]
+    assert (failure["reason"], failure["rank"]) == ("Hung", 1), failure
+    # Named first, or (when only the waiting rank's sidecar had failed yet) as the likely cause.
+    culprit = re.escape(f"rank 1 (pod {JOB}-1-worker-0 on node {NODE_NAME})")
+    assert re.search(
+        rf"^{culprit} hung at step \d+ in its own work|the likely cause is {culprit}, in its own work",
+        failure["message"],
+    ), failure
+    history = {h["attempt"]: h for h in hung["stepHistory"]}
+    detected = timestamp(failure["time"]) - timestamp(history[1]["lastStepAt"])
+    assert detected < LEARNED_HANG_DETECTION["hangTimeoutSeconds"] / 2, (detected, hung)
+    restart = next(e["message"] for e in namespace.events() if e["reason"] == "GangRestart")
+    assert failure["message"] in restart, restart
+    print(
+        f"hang: at {running['stepsPerSecond']} steps/s, learned timeout {running['hangTimeoutSeconds']} s "
+        f"(ceiling 120 s), detected "
+        f"{detected:.1f} s after the last step; {failure['message']}",
+        file=sys.stderr,
+    )
+
+    # Attempts 2 and 3 fail alike at BUG_STEP: the verdict, with restarts left.
+    job = namespace.finished(timeout=400)
+    diagnostics = cluster.diagnostics(namespace.name)
+    failed = condition(job, "Failed")
+    assert failed is not None, diagnostics
+    assert failed["reason"] == "DeterministicFailure", failed
+    status = job["status"]
+    assert (status["attempt"], status["restarts"]) == (3, 2), diagnostics
+    verdict = status["lastFailure"]
+    assert verdict["reason"] == "DeterministicFailure", verdict
+    assert verdict["message"].startswith(
+        f"deterministic failure: attempts 2 and 3 failed alike at step {BUG_STEP} (exited with code 1: "
+    ), verdict
+    assert "ValueError: mat1 and mat2 shapes cannot be multiplied" in verdict["message"], verdict
+    created = [e["message"] for e in namespace.events() if e["reason"] == "AttemptCreated"]
+    assert len(created) == 3, created
+    assert cluster.get("pytorchjob", f"{JOB}-4", namespace.name) is None
+    # The time the job lost (two recoveries and the redone steps) is in its status and its row.
+    assert status["lostSeconds"] > 0, status
+    header, row = cluster.kubectl("get", "gtj", "-n", namespace.name).splitlines()[:2]
+    assert float(dict(zip(header.split(), row.split(), strict=False))["LOST"]) > 0, row
 
 
 def report_recovery(what: str, namespace: JobNamespace, status: dict[str, Any]) -> None:
