@@ -1506,13 +1506,17 @@ class Guardian:
         os._exit(1)
 
     def _release(self) -> None:
-        """Stop watching peers and put back the signal handlers (the guardian's work is over)."""
+        """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
+        evaluation the watch inferred and still holds open (the peers would read this rank busy on)."""
         disarm_at_exit(self._at_exit)
         if self._holding_stop:
             self._holding_stop = False
             self._stop.release()
+        self._reporter.stop_watching()  # first: the watch opens and closes the inferred evaluation
+        opened, self._evaluation = self._evaluation, None
+        if opened is not None:
+            self._busy.leave(opened[0])
         self._busy.stop()
-        self._reporter.stop_watching()
 
 
 _MAX = torch.distributed.ReduceOp.MAX
