@@ -21,7 +21,13 @@ import torch
 from tests.support.copies import copies_held
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainer_sidecar.contract.status import Activity, StatusPublisher, WorkerStatus, read_status
+from trainer_sidecar.contract.status import (
+    Activity,
+    StatusPublisher,
+    WorkerStatus,
+    read_status,
+    write_termination_message,
+)
 from trainer_sidecar.guardian import reporting
 from trainer_sidecar.guardian.config import GuardianConfig
 from trainer_sidecar.guardian.data import GuardedLoader, sample_is_bad
@@ -726,7 +732,7 @@ def test_a_crash_at_exit_writes_the_status_and_the_termination_message_once_with
         guardian.step(loss_of(model))
     guardian._reporter.stop_watching()  # only the exit hook writes from here on
     writes: list[tuple[str, Phase]] = []
-    publish, write_message = StatusPublisher.publish, reporting.write_termination_message
+    publish = StatusPublisher.publish
 
     def counted_publish(self: StatusPublisher, status: WorkerStatus, *, force: bool = False) -> bool:
         writes.append(("status", status.phase))
@@ -734,10 +740,10 @@ def test_a_crash_at_exit_writes_the_status_and_the_termination_message_once_with
 
     def counted_message(path: Path, status: WorkerStatus) -> None:
         writes.append(("termination message", status.phase))
-        write_message(path, status)
+        write_termination_message(path, status)
 
     monkeypatch.setattr(StatusPublisher, "publish", counted_publish)
-    monkeypatch.setattr(reporting, "write_termination_message", counted_message)
+    monkeypatch.setattr(reporting, "write_termination_message", counted_message)  # as reporting calls it
     try:
         raise ValueError("mat1 and mat2 shapes cannot be multiplied")
     except ValueError as exc:
