@@ -304,3 +304,32 @@ def test_the_end_of_a_wait_for_a_busy_peer_restarts_the_hang_clock(
     verdict = look(sidecar, running)
     assert verdict.alive, verdict.reason
     guardian.close()
+
+
+@pytest.mark.parametrize("end", ["close", "crash"])
+def test_an_inferred_evaluation_open_when_the_guardian_ends_is_withdrawn_from_the_peers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """The guardian closed (or the interpreter exits over an exception) while the model is in eval mode
+    between steps: the evaluation it announced to its peers is withdrawn, else a peer still running
+    would read this rank as busy for the rest of the run (and report itself waiting, not hung)."""
+    store = FakeStore()
+    monkeypatch.setattr(busy, "default_store", lambda: store)
+    guardian, model, status_file, _ = learned_guardian(tmp_path)
+    guardian._busy.watch_peers(0, guardian._peer_changed)  # as a distributed guardian's start does
+    peer = PeerBoard(store, 1)
+    model.eval()
+    assert evaluating(wait_for(status_file, evaluating))
+    seen = peer.busy_peer()
+    assert seen is not None
+    assert (seen.rank, seen.reason) == (0, EVAL_MODE_REASON)
+    if end == "close":
+        guardian.close()
+    else:
+        monkeypatch.setattr("sys.last_value", RuntimeError("the evaluation failed"), raising=False)
+        guardian._at_exit(True)
+    assert peer.busy_peer() is None
+    assert store.add("trainguard/busy-count", 0) == 0
+    assert not evaluating(guardian.status())
+    time.sleep(1.2)  # two looks of the activity watch, had it gone on: nothing is announced again
+    assert peer.busy_peer() is None

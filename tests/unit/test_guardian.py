@@ -6,7 +6,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +21,14 @@ import torch
 from tests.support.copies import copies_held
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
-from trainer_sidecar.contract.status import Activity, WorkerStatus, read_status
+from trainer_sidecar.contract.status import (
+    Activity,
+    StatusPublisher,
+    WorkerStatus,
+    read_status,
+    write_termination_message,
+)
+from trainer_sidecar.guardian import reporting
 from trainer_sidecar.guardian.config import GuardianConfig
 from trainer_sidecar.guardian.data import GuardedLoader, sample_is_bad
 from trainer_sidecar.guardian.gang import Gang
@@ -709,6 +718,46 @@ def test_a_configuration_error_is_the_final_status_and_termination_message(
         assert status.phase is Phase.FAILED
         assert "TRAINGUARD_SETTINGS" in status.message
         assert "guard.maxGradNorm" in status.message
+
+
+def test_a_crash_at_exit_writes_the_status_and_the_termination_message_once_with_its_step_and_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status_file, message_file = tmp_path / "status.json", tmp_path / "termination-log"
+    monkeypatch.setenv("TRAINGUARD_STATUS_FILE", str(status_file))
+    monkeypatch.setenv("TRAINGUARD_TERMINATION_MESSAGE_PATH", str(message_file))
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(3):
+        guardian.step(loss_of(model))
+    guardian._reporter.stop_watching()  # only the exit hook writes from here on
+    writes: list[tuple[str, Phase]] = []
+    publish = StatusPublisher.publish
+
+    def counted_publish(self: StatusPublisher, status: WorkerStatus, *, force: bool = False) -> bool:
+        writes.append(("status", status.phase))
+        return publish(self, status, force=force)
+
+    def counted_message(path: Path, status: WorkerStatus) -> None:
+        writes.append(("termination message", status.phase))
+        write_termination_message(path, status)
+
+    monkeypatch.setattr(StatusPublisher, "publish", counted_publish)
+    monkeypatch.setattr(reporting, "write_termination_message", counted_message)  # as reporting calls it
+    try:
+        raise ValueError("mat1 and mat2 shapes cannot be multiplied")
+    except ValueError as exc:
+        monkeypatch.setattr(sys, "last_value", exc, raising=False)  # as the interpreter sets it
+    guardian._at_exit(True)
+    assert writes == [("status", Phase.FAILED), ("termination message", Phase.FAILED)]
+    for path in (status_file, message_file):
+        status, reason = read_status(path)
+        assert status is not None, reason
+        assert (status.phase, status.step, status.exit_code) == (Phase.FAILED, 3, 1)
+        assert re.fullmatch(
+            r"ValueError: mat1 and mat2 shapes cannot be multiplied \(at test_guardian\.py:\d+\)",
+            status.message,
+        )
 
 
 def test_an_explicit_checkpoint_dir_that_contradicts_the_orchestrator_is_refused(

@@ -282,6 +282,31 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
     assert json.loads(rendered["TRAINGUARD_REMEDIATION"]) == json.loads(local["TRAINGUARD_REMEDIATION"])
 
 
+def test_a_first_attempt_tells_the_worker_it_has_no_failure_history_like_the_local_runner(
+    tmp_path: Path,
+) -> None:
+    """Attempt 1 is told 0 restarts in 0 s by both runners, not left to whatever the environment holds:
+    a job's own TRAINGUARD_RESTARTS (copied from a pod of an earlier run, say) would otherwise size the
+    first attempt's ``everySteps: auto`` interval from a failure rate this job never had."""
+    user = [
+        {"name": "TRAINGUARD_RESTARTS", "value": "7"},
+        {"name": "TRAINGUARD_RUN_SECONDS", "value": "3600"},
+    ]
+    job = load(gtj_manifest(env=user))
+    runner = LocalRunner(job, checkpoint_root=tmp_path, run_dir=tmp_path)
+    runner.attempt = 1  # as the run loop sets it when it starts the first attempt
+    assert runner.restarts == 0
+    local = runner.worker_env(0, 29500, tmp_path / "s.json")
+    manifest = render_pytorchjob(job, OWNER, 1, None, SETTINGS)
+    worker = named(
+        manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"], "pytorch"
+    )
+    rendered = env_of(worker)
+    for key in ("TRAINGUARD_RESTARTS", "TRAINGUARD_RUN_SECONDS"):
+        assert rendered[key] == local[key] == "0", key
+    assert [e["name"] for e in worker["env"]].count("TRAINGUARD_RESTARTS") == 1
+
+
 def test_the_sidecar_environment_matches_the_local_runner(tmp_path: Path) -> None:
     """Both runners tell a sidecar the same job and timing; only its file and address are their own."""
     health = {"hangTimeoutSeconds": 120, "startupGraceSeconds": 30}

@@ -33,7 +33,7 @@ ATTEMPT_ENV = "TRAINGUARD_ATTEMPT"
 REMEDIATION_ENV = "TRAINGUARD_REMEDIATION"
 FAULTS_ENV = "TRAINGUARD_FAULTS"
 #: The job's failure history before this attempt, for ``everySteps: auto``: its gang restarts so far and
-#: the seconds since it first started (set from the first restart on).
+#: the seconds since it first started (set on every attempt: 0 and 0 on the first).
 RESTARTS_ENV = "TRAINGUARD_RESTARTS"
 RUN_SECONDS_ENV = "TRAINGUARD_RUN_SECONDS"
 
@@ -97,8 +97,10 @@ class WorkerEnvironment:
     run_seconds: float = 0.0
 
     def variables(self) -> dict[str, str]:
-        """The worker's ``TRAINGUARD_*`` variables, ``TRAINGUARD_REMEDIATION`` only when there is one, the
-        failure history (``TRAINGUARD_RESTARTS``, ``TRAINGUARD_RUN_SECONDS``) only after a restart."""
+        """The worker's ``TRAINGUARD_*`` variables, ``TRAINGUARD_REMEDIATION`` only when there is one. The
+        failure history (``TRAINGUARD_RESTARTS``, ``TRAINGUARD_RUN_SECONDS``) is set on every attempt, so
+        that no value of the job's own environment stands in for it; before any restart it is 0 restarts
+        in 0 s (a run time without a failure rates nothing, and both runners then agree exactly)."""
         variables = {
             SETTINGS_ENV: self.settings.model_dump_json(by_alias=True),
             CHECKPOINT_DIR_ENV: self.checkpoint_dir,
@@ -112,9 +114,9 @@ class WorkerEnvironment:
         }
         if self.remediation is not None:
             variables[REMEDIATION_ENV] = self.remediation.to_json()
-        if self.restarts > 0:
-            variables[RESTARTS_ENV] = str(self.restarts)
-            variables[RUN_SECONDS_ENV] = str(max(0, round(self.run_seconds)))
+        restarts = max(0, self.restarts)
+        variables[RESTARTS_ENV] = str(restarts)
+        variables[RUN_SECONDS_ENV] = str(max(0, round(self.run_seconds)) if restarts else 0)
         return variables
 
 

@@ -1483,15 +1483,14 @@ class Guardian:
             return
         self._release()
         if plan is ExitPlan.CRASHED:
-            # Where the exception left the training thread (a collective a dead peer broke, or its own
-            # work): the evidence that tells a crash's cause from its victims (``core.policy``).
-            self._publish(force=True)
-            self._reporter.write_termination_message()
-            self.checkpoints.close()  # a clean checkpoint in flight is still worth having
-            # The step it failed at and why, in the status and the termination message: the periodic
-            # status may be steps behind, and whether a crash repeats at the same step is how a
-            # deterministic failure is told from a transient one (trainguard.core.policy).
+            # One final status and termination message, written before the wait for a checkpoint in
+            # flight (which may be long, or fail): the step it failed at and why (the periodic status
+            # may be steps behind, and whether a crash repeats at the same step is how a deterministic
+            # failure is told from a transient one), and where the exception left the training thread
+            # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
+            # victims (trainguard.core.policy).
             self._report_end(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
+            self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             return
         newest = self.checkpoints.checkpointed_step
         if plan is ExitPlan.UNDECLARED:
@@ -1523,13 +1522,17 @@ class Guardian:
         os._exit(1)
 
     def _release(self) -> None:
-        """Stop watching peers and put back the signal handlers (the guardian's work is over)."""
+        """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
+        evaluation the watch inferred and still holds open (the peers would read this rank busy on)."""
         disarm_at_exit(self._at_exit)
         if self._holding_stop:
             self._holding_stop = False
             self._stop.release()
+        self._reporter.stop_watching()  # first: the watch opens and closes the inferred evaluation
+        opened, self._evaluation = self._evaluation, None
+        if opened is not None:
+            self._busy.leave(opened[0])
         self._busy.stop()
-        self._reporter.stop_watching()
 
 
 _MAX = torch.distributed.ReduceOp.MAX

@@ -132,9 +132,13 @@ class StatusReporter:
         self._watch = threading.Thread(target=run, name="trainguard-activity-watch", daemon=True)
         self._watch.start()
 
-    def stop_watching(self) -> None:
-        """Stop the activity watch (its thread ends within one period)."""
+    def stop_watching(self, wait_seconds: float = 5.0) -> None:
+        """Stop the activity watch, and wait (at most ``wait_seconds``) for its thread to end: once this
+        returns, the watch neither publishes nor looks (``look``) again, unless a write hung past it."""
         self._watch_stop.set()
+        watch = self._watch
+        if watch is not None and watch is not threading.current_thread():
+            watch.join(wait_seconds)
 
     def _unwritable(self, exc: OSError) -> None:
         where = f"the status file {self._publisher.path} ({STATUS_FILE_ENV} or status_file=)"
