@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trainer_sidecar.contract.exitcodes import ExitCode
@@ -523,21 +523,36 @@ def test_a_running_rank_in_its_own_work_is_the_likely_cause_of_peers_waiting_for
     ranks=st.lists(rank_states, min_size=1, max_size=6, unique_by=lambda r: r.rank),
     steps=st.lists(st.integers(0, 9), min_size=6, max_size=6),
 )
+@example(  # two hung ranks, the higher one's process seen to end: it is named, first
+    ranks=[
+        RankObservation(rank=0, exit_code=None, alive=False),
+        RankObservation(rank=1, exit_code=None, alive=False, ended_at=0.0),
+    ],
+    steps=[0] * 6,
+)
 def test_without_activity_reports_the_decision_is_the_old_one(
     ranks: list[RankObservation], steps: list[int]
 ) -> None:
     # Workers older than the activity field report none: their steps and places change nothing, and a
-    # hang names every hung rank, lowest first, as it always did.
+    # hang names every hung rank, lowest first, as it always did; of hung ranks whose processes ended
+    # (a runner that saw the process end without its exit code), the one that ended first.
     decision = decide(RECOVERY, gang(*ranks))
     evidenced = [
         replace(r, step=s, activity_since=1.0, place="pod p") for r, s in zip(ranks, steps, strict=False)
     ]
     assert decide(RECOVERY, gang(*evidenced)) == decision
     if decision.failure is FailureKind.HANG:
-        hung = sorted(r.rank for r in ranks if classify(r) is FailureKind.HANG)
-        assert decision.rank == hung[0]
-        named = f"rank {hung[0]}" if len(hung) == 1 else f"ranks {', '.join(map(str, hung))}"
-        assert decision.reason.startswith(f"{named} hung"), decision.reason
+        hung = [r for r in ranks if classify(r) is FailureKind.HANG]
+        first = min(hung, key=lambda r: (r.ended_at if r.ended_at is not None else float("inf"), r.rank))
+        assert decision.rank == first.rank
+        numbers = sorted(r.rank for r in hung)
+        if len(hung) == 1:
+            named = f"rank {first.rank} hung"
+        elif first.ended_at is not None:
+            named = f"rank {first.rank} hung first"
+        else:
+            named = f"ranks {', '.join(map(str, numbers))} hung"
+        assert decision.reason.startswith(named), decision.reason
 
 
 def test_of_crashed_ranks_that_ended_together_the_one_in_its_own_work_is_the_cause() -> None:
