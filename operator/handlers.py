@@ -133,7 +133,9 @@ def _state(rt: Runtime, memo: kopf.Memo, namespace: str, name: str) -> JobState:
     return state
 
 
-async def _step(rt: Runtime, state: JobState, namespace: str, name: str, body: Mapping[str, Any]) -> Outcome:
+async def _step(
+    rt: Runtime, state: JobState, namespace: str, name: str, body: Mapping[str, Any] | None
+) -> Outcome:
     """One reconcile step (the caller holds the job's lock), remembered in ``state.last``."""
     if not await rt.watches.wait_listed(rt.settings.api_retry_seconds * 5):
         raise kopf.TemporaryError(
@@ -219,24 +221,22 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 # ----------------------------------------------------------------------------------- the step ---
 async def reconcile_job(
-    rt: Runtime, state: JobState, namespace: str, name: str, watched: Mapping[str, Any]
+    rt: Runtime, state: JobState, namespace: str, name: str, watched: Mapping[str, Any] | None
 ) -> Outcome:
     """One reconcile step of one job (see the module docstring), ``watched`` being the job as kopf's
-    watch shows it. Raises TemporaryError to be retried."""
+    watch shows it (None: read it from the API server). A write that conflicts (kopf's own writes race
+    the copy it handed over) is retried at once, once, from a fresh read. Raises TemporaryError to be
+    retried."""
     started = time.monotonic()
     try:
-        # A snapshot: kopf's body of a daemon is a live view, updated while the step awaits.
-        chosen = None if state.read_fresh else fresher_body(copy.deepcopy(dict(watched)), state.written)
-        body = chosen if chosen is not None else await rt.api.get_job(namespace, name)
-        if body is None:
-            return Outcome(rt.settings.crd_retry_seconds, done=True)
-        state.read_fresh = False
-        cache = rt.watches
-        jobs = None if cache.pytorchjobs.absent else cache.pytorchjobs.of_job(namespace, name)
-        pods = cache.pods.of_job(namespace, name)
-        sidecars = await rt.poller.reports(pods_to_poll(body, pods))
-        plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
-        await _execute(rt, state, body, plan)
+        try:
+            return await _reconcile(rt, state, namespace, name, watched)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            rt.metrics.reconcile_errors.labels(name, namespace).inc()
+            state.read_fresh = True
+            return await _reconcile(rt, state, namespace, name, None)
     except kubernetes.client.ApiException as exc:
         rt.metrics.reconcile_errors.labels(name, namespace).inc()
         if exc.status == 409:
@@ -257,6 +257,25 @@ async def reconcile_job(
         ) from exc
     finally:
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+async def _reconcile(
+    rt: Runtime, state: JobState, namespace: str, name: str, watched: Mapping[str, Any] | None
+) -> Outcome:
+    # A snapshot: kopf's body of a daemon is a live view, updated while the step awaits.
+    chosen = None
+    if watched is not None and not state.read_fresh:
+        chosen = fresher_body(copy.deepcopy(dict(watched)), state.written)
+    body = chosen if chosen is not None else await rt.api.get_job(namespace, name)
+    if body is None:
+        return Outcome(rt.settings.crd_retry_seconds, done=True)
+    state.read_fresh = False
+    cache = rt.watches
+    jobs = None if cache.pytorchjobs.absent else cache.pytorchjobs.of_job(namespace, name)
+    pods = cache.pods.of_job(namespace, name)
+    sidecars = await rt.poller.reports(pods_to_poll(body, pods))
+    plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
+    await _execute(rt, state, body, plan)
     return Outcome(plan.requeue_seconds, plan.done, plan.clock)
 
 

@@ -6,6 +6,7 @@ drops what was deleted meanwhile."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import kmock
 import pytest
@@ -33,7 +34,7 @@ from tests.support.operator_harness import (
 pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.asyncio]
 
 #: A probe period far beyond the tests' waits: whatever happens within them was not the clock's doing.
-LONG_PERIOD = {
+LONG_PERIOD: dict[str, Any] = {
     "health": {"hangTimeoutSeconds": 600, "startupGraceSeconds": 600, "probePeriodSeconds": 300},
     "recovery": {"maxRestarts": 3, "backoffSeconds": [1]},
 }
