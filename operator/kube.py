@@ -138,11 +138,11 @@ class KubeApi:
         return list(json.loads(response.data).get("items") or [])
 
     async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Create a PyTorchJob and return it as stored; None when one of that name already exists
-        (creation is idempotent)."""
+        """Create a PyTorchJob and return it as stored (as sent, when the answer has no body); None when
+        one of that name already exists (creation is idempotent)."""
         namespace = manifest["metadata"]["namespace"]
         try:
-            created: dict[str, Any] = await asyncio.to_thread(
+            created: Any = await asyncio.to_thread(
                 self._custom.create_namespaced_custom_object,
                 PYTORCHJOB_GROUP,
                 PYTORCHJOB_VERSION,
@@ -155,7 +155,7 @@ class KubeApi:
             if exc.status == 409:
                 return None
             raise
-        return created
+        return created if isinstance(created, dict) and created.get("metadata") else dict(manifest)
 
     async def stop_pods(self, namespace: str, pytorchjob: str, grace_seconds: int) -> int:
         """Delete the pods of a PyTorchJob with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than
