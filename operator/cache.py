@@ -25,6 +25,32 @@ JobKey = tuple[str, str]
 FORGOTTEN_UIDS = 4096
 
 
+#: The metadata a decision reads of a PyTorchJob or a pod (``pods``, ``reconcile``).
+KEPT_METADATA = (
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "labels",
+    "ownerReferences",
+    "creationTimestamp",
+    "deletionTimestamp",
+)
+
+
+def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator keeps of a PyTorchJob or a pod: the metadata in ``KEPT_METADATA``, the status,
+    and of the spec only the node (a failure names it). A PyTorchJob's spec (every pod template) and
+    a pod's (containers, environment) are most of their size and nothing decides from them."""
+    found = meta(obj)
+    slim: dict[str, Any] = {key: obj[key] for key in ("apiVersion", "kind", "status") if key in obj}
+    slim["metadata"] = {key: found[key] for key in KEPT_METADATA if key in found}
+    spec = obj.get("spec")
+    if isinstance(spec, Mapping) and spec.get("nodeName"):
+        slim["spec"] = {"nodeName": spec["nodeName"]}
+    return slim
+
+
 def job_of(obj: Mapping[str, Any]) -> JobKey | None:
     """The job an object belongs to by its label, or None when it carries none."""
     job = labels(obj).get(JOB_LABEL)
@@ -51,7 +77,8 @@ def _older(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
 
 
 class ObjectCache:
-    """The objects of one kind that carry a job label, as the watches last showed them.
+    """The objects of one kind that carry a job label, as the watches last showed them (what
+    ``kept`` keeps of them).
 
     ``absent`` says the API server does not serve the kind at all (a list answered 404: the PyTorchJob
     CRD is not installed); ``synced`` that a list has filled the cache at least once.
@@ -85,6 +112,7 @@ class ObjectCache:
                 touched.add(old_job)
         new_job = job_of(obj) if obj is not None else None
         if obj is not None and new_job is not None:
+            obj = kept(obj)
             self._objects[key] = obj
             self._by_job.setdefault(new_job, set()).add(key)
             touched.add(new_job)

@@ -101,3 +101,20 @@ def test_the_newer_copy_of_a_job_is_acted_on_and_an_undecidable_one_is_read_fres
     odd["metadata"]["resourceVersion"] = "opaque"
     assert fresher_body(odd, written) is None
     assert fresher_body(None, written) is None
+
+
+def test_only_what_decisions_read_is_kept_of_an_object() -> None:
+    pod = obj("p", 1)
+    pod["metadata"]["managedFields"] = [{"manager": "kubelet"}]
+    pod["spec"] = {"nodeName": "node-1", "containers": [{"name": "pytorch", "env": [{"name": "A"}]}]}
+    pod["status"] = {"phase": "Running"}
+    cache = ObjectCache()
+    cache.apply("ADDED", pod)
+    held = cache.of_job("ns", "a")[0]
+    assert held["spec"] == {"nodeName": "node-1"}
+    assert held["status"] == {"phase": "Running"}
+    assert "managedFields" not in held["metadata"]
+    assert held["metadata"]["labels"] == {JOB_LABEL: "a"}
+    # A change of what is not kept is no change.
+    pod["spec"]["containers"] = []
+    assert cache.apply("MODIFIED", pod) == set()
