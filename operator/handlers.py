@@ -283,7 +283,8 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     """Carry out a plan in the order ``Plan`` documents.
 
     The events go out right after the write that makes the plan's outcome durable (the status write, or
-    the creation of an attempt), so a step retried after a failed write neither loses nor repeats them.
+    the creation of an attempt), so a step retried after a failed write neither loses nor repeats them;
+    the metrics follow the status write.
     """
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -307,10 +308,26 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
             log_at = logging.WARNING if note.type == "Warning" else logging.INFO
             log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
 
+    def record_metrics() -> None:
+        status = plan.status
+        rt.metrics.observe_status(name, namespace, status)
+        decision = plan.decision
+        kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
+        if plan.action is PlanAction.RESTART:
+            failure = status.last_failure
+            rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
+        elif plan.action is PlanAction.FAIL:
+            rt.metrics.gave_up(name, namespace, kind)
+        if plan.recovered_seconds is not None:
+            rt.metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
+
     async def write_status() -> None:
         if plan.patch:
             state.written = await rt.api.patch_status(namespace, name, plan.patch, version)
         post_events()
+        # With the status write, as the events: a restart or a give-up is counted once it is recorded,
+        # not after the stopping of the old gang that follows it (which a retry does not repeat).
+        record_metrics()
 
     if plan.write_status_first:
         await write_status()
@@ -332,18 +349,6 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
             post_events()
     if not plan.write_status_first:
         await write_status()
-
-    status = plan.status
-    rt.metrics.observe_status(name, namespace, status)
-    decision = plan.decision
-    kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
-    if plan.action is PlanAction.RESTART:
-        failure = status.last_failure
-        rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
-    elif plan.action is PlanAction.FAIL:
-        rt.metrics.gave_up(name, namespace, kind)
-    if plan.recovered_seconds is not None:
-        rt.metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
 
 
 # ---------------------------------------------------------------------------------- handlers ---
