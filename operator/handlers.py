@@ -46,6 +46,7 @@ from trainguard_operator.reconcile import (
     changed_paths,
     reconcile,
 )
+from trainguard_operator.render import PYTORCHJOB_NAME_LABEL
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
 from trainguard.core.spec import GROUP, PLURAL, VERSION
@@ -334,7 +335,13 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     for old in plan.delete:
         if plan.stop_pods_within_seconds is not None:
             grace = plan.stop_pods_within_seconds
-            if stopped := await rt.api.stop_pods(namespace, old, grace):
+            # The PyTorchJob's pods as the watch shows them: the restart asks the API server nothing.
+            pods = [
+                str(pod["metadata"]["name"])
+                for pod in rt.watches.pods.of_job(namespace, name)
+                if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
+            ]
+            if stopped := await rt.api.stop_pods(namespace, pods, grace):
                 log.info("%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, grace)
         if await rt.api.delete_pytorchjob(namespace, old):
             log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)

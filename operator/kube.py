@@ -23,7 +23,6 @@ from trainguard_operator.cache import JobKey, ObjectCache
 from trainguard_operator.render import (
     JOB_LABEL,
     PYTORCHJOB_GROUP,
-    PYTORCHJOB_NAME_LABEL,
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
 )
@@ -127,16 +126,6 @@ class KubeApi:
             raise
         return found
 
-    async def _pods_labelled(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        response = await asyncio.to_thread(
-            self._core.list_namespaced_pod,
-            namespace,
-            label_selector=selector,
-            _preload_content=False,
-            _request_timeout=REQUEST_TIMEOUT,
-        )
-        return list(json.loads(response.data).get("items") or [])
-
     async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create a PyTorchJob and return it as stored (as sent, when the answer has no body); None when
         one of that name already exists (creation is idempotent)."""
@@ -157,16 +146,16 @@ class KubeApi:
             raise
         return created if isinstance(created, dict) and created.get("metadata") else dict(manifest)
 
-    async def stop_pods(self, namespace: str, pytorchjob: str, grace_seconds: int) -> int:
-        """Delete the pods of a PyTorchJob with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than
-        their own (a pod already stopping with a shorter grace keeps it); the number of pods asked to
-        stop. A pod gone meanwhile is skipped."""
+    async def stop_pods(self, namespace: str, pods: list[str], grace_seconds: int) -> int:
+        """Delete ``pods`` with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than their own (a
+        pod already stopping with a shorter grace keeps it); the number of pods asked to stop. A pod gone
+        meanwhile is skipped."""
         stopped = 0
-        for pod in await self._pods_labelled(namespace, f"{PYTORCHJOB_NAME_LABEL}={pytorchjob}"):
+        for pod in pods:
             try:
                 await asyncio.to_thread(
                     self._core.delete_namespaced_pod,
-                    pod["metadata"]["name"],
+                    pod,
                     namespace,
                     grace_period_seconds=grace_seconds,
                     _preload_content=False,  # the pod as it now is: not needed, not parsed
