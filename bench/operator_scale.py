@@ -28,6 +28,12 @@ Everything else is one code path (``measure``):
   creation's last write). The emulator counts every request it serves; a real API server's
   ``apiserver_request_total`` is read for the operator's resources (GuardedTrainingJobs, PyTorchJobs,
   pods, events), watches excluded.
+* ``failure_seen_p50_s``, ``failure_seen_p99_s``, ``failure_seen_max_s``: after the steady window,
+  ``--failures`` jobs (20) get two running pods each (created and written by this script, as the training
+  operator and a kubelet would); once the operator shows them Running, rank 1 of each fails (exit 137),
+  and each figure runs from the API server's answer to that status write to the operator's deletion of
+  the failed attempt's PyTorchJob (the restart it decides: the emulator notes the DELETE, a real API
+  server's PyTorchJob watch the deletion), which comes after the restart is written to the job's status.
 * ``operator_peak_rss_mb``: the operator process's peak resident set size (``VmHWM`` in
   ``/proc/<pid>/status`` of the child process and of any child of its own, read just before it is
   stopped); the API server and this script run in other processes and are not counted.
@@ -37,7 +43,8 @@ script's API requests from the first creation until every PyTorchJob existed, pe
 also prints them by verb and resource), ``all_handled_seconds`` (until kopf recorded every creation as
 handled: the last follow-up write), ``warning_events`` (Warning events in the namespace: a clean run has
 none), the CPU seconds of the operator and (when this script started it) of the API server and etcd
-during the burst, and ``goals``/``goals_met``: a p99 latency under 1 s and a peak RSS under 200 MB.
+during the burst, and ``goals``/``goals_met``: a p99 latency under 1 s, a peak RSS under 200 MB, at most
+0.01 API requests per second per job at rest, and a pod failure acted on within 1 s (p99).
 ``--rate R`` creates R jobs per second instead of back to back.
 
 No pods run: without a kubelet none are created, and on a cluster that has a node the jobs' pods select a
@@ -102,6 +109,9 @@ OPERATOR_RESOURCES = {
 #: The issue's goals (for ``--real``; reported in both modes).
 GOAL_LATENCY_P99_S = 1.0
 GOAL_PEAK_RSS_MB = 200.0
+#: Issue 22's goals: API requests per second per idle job at rest, and a pod failure acted on within.
+GOAL_STEADY_PER_JOB = 0.01
+GOAL_FAILURE_SEEN_S = 1.0
 FIELD_MANAGER = "trainguard-bench"
 #: The jobs' ``probePeriodSeconds``: each job's daemon looks at it this often.
 PROBE_PERIOD_SECONDS = 10
@@ -118,6 +128,7 @@ class Emulator(BaseEmulator):
         super().__init__(*args, **kwargs)
         self.served = 0
         self.pytorchjob_created: dict[str, float] = {}
+        self.pytorchjob_deleted: dict[str, float] = {}
 
     async def _handle(self, request: kmock.Request) -> Any:
         self.served += 1
@@ -130,6 +141,9 @@ class Emulator(BaseEmulator):
             job = (data.get("metadata", {}).get("labels") or {}).get(JOB_LABEL)
             if job is not None:
                 self.pytorchjob_created.setdefault(str(job), time.monotonic())
+        if request.action == kmock.action.DELETE and "/pytorchjobs/" in request.url.path and request.name:
+            # The attempt's PyTorchJob is named <job>-<attempt>.
+            self.pytorchjob_deleted.setdefault(str(request.name).rsplit("-", 1)[0], time.monotonic())
         return await super()._handle(request)
 
 
@@ -166,6 +180,88 @@ def job_manifest(name: str, namespace: str = NS) -> dict[str, Any]:
     }
 
 
+def pod_manifest(job: str, rank: int, namespace: str) -> dict[str, Any]:
+    """Rank ``rank``'s pod of attempt 1 of ``job``, labelled as the training operator labels it (no IP:
+    no sidecar to poll)."""
+    kind, index = ("master", 0) if rank == 0 else ("worker", rank - 1)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{job}-1-{kind}-{index}",
+            "namespace": namespace,
+            "labels": {
+                JOB_LABEL: job,
+                "trainguard.dev/attempt": "1",
+                "training.kubeflow.org/replica-type": kind,
+                "training.kubeflow.org/replica-index": str(index),
+                "training.kubeflow.org/job-name": f"{job}-1",
+            },
+        },
+        "spec": {
+            "nodeSelector": {"trainguard.dev/benchmark": "no-such-node"},
+            "containers": [{"name": "pytorch", "image": "registry.example/tiny-lm:1"}],
+        },
+    }
+
+
+def worker_status(state: dict[str, Any], phase: str) -> dict[str, Any]:
+    """A pod status with the ``pytorch`` container in ``state``, as a kubelet writes it."""
+    return {
+        "phase": phase,
+        "containerStatuses": [
+            {
+                "name": "pytorch",
+                "ready": phase == "Running",
+                "restartCount": 0,
+                "image": "registry.example/tiny-lm:1",
+                "imageID": "",
+                "state": state,
+            }
+        ],
+    }
+
+
+async def measure_failures(cluster: Cluster, jobs: Sequence[str], timeout: float) -> list[float]:
+    """Seconds from a pod's failure being recorded by the API server (its status write answered) to the
+    operator acting on it (the deletion of the failed attempt's PyTorchJob seen), for each of ``jobs``:
+    each gets two running pods, and once the operator shows the job Running, rank 1 fails with exit 137,
+    one job after the other."""
+    pending = asyncio.Semaphore(8)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    async def start(job: str) -> None:
+        async with pending:
+            for rank in (0, 1):
+                manifest = pod_manifest(job, rank, cluster.namespace)
+                await cluster.create_pod(manifest)
+                running = worker_status({"running": {"startedAt": now}}, "Running")
+                await cluster.patch_pod_status(manifest["metadata"]["name"], running)
+
+    await asyncio.gather(*(start(job) for job in jobs))
+    deadline = time.monotonic() + timeout
+    while True:
+        stored = {j["metadata"]["name"]: j for j in await cluster.list_jobs()}
+        if all((stored.get(job, {}).get("status") or {}).get("phase") == "Running" for job in jobs):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("the operator did not show every job with pods as Running")
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(1.0)
+    seen = []
+    for job in jobs:  # one at a time: the reaction to one failure, not a queue of them
+        ended = {"terminated": {"exitCode": 137, "reason": "Error", "startedAt": now, "finishedAt": now}}
+        pod = pod_manifest(job, 1, cluster.namespace)["metadata"]["name"]
+        await cluster.patch_pod_status(pod, worker_status(ended, "Failed"))
+        failed = time.monotonic()
+        await wait_for(
+            lambda job=job: job in cluster.pytorchjob_deleted, timeout, f"{job}'s failure acted on"
+        )
+        seen.append(max(0.0, cluster.pytorchjob_deleted[job] - failed))
+        await asyncio.sleep(0.2)
+    return seen
+
+
 # --- the two API servers ----------------------------------------------------------------------------
 
 
@@ -181,6 +277,17 @@ class Cluster:
     operator_scope: tuple[str, ...]
     #: Job name -> ``time.monotonic()`` when its PyTorchJob was seen created.
     pytorchjob_created: dict[str, float]
+    #: Job name -> ``time.monotonic()`` when the deletion of one of its PyTorchJobs was first seen (the
+    #: operator acting on a failure: its restart deletes the failed attempt's PyTorchJob).
+    pytorchjob_deleted: dict[str, float]
+
+    async def create_pod(self, manifest: Mapping[str, Any]) -> None:
+        """POST one pod (as the training operator would)."""
+        raise NotImplementedError
+
+    async def patch_pod_status(self, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patch a pod's status (as its kubelet would); returns once the API server answered."""
+        raise NotImplementedError
 
     async def create_job(self, manifest: Mapping[str, Any]) -> None:
         """POST one GuardedTrainingJob; returns once the API server answered (raises on an error)."""
@@ -213,9 +320,20 @@ class EmulatorCluster(Cluster):
         self.kubeconfig = kubeconfig
         self.operator_scope = ("--all-namespaces",)
         self.pytorchjob_created = emulator.pytorchjob_created
+        self.pytorchjob_deleted = emulator.pytorchjob_deleted
 
     async def create_job(self, manifest: Mapping[str, Any]) -> None:
         await post(self.emulator, f"{GTJ_API}/namespaces/{self.namespace}/{GTJ_PLURAL}", dict(manifest))
+
+    async def create_pod(self, manifest: Mapping[str, Any]) -> None:
+        await post(self.emulator, f"/api/v1/namespaces/{self.namespace}/pods", dict(manifest))
+
+    async def patch_pod_status(self, name: str, status: Mapping[str, Any]) -> None:
+        path = f"/api/v1/namespaces/{self.namespace}/pods/{name}/status"
+        headers = {"Content-Type": "application/merge-patch+json"}
+        async with self.emulator.patch(path, json={"status": dict(status)}, headers=headers) as response:
+            if response.status >= 300:
+                raise RuntimeError(f"PATCH {path}: {response.status} {await response.text()}")
 
     async def request_counts(self) -> dict[str, float]:
         return {"requests": float(self.emulator.served)}
@@ -331,6 +449,7 @@ class RealCluster(Cluster):
         self.namespace = namespace
         self.operator_scope = ("--namespace", namespace)
         self.pytorchjob_created = {}
+        self.pytorchjob_deleted = {}
         self.backend = "kube-apiserver"
         self.pids: list[int] = []
         self._watch: asyncio.Task[None] | None = None
@@ -361,6 +480,24 @@ class RealCluster(Cluster):
 
     async def create_job(self, manifest: Mapping[str, Any]) -> None:
         await self.request("POST", f"{GTJ_API}/namespaces/{self.namespace}/{GTJ_PLURAL}", dict(manifest))
+
+    async def create_pod(self, manifest: Mapping[str, Any]) -> None:
+        # A control plane without a controller manager makes no default service account; pods need one.
+        await self.request(
+            "POST",
+            f"/api/v1/namespaces/{self.namespace}/serviceaccounts",
+            {"metadata": {"name": "default"}},
+            ok=(409,),
+        )
+        await self.request("POST", f"/api/v1/namespaces/{self.namespace}/pods", dict(manifest))
+
+    async def patch_pod_status(self, name: str, status: Mapping[str, Any]) -> None:
+        await self.request(
+            "PATCH",
+            f"/api/v1/namespaces/{self.namespace}/pods/{name}/status",
+            {"status": dict(status)},
+            content_type="application/merge-patch+json",
+        )
 
     async def request_counts(self) -> dict[str, float]:
         """The API server's ``apiserver_request_total`` over the operator's resources, watches excluded, by
@@ -462,6 +599,11 @@ class RealCluster(Cluster):
                         version = (item.get("metadata") or {}).get("resourceVersion") or version
                         if event.get("type") == "ADDED":
                             self._saw(item)
+                        meta = item.get("metadata") or {}
+                        if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
+                            job = (meta.get("labels") or {}).get(JOB_LABEL)
+                            if job is not None:
+                                self.pytorchjob_deleted.setdefault(str(job), time.monotonic())
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
                 await asyncio.sleep(0.1)  # the stream broke: watch again from the last version seen
 
@@ -789,8 +931,11 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         steady_requests = difference(await cluster.request_counts(), mark)
         steady = sum(steady_requests.values()) / args.steady_seconds
         steady_cpu = (cpu_seconds(process.pid) - cpu_mark) / args.steady_seconds
+        warnings = await cluster.warning_events()  # before the failures, whose events are warnings
+        failures = (
+            await measure_failures(cluster, names[: args.failures], args.timeout) if args.failures else []
+        )
         samples = await asyncio.to_thread(scrape, metrics_port)
-        warnings = await cluster.warning_events()
         memory, children = process_tree_memory_kib(process.pid)
     finally:
         stop_operator(process)
@@ -827,6 +972,12 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         f"API requests in the steady window: {steady:.1f}/s, {per_period:.2f} per job per probe period"
         + breakdown(steady_requests, args.steady_seconds)
     )
+    if failures:
+        print(
+            f"pod failure -> acted on (the failed attempt's PyTorchJob deleted) for {len(failures)} jobs: "
+            f"p50 {percentile(failures, 0.5):.3f} s, p99 {percentile(failures, 0.99):.3f} s, "
+            f"max {max(failures):.3f} s (probe period {PROBE_PERIOD_SECONDS} s)"
+        )
     if warnings:
         print(f"warning: {len(warnings)} Warning events: {sorted(set(warnings))}")
     if server_pids:
@@ -859,13 +1010,24 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         "burst_requests_per_job": round(per_job, 2),
         "steady_requests_per_s": round(steady, 2),
         "steady_cpu_cores": round(steady_cpu, 3),
+        "failure_jobs": len(failures),
+        "failure_seen_p50_s": round(percentile(failures, 0.5), 4) if failures else None,
+        "failure_seen_p99_s": round(percentile(failures, 0.99), 4) if failures else None,
+        "failure_seen_max_s": round(max(failures), 4) if failures else None,
         "operator_cpu_seconds_to_ready": round(busy, 2),
         "operator_cpu_seconds_burst": round(burst_cpu, 2),
         "server_cpu_seconds_burst": round(server_burst_cpu, 2) if server_pids else None,
         "operator_peak_rss_mb": round(peak, 1),
         "rss_source": rss_source,
-        "goals": {"latency_p99_s": GOAL_LATENCY_P99_S, "operator_peak_rss_mb": GOAL_PEAK_RSS_MB},
+        "goals": {
+            "latency_p99_s": GOAL_LATENCY_P99_S,
+            "operator_peak_rss_mb": GOAL_PEAK_RSS_MB,
+            "steady_requests_per_job_s": GOAL_STEADY_PER_JOB,
+            "failure_seen_p99_s": GOAL_FAILURE_SEEN_S,
+        },
         "goals_met": {
+            "steady_requests_per_job_s": steady / (jobs + 1) <= GOAL_STEADY_PER_JOB,
+            "failure_seen_p99_s": bool(failures) and percentile(failures, 0.99) < GOAL_FAILURE_SEEN_S,
             "latency_p99_s": p99 < GOAL_LATENCY_P99_S,
             "operator_peak_rss_mb": peak < GOAL_PEAK_RSS_MB,
         },
@@ -926,6 +1088,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--steady-seconds", type=float, default=10.0, help="steady-state window (default 10: a probe period)"
+    )
+    parser.add_argument(
+        "--failures",
+        type=int,
+        default=20,
+        help="after the steady window, fail a pod of this many jobs and time the operator's reaction "
+        "(default 20; 0: skip)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this long (default 600)")
     args = parser.parse_args(argv)

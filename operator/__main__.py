@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"trainguard-operator: invalid setting (flag or environment):\n{exc}", file=sys.stderr)
         return 2
     clusterwide = args.all_namespaces or not settings.namespaces
+    if clusterwide:  # the operator's own watches serve what kopf serves
+        settings = settings.model_copy(update={"namespaces": []})
     kopf.configure(verbose=args.verbose)
     kopf.run(
         clusterwide=clusterwide,

@@ -1,32 +1,39 @@
-"""The kopf handlers: thin glue between kopf, the API server, the sidecars and ``reconcile``.
+"""The kopf handlers: thin glue between kopf, the watches, the sidecars and ``reconcile``.
 
-One reconcile step (``reconcile_job``) reads the GuardedTrainingJob fresh from the API server (never
-kopf's cached copy, which may predate the operator's own last write), lists its PyTorchJobs and pods,
-polls the current attempt's sidecars, asks ``reconcile.reconcile`` for a plan and carries it out. It
-runs on creation and resume, on spec updates, and in a per-job daemon every ``probePeriodSeconds``
-(sooner while a restart is due). Steps of one job never overlap (a per-job lock). At creation and resume
-kopf starts the create/resume handler and the daemon at once: whichever takes the lock second does not
-repeat the step the other just took (the daemon waits out the rest of that step's requeue instead).
-Nothing else is kept in memory, so the operator can be restarted at any point.
+The operator holds what it needs of its PyTorchJobs and pods in memory (``kube.Watches``: a list, then a
+watch, of the objects labelled with a job; ``cache`` keeps them). One reconcile step (``reconcile_job``)
+takes the GuardedTrainingJob as kopf's watch shows it, unless the operator's own last status write
+returned a newer copy (``cache.fresher_body``; when that cannot be told, or after a conflict, it reads the
+job from the API server), takes its PyTorchJobs and pods from the cache, polls the current attempt's
+sidecars, asks ``reconcile.reconcile`` for a plan and carries it out: the API server is asked only to
+write. It runs on creation and resume, on spec updates, and in a per-job daemon. The daemon looks again
+when a change of the job's PyTorchJob or pods arrives (the watch wakes it at once), and by the clock only
+while the plan asks for it (``Plan.clock``: pods running, whose sidecars are polled every
+``probePeriodSeconds``; a backoff or a bounded wait): a job with nothing running costs nothing at rest.
+Steps of one job never overlap (a per-job lock); a step another handler took counts as the daemon's.
+Nothing that decides is kept only in memory, so the operator can be restarted at any point: the first
+steps wait until the watches have listed everything once.
 
 Transient API errors and 409 conflicts become ``kopf.TemporaryError`` with a delay: kopf retries the
-handler (the daemon is re-invoked after the delay), and the retry starts from a fresh read.
+handler (the daemon is re-invoked after the delay), and the retry after a conflict reads the job fresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
 import kopf
 import kubernetes
 import urllib3
-from trainguard_operator.kube import KubeApi, connection_info, is_transient, load_configuration
+from trainguard_operator.cache import JobKey, fresher_body
+from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.poll import SidecarPoller
@@ -39,16 +46,56 @@ from trainguard_operator.reconcile import (
     changed_paths,
     reconcile,
 )
+from trainguard_operator.render import PYTORCHJOB_NAME_LABEL
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
 from trainguard.core.spec import GROUP, PLURAL, VERSION
 
 RUNTIME_KEY = "trainguard_runtime"
 SETTINGS_KEY = "trainguard_settings"
-LOCK_KEY = "trainguard_lock"
-LAST_STEP_KEY = "trainguard_last_step"
+STATE_KEY = "trainguard_job"
 
 log = logging.getLogger("trainguard.operator")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a reconcile step tells its caller: when to come back (by the clock only when ``clock``),
+    and whether the job is final."""
+
+    requeue_seconds: float
+    done: bool
+    clock: bool = True
+
+
+@dataclass(frozen=True)
+class LastStep:
+    """When this process last finished a step of a job (``time.monotonic()``), and its outcome."""
+
+    finished: float
+    outcome: Outcome
+
+    def remaining(self) -> float | None:
+        """Seconds until the next look is due by the clock; None when only a change calls for it."""
+        if not self.outcome.clock:
+            return None
+        return self.outcome.requeue_seconds - (time.monotonic() - self.finished)
+
+
+@dataclass
+class JobState:
+    """What this process keeps of one job between steps (in the job's kopf memo)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Set when the daemon should look again (a change arrived, or another handler took a step).
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A change of the job's PyTorchJob or pods arrived since the last step began.
+    changed: bool = True
+    last: LastStep | None = None
+    #: The job as the operator's own last status write returned it.
+    written: Mapping[str, Any] | None = None
+    #: Read the job from the API server at the next step (a write conflicted).
+    read_fresh: bool = False
 
 
 @dataclass
@@ -60,14 +107,16 @@ class Runtime:
     poller: SidecarPoller
     metrics: OperatorMetrics
     metrics_port: int
+    watches: Watches
+    jobs: dict[JobKey, JobState] = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a reconcile step tells its caller: when to come back, and whether the job is final."""
-
-    requeue_seconds: float
-    done: bool
+    def changed(self, keys: set[JobKey]) -> None:
+        """Wake the reconcile of each job whose PyTorchJob or pods changed."""
+        for key in keys:
+            state = self.jobs.get(key)
+            if state is not None:
+                state.changed = True
+                state.wake.set()
 
 
 def _runtime(memo: Mapping[str, Any]) -> Runtime:
@@ -77,30 +126,29 @@ def _runtime(memo: Mapping[str, Any]) -> Runtime:
     return found
 
 
-def _lock(memo: kopf.Memo) -> asyncio.Lock:
-    lock = memo.get(LOCK_KEY)
-    if not isinstance(lock, asyncio.Lock):
-        lock = memo[LOCK_KEY] = asyncio.Lock()
-    return lock
+def _state(rt: Runtime, memo: kopf.Memo, namespace: str, name: str) -> JobState:
+    state = memo.get(STATE_KEY)
+    if not isinstance(state, JobState):
+        state = memo[STATE_KEY] = JobState()
+    rt.jobs[namespace, name] = state
+    return state
 
 
-@dataclass(frozen=True)
-class LastStep:
-    """When this process last finished a step of a job (``time.monotonic()``), and its outcome."""
-
-    finished: float
-    outcome: Outcome
-
-
-def _last_step(memo: kopf.Memo) -> LastStep | None:
-    found = memo.get(LAST_STEP_KEY)
-    return found if isinstance(found, LastStep) else None
-
-
-async def _step(rt: Runtime, memo: kopf.Memo, namespace: str, name: str) -> Outcome:
-    """One reconcile step (the caller holds the job's lock), remembered for ``_last_step``."""
-    outcome = await reconcile_job(rt, namespace, name)
-    memo[LAST_STEP_KEY] = LastStep(time.monotonic(), outcome)
+async def _step(
+    rt: Runtime, state: JobState, namespace: str, name: str, body: Mapping[str, Any] | None
+) -> Outcome:
+    """One reconcile step (the caller holds the job's lock), remembered in ``state.last``."""
+    if not await rt.watches.wait_listed(rt.settings.api_retry_seconds * 5):
+        raise kopf.TemporaryError(
+            "the watches have not listed everything yet", delay=rt.settings.api_retry_seconds
+        )
+    state.changed = False
+    try:
+        outcome = await reconcile_job(rt, state, namespace, name, body)
+    except BaseException:
+        state.changed = True
+        raise
+    state.last = LastStep(time.monotonic(), outcome)
     return outcome
 
 
@@ -125,9 +173,23 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         port = metrics.serve(operator_settings.metrics_host, operator_settings.metrics_port)
     except OSError as exc:  # the port is still held, e.g. by the previous process
         raise kopf.TemporaryError(f"cannot serve metrics: {exc}", delay=5) from exc
-    memo[RUNTIME_KEY] = Runtime(
+    api = KubeApi.connect()
+    runtime: Runtime | None = None
+
+    def changed(keys: set[JobKey]) -> None:
+        if runtime is not None:
+            runtime.changed(keys)
+
+    watches = Watches(
+        api.client.configuration,
+        list(operator_settings.namespaces),
+        changed,
+        retry_seconds=operator_settings.api_retry_seconds,
+        absent_retry_seconds=operator_settings.crd_retry_seconds,
+    )
+    runtime = memo[RUNTIME_KEY] = Runtime(
         settings=operator_settings,
-        api=KubeApi.connect(),
+        api=api,
         poller=SidecarPoller(
             operator_settings.sidecar_port,
             operator_settings.poll_concurrency,
@@ -135,7 +197,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         ),
         metrics=metrics,
         metrics_port=port,
+        watches=watches,
     )
+    watches.start()
     logger.info("trainguard operator metrics on %s:%d", operator_settings.metrics_host, port)
 
 
@@ -150,26 +214,34 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     """Stop the metrics server and close the clients."""
     found = memo.get(RUNTIME_KEY)
     if isinstance(found, Runtime):
+        await found.watches.close()
         await found.poller.close()
         found.api.close()
         found.metrics.stop()
 
 
 # ----------------------------------------------------------------------------------- the step ---
-async def reconcile_job(rt: Runtime, namespace: str, name: str) -> Outcome:
-    """One reconcile step of one job (see the module docstring). Raises TemporaryError to be retried."""
+async def reconcile_job(
+    rt: Runtime, state: JobState, namespace: str, name: str, watched: Mapping[str, Any] | None
+) -> Outcome:
+    """One reconcile step of one job (see the module docstring), ``watched`` being the job as kopf's
+    watch shows it (None: read it from the API server). A write that conflicts (kopf's own writes race
+    the copy it handed over) is retried at once, once, from a fresh read. Raises TemporaryError to be
+    retried."""
     started = time.monotonic()
     try:
-        body = await rt.api.get_job(namespace, name)
-        if body is None:
-            return Outcome(rt.settings.crd_retry_seconds, done=True)
-        jobs = await rt.api.list_pytorchjobs(namespace, name)
-        pods = await rt.api.list_pods(namespace, name)
-        sidecars = await rt.poller.reports(pods_to_poll(body, pods))
-        plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
-        await _execute(rt, body, plan)
+        try:
+            return await _reconcile(rt, state, namespace, name, watched)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            rt.metrics.reconcile_errors.labels(name, namespace).inc()
+            state.read_fresh = True
+            return await _reconcile(rt, state, namespace, name, None)
     except kubernetes.client.ApiException as exc:
         rt.metrics.reconcile_errors.labels(name, namespace).inc()
+        if exc.status == 409:
+            state.read_fresh = True
         if exc.status == 403:
             raise kopf.TemporaryError(
                 f"forbidden ({exc.reason}): check the operator's RBAC", delay=rt.settings.crd_retry_seconds
@@ -186,14 +258,34 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str) -> Outcome:
         ) from exc
     finally:
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
-    return Outcome(plan.requeue_seconds, plan.done)
 
 
-async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan) -> None:
+async def _reconcile(
+    rt: Runtime, state: JobState, namespace: str, name: str, watched: Mapping[str, Any] | None
+) -> Outcome:
+    # A snapshot: kopf's body of a daemon is a live view, updated while the step awaits.
+    chosen = None
+    if watched is not None and not state.read_fresh:
+        chosen = fresher_body(copy.deepcopy(dict(watched)), state.written)
+    body = chosen if chosen is not None else await rt.api.get_job(namespace, name)
+    if body is None:
+        return Outcome(rt.settings.crd_retry_seconds, done=True)
+    state.read_fresh = False
+    cache = rt.watches
+    jobs = None if cache.pytorchjobs.absent else cache.pytorchjobs.of_job(namespace, name)
+    pods = cache.pods.of_job(namespace, name)
+    sidecars = await rt.poller.reports(pods_to_poll(body, pods))
+    plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
+    await _execute(rt, state, body, plan)
+    return Outcome(plan.requeue_seconds, plan.done, plan.clock)
+
+
+async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: Plan) -> None:
     """Carry out a plan in the order ``Plan`` documents.
 
     The events go out right after the write that makes the plan's outcome durable (the status write, or
-    the creation of an attempt), so a step retried after a failed write neither loses nor repeats them.
+    the creation of an attempt), so a step retried after a failed write neither loses nor repeats them;
+    the metrics follow the status write.
     """
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -217,55 +309,71 @@ async def _execute(rt: Runtime, body: Mapping[str, Any], plan: Plan) -> None:
             log_at = logging.WARNING if note.type == "Warning" else logging.INFO
             log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
 
+    def record_metrics() -> None:
+        status = plan.status
+        rt.metrics.observe_status(name, namespace, status)
+        decision = plan.decision
+        kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
+        if plan.action is PlanAction.RESTART:
+            failure = status.last_failure
+            rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
+        elif plan.action is PlanAction.FAIL:
+            rt.metrics.gave_up(name, namespace, kind)
+        if plan.recovered_seconds is not None:
+            rt.metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
+
     async def write_status() -> None:
         if plan.patch:
-            await rt.api.patch_status(namespace, name, plan.patch, version)
+            state.written = await rt.api.patch_status(namespace, name, plan.patch, version)
         post_events()
+        # With the status write, as the events: a restart or a give-up is counted once it is recorded,
+        # not after the stopping of the old gang that follows it (which a retry does not repeat).
+        record_metrics()
 
     if plan.write_status_first:
         await write_status()
     for old in plan.delete:
         if plan.stop_pods_within_seconds is not None:
             grace = plan.stop_pods_within_seconds
-            if stopped := await rt.api.stop_pods(namespace, old, grace):
+            # The PyTorchJob's pods as the watch shows them: the restart asks the API server nothing.
+            pods = [
+                str(pod["metadata"]["name"])
+                for pod in rt.watches.pods.of_job(namespace, name)
+                if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
+            ]
+            if stopped := await rt.api.stop_pods(namespace, pods, grace):
                 log.info("%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, grace)
         if await rt.api.delete_pytorchjob(namespace, old):
             log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
     if plan.create is not None:
         created = await rt.api.create_pytorchjob(plan.create)
-        verb = "created" if created else "found"
+        verb = "created" if created is not None else "found"
         log.info("%s/%s: %s PyTorchJob %s", namespace, name, verb, plan.create["metadata"]["name"])
-        if created:
+        if created is not None:
+            # Into the cache at once: the next step must see the attempt its status now records, even
+            # before the watch reports it.
+            rt.watches.pytorchjobs.apply("ADDED", created)
             post_events()
     if not plan.write_status_first:
         await write_status()
-
-    status = plan.status
-    rt.metrics.observe_status(name, namespace, status)
-    decision = plan.decision
-    kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
-    if plan.action is PlanAction.RESTART:
-        failure = status.last_failure
-        rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
-    elif plan.action is PlanAction.FAIL:
-        rt.metrics.gave_up(name, namespace, kind)
-    if plan.recovered_seconds is not None:
-        rt.metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
 
 
 # ---------------------------------------------------------------------------------- handlers ---
 @kopf.on.resume(GROUP, VERSION, PLURAL, id="admit-on-resume")
 @kopf.on.create(GROUP, VERSION, PLURAL, id="admit-on-create")
-async def admit(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+async def admit(name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A new (or, after an operator restart, an existing) job: validate it and make sure its attempt
     exists. An invalid spec gets the SpecInvalid condition and a Warning event, and no PyTorchJob.
 
     The job's daemon starts at the same moment; when it has already finished a step (it began after this
     process saw the job, as this one would), that step is not repeated."""
     rt = _runtime(memo)
-    async with _lock(memo):
-        if _last_step(memo) is None:
-            await _step(rt, memo, namespace or "default", name)
+    namespace = namespace or "default"
+    state = _state(rt, memo, namespace, name)
+    async with state.lock:
+        if state.last is None:
+            await _step(rt, state, namespace, name, body)
+    state.wake.set()  # the daemon takes its timing from this step
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -292,39 +400,55 @@ async def spec_updated(
             "next decisions; health and guard apply to polling now and to the pods from the next attempt; "
             "replicas and nprocPerNode from the next gang restart",
         )
-    async with _lock(memo):
-        await _step(rt, memo, namespace or "default", name)
+    namespace = namespace or "default"
+    state = _state(rt, memo, namespace, name)
+    async with state.lock:
+        await _step(rt, state, namespace, name, body)
+    state.wake.set()  # the daemon takes its timing from this step
+
+
+async def _sleep(stopped: kopf.DaemonStopped, wake: asyncio.Event, seconds: float | None) -> None:
+    """Until the daemon is stopped, ``wake`` is set, or ``seconds`` pass (None: no time limit)."""
+    waiters = {asyncio.ensure_future(stopped.wait()), asyncio.ensure_future(wake.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, backoff=10.0)
 async def supervise(
     name: str,
     namespace: str | None,
+    body: kopf.Body,
     memo: kopf.Memo,
     stopped: kopf.DaemonStopped,
     **_: Any,
 ) -> None:
-    """Reconcile the job every probe period (or when a wait ends) until it succeeds or fails.
+    """Reconcile the job until it succeeds or fails: at once when its PyTorchJob or pods change, and by
+    the clock only when the last step asked for it (``Plan.clock``).
 
-    On its first round, a step that another handler finished less than its requeue time ago (the
-    create/resume handler's, started by kopf with this daemon) counts as this round's: the daemon waits
-    out the rest of it instead of repeating it."""
+    A step another handler took (the create/resume handler's, started by kopf with this daemon, or a spec
+    update's) counts as this daemon's: it waits out the rest of that step's requeue instead of repeating
+    it."""
     rt = _runtime(memo)
-    first = True
+    namespace = namespace or "default"
+    state = _state(rt, memo, namespace, name)
     while not stopped:
-        async with _lock(memo):
-            last = _last_step(memo) if first else None
-            if last is not None and time.monotonic() - last.finished < last.outcome.requeue_seconds:
+        async with state.lock:
+            state.wake.clear()
+            last = state.last
+            remaining = last.remaining() if last is not None else 0.0
+            if last is not None and not state.changed and (remaining is None or remaining > 0):
                 outcome = last.outcome
-                wait = last.outcome.requeue_seconds - (time.monotonic() - last.finished)
             else:
-                outcome = await _step(rt, memo, namespace or "default", name)
-                wait = outcome.requeue_seconds
-        first = False
+                outcome = await _step(rt, state, namespace, name, body)
+                remaining = outcome.requeue_seconds if outcome.clock else None
         if outcome.done:
             log.info("%s/%s is final; supervision ends", namespace, name)
             return
-        await stopped.wait(wait)
+        await _sleep(stopped, state.wake, remaining)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -333,3 +457,4 @@ async def deleted(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -
     found = memo.get(RUNTIME_KEY)
     if isinstance(found, Runtime):
         found.metrics.forget(name, namespace or "default")
+        found.jobs.pop((namespace or "default", name), None)

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
-from collections.abc import Mapping
+import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kopf
 import kubernetes
+from trainguard_operator.cache import JobKey, ObjectCache
 from trainguard_operator.render import (
     JOB_LABEL,
     PYTORCHJOB_GROUP,
-    PYTORCHJOB_NAME_LABEL,
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
 )
@@ -123,44 +126,12 @@ class KubeApi:
             raise
         return found
 
-    async def list_pytorchjobs(self, namespace: str, job: str) -> list[dict[str, Any]] | None:
-        """The PyTorchJobs labelled with ``job``; None when the PyTorchJob resource does not exist."""
-        try:
-            found = await asyncio.to_thread(
-                self._custom.list_namespaced_custom_object,
-                PYTORCHJOB_GROUP,
-                PYTORCHJOB_VERSION,
-                namespace,
-                PYTORCHJOB_PLURAL,
-                label_selector=f"{JOB_LABEL}={job}",
-                _request_timeout=REQUEST_TIMEOUT,
-            )
-        except kubernetes.client.ApiException as exc:
-            # A list never 404s for an existing resource: the CRD is not installed.
-            if exc.status == 404:
-                return None
-            raise
-        return list(found.get("items") or [])
-
-    async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        """The pods labelled with ``job`` (every attempt), as JSON dicts."""
-        return await self._pods_labelled(namespace, f"{JOB_LABEL}={job}")
-
-    async def _pods_labelled(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        response = await asyncio.to_thread(
-            self._core.list_namespaced_pod,
-            namespace,
-            label_selector=selector,
-            _preload_content=False,
-            _request_timeout=REQUEST_TIMEOUT,
-        )
-        return list(json.loads(response.data).get("items") or [])
-
-    async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> bool:
-        """Create a PyTorchJob; False when one of that name already exists (creation is idempotent)."""
+    async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create a PyTorchJob and return it as stored (as sent, when the answer has no body); None when
+        one of that name already exists (creation is idempotent)."""
         namespace = manifest["metadata"]["namespace"]
         try:
-            await asyncio.to_thread(
+            created: Any = await asyncio.to_thread(
                 self._custom.create_namespaced_custom_object,
                 PYTORCHJOB_GROUP,
                 PYTORCHJOB_VERSION,
@@ -171,20 +142,20 @@ class KubeApi:
             )
         except kubernetes.client.ApiException as exc:
             if exc.status == 409:
-                return False
+                return None
             raise
-        return True
+        return created if isinstance(created, dict) and created.get("metadata") else dict(manifest)
 
-    async def stop_pods(self, namespace: str, pytorchjob: str, grace_seconds: int) -> int:
-        """Delete the pods of a PyTorchJob with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than
-        their own (a pod already stopping with a shorter grace keeps it); the number of pods asked to
-        stop. A pod gone meanwhile is skipped."""
+    async def stop_pods(self, namespace: str, pods: list[str], grace_seconds: int) -> int:
+        """Delete ``pods`` with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than their own (a
+        pod already stopping with a shorter grace keeps it); the number of pods asked to stop. A pod gone
+        meanwhile is skipped."""
         stopped = 0
-        for pod in await self._pods_labelled(namespace, f"{PYTORCHJOB_NAME_LABEL}={pytorchjob}"):
+        for pod in pods:
             try:
                 await asyncio.to_thread(
                     self._core.delete_namespaced_pod,
-                    pod["metadata"]["name"],
+                    pod,
                     namespace,
                     grace_period_seconds=grace_seconds,
                     _preload_content=False,  # the pod as it now is: not needed, not parsed
@@ -222,13 +193,14 @@ class KubeApi:
 
     async def patch_status(
         self, namespace: str, name: str, patch: Mapping[str, Any], resource_version: str | None
-    ) -> None:
-        """Merge-patch the GuardedTrainingJob's status; with ``resource_version`` the write fails with 409
-        when the object changed since it was read (so no decision is written over a newer status)."""
+    ) -> dict[str, Any]:
+        """Merge-patch the GuardedTrainingJob's status and return the job as stored after the write; with
+        ``resource_version`` the write fails with 409 when the object changed since it was read (so no
+        decision is written over a newer status)."""
         body: dict[str, Any] = {"status": dict(patch)}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        await asyncio.to_thread(
+        written: dict[str, Any] = await asyncio.to_thread(
             self._custom.patch_namespaced_custom_object_status,
             GROUP,
             VERSION,
@@ -239,3 +211,224 @@ class KubeApi:
             _content_type=MERGE_PATCH,
             _request_timeout=REQUEST_TIMEOUT,
         )
+        return written
+
+
+# ------------------------------------------------------------------------------------------ watches ---
+log = logging.getLogger("trainguard.operator")
+
+#: Seconds the API server keeps a watch open before this end opens the next (from the last version).
+WATCH_SECONDS = 300
+#: Seconds a watch may stay silent beyond that before it counts as broken (bookmarks keep it talking).
+WATCH_SILENCE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class WatchedKind:
+    """A kind the operator watches: its API path prefix and plural (``/api/v1`` and ``pods``)."""
+
+    name: str
+    prefix: str
+    plural: str
+
+    def path(self, namespace: str | None) -> str:
+        """The collection's path in ``namespace`` (None: every namespace)."""
+        where = f"/namespaces/{namespace}" if namespace else ""
+        return f"{self.prefix}{where}/{self.plural}"
+
+
+PODS = WatchedKind("pods", "/api/v1", "pods")
+PYTORCHJOBS = WatchedKind("PyTorchJobs", f"/apis/{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}", PYTORCHJOB_PLURAL)
+
+
+def _ssl_context(configuration: Any) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
+    if not configuration.verify_ssl:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if configuration.cert_file:
+        context.load_cert_chain(configuration.cert_file, configuration.key_file)
+    return context
+
+
+def _auth_headers(configuration: Any) -> dict[str, str]:
+    """The Authorization header for ``configuration`` as of now (a service account's token rotates: the
+    client's refresh hook reads it again)."""
+    hook = getattr(configuration, "refresh_api_key_hook", None)
+    if hook is not None:
+        hook(configuration)
+    token = configuration.get_api_key_with_prefix("authorization") or configuration.get_api_key_with_prefix(
+        "BearerToken"
+    )
+    if token:
+        return {"Authorization": token if " " in token else f"Bearer {token}"}
+    if configuration.username:
+        return {"Authorization": aiohttp.BasicAuth(configuration.username, configuration.password).encode()}
+    return {}
+
+
+class WatchError(Exception):
+    """An answer of the API server that ends a list or a watch (its HTTP status in ``status``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message[:300]}")
+        self.status = status
+
+
+class Watches:
+    """The PyTorchJobs and pods labelled with a job (``JOB_LABEL``), kept in two ``ObjectCache`` by a
+    list, then a watch, per kind and namespace (one cluster-wide pair when ``namespaces`` is empty).
+
+    A watch that ends or breaks is opened again from the last version seen; when the API server no longer
+    has that version (410 Gone, or any other watch error) the kind is listed again, which replaces the
+    cache of that scope. A kind the API server does not serve (the PyTorchJob CRD missing) is listed
+    again every ``absent_retry_seconds``. ``on_change`` gets the jobs whose objects changed, after each
+    change. At rest this costs the API server open watches and nothing else.
+    """
+
+    def __init__(
+        self,
+        configuration: Any,
+        namespaces: list[str],
+        on_change: Callable[[set[JobKey]], None],
+        *,
+        retry_seconds: float,
+        absent_retry_seconds: float,
+    ) -> None:
+        self.configuration = configuration
+        self.server = str(configuration.host).rstrip("/")
+        self.namespaces: list[str | None] = list(namespaces) or [None]
+        self.on_change = on_change
+        self.retry_seconds = retry_seconds
+        self.absent_retry_seconds = absent_retry_seconds
+        self.pods = ObjectCache()
+        self.pytorchjobs = ObjectCache()
+        self._listed: dict[tuple[str, str | None], asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        """Start listing and watching (tasks on the running loop)."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=_ssl_context(self.configuration)),
+        )
+        for kind, cache in ((PYTORCHJOBS, self.pytorchjobs), (PODS, self.pods)):
+            for namespace in self.namespaces:
+                self._listed[kind.name, namespace] = asyncio.Event()
+                self._tasks.append(
+                    asyncio.create_task(
+                        self._run(kind, cache, namespace), name=f"watch {kind.name} {namespace}"
+                    )
+                )
+
+    async def wait_listed(self, timeout: float) -> bool:
+        """Wait until every kind was listed once in every namespace; False after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self._listed.values())), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop the watches and close their connections."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+
+    def _changed(self, jobs: set[JobKey]) -> None:
+        if jobs:
+            self.on_change(jobs)
+
+    async def _run(self, kind: WatchedKind, cache: ObjectCache, namespace: str | None) -> None:
+        version: str | None = None
+        where = f"in {namespace}" if namespace else "cluster-wide"
+        while True:
+            try:
+                if version is None:
+                    version = await self._list(kind, cache, namespace)
+                    if version is None:  # the kind is not served: list again later
+                        await asyncio.sleep(self.absent_retry_seconds)
+                        continue
+                version = await self._watch(kind, cache, namespace, version)
+                if version is None:
+                    log.info("the watch of %s %s lost its place: listing again", kind.name, where)
+            except WatchError as exc:
+                hint = ": check the operator's RBAC (list, watch)" if exc.status in (401, 403) else ""
+                log.warning("listing or watching %s %s failed (%s)%s; retrying", kind.name, where, exc, hint)
+                await asyncio.sleep(self.retry_seconds)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                # Connection lost (an API server restart, say): watch again from the last version seen.
+                log.info("the watch of %s %s broke (%s); watching again", kind.name, where, exc)
+                await asyncio.sleep(self.retry_seconds)
+
+    async def _list(self, kind: WatchedKind, cache: ObjectCache, namespace: str | None) -> str | None:
+        """List the kind into the cache; its version, or None when the kind is not served."""
+        assert self._session is not None
+        async with self._session.get(
+            self.server + kind.path(namespace),
+            params={"labelSelector": JOB_LABEL},
+            headers=_auth_headers(self.configuration),
+            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+        ) as response:
+            if response.status == 404:
+                self._changed(cache.mark_absent(namespace))
+                self._listed[kind.name, namespace].set()
+                return None
+            if response.status != 200:
+                raise WatchError(response.status, await response.text())
+            listed = json.loads(await response.read())
+        items = [i for i in listed.get("items") or [] if isinstance(i, dict)]
+        self._changed(cache.replace(items, namespace))
+        self._listed[kind.name, namespace].set()
+        return str((listed.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def _watch(
+        self, kind: WatchedKind, cache: ObjectCache, namespace: str | None, version: str
+    ) -> str | None:
+        """Watch from ``version`` until the stream ends; the last version seen, or None to list again."""
+        assert self._session is not None
+        params = {
+            "watch": "true",
+            "labelSelector": JOB_LABEL,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_SECONDS),
+        }
+        if version:
+            params["resourceVersion"] = version
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=REQUEST_TIMEOUT, sock_read=WATCH_SECONDS + WATCH_SILENCE_SECONDS
+        )
+        async with self._session.get(
+            self.server + kind.path(namespace),
+            params=params,
+            headers=_auth_headers(self.configuration),
+            timeout=timeout,
+        ) as response:
+            if response.status == 410:
+                return None
+            if response.status != 200:
+                raise WatchError(response.status, await response.text())
+            buffer = b""
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    kind_of_event, obj = event.get("type"), event.get("object")
+                    if not isinstance(obj, dict):
+                        continue
+                    if kind_of_event == "ERROR":
+                        if obj.get("code") != 410:
+                            log.warning(
+                                "the watch of %s answered an error: %s", kind.name, obj.get("message")
+                            )
+                        return None
+                    version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                    if kind_of_event in ("ADDED", "MODIFIED", "DELETED"):
+                        self._changed(cache.apply(kind_of_event, obj))
+        return version

@@ -141,6 +141,11 @@ class Plan:
     done: bool = False
     decision: Decision | None = None
     recovered_seconds: float | None = None
+    #: Whether the next look is due by the clock (``requeue_seconds``): while pods run (their sidecars
+    #: are polled) or a time is awaited (a backoff, the previous attempt's bounded wait, a retry). False:
+    #: nothing can change but the objects themselves, so only a change of the job, its PyTorchJob or its
+    #: pods calls for the next look.
+    clock: bool = True
 
 
 def without_nulls(value: Any) -> Any:
@@ -481,6 +486,7 @@ class _Step:
             self.period,
             create=manifest,
             delete=self.stale_delete,
+            clock=False,
             # What the next step says too while no pod runs: an unchanged status is not written again.
             phase_reason="WaitingForPods",
             phase_message=self.pods_running_message(0),
@@ -638,6 +644,8 @@ class _Step:
             delete=self.stale_delete,
             decision=decision,
             recovered_seconds=recovered,
+            # No pod running: no sidecar to poll, and every decision left is a change of the objects.
+            clock=gang.running > 0,
             phase_reason="GangRunning" if gang.running else "WaitingForPods",
             phase_message=self.pods_running_message(gang.running),
         )

@@ -72,5 +72,5 @@ def test_the_operator_scale_bench_runs() -> None:
     assert result["jobs"] == 20
     assert 0 < result["latency_p50_s"] <= result["latency_p99_s"] <= result["latency_max_s"]
     assert result["reconcile_steps"] >= 20
-    assert result["steady_requests_per_s"] > 0
+    assert result["steady_requests_per_s"] == 0  # idle jobs cost the API server nothing at rest
     assert result["operator_peak_rss_mb"] > 10

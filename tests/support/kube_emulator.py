@@ -4,7 +4,9 @@ Its own behaviour is tested in ``tests/integration/test_operator_emulator.py``."
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import kmock
@@ -72,14 +74,107 @@ class FastReactions(kmock.RawHandler):
         raise NotImplementedError("no reaction matches the request")
 
 
+#: What an API server answers a watch whose resourceVersion it no longer has.
+GONE = {
+    "type": "ERROR",
+    "object": {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "reason": "Expired",
+        "message": "too old resource version",
+        "code": 410,
+    },
+}
+
+
+class WatchFaults:
+    """Watches of one plural ended, held and answered 410 Gone on a test's request."""
+
+    def __init__(self) -> None:
+        self.cut = asyncio.Event()
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.gone = False
+
+
 class Emulator(kmock.KubernetesEmulator, FastReactions):
     """kmock's emulator plus the API server behaviour the operator and kopf rely on: on creation a uid,
     a creationTimestamp and a name from ``generateName`` (kopf names Events so); a resourceVersion that
     changes with every write; optimistic concurrency on it (a merge patch carrying a stale
-    resourceVersion gets 409, a JSON patch whose ``test`` of it fails gets 422); lists filtered by their
-    label selector; and a cost per request that does not grow with the requests served."""
+    resourceVersion gets 409, a JSON patch whose ``test`` of it fails gets 422); lists and watches
+    filtered by their label selector; and a cost per request that does not grow with the requests served.
+
+    A test can break the watches of a kind as a network or an API server would (``break_watches``,
+    ``resume_watches``): open ones end, new ones wait, and the first after the break is answered 410
+    Gone (the version it asks for is gone), so only a watcher that lists again sees what changed
+    meanwhile (kmock replays no deletion to a new watch)."""
 
     _serial = 0
+
+    def _faults(self, plural: str | None) -> WatchFaults:
+        table: dict[str | None, WatchFaults] = self.__dict__.setdefault("_watch_faults", {})
+        return table.setdefault(plural, WatchFaults())
+
+    def break_watches(self, plural: str) -> None:
+        """End every open watch of ``plural``; new ones wait for ``resume_watches``."""
+        faults = self._faults(plural)
+        faults.cut.set()
+        faults.cut = asyncio.Event()
+        faults.resumed.clear()
+        faults.gone = True
+
+    def resume_watches(self, plural: str) -> None:
+        """Let the watches of ``plural`` be opened again (the first is answered 410 Gone)."""
+        self._faults(plural).resumed.set()
+
+    def watches_open(self, plural: str) -> int:
+        """How many watches of ``plural`` are streaming now."""
+        found: dict[str | None, int] = self.__dict__.setdefault("_watches_open", {})
+        return found.get(plural, 0)
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        plural = getattr(request.resource, "plural", None)
+        faults = self._faults(plural)
+        await faults.resumed.wait()
+        if faults.gone:
+            faults.gone = False
+            yield b""
+            yield GONE
+            return
+        cut = faults.cut
+        selector = request.params.get("labelSelector")
+        stream = super()._serve_watch(request).__aiter__()
+        counts: dict[str | None, int] = self.__dict__.setdefault("_watches_open", {})
+        counts[plural] = counts.get(plural, 0) + 1
+        following: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                following = asyncio.ensure_future(stream.__anext__())
+                cutting = asyncio.ensure_future(cut.wait())
+                await asyncio.wait({following, cutting}, return_when=asyncio.FIRST_COMPLETED)
+                cutting.cancel()
+                if not following.done():
+                    following.cancel()
+                    await asyncio.gather(following, return_exceptions=True)
+                    return
+                try:
+                    item = following.result()
+                except StopAsyncIteration:
+                    return
+                if selector and isinstance(item, dict):
+                    labels = ((item.get("object") or {}).get("metadata") or {}).get("labels")
+                    if not selects(str(selector), labels):
+                        continue
+                yield item
+        finally:
+            counts[plural] -= 1
+            if following is not None and not following.done():
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
 
     def _next_version(self) -> str:
         Emulator._serial += 1
