@@ -262,6 +262,10 @@ class GangSupervisor(ABC):
         self.record.failed(
             decision, look.view, attempt=self.attempt, attempt_started=self.attempt_started, now=now
         )
+        # The backoff counts from the decision and the old gang's stop runs within it (the policy's wait is
+        # between attempts, not after the stop): the stop costs the restart only what outlasts the backoff.
+        # The next attempt still starts only once every process of the old one is gone.
+        backoff_ends = time.monotonic() + decision.delay_seconds
         with signals.deferred():
             self._stop_workers(BROKEN_GANG_GRACE_SECONDS)
         self.restarts = decision.restarts
@@ -272,7 +276,7 @@ class GangSupervisor(ABC):
             f"restarting the whole gang in {decision.delay_seconds:g} s "
             f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
         )
-        time.sleep(decision.delay_seconds)
+        time.sleep(max(0.0, backoff_ends - time.monotonic()))
         self.backoff_total += decision.delay_seconds
         self.start_attempt()
         return True
