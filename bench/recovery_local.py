@@ -14,10 +14,12 @@ Phases of the one recovery, all on this machine's wall clock:
 - ``detect_s``: the last step rank 0 logged in attempt 1 to the runner's failure decision;
 - ``stop_s``: that decision to the old gang being stopped (the ``restart`` event; it runs within the
   backoff, which counts from the decision);
-- ``launch_s``: the runner starting attempt 2 (the backoff over) to its ``start`` event: the sidecars
-  and the handoffs to the spares, or the cold processes' start;
-- ``to_corpus_s``: the ``start`` event to rank 0's first log line (interpreter and imports, or the
-  rest of a handoff; the gloo rendezvous; reading the corpus);
+- ``wait_s``: what the stop added to the backoff (the runner starts attempt 2 at the later of the
+  backoff's end and the old gang's end);
+- ``to_corpus_s``: the runner starting attempt 2 to rank 0's first log line (the sidecars' and workers'
+  start: a handoff, or an interpreter and its imports; the gloo rendezvous; reading the corpus); within
+  it ``launch_s``, to the runner's ``start`` event (the sidecars listening, the workers handed off or
+  started);
 - ``model_s``: to the example's ``model:`` line (model, DDP, optimizer);
 - ``resume_s``: to the example's held-out loss line (the guardian, its resume from the checkpoint, the
   loader, the held-out loss);
@@ -63,8 +65,9 @@ SCENARIOS = ("crash", "hang")
 PHASES = (
     "detect_s",
     "stop_s",
-    "launch_s",
+    "wait_s",
     "to_corpus_s",
+    "launch_s",
     "model_s",
     "resume_s",
     "first_step_s",
@@ -174,8 +177,9 @@ def run_once(scratch: Path, document: dict[str, Any], *, scenario: str, warm: bo
         "first_step": first_step,
         "detect_s": round(failed - last_time, 3),
         "stop_s": round(restarted - failed, 3),
+        "wait_s": round(runner.starting[2] - failed - BACKOFF_SECONDS, 3),
+        "to_corpus_s": round(corpus - runner.starting[2], 3),
         "launch_s": round(started - runner.starting[2], 3),
-        "to_corpus_s": round(corpus - started, 3),
         "model_s": round(model - corpus, 3),
         "resume_s": round(heldout - model, 3),
         "first_step_s": round(first_time - heldout, 3),
