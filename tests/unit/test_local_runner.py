@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +256,17 @@ def test_a_stop_tells_the_sidecars_with_the_workers_not_after_a_hung_workers_gra
     assert sidecar.poll() == -signal.SIGTERM
     assert runner._workers == []
     assert runner._sidecars == []
+
+
+def test_the_runner_looks_again_as_soon_as_a_worker_ends_not_at_its_next_look(tmp_path: Path) -> None:
+    runner = LocalRunner(job(), checkpoint_root=tmp_path / "volumes", run_dir=tmp_path / "run")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        runner._workers = [worker]
+        began = time.monotonic()
+        runner._idle(120.0)
+        assert worker.poll() == 0  # woken by its end
+        assert time.monotonic() - began < 60.0
+    finally:
+        worker.kill()
+        worker.wait()

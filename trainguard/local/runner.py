@@ -598,6 +598,30 @@ class LocalRunner(GangSupervisor):
             file.close()
 
     # --------------------------------------------------------------------------------- watching ---
+    def _idle(self, seconds: float) -> None:
+        """Wait ``seconds`` before the next look, or until a worker of the attempt ends: a crash is seen
+        when it happens, not at the next look (Linux's pidfds; elsewhere the whole wait)."""
+        pidfds: list[int] = []
+        try:
+            for worker in self._workers:
+                if worker.poll() is None:  # not reaped, so its pid is still this child's
+                    pidfds.append(os.pidfd_open(worker.pid))
+        except (AttributeError, OSError):  # no pidfds here (an old kernel, not Linux)
+            pidfds = self._closed(pidfds)
+        try:
+            if pidfds:
+                select.select(pidfds, [], [], seconds)
+            else:
+                time.sleep(seconds)
+        finally:
+            self._closed(pidfds)
+
+    @staticmethod
+    def _closed(fds: list[int]) -> list[int]:
+        for fd in fds:
+            os.close(fd)
+        return []
+
     def probe(self) -> None:
         """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
 

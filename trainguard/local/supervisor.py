@@ -191,6 +191,11 @@ class GangSupervisor(ABC):
         """Once the gang is stopped: take in the workers' final statuses (what they wrote as they ended),
         so that ``gang_view`` shows them."""
 
+    def _idle(self, seconds: float) -> None:
+        """Wait before the next look: ``seconds``, or less where the subclass can tell that something
+        changed (a worker ended)."""
+        time.sleep(seconds)
+
     # ----------------------------------------------------------------------------- the template ---
     @property
     def incidents(self) -> list[Incident]:
@@ -236,7 +241,7 @@ class GangSupervisor(ABC):
                 self.view.update(self)
             decision = decide(self.spec.recovery, look.observation)
             if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
-                time.sleep(IDLE_SECONDS)
+                self._idle(IDLE_SECONDS)
                 continue
             if decision.action is Action.SUCCEED:
                 signals.disarm()  # the job has finished: a late signal does not make it "interrupted"
