@@ -2,11 +2,11 @@
 
 Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in
 its ``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its
-own free port. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
+own free port, side by side. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
 kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
 ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
-``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
-waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
+``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace)
+within the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
 command is a plain ``python SCRIPT`` or ``python -m MODULE``, the new attempt runs in warm spares: one
 interpreter per rank, started with the next attempt's environment and gang marker once the current
 attempt steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.

@@ -141,8 +141,9 @@ class GangSupervisor(ABC):
     """Watch, decide, recover: one run of a job, whatever starts its processes.
 
     Promises: every decision is the shared policy's on what ``_monitor_workers`` observed; a restart stops
-    the whole gang before the backoff and starts a new attempt after it, handing a remediation (once per
-    id) when the policy gives one; the timeline records every start, failure, restart and the end.
+    the whole gang within the backoff (counted from the decision) and starts a new attempt once both the
+    backoff and the stop are over, handing a remediation (once per id) when the policy gives one; the
+    timeline records every start, failure, restart and the end.
     """
 
     def __init__(self, job: GuardedTrainingJob, *, view: RunView | None = None) -> None:
