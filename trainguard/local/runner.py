@@ -1,23 +1,23 @@
 """``trainguard run``: a GuardedTrainingJob on one machine, with the operator's recovery policy.
 
-Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in
-its ``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its
-own free port, side by side. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
-kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
-``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
+Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in its
+``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its own free
+port, side by side. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
+kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted),
+reads ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
 ``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace)
 within the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
 command is a plain ``python SCRIPT`` or ``python -m MODULE``, the new attempt runs in warm spares: one
-interpreter per rank, started with the next attempt's environment and gang marker once the current
-attempt steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.
-handoff``); the first attempt, and any other command, start cold.
+interpreter per rank, started with the next attempt's environment and gang marker once the current attempt
+steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract. handoff``);
+the first attempt, and any other command, start cold.
 
 Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
 child is registered for cleanup the moment it exists and dies with the runner even when the runner is
 killed, and a watchdog kills the gang's processes a launcher started in sessions of their own; SIGINT,
-SIGTERM and SIGHUP stop the gang and end the run with 128 + the signal's number. The command and
-working directory are checked, and the checkpoint directory locked against a second run of the job,
-before anything starts (see ``trainguard.local.rundir``). Each run writes into a folder of its own.
+SIGTERM and SIGHUP stop the gang and end the run with 128 + the signal's number. The command and working
+directory are checked, and the checkpoint directory locked against a second run of the job, before
+anything starts (see ``trainguard.local.rundir``). Each run writes into a folder of its own.
 """
 
 from __future__ import annotations
