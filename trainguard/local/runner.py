@@ -9,7 +9,7 @@ reads ``/status`` for the live view and the summary, watches exit codes, and han
 within the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
 command is a plain ``python SCRIPT`` or ``python -m MODULE``, the new attempt runs in warm spares: one
 interpreter per rank, started with the next attempt's environment and gang marker once the current attempt
-steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract. handoff``);
+steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.handoff``);
 the first attempt, and any other command, start cold.
 
 Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
