@@ -26,10 +26,7 @@ import pytest
 import yaml
 
 from tests.support import procs
-from trainer_sidecar.contract.env import HANG_TIMEOUT_ENV, STATUS_FILE_ENV
-from trainguard.core.spec import parse_job
-from trainguard.local.launch import RunRefused
-from trainguard.local.runner import LocalRunner
+from trainer_sidecar.contract.env import STATUS_FILE_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -489,24 +486,3 @@ def test_the_lock_file_is_refused_when_it_is_not_a_regular_file(tmp_path: Path) 
     assert code == 2, output
     assert "is not a regular file" in output
     assert stat.S_ISFIFO(os.lstat(checkpoint_dir / ".trainguard-run.lock").st_mode)
-
-
-def test_a_sidecar_that_does_not_come_up_refuses_the_run_and_stops_the_workers_started_beside_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The workers start beside their sidecars, not after them: a sidecar that never listens (here a
-    setting it refuses) still refuses the run, naming its log, and takes the started workers with it."""
-    job = parse_job(yaml.safe_load(lifecycle_job(tmp_path).read_text()), "job.yaml")
-    sidecar_env = LocalRunner.sidecar_env
-
-    def refused(self: LocalRunner, status_file: Path) -> dict[str, str]:
-        return {**sidecar_env(self, status_file), HANG_TIMEOUT_ENV: "not a number"}
-
-    monkeypatch.setattr(LocalRunner, "sidecar_env", refused)
-    runner = LocalRunner(job, checkpoint_root=tmp_path / "volumes", run_dir=tmp_path / "run")
-    with pytest.raises(RunRefused, match=r"rank 0's sidecar did not start: see .*sidecar\.log"):
-        runner.run()
-    assert runner.run_folder is not None
-    logs = runner.run_folder / "logs"
-    assert sorted(p.name for p in logs.iterdir()) == ["attempt-1-rank-0.log", "attempt-1-rank-1.log"]
-    assert left_behind(tmp_path) == []

@@ -367,14 +367,11 @@ class LocalRunner(GangSupervisor):
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
 
     def _start_workers(self) -> None:
-        """Start the sidecars of attempt ``self.attempt`` and its workers (in its warm spares where there
-        are some) side by side, then wait for every sidecar to listen.
+        """Start the sidecars of attempt ``self.attempt``, side by side, then, once they listen, its
+        workers (in its warm spares where there are some).
 
-        The sidecars are launched first, so each one's clock (its startup grace) starts before its
-        worker's, as a native sidecar's does; they are not waited for before the workers start (a
-        sidecar's start would otherwise add to every restart). Nothing is probed before they all listen;
-        one that does not come up refuses the run (RunRefused), and the workers already started are
-        stopped with the rest of the attempt.
+        A worker starts only beside a sidecar that is up, as before; the sidecars start together so that
+        their start costs the restart one sidecar's time, not one per rank.
         """
         assert self.run_folder is not None, "prepare() before the first attempt"
         period = float(self.spec.health.probe_period_seconds)
@@ -404,6 +401,9 @@ class LocalRunner(GangSupervisor):
             )
             sidecar.launch()
             sidecars.append((rank, sidecar, status_file))
+        for rank, sidecar, _ in sidecars:
+            if not sidecar.wait_until_listening():
+                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
         warm = 0
         for rank, sidecar, status_file in sidecars:
             log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"
@@ -425,9 +425,6 @@ class LocalRunner(GangSupervisor):
                 warm += 1
             self.ranks.append(RankProcesses(rank, worker, sidecar, status_file, log_path))
         self._stop_spares()  # those no rank took (a spare that had exited was replaced by a cold start)
-        for rank, sidecar, _ in sidecars:
-            if not sidecar.wait_until_listening():
-                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
         remediation = ""
         if self.remediation is not None:
             remediation = f" with remediation lrScale={self.remediation.lr_scale}"
