@@ -18,8 +18,8 @@ Phases of the one recovery, all on this machine's wall clock:
   backoff's end and the old gang's end);
 - ``to_corpus_s``: the runner starting attempt 2 to rank 0's first log line (the sidecars' and workers'
   start: a handoff, or an interpreter and its imports; the gloo rendezvous; reading the corpus); within
-  it ``launch_s``, to the runner's ``start`` event (the sidecars listening, the workers handed off or
-  started);
+  it ``launch_s``, to the runner's ``start`` event (the sidecars started and listening, then the workers
+  handed off or started);
 - ``model_s``: to the example's ``model:`` line (model, DDP, optimizer);
 - ``resume_s``: to the example's held-out loss line (the guardian, its resume from the checkpoint, the
   loader, the held-out loss);

@@ -2,7 +2,7 @@
 
 Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in its
 ``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its own free
-port, side by side. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
+port. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
 kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted),
 reads ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
 ``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace)
