@@ -1,29 +1,38 @@
-"""Time to recover under ``trainguard run``: a crashed rank, restarted cold and in warm spares, side by side.
+"""Time to recover under ``trainguard run``: a crashed and a hung rank, restarted cold and in warm spares.
 
 The README's demo model (``examples/tiny_lm/train.py``, two ranks, gloo) runs under the local runner
-(``trainguard.local.runner.LocalRunner``, in this process) with one fault, ``crash@STEP:1`` (rank 1
-SIGKILLs itself before the step's backward; rank 0 then fails in its collective), a checkpoint every
-``--checkpoint-every`` steps and a 1 s backoff. Runs alternate cold (``warm_spares=False``: every
+(``trainguard.local.runner.LocalRunner``, in this process) with one fault, a checkpoint every
+``--checkpoint-every`` steps and a 1 s backoff. Two scenarios: ``crash@STEP:1`` (rank 1 SIGKILLs itself
+before the step's backward; rank 0 then fails in its collective) and ``hang@STEP:1`` (rank 1 sleeps in
+its own work; rank 0 waits in the step's collective; the sidecar catches it at the learned hang timeout,
+whose floor the job sets to ``HANG_FLOOR_SECONDS``). Runs alternate cold (``warm_spares=False``: every
 attempt is ``python train.py`` from scratch) and warm (the restart runs in spares that imported torch
-while attempt 1 trained), ``--runs`` of each.
+while attempt 1 trained), ``--runs`` of each per scenario.
 
 Phases of the one recovery, all on this machine's wall clock:
 
 - ``detect_s``: the last step rank 0 logged in attempt 1 to the runner's failure decision;
-- ``stop_s``: that decision to the old gang being stopped (the ``restart`` event);
-- ``start_s``: the end of the backoff to the first step rank 0 logs in attempt 2; within it
-  ``to_rendezvous_s`` (to rank 0's first log line, just after the gloo rendezvous and reading the
-  corpus: interpreter and imports, or the handoff), ``to_guardian_s`` (to the guardian's creation in
-  rank 0, the status file's ``started_at``: model, DDP, optimizer too) and ``guardian_to_step_s``
-  (resume from the checkpoint, the example's held-out loss on rank 0, the first step);
-- ``recover_s``: the last step of attempt 1 to the first of attempt 2, the backoff excluded
-  (``detect_s + stop_s + start_s``). The goal for warm spares is ``recover_s`` <= 2 s.
+- ``stop_s``: that decision to the old gang being stopped (the ``restart`` event; it runs within the
+  backoff, which counts from the decision);
+- ``wait_s``: what the stop added to the backoff (the runner starts attempt 2 at the later of the
+  backoff's end and the old gang's end);
+- ``to_corpus_s``: the runner starting attempt 2 to rank 0's first log line (the sidecars' and workers'
+  start: a handoff, or an interpreter and its imports; the gloo rendezvous; reading the corpus); within
+  it ``launch_s``, to the runner's ``start`` event (the sidecars started and listening, then the workers
+  handed off or started);
+- ``model_s``: to the example's ``model:`` line (model, DDP, optimizer);
+- ``resume_s``: to the example's held-out loss line (the guardian, its resume from the checkpoint, the
+  loader, the held-out loss);
+- ``first_step_s``: to rank 0's first step in attempt 2;
+- ``recover_s``: the last step of attempt 1 to the first of attempt 2, the backoff excluded. Goals for
+  warm spares: ``recover_s`` <= 2 s for a crash; ``after_detect_s`` (``recover_s - detect_s``: what the
+  restart adds to the detection) <= 2 s for a hang.
 
 Rank 0 logs every step (``--log-every 1``) with millisecond timestamps; those lines are the steps'
-times. The last line is one JSON object: every run, the medians per mode, and ``warm_over_cold`` (the
-median ``recover_s`` ratio).
+times. The last line is one JSON object: every run, the medians per scenario and mode, and per scenario
+``warm_over_cold`` (the median ``recover_s`` ratio).
 
-    python -m bench.recovery_local [--runs 2] [--steps 120] [--crash-step 70]
+    python -m bench.recovery_local [--runs 2] [--steps 120] [--fault-step 70] [--scenario crash|hang|both]
 """
 
 from __future__ import annotations
@@ -41,19 +50,36 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from trainer_sidecar.contract.status import read_status
 from trainguard.core.spec import parse_job
 from trainguard.local.runner import LocalRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "tiny_lm" / "train.py"
 BACKOFF_SECONDS = 1
+#: The hang timeout's floor in the hang scenario (the learned timeout of a fast job sits at its floor).
+HANG_FLOOR_SECONDS = 5
 GOAL_RECOVER_S = 2.0
+#: What a hang's restart may add to its detection.
+GOAL_AFTER_DETECT_S = 2.0
+SCENARIOS = ("crash", "hang")
+PHASES = (
+    "detect_s",
+    "stop_s",
+    "wait_s",
+    "to_corpus_s",
+    "launch_s",
+    "model_s",
+    "resume_s",
+    "first_step_s",
+    "recover_s",
+    "after_detect_s",
+)
 _STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \[rank 0\] tiny_lm: step (\d+) loss")
 
 
-def job_document(steps: int, crash_step: int, checkpoint_every: int) -> dict[str, Any]:
-    """The demo job (examples/local/job.yaml) shortened: one crash of rank 1, a 1 s backoff."""
+def job_document(steps: int, fault: str, checkpoint_every: int) -> dict[str, Any]:
+    """The demo job (examples/local/job.yaml) shortened: one ``fault`` (``TRAINGUARD_FAULTS``), a 1 s
+    backoff, a hang timeout's floor of ``HANG_FLOOR_SECONDS``."""
     return {
         "apiVersion": "trainguard.dev/v1alpha1",
         "kind": "GuardedTrainingJob",
@@ -67,13 +93,18 @@ def job_document(steps: int, crash_step: int, checkpoint_every: int) -> dict[str
                             "name": "pytorch",
                             "image": "unused",
                             "command": ["python", str(TRAIN), "--max-steps", str(steps), "--log-every", "1"],
-                            "env": [{"name": "TRAINGUARD_FAULTS", "value": f"crash@{crash_step}:1"}],
+                            "env": [{"name": "TRAINGUARD_FAULTS", "value": fault}],
                         }
                     ]
                 }
             },
             "checkpoint": {"claimName": "ckpt", "everySteps": checkpoint_every, "snapshotEverySteps": 10},
-            "health": {"hangTimeoutSeconds": 30, "startupGraceSeconds": 120, "probePeriodSeconds": 1},
+            "health": {
+                "hangTimeoutSeconds": 30,
+                "hangTimeoutFloorSeconds": HANG_FLOOR_SECONDS,
+                "startupGraceSeconds": 120,
+                "probePeriodSeconds": 1,
+            },
             "recovery": {"maxRestarts": 2, "backoffSeconds": [BACKOFF_SECONDS]},
         },
     }
@@ -98,10 +129,22 @@ def step_times(log: Path) -> list[tuple[int, float]]:
     return found
 
 
-def run_once(scratch: Path, document: dict[str, Any], *, warm: bool) -> dict[str, Any]:
+class TimedRunner(LocalRunner):
+    """The local runner, noting when it begins starting each attempt's gang (the backoff over)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.starting: dict[int, float] = {}
+
+    def _start_workers(self) -> None:
+        self.starting[self.attempt] = time.time()
+        super()._start_workers()
+
+
+def run_once(scratch: Path, document: dict[str, Any], *, scenario: str, warm: bool) -> dict[str, Any]:
     """One run of the job; its recovery's phases."""
     job = parse_job(document, "bench job")
-    runner = LocalRunner(
+    runner = TimedRunner(
         job,
         checkpoint_root=scratch / "volumes",
         run_dir=scratch / "run",
@@ -110,88 +153,109 @@ def run_once(scratch: Path, document: dict[str, Any], *, warm: bool) -> dict[str
     )
     code = runner.run()
     folder = runner.run_folder
+    mode = "warm" if warm else "cold"
     if code != 0 or runner.attempt != 2 or folder is None:
-        raise RuntimeError(f"{'warm' if warm else 'cold'} run: exit {code}, {runner.attempt} attempt(s)")
+        raise RuntimeError(f"{scenario} {mode} run: exit {code}, {runner.attempt} attempt(s)")
     events = {(e.kind, e.attempt): e for e in runner.events}
     failed = events[("failure", 1)].time
     restarted = events[("restart", 1)].time
-    starting = restarted + BACKOFF_SECONDS
+    started = events[("start", 2)].time
     last_step, last_time = step_times(folder / "logs" / "attempt-1-rank-0.log")[-1]
-    first_step, first_time = step_times(folder / "logs" / "attempt-2-rank-0.log")[0]
-    status, _ = read_status(folder / "attempt-2" / "rank-0" / "status.json")
-    guardian = status.started_at if status is not None else float("nan")
-    corpus = first_line_time(folder / "logs" / "attempt-2-rank-0.log", "tiny_lm: corpus:")
+    log = folder / "logs" / "attempt-2-rank-0.log"
+    first_step, first_time = step_times(log)[0]
+    corpus = first_line_time(log, "tiny_lm: corpus:")
+    model = first_line_time(log, "tiny_lm: model:")
+    heldout = first_line_time(log, "held-out loss")
+    recover = first_time - last_time - BACKOFF_SECONDS
     return {
-        "mode": "warm" if warm else "cold",
+        "scenario": scenario,
+        "mode": mode,
         "start_message": events[("start", 2)].message,
+        "failure": events[("failure", 1)].message,
         "unready_spares": runner.unready_handoffs,
         "last_step": last_step,
         "first_step": first_step,
         "detect_s": round(failed - last_time, 3),
         "stop_s": round(restarted - failed, 3),
-        "start_s": round(first_time - starting, 3),
-        "to_rendezvous_s": round(corpus - starting, 3),
-        "to_guardian_s": round(guardian - starting, 3),
-        "guardian_to_step_s": round(first_time - guardian, 3),
-        "recover_s": round(first_time - last_time - BACKOFF_SECONDS, 3),
+        "wait_s": round(runner.starting[2] - failed - BACKOFF_SECONDS, 3),
+        "to_corpus_s": round(corpus - runner.starting[2], 3),
+        "launch_s": round(started - runner.starting[2], 3),
+        "model_s": round(model - corpus, 3),
+        "resume_s": round(heldout - model, 3),
+        "first_step_s": round(first_time - heldout, 3),
+        "recover_s": round(recover, 3),
+        "after_detect_s": round(recover - (failed - last_time), 3),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the job cold and warm, alternately; print each run and the medians (JSON on the last line)."""
+    """Run each scenario cold and warm, alternately; print each run and the medians (JSON on the last
+    line)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", type=int, default=2, help="runs of each mode (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=120, help="training steps (default: %(default)s)")
-    parser.add_argument("--crash-step", type=int, default=70, help="rank 1 crashes (default: %(default)s)")
+    parser.add_argument("--fault-step", type=int, default=70, help="rank 1's fault (default: %(default)s)")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="(default: %(default)s)")
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="one run of each, 60 steps: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
-        args.runs, args.steps, args.crash_step = 1, 60, 40
-    if not 0 < args.crash_step < args.steps:
-        parser.error("--crash-step must lie within --steps")
-    document = job_document(args.steps, args.crash_step, args.checkpoint_every)
-    runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
-    phases = (
-        "detect_s",
-        "stop_s",
-        "start_s",
-        "to_rendezvous_s",
-        "to_guardian_s",
-        "guardian_to_step_s",
-        "recover_s",
-    )
+        args.runs, args.steps, args.fault_step = 1, 60, 40
+    if not 0 < args.fault_step < args.steps:
+        parser.error("--fault-step must lie within --steps")
+    scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"cold": [], "warm": []} for s in scenarios}
     with tempfile.TemporaryDirectory(prefix="trainguard-recovery-local-") as scratch:
         for index in range(args.runs):
-            for warm in (False, True):
-                started = time.monotonic()
-                result = run_once(Path(scratch) / f"{index}-{warm}", document, warm=warm)
-                runs[result["mode"]].append(result)
-                figures = " ".join(f"{key}={result[key]:.2f}" for key in phases)
-                took = time.monotonic() - started
-                print(f"{result['mode']} {index}: {figures} ({result['start_message']}; run {took:.0f} s)")
+            for scenario in scenarios:
+                document = job_document(args.steps, f"{scenario}@{args.fault_step}:1", args.checkpoint_every)
+                for warm in (False, True):
+                    began = time.monotonic()
+                    where = Path(scratch) / f"{scenario}-{index}-{warm}"
+                    result = run_once(where, document, scenario=scenario, warm=warm)
+                    runs[scenario][result["mode"]].append(result)
+                    figures = " ".join(f"{key}={result[key]:.2f}" for key in PHASES)
+                    took = time.monotonic() - began
+                    print(
+                        f"{scenario} {result['mode']} {index}: {figures} "
+                        f"({result['start_message']}; run {took:.0f} s)",
+                        flush=True,
+                    )
     medians = {
-        mode: {key: round(statistics.median(r[key] for r in results), 3) for key in phases}
-        for mode, results in runs.items()
+        scenario: {
+            mode: {key: round(statistics.median(r[key] for r in results), 3) for key in PHASES}
+            for mode, results in by_mode.items()
+        }
+        for scenario, by_mode in runs.items()
     }
-    ratio = medians["warm"]["recover_s"] / medians["cold"]["recover_s"]
-    print()
-    print(f"{'phase (median s)':<22}{'cold':>8}{'warm':>8}")
-    for key in phases:
-        print(f"{key:<22}{medians['cold'][key]:>8.2f}{medians['warm'][key]:>8.2f}")
-    goal = "met" if medians["warm"]["recover_s"] <= GOAL_RECOVER_S else "missed"
-    print(f"warm/cold recover_s: {ratio:.2f}; warm recover_s goal <= {GOAL_RECOVER_S} s: {goal}")
-    load = os.getloadavg()[0]
+    ratios = {}
+    goals = {}
+    for scenario in scenarios:
+        cold, warm_ = medians[scenario]["cold"], medians[scenario]["warm"]
+        ratios[scenario] = round(warm_["recover_s"] / cold["recover_s"], 3)
+        print()
+        print(f"{scenario}: {'phase (median s)':<22}{'cold':>8}{'warm':>8}")
+        for key in PHASES:
+            print(f"{'':<{len(scenario) + 2}}{key:<22}{cold[key]:>8.2f}{warm_[key]:>8.2f}")
+        if scenario == "crash":
+            goals[scenario] = warm_["recover_s"] <= GOAL_RECOVER_S
+            goal = f"warm recover_s <= {GOAL_RECOVER_S} s"
+        else:
+            goals[scenario] = warm_["after_detect_s"] <= GOAL_AFTER_DETECT_S
+            goal = f"warm after_detect_s <= {GOAL_AFTER_DETECT_S} s"
+        met = "met" if goals[scenario] else "missed"
+        print(f"{scenario}: warm/cold recover_s {ratios[scenario]:.2f}; goal {goal}: {met}")
     summary = {
         "runs": runs,
         "median": medians,
-        "warm_over_cold": round(ratio, 3),
+        "warm_over_cold": ratios,
         "goal_recover_s": GOAL_RECOVER_S,
-        "goal_met": goal == "met",
+        "goal_after_detect_s": GOAL_AFTER_DETECT_S,
+        "goal_met": goals,
         "backoff_s": BACKOFF_SECONDS,
-        "load_average": round(load, 2),
+        "load_average": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(summary))
     return 0

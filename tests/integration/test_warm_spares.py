@@ -275,3 +275,36 @@ def test_a_command_that_is_not_plain_python_restarts_cold_without_spares(tmp_pat
     assert "is not the interpreter trainguard runs in" in second
     assert not list((tmp_path / "run" / "latest" / "logs").glob("*.spare.log"))
     assert summary["final_step"] == 30
+
+
+FIRST_USE = """\
+import sys, tempfile
+from trainer_sidecar.guardian.spare import warm
+assert warm("") == []
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+before = set(sys.modules)
+store = dist.FileStore(tempfile.mktemp(dir=sys.argv[1]), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+net = torch.nn.Linear(4, 2)
+model = DistributedDataParallel(net)
+optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+model(torch.ones(3, 4)).sum().backward()
+optimizer.step()
+dist.destroy_process_group()
+ours = ("torch", "trainer_sidecar")
+print(sorted(name for name in set(sys.modules) - before if name.split(".")[0] in ours))
+"""
+
+
+def test_a_warm_spare_has_imported_what_a_ddp_model_and_its_optimizer_import_on_first_use(
+    tmp_path: Path,
+) -> None:
+    """After a restart's rendezvous the gang waits for its slowest rank's model, DDP and optimizer; torch
+    imports modules for them on first use (``torch._dynamo``: 0.7 s), which a spare must have imported."""
+    proc = subprocess.run(
+        [sys.executable, "-c", FIRST_USE, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

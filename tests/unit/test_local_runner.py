@@ -6,6 +6,10 @@ import copy
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ import pytest
 from tests.support.paths import REPO_ROOT
 from trainguard.core.policy import Action, Decision, FailureKind
 from trainguard.core.spec import GuardedTrainingJob, parse_job
+from trainguard.local import runner as runner_module
 from trainguard.local.launch import RunRefused
 from trainguard.local.runner import LocalRunner
 from trainguard.local.supervisor import exit_code_of
@@ -209,3 +214,59 @@ def test_a_run_result_writes_every_key_the_readme_documents_and_the_report_reads
     from trainguard.local.report import render_png
 
     assert render_png(view).startswith(b"\x89PNG")
+
+
+class FakeProcess:
+    """A child as ``_stop_workers`` handles it: ``hung`` ignores SIGTERM; the signals it got, in order."""
+
+    def __init__(self, name: str, journal: list[tuple[str, str]], *, hung: bool) -> None:
+        self.name, self.journal, self.hung = name, journal, hung
+        self.pid = -1
+        self.stdout = None
+        self.returncode: int | None = None
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.journal.append((self.name, sig.name))
+        if self.returncode is None and (sig is signal.SIGKILL or not self.hung):
+            self.returncode = -sig
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            assert timeout is not None, f"{self.name} would never end"
+            self.journal.append((self.name, "grace over"))
+            raise subprocess.TimeoutExpired(self.name, timeout)
+        return self.returncode
+
+
+def test_a_stop_tells_the_sidecars_with_the_workers_not_after_a_hung_workers_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = LocalRunner(job(), checkpoint_root=tmp_path / "volumes", run_dir=tmp_path / "run")
+    journal: list[tuple[str, str]] = []
+    worker = FakeProcess("worker", journal, hung=True)
+    sidecar = FakeProcess("sidecar", journal, hung=False)
+    runner._workers, runner._sidecars = [worker], [sidecar]  # type: ignore[list-item]
+    monkeypatch.setattr(runner_module, "signal_group", lambda proc, sig: proc.signal(sig))
+    runner._stop_workers(0.01)
+    assert journal[:3] == [("worker", "SIGTERM"), ("sidecar", "SIGTERM"), ("worker", "grace over")]
+    assert worker.poll() == -signal.SIGKILL
+    assert sidecar.poll() == -signal.SIGTERM
+    assert runner._workers == []
+    assert runner._sidecars == []
+
+
+def test_the_runner_looks_again_as_soon_as_a_worker_ends_not_at_its_next_look(tmp_path: Path) -> None:
+    runner = LocalRunner(job(), checkpoint_root=tmp_path / "volumes", run_dir=tmp_path / "run")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        runner._workers = [worker]
+        began = time.monotonic()
+        runner._idle(120.0)
+        assert worker.poll() == 0  # woken by its end
+        assert time.monotonic() - began < 60.0
+    finally:
+        worker.kill()
+        worker.wait()

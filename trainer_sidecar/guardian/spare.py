@@ -47,10 +47,14 @@ from trainer_sidecar.contract.handoff import READY, Handoff, HandoffError, RunMo
 #: Imported by every spare: what a guarded worker imports first, and pays most of its start for (the
 #: package ``trainer_sidecar.guardian`` alone would not do: ``trainer_sidecar.Guardian`` is exported lazily
 #: and its module, with the checkpoint store under it, is another second and a half on a busy machine).
+#: ``torch._dynamo``: every ``torch.optim`` optimizer's constructor imports it (``add_param_group`` is
+#: wrapped by ``torch._disable_dynamo``, which imports it on first use); on this machine it is 0.7 s of
+#: a warm restart's path, paid after the rendezvous with the whole gang waiting.
 BASE_IMPORTS = (
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
+    "torch._dynamo",
     "trainer_sidecar.guardian",
     "trainer_sidecar.guardian.guardian",
 )

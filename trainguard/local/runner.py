@@ -1,23 +1,23 @@
 """``trainguard run``: a GuardedTrainingJob on one machine, with the operator's recovery policy.
 
-Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in
-its ``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its
-own free port. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
-kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted), reads
-``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
-``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace),
-waits the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
+Each attempt starts ``replicas`` worker processes (the template's ``pytorch`` container command, in its
+``workingDir``, with the torch.distributed environment) and one sidecar process per worker on its own free
+port. The runner probes each sidecar's ``/healthz`` every ``probePeriodSeconds`` like a
+kubelet (see ``trainguard.local.sidecars``: failures counted to a threshold, a dead sidecar restarted),
+reads ``/status`` for the live view and the summary, watches exit codes, and hands what it saw to
+``trainguard.core.policy.decide``. A restart stops the whole gang (SIGTERM, then SIGKILL after a grace)
+within the backoff and starts a new attempt; workers resume from the newest clean checkpoint. Where the
 command is a plain ``python SCRIPT`` or ``python -m MODULE``, the new attempt runs in warm spares: one
-interpreter per rank, started with the next attempt's environment and gang marker once the current
-attempt steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.
-handoff``); the first attempt, and any other command, start cold.
+interpreter per rank, started with the next attempt's environment and gang marker once the current attempt
+steps, that has imported torch and waits to be handed the rank (``trainer_sidecar.contract.handoff``);
+the first attempt, and any other command, start cold.
 
 Nothing outlives the runner (see ``trainguard.local.launch`` and ``trainguard.local.watchdog``): every
 child is registered for cleanup the moment it exists and dies with the runner even when the runner is
 killed, and a watchdog kills the gang's processes a launcher started in sessions of their own; SIGINT,
-SIGTERM and SIGHUP stop the gang and end the run with 128 + the signal's number. The command and
-working directory are checked, and the checkpoint directory locked against a second run of the job,
-before anything starts (see ``trainguard.local.rundir``). Each run writes into a folder of its own.
+SIGTERM and SIGHUP stop the gang and end the run with 128 + the signal's number. The command and working
+directory are checked, and the checkpoint directory locked against a second run of the job, before
+anything starts (see ``trainguard.local.rundir``). Each run writes into a folder of its own.
 """
 
 from __future__ import annotations
@@ -554,14 +554,21 @@ class LocalRunner(GangSupervisor):
             proc.wait()
 
     def _stop_workers(self, grace_seconds: float | None = None) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after the grace, stop the sidecars.
+        """SIGTERM every worker's process group and every sidecar, SIGKILL what is left after the grace
+        (a sidecar's after 5 s).
 
         Stops every process registered in this attempt, also those of a rank that was still starting.
+        The sidecars are told with the workers, not after them: nothing reads them once the gang is being
+        stopped (its final statuses are read from the files), and their exit then overlaps the workers'
+        grace instead of adding to every stop.
         """
         workers, sidecars, files = self._workers, self._sidecars, self._files
         self._workers, self._sidecars, self._files = [], [], []
         for worker in workers:
             signal_group(worker, signal.SIGTERM)
+        for sidecar in sidecars:
+            if sidecar.poll() is None:  # a restarted sidecar's predecessor is gone (its pid may be reused)
+                signal_group(sidecar, signal.SIGTERM)
         grace = self.stop_grace_seconds if grace_seconds is None else grace_seconds
         deadline = time.monotonic() + grace
         for worker in workers:
@@ -577,9 +584,6 @@ class LocalRunner(GangSupervisor):
                 "attempt %d: killed %d process(es) left by the gang: %s", self.attempt, len(strays), strays
             )
         for sidecar in sidecars:
-            if sidecar.poll() is None:  # a restarted sidecar's predecessor is gone (its pid may be reused)
-                signal_group(sidecar, signal.SIGTERM)
-        for sidecar in sidecars:
             try:
                 sidecar.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -591,6 +595,30 @@ class LocalRunner(GangSupervisor):
             file.close()
 
     # --------------------------------------------------------------------------------- watching ---
+    def _idle(self, seconds: float) -> None:
+        """Wait ``seconds`` before the next look, or until a worker of the attempt ends: a crash is seen
+        when it happens, not at the next look (Linux's pidfds; elsewhere the whole wait)."""
+        pidfds: list[int] = []
+        try:
+            for worker in self._workers:
+                if worker.poll() is None:  # not reaped, so its pid is still this child's
+                    pidfds.append(os.pidfd_open(worker.pid))
+        except (AttributeError, OSError):  # no pidfds here (an old kernel, not Linux)
+            pidfds = self._closed(pidfds)
+        try:
+            if pidfds:
+                select.select(pidfds, [], [], seconds)
+            else:
+                time.sleep(seconds)
+        finally:
+            self._closed(pidfds)
+
+    @staticmethod
+    def _closed(fds: list[int]) -> list[int]:
+        for fd in fds:
+            os.close(fd)
+        return []
+
     def probe(self) -> None:
         """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
 

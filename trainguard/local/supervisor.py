@@ -141,8 +141,9 @@ class GangSupervisor(ABC):
     """Watch, decide, recover: one run of a job, whatever starts its processes.
 
     Promises: every decision is the shared policy's on what ``_monitor_workers`` observed; a restart stops
-    the whole gang before the backoff and starts a new attempt after it, handing a remediation (once per
-    id) when the policy gives one; the timeline records every start, failure, restart and the end.
+    the whole gang within the backoff (counted from the decision) and starts a new attempt once both the
+    backoff and the stop are over, handing a remediation (once per id) when the policy gives one; the
+    timeline records every start, failure, restart and the end.
     """
 
     def __init__(self, job: GuardedTrainingJob, *, view: RunView | None = None) -> None:
@@ -192,6 +193,11 @@ class GangSupervisor(ABC):
     def _read_final_statuses(self) -> None:
         """Once the gang is stopped: take in the workers' final statuses (what they wrote as they ended),
         so that ``gang_view`` shows them."""
+
+    def _idle(self, seconds: float) -> None:
+        """Wait before the next look: ``seconds``, or less where the subclass can tell that something
+        changed (a worker ended)."""
+        time.sleep(seconds)
 
     # ----------------------------------------------------------------------------- the template ---
     @property
@@ -264,7 +270,7 @@ class GangSupervisor(ABC):
             self.see_straggler(look)
             decision = decide(self.spec.recovery, look.observation, self.spec.health.straggler)
             if decision.action is Action.CONTINUE or decision.action is Action.WAIT:
-                time.sleep(IDLE_SECONDS)
+                self._idle(IDLE_SECONDS)
                 continue
             if decision.action is Action.SUCCEED:
                 signals.disarm()  # the job has finished: a late signal does not make it "interrupted"
@@ -291,6 +297,10 @@ class GangSupervisor(ABC):
         self.record.failed(
             decision, look.view, attempt=self.attempt, attempt_started=self.attempt_started, now=now
         )
+        # The backoff counts from the decision and the old gang's stop runs within it (the policy's wait is
+        # between attempts, not after the stop): the stop costs the restart only what outlasts the backoff.
+        # The next attempt still starts only once every process of the old one is gone.
+        backoff_ends = time.monotonic() + decision.delay_seconds
         with signals.deferred():
             # A straggler's gang is whole: its stop grace lets it checkpoint first.
             self._stop_workers(None if straggler else BROKEN_GANG_GRACE_SECONDS)
@@ -303,7 +313,7 @@ class GangSupervisor(ABC):
             f"restarting the whole gang in {decision.delay_seconds:g} s "
             f"(restart {self.restarts} of {self.spec.recovery.max_restarts})",
         )
-        time.sleep(decision.delay_seconds)
+        time.sleep(max(0.0, backoff_ends - time.monotonic()))
         self.backoff_total += decision.delay_seconds
         self.start_attempt()
         return True
