@@ -627,30 +627,34 @@ class RealCluster(Cluster):
         await self.session.close()
 
     async def delete_namespace(self) -> None:
-        """Delete the namespace and what the run left in it. Meant for after the operator stopped: its
-        finalizers are taken off the jobs first (nobody would remove them), and the jobs, PyTorchJobs and
-        events are deleted explicitly (a control plane without a controller manager collects nothing)."""
+        """Delete the namespace and what the run left in it. Meant for after the operator stopped: the
+        finalizers are taken off the jobs (the operator's) and the PyTorchJobs (the garbage collector's
+        ``foregroundDeletion``, left by a restart's deletion) first, since nobody would remove them, and
+        the jobs, PyTorchJobs and events are deleted explicitly (a control plane without a controller
+        manager collects nothing)."""
         jobs = f"{GTJ_API}/namespaces/{self.namespace}/{GTJ_PLURAL}"
-        listed = await self.request("GET", jobs, ok=(404,))
-        held = [
-            item["metadata"]["name"]
-            for item in (listed.get("items") or [] if isinstance(listed, dict) else [])
-            if item["metadata"].get("finalizers")
-        ]
+        pytorchjobs = f"{PTJ_API}/namespaces/{self.namespace}/{PTJ_PLURAL}"
         pending = asyncio.Semaphore(8)
 
-        async def release(name: str) -> None:
+        async def release(collection: str, name: str) -> None:
             async with pending:
                 await self.request(
                     "PATCH",
-                    f"{jobs}/{name}",
+                    f"{collection}/{name}",
                     {"metadata": {"finalizers": None}},
                     content_type="application/merge-patch+json",
                     ok=(404,),
                 )
 
-        await asyncio.gather(*(release(n) for n in held))
-        for collection in (jobs, f"{PTJ_API}/namespaces/{self.namespace}/{PTJ_PLURAL}"):
+        for collection in (jobs, pytorchjobs):
+            listed = await self.request("GET", collection, ok=(404,))
+            held = [
+                item["metadata"]["name"]
+                for item in (listed.get("items") or [] if isinstance(listed, dict) else [])
+                if item["metadata"].get("finalizers")
+            ]
+            await asyncio.gather(*(release(collection, n) for n in held))
+        for collection in (jobs, pytorchjobs):
             await self.request("DELETE", collection, ok=(404,))
         await self.request("DELETE", f"/api/v1/namespaces/{self.namespace}/events", ok=(404,))
         await self.request("DELETE", f"/api/v1/namespaces/{self.namespace}", ok=(404, 409))
