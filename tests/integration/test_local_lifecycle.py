@@ -162,6 +162,38 @@ def test_a_stop_while_the_gang_starts_leaves_nothing_running(tmp_path: Path) -> 
         assert left_behind(folder, timeout=0) == [], output
 
 
+def test_the_next_attempts_sidecars_start_within_the_backoff_and_a_stop_there_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    # Every worker exits 1 at once: a crash, restarted after a 90 s backoff. Within it, once the old gang
+    # is gone, attempt 2's sidecars start (its workers start when the backoff ends beside sidecars that
+    # listen already); a run stopped there stops them too.
+    job_file = lifecycle_job(
+        tmp_path,
+        command=["python", "-c", "raise SystemExit(1)"],
+        recovery={"maxRestarts": 1, "backoffSeconds": [90]},
+    )
+    runner = start_runner(tmp_path, job_file)
+    run_folder = tmp_path / "run" / "latest"
+    wait_for(
+        lambda: len(list(run_folder.glob("attempt-2/rank-*/sidecar.log"))) == 2,
+        timeout=45,  # half the backoff
+        what="attempt 2's sidecars during the backoff",
+    )
+    assert not list(run_folder.glob("logs/attempt-2-*.log")), "attempt 2's workers started in the backoff"
+    sidecars = [
+        pid
+        for pid in procs.children_of(runner.pid)
+        if b"trainer_sidecar.sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(sidecars) == 2, sidecars
+    runner.send_signal(signal.SIGINT)
+    output, _ = runner.communicate(timeout=60)
+    assert runner.returncode == 130, output
+    assert "Traceback" not in output
+    assert left_behind(tmp_path, timeout=0) == [], output
+
+
 @pytest.mark.parametrize(
     ("program", "complaint"),
     [

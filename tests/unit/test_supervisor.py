@@ -49,12 +49,14 @@ class FakeClock:
 
 
 class RecordingSupervisor(GangSupervisor):
-    """A gang that takes ``stop_takes`` seconds to stop; what happened, and when, in ``log``."""
+    """A gang that takes ``stop_takes`` seconds to stop and ``prepare_takes`` to prepare the next
+    attempt; what happened, and when, in ``log``."""
 
-    def __init__(self, clock: FakeClock, stop_takes: float) -> None:
+    def __init__(self, clock: FakeClock, stop_takes: float, prepare_takes: float = 0.0) -> None:
         super().__init__(JOB)
         self.clock = clock
         self.stop_takes = stop_takes
+        self.prepare_takes = prepare_takes
         self.log: list[tuple[str, float]] = []
 
     def _start_workers(self) -> None:
@@ -64,6 +66,10 @@ class RecordingSupervisor(GangSupervisor):
         self.log.append(("stop begins", self.clock.now))
         self.clock.now += self.stop_takes
         self.log.append(("stopped", self.clock.now))
+
+    def _prepare_next_attempt(self) -> None:
+        self.log.append(("prepared", self.clock.now))
+        self.clock.now += self.prepare_takes
 
     def _monitor_workers(self) -> Look:
         raise NotImplementedError
@@ -78,12 +84,14 @@ class RecordingSupervisor(GangSupervisor):
         pass
 
 
-def restart_after(stop_takes: float, delay: float, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Carry out one RESTART decided at the fake clock's start; when the stop began, ended, and the next
-    attempt started, relative to the decision."""
+def restart_after(
+    stop_takes: float, delay: float, monkeypatch: pytest.MonkeyPatch, prepare_takes: float = 0.0
+) -> dict[str, Any]:
+    """Carry out one RESTART decided at the fake clock's start; when the stop began, ended, the next
+    attempt was prepared and started, relative to the decision."""
     clock = FakeClock()
     monkeypatch.setattr(supervisor, "time", clock)
-    gang = RecordingSupervisor(clock, stop_takes)
+    gang = RecordingSupervisor(clock, stop_takes, prepare_takes)
     gang.attempt = 1
     decided = clock.now
     decision = Decision(Action.RESTART, "rank 1 crashed", delay, failure=FailureKind.CRASH, restarts=1)
@@ -97,7 +105,7 @@ def test_the_old_gangs_stop_runs_within_the_backoff_which_counts_from_the_decisi
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen = restart_after(stop_takes=0.4, delay=1.0, monkeypatch=monkeypatch)
-    assert seen["order"] == ["stop begins", "stopped", "start"]
+    assert seen["order"] == ["stop begins", "stopped", "prepared", "start"]
     assert seen["stop begins"] == 0.0
     assert seen["start"] == pytest.approx(1.0)  # not 1.4: the stop's 0.4 s were part of the backoff
     assert seen["backoff_total"] == 1.0
@@ -109,5 +117,18 @@ def test_the_next_attempt_starts_after_both_the_backoff_and_the_stop_and_no_late
 ) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         seen = restart_after(stop_takes, delay, monkeypatch)
-    assert seen["order"] == ["stop begins", "stopped", "start"]
+    assert seen["order"] == ["stop begins", "stopped", "prepared", "start"]
     assert seen["start"] == pytest.approx(max(stop_takes, delay))
+
+
+@given(stop_takes=st.floats(0.0, 5.0), prepare_takes=st.floats(0.0, 5.0), delay=st.floats(1.0, 90.0))
+def test_the_next_attempt_is_prepared_after_the_stop_and_within_the_backoff(
+    stop_takes: float, prepare_takes: float, delay: float
+) -> None:
+    # The next attempt's sidecars start once the old gang is gone, while the backoff runs: their start
+    # costs the restart only what outlasts the backoff.
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        seen = restart_after(stop_takes, delay, monkeypatch, prepare_takes)
+    assert seen["order"] == ["stop begins", "stopped", "prepared", "start"]
+    assert seen["prepared"] == pytest.approx(stop_takes)
+    assert seen["start"] == pytest.approx(max(stop_takes + prepare_takes, delay))

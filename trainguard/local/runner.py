@@ -181,6 +181,8 @@ class LocalRunner(GangSupervisor):
         # Every process of the current attempt, registered the moment it exists (see _spawn).
         self._workers: list[subprocess.Popen[Any]] = []
         self._sidecars: list[subprocess.Popen[Any]] = []
+        #: The sidecars started for an attempt during the restart's backoff, by attempt number.
+        self._next_sidecars: tuple[int, list[tuple[int, SidecarProcess, Path]]] | None = None
         self._files: list[IO[bytes]] = []
         self.gang_id = ""  # set per attempt: the marker every process of the gang carries (GANG_ENV)
         self.ranks: list[RankProcesses] = []
@@ -366,29 +368,11 @@ class LocalRunner(GangSupervisor):
         assert self.run_folder is not None, "prepare() before the first attempt"
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
 
-    def _start_workers(self) -> None:
-        """Start the sidecars of attempt ``self.attempt``, side by side, then, once they listen, its
-        workers (in its warm spares where there are some).
-
-        A worker starts only beside a sidecar that is up, as before; the sidecars start together so that
-        their start costs the restart one sidecar's time, not one per rank.
-        """
+    def _launch_sidecars(self, attempt: int) -> list[tuple[int, SidecarProcess, Path]]:
+        """Start attempt ``attempt``'s sidecars side by side (their start costs one sidecar's time, not one
+        per rank) and wait until each listens; each rank's sidecar and status file."""
         assert self.run_folder is not None, "prepare() before the first attempt"
-        period = float(self.spec.health.probe_period_seconds)
-        self._next_probe = 0.0 if self.attempt == 1 else time.monotonic() + period
-        spares = self._take_spares()
-        if spares:
-            self.gang_id = self._spare_gang  # announced to the watchdog before the spares started
-        else:
-            self.gang_id = self._new_gang_id(self.attempt)
-            # Before the gang's first process: a runner killed from here on takes the gang with it, even
-            # the processes a launcher (torchrun) starts in sessions of their own.
-            self._announce(self.gang_id)
-        attempt_dir = self.run_folder / f"attempt-{self.attempt}"
-        logs = self.run_folder / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        self.ranks = []
+        attempt_dir = self.run_folder / f"attempt-{attempt}"
         sidecars = []
         for rank in range(self.spec.replicas):
             status_file = attempt_dir / f"rank-{rank}" / "status.json"
@@ -404,6 +388,38 @@ class LocalRunner(GangSupervisor):
         for rank, sidecar, _ in sidecars:
             if not sidecar.wait_until_listening():
                 raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
+        return sidecars
+
+    def _prepare_next_attempt(self) -> None:
+        """Start the next attempt's sidecars during the restart's backoff (the old gang, its sidecars
+        included, is stopped): its workers then start at the backoff's end. A run that ends before that
+        attempt starts stops them with everything else it started."""
+        self._next_sidecars = (self.attempt + 1, self._launch_sidecars(self.attempt + 1))
+
+    def _start_workers(self) -> None:
+        """Start the workers of attempt ``self.attempt`` (in its warm spares where there are some), each
+        only beside its sidecar, listening: the sidecars started during the backoff
+        (``_prepare_next_attempt``), or now."""
+        assert self.run_folder is not None, "prepare() before the first attempt"
+        period = float(self.spec.health.probe_period_seconds)
+        self._next_probe = 0.0 if self.attempt == 1 else time.monotonic() + period
+        spares = self._take_spares()
+        if spares:
+            self.gang_id = self._spare_gang  # announced to the watchdog before the spares started
+        else:
+            self.gang_id = self._new_gang_id(self.attempt)
+            # Before the gang's first process: a runner killed from here on takes the gang with it, even
+            # the processes a launcher (torchrun) starts in sessions of their own.
+            self._announce(self.gang_id)
+        logs = self.run_folder / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.ranks = []
+        prepared, self._next_sidecars = self._next_sidecars, None
+        if prepared is not None and prepared[0] == self.attempt:
+            sidecars = prepared[1]
+        else:
+            sidecars = self._launch_sidecars(self.attempt)
         warm = 0
         for rank, sidecar, status_file in sidecars:
             log_path = logs / f"attempt-{self.attempt}-rank-{rank}.log"

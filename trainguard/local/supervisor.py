@@ -141,8 +141,9 @@ class GangSupervisor(ABC):
     """Watch, decide, recover: one run of a job, whatever starts its processes.
 
     Promises: every decision is the shared policy's on what ``_monitor_workers`` observed; a restart stops
-    the whole gang within the backoff (counted from the decision) and starts a new attempt once both the
-    backoff and the stop are over, handing a remediation (once per id) when the policy gives one; the
+    the whole gang within the backoff (counted from the decision), prepares the next attempt once the stop
+    is over (``_prepare_next_attempt``, within the backoff too) and starts it once both the backoff and
+    the stop are over, handing a remediation (once per id) when the policy gives one; the
     timeline records every start, failure, restart and the end.
     """
 
@@ -193,6 +194,12 @@ class GangSupervisor(ABC):
     def _read_final_statuses(self) -> None:
         """Once the gang is stopped: take in the workers' final statuses (what they wrote as they ended),
         so that ``gang_view`` shows them."""
+
+    @abstractmethod
+    def _prepare_next_attempt(self) -> None:
+        """During a restart's backoff, once the old gang is gone: start what the next attempt needs that
+        runs none of the job's code (the local runner: its sidecars), so that its workers start when the
+        backoff ends."""
 
     def _idle(self, seconds: float) -> None:
         """Wait before the next look: ``seconds``, or less where the subclass can tell that something
@@ -304,6 +311,7 @@ class GangSupervisor(ABC):
         with signals.deferred():
             # A straggler's gang is whole: its stop grace lets it checkpoint first.
             self._stop_workers(None if straggler else BROKEN_GANG_GRACE_SECONDS)
+            self._prepare_next_attempt()
         self.straggler = None
         self.restarts = decision.restarts
         if decision.remediation is not None:
