@@ -499,6 +499,51 @@ def test_a_hang_is_blamed_on_the_hung_rank_at_its_learned_timeout_and_a_repeated
     assert float(dict(zip(header.split(), row.split(), strict=False))["LOST"]) > 0, row
 
 
+@pytest.mark.timeout(420)
+def test_a_rank_made_twice_as_slow_is_named_a_straggler_with_its_pod_and_node(
+    e2e_cluster: Cluster, namespace: JobNamespace
+) -> None:
+    """Issue 24's straggler on the real node: rank 1's own compute is doubled from step 5 (fault
+    ``slow*2``); the operator names it in ``status.straggler`` with its pod and node and posts a
+    ``StragglerDetected`` Event naming them, rank 0 is never named, and under ``action: report`` the job
+    is not restarted for it."""
+    documents = example(
+        steps=300,
+        faults="slow*2@5:1",
+        health={
+            "hangTimeoutSeconds": 60,
+            "startupGraceSeconds": 120,
+            "probePeriodSeconds": 1,
+            "straggler": {"action": "report"},
+        },
+    )
+    namespace.apply(documents)
+    named: list[dict[str, Any]] = []
+
+    def straggler() -> dict[str, Any] | None:
+        status = (namespace.job() or {}).get("status", {})
+        found = status.get("straggler")
+        if found:
+            named.append(found)
+        return found if found and found.get("pod") else None
+
+    found = namespace.wait("a straggler in the job's status", straggler, timeout=300)
+    assert (found["rank"], found["pod"], found["node"]) == (1, f"{JOB}-1-worker-0", NODE_NAME), found
+    assert found["score"] > 1.5, found
+    job = namespace.finished(timeout=300)
+    diagnostics = e2e_cluster.diagnostics(namespace.name)
+    assert condition(job, "Succeeded") is not None, diagnostics
+    assert job["status"].get("restarts", 0) == 0, diagnostics
+    assert {n["rank"] for n in named} == {1}, named
+    detected = [e["message"] for e in namespace.events() if e["reason"] == "StragglerDetected"]
+    # Once, unless a noisy window cleared it in between: always rank 1, with its pod and node.
+    assert detected, namespace.events()
+    assert all(f"rank 1 (pod {JOB}-1-worker-0 on node {NODE_NAME}) is a straggler" in m for m in detected), (
+        detected
+    )
+    print(f"straggler: {found['message']}", file=sys.stderr)
+
+
 def report_recovery(what: str, namespace: JobNamespace, status: dict[str, Any]) -> None:
     """Print how long the recovery took: the last step of attempt 1 to the first of attempt 2 (the
     operator's clock, to its poll period), and the kubelet's share: attempt 2's pods from creation to
