@@ -195,6 +195,7 @@ def test_example_job_is_created_with_the_api_servers_defaults(api: Api) -> None:
         "hangTimeoutFloorSeconds": 10,
         "startupGraceSeconds": 600,
         "probePeriodSeconds": 10,
+        "straggler": {"action": "report", "threshold": 1.5, "windowSteps": 8},
     }
     model = spec.parse_job(minimal, "minimal").spec.model_dump(by_alias=True, mode="json", exclude_none=True)
     assert _sections(stored) == _sections(model)
