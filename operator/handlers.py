@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import kopf
 import kubernetes
@@ -292,22 +292,23 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     version = meta.get("resourceVersion")
     posted = False
 
-    def post_events() -> None:
+    async def post_events() -> None:
+        # Posted and stored before the step goes on (not queued to kopf's poster, which loses what it
+        # has not sent when the operator stops: a replica deleted right after a restart's status write
+        # took its GangRestart Event with it). An Event refused is logged; the step goes on.
         nonlocal posted
         if posted:
             return
         posted = True
         for note in plan.events:
-            kopf.event(
-                kopf.Body(cast(kopf.RawBody, dict(body))),
-                type=note.type,
-                reason=note.reason,
-                message=note.message,
-            )
             # The module's logger, not kopf's per-object one: kopf posts the latter's INFO records as
             # Events too, which would post every one of these twice.
             log_at = logging.WARNING if note.type == "Warning" else logging.INFO
             log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
+            try:
+                await rt.api.post_event(body, note.type, note.reason, note.message)
+            except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+                log.warning("%s/%s: the %s Event was not posted: %s", namespace, name, note.reason, exc)
 
     def record_metrics() -> None:
         status = plan.status
@@ -325,7 +326,7 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     async def write_status() -> None:
         if plan.patch:
             state.written = await rt.api.patch_status(namespace, name, plan.patch, version)
-        post_events()
+        await post_events()
         # With the status write, as the events: a restart or a give-up is counted once it is recorded,
         # not after the stopping of the old gang that follows it (which a retry does not repeat).
         record_metrics()
@@ -353,7 +354,7 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
             # Into the cache at once: the next step must see the attempt its status now records, even
             # before the watch reports it.
             rt.watches.pytorchjobs.apply("ADDED", created)
-            post_events()
+            await post_events()
     if not plan.write_status_first:
         await write_status()
 

@@ -14,6 +14,7 @@ import os
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -27,11 +28,15 @@ from trainguard_operator.render import (
     PYTORCHJOB_VERSION,
 )
 
-from trainguard.core.spec import GROUP, PLURAL, VERSION
+from trainguard.core.spec import GROUP, KIND, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 #: Seconds an API call may take before it counts as failed (and is retried).
 REQUEST_TIMEOUT = 30.0
+#: Who posts the operator's Events (``source.component``, ``reportingComponent``).
+EVENT_COMPONENT = "trainguard-operator"
+#: An Event's message is cut to this many characters (the API server refuses longer ones).
+EVENT_MESSAGE_CHARS = 1024
 
 
 def load_configuration() -> Any:
@@ -145,6 +150,42 @@ class KubeApi:
                 return None
             raise
         return created if isinstance(created, dict) and created.get("metadata") else dict(manifest)
+
+    async def post_event(self, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """Post an Event about the job ``body`` and wait for the API server to store it. Raises the
+        client's ``ApiException`` when it refuses."""
+        meta = body["metadata"]
+        now = datetime.now(UTC)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": str(body.get("apiVersion") or f"{GROUP}/{VERSION}"),
+                "kind": str(body.get("kind") or KIND),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:EVENT_MESSAGE_CHARS],
+            "count": 1,
+            "firstTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "action": reason,
+            "source": {"component": EVENT_COMPONENT},
+            "reportingComponent": EVENT_COMPONENT,
+            "reportingInstance": os.environ.get("HOSTNAME", EVENT_COMPONENT),
+        }
+        await asyncio.to_thread(
+            self._core.create_namespaced_event,
+            meta["namespace"],
+            event,
+            _preload_content=False,  # the stored Event: not needed, not parsed
+            _request_timeout=REQUEST_TIMEOUT,
+        )
 
     async def stop_pods(self, namespace: str, pods: list[str], grace_seconds: int) -> int:
         """Delete ``pods`` with ``grace_seconds`` between SIGTERM and SIGKILL, shorter than their own (a
