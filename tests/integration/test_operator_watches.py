@@ -84,15 +84,21 @@ async def test_a_job_with_nothing_running_makes_no_api_request_over_several_prob
         )
 
 
+async def two_pods_stepping(cluster: kmock.KubernetesEmulator, sidecars: Sidecars) -> list[Any]:
+    """A job with a 300 s probe period whose attempt 1 has two pods started, their sidecars at step 5;
+    the pods."""
+    await post(cluster, GTJ_PATH, gtj(**LONG_PERIOD))
+    job = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1's PyTorchJob")
+    sidecars.write(0, step=5)
+    sidecars.write(1, step=5)
+    return list(await start_pods(cluster, job, ["127.0.0.1", "127.0.0.2"]))
+
+
 async def test_a_pod_failure_wakes_the_reconcile_without_waiting_for_the_probe_period(
     cluster: kmock.KubernetesEmulator, sidecars: Sidecars, operator_env: int
 ) -> None:
     async with operator():
-        await post(cluster, GTJ_PATH, gtj(**LONG_PERIOD))
-        job = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1's PyTorchJob")
-        sidecars.write(0, step=5)
-        sidecars.write(1, step=5)
-        pods = await start_pods(cluster, job, ["127.0.0.1", "127.0.0.2"])
+        pods = await two_pods_stepping(cluster, sidecars)
         # The pods' start is a change: the job is Running long before a 300 s probe period.
         await eventually(lambda: status(cluster).get("phase") == "Running", timeout=5, what="Running")
         failed = time.monotonic()
@@ -111,11 +117,7 @@ async def test_pods_deleted_while_the_watch_was_down_are_gone_after_the_relist(
 ) -> None:
     assert isinstance(cluster, Emulator)
     async with operator():
-        await post(cluster, GTJ_PATH, gtj(**LONG_PERIOD))
-        job = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1's PyTorchJob")
-        sidecars.write(0, step=5)
-        sidecars.write(1, step=5)
-        pods = await start_pods(cluster, job, ["127.0.0.1", "127.0.0.2"])
+        pods = await two_pods_stepping(cluster, sidecars)
         await eventually(lambda: "2 of 2 pod(s) running" in ready_message(cluster), timeout=5, what="Running")
 
         # The pods' watch breaks; while it is down both pods go (their kubelet lets them go: finalizer
