@@ -124,6 +124,20 @@ class ObjectCache:
     def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
         return str(meta(obj).get("namespace") or "default"), str(meta(obj).get("name", ""))
 
+    def created(self, obj: Mapping[str, Any]) -> set[JobKey]:
+        """The answer to the operator's own creation of ``obj``: its first state, held unless the
+        watch already showed this object (the same uid, or any object of that name when the answer
+        carries no uid: it is the manifest as sent), whose copy is then as new or newer; returns the
+        jobs whose objects changed.
+
+        Versions alone cannot say so where an API server's are not integers (they are opaque), and a
+        creation's answer can arrive after the watch reported a later state (its status set).
+        """
+        held = self._objects.get(self._key(obj))
+        if held is not None and held_uid(obj) in ("", held_uid(held)):
+            return set()
+        return self.apply("ADDED", obj)
+
     def apply(self, kind: str, obj: Mapping[str, Any]) -> set[JobKey]:
         """One watch event (``ADDED``, ``MODIFIED``, ``DELETED``), or the answer of the operator's own
         write (``ADDED``); returns the jobs whose objects changed.

@@ -353,7 +353,7 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
         if created is not None:
             # Into the cache at once: the next step must see the attempt its status now records, even
             # before the watch reports it.
-            rt.watches.pytorchjobs.apply("ADDED", created)
+            rt.watches.pytorchjobs.created(created)
             await post_events()
     if not plan.write_status_first:
         await write_status()

@@ -118,3 +118,31 @@ def test_only_what_decisions_read_is_kept_of_an_object() -> None:
     # A change of what is not kept is no change.
     pod["spec"]["containers"] = []
     assert cache.apply("MODIFIED", pod) == set()
+
+
+def test_a_creations_late_answer_never_hides_what_the_watch_showed_of_that_object() -> None:
+    # The creation's answer (no status) arrives after the watch's later state (status set). Versions
+    # that are not integers cannot order the two; the uid can.
+    for version in ("7", "opaque"):
+        cache = ObjectCache()
+        later = obj("j", 8) | {"status": {"conditions": [{"type": "Succeeded", "status": "True"}]}}
+        later["metadata"]["resourceVersion"] = "later" if version == "opaque" else "8"
+        cache.apply("MODIFIED", later)
+        answer = obj("j", 7)
+        answer["metadata"]["resourceVersion"] = version
+        assert cache.created(answer) == set()
+        assert cache.of_job("ns", "a")[0]["status"] == later["status"]
+    # The answer is the manifest as sent (no uid, no version): the watch's copy stays.
+    cache = ObjectCache()
+    cache.apply("MODIFIED", later)
+    sent = obj("j", 1)
+    del sent["metadata"]["uid"], sent["metadata"]["resourceVersion"]
+    assert cache.created(sent) == set()
+    assert cache.of_job("ns", "a")[0]["status"] == later["status"]
+    # Held under another uid (an earlier namesake whose deletion the watch has not shown): replaced.
+    cache = ObjectCache()
+    cache.apply("ADDED", obj("j", 3, uid="old"))
+    assert cache.created(obj("j", 9, uid="new")) == {("ns", "a")}
+    assert cache.of_job("ns", "a")[0]["metadata"]["uid"] == "new"
+    # Not held at all: held from now on.
+    assert ObjectCache().created(obj("k", 1)) == {("ns", "a")}
