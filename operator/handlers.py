@@ -35,6 +35,7 @@ import urllib3
 from trainguard_operator.cache import JobKey, fresher_body
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import OperatorMetrics
+from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
 from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.poll import SidecarPoller
 from trainguard_operator.reconcile import (
@@ -56,30 +57,6 @@ SETTINGS_KEY = "trainguard_settings"
 STATE_KEY = "trainguard_job"
 
 log = logging.getLogger("trainguard.operator")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a reconcile step tells its caller: when to come back (by the clock only when ``clock``),
-    and whether the job is final."""
-
-    requeue_seconds: float
-    done: bool
-    clock: bool = True
-
-
-@dataclass(frozen=True)
-class LastStep:
-    """When this process last finished a step of a job (``time.monotonic()``), and its outcome."""
-
-    finished: float
-    outcome: Outcome
-
-    def remaining(self) -> float | None:
-        """Seconds until the next look is due by the clock; None when only a change calls for it."""
-        if not self.outcome.clock:
-            return None
-        return self.outcome.requeue_seconds - (time.monotonic() - self.finished)
 
 
 @dataclass
@@ -439,17 +416,16 @@ async def supervise(
     while not stopped:
         async with state.lock:
             state.wake.clear()
-            last = state.last
-            remaining = last.remaining() if last is not None else 0.0
-            if last is not None and not state.changed and (remaining is None or remaining > 0):
-                outcome = last.outcome
-            else:
+            wait = wait_before_step(state.last, state.changed, time.monotonic())
+            if wait == 0.0 or state.last is None:
                 outcome = await _step(rt, state, namespace, name, body)
-                remaining = outcome.requeue_seconds if outcome.clock else None
+                wait = outcome.wait_seconds()
+            else:
+                outcome = state.last.outcome
         if outcome.done:
             log.info("%s/%s is final; supervision ends", namespace, name)
             return
-        await _sleep(stopped, state.wake, remaining)
+        await _sleep(stopped, state.wake, wait)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
