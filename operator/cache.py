@@ -51,6 +51,18 @@ def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
     return slim
 
 
+def without_managed_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` without ``metadata.managedFields`` (the server-side apply bookkeeping), a shallow copy
+    otherwise. A GuardedTrainingJob the operator keeps (its last status write's answer, one per job) is
+    about half managedFields, which nothing here reads: at thousands of jobs that half is most of the
+    operator's memory that is not kopf's own."""
+    slim = dict(obj)
+    found = meta(obj)
+    if "managedFields" in found:
+        slim["metadata"] = {key: value for key, value in found.items() if key != "managedFields"}
+    return slim
+
+
 def job_of(obj: Mapping[str, Any]) -> JobKey | None:
     """The job an object belongs to by its label, or None when it carries none."""
     job = labels(obj).get(JOB_LABEL)

@@ -32,7 +32,7 @@ from typing import Any
 import kopf
 import kubernetes
 import urllib3
-from trainguard_operator.cache import JobKey, fresher_body
+from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
@@ -302,7 +302,9 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
 
     async def write_status() -> None:
         if plan.patch:
-            state.written = await rt.api.patch_status(namespace, name, plan.patch, version)
+            state.written = without_managed_fields(
+                await rt.api.patch_status(namespace, name, plan.patch, version)
+            )
         await post_events()
         # With the status write, as the events: a restart or a give-up is counted once it is recorded,
         # not after the stopping of the old gang that follows it (which a retry does not repeat).

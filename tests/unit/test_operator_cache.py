@@ -6,7 +6,7 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-from trainguard_operator.cache import ObjectCache, fresher_body
+from trainguard_operator.cache import ObjectCache, fresher_body, without_managed_fields
 from trainguard_operator.render import JOB_LABEL
 
 
@@ -118,6 +118,19 @@ def test_only_what_decisions_read_is_kept_of_an_object() -> None:
     # A change of what is not kept is no change.
     pod["spec"]["containers"] = []
     assert cache.apply("MODIFIED", pod) == set()
+
+
+def test_a_kept_job_drops_only_its_managed_fields() -> None:
+    job = obj("job", 3)
+    job["metadata"]["managedFields"] = [{"manager": "trainguard", "fieldsV1": {"f:status": {}}}]
+    job["spec"] = {"maxSteps": 10}
+    job["status"] = {"attempt": 2}
+    slim = without_managed_fields(job)
+    assert "managedFields" not in slim["metadata"]
+    assert "managedFields" in job["metadata"]  # the answer itself is left alone
+    del job["metadata"]["managedFields"]
+    assert slim == job
+    assert without_managed_fields({"kind": "X"}) == {"kind": "X"}
 
 
 def test_a_creations_late_answer_never_hides_what_the_watch_showed_of_that_object() -> None:
