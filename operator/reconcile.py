@@ -616,6 +616,7 @@ class _Step:
             # From the status, not from memory: an operator restarted between two failures compares alike.
             previous_failure=failure_signature(self.old.last_failure),
             straggler=straggler,
+            now=self.now.timestamp(),  # the clock of a pod's ``ended_at`` (its container's finishedAt)
         )
         decision = decide(self.job.spec.recovery, observation, self.job.spec.health.straggler)
         if decision.action is Action.RESTART:

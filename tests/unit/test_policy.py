@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.status import Activity
 from trainguard.core.policy import (
+    PEER_FAILURE_GRACE_SECONDS,
     Action,
     Decision,
     FailureKind,
@@ -20,6 +21,7 @@ from trainguard.core.policy import (
     classify,
     decide,
     killed_by_signal,
+    lost_a_peer,
     waiting_order,
 )
 from trainguard.core.spec import RecoverySpec
@@ -173,6 +175,101 @@ def test_ranks_that_ended_together_blame_the_one_killed_by_a_signal() -> None:
     )
     assert (decision.rank, decision.exit_code) == (1, 137)
     assert "signal 9" in decision.reason
+
+
+#: Rank 0 of the FSDP example, whose peer was killed: what gloo raised in it, as its pod reported it.
+GLOO_PEER_GONE = (
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+    "[10.244.0.7]:45213"
+)
+
+
+def test_a_rank_that_lost_its_peer_is_not_the_cause_even_when_it_ended_first() -> None:
+    # The FSDP example on the real node: rank 1 was killed at step 33; rank 0's all-gather then failed
+    # and its pod's end reached the operator first, a second ahead of rank 1's.
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, exit_code=1, ended_at=10.0, reason=GLOO_PEER_GONE),
+            running(1, exit_code=137, ended_at=11.0),
+        ),
+    )
+    assert (decision.rank, decision.exit_code) == (1, 137)
+    assert decision.reason == "rank 1 crashed: killed by signal 9; rank 0 too (after losing it as a peer)"
+
+
+def test_a_lost_peer_waits_for_the_peers_own_exit_within_the_grace_then_is_named() -> None:
+    rank0 = running(0, exit_code=1, ended_at=100.0, reason=GLOO_PEER_GONE)
+    look = Observation(attempt=1, ranks=[rank0, running(1)], now=101.0)
+    waiting = decide(RECOVERY, look)
+    assert waiting.action is Action.WAIT
+    assert waiting.rank is None
+    assert "rank 0 failed for losing a peer" in waiting.reason
+    # The peer's end arrives: it is named.
+    ended = replace(look, ranks=[rank0, running(1, exit_code=137, ended_at=100.0)], now=101.5)
+    assert decide(RECOVERY, ended).rank == 1
+    # The peer never ends (hung, or its pod's end is lost): after the grace the effect is named.
+    late = replace(look, now=100.0 + PEER_FAILURE_GRACE_SECONDS)
+    assert (decide(RECOVERY, late).action, decide(RECOVERY, late).rank) == (Action.RESTART, 0)
+    # An executor that does not say when it looked, and a gang with nobody left running: at once.
+    assert decide(RECOVERY, replace(look, now=None)).rank == 0
+    alone = replace(look, ranks=[rank0, running(1, exit_code=0, ended_at=99.0)])
+    assert decide(RECOVERY, alone).rank == 0
+
+
+def test_a_node_clock_ahead_of_the_executors_does_not_stretch_the_wait_past_twice_the_grace() -> None:
+    rank0 = running(0, exit_code=1, ended_at=100.0, reason=GLOO_PEER_GONE)
+    ahead = Observation(attempt=1, ranks=[rank0, running(1)], now=100.0 - PEER_FAILURE_GRACE_SECONDS)
+    assert decide(RECOVERY, ahead).action is Action.RESTART
+
+
+def test_a_crash_that_did_not_lose_a_peer_is_acted_on_at_once_beside_running_ranks() -> None:
+    look = Observation(
+        attempt=1,
+        ranks=[running(0, exit_code=1, ended_at=100.0, reason="ValueError: bad"), running(1)],
+        now=100.5,
+    )
+    assert decide(RECOVERY, look).action is Action.RESTART
+
+
+def test_the_transports_peer_loss_messages_are_recognised_and_ordinary_errors_are_not() -> None:
+    assert lost_a_peer(GLOO_PEER_GONE)
+    assert lost_a_peer(
+        "torch.distributed.DistBackendError: NCCL error: remote process exited or there was a network error"
+    )
+    assert lost_a_peer("RuntimeError: Connection reset by peer")
+    assert not lost_a_peer("RuntimeError: CUDA out of memory")
+    assert not lost_a_peer("exited with code 1")
+
+
+peer_reasons = st.sampled_from(["", "ValueError: bad batch", GLOO_PEER_GONE, "NCCL: remote process exited"])
+
+
+@settings(max_examples=400)
+@given(
+    ranks=st.lists(
+        st.builds(
+            RankObservation,
+            rank=st.integers(0, 7),
+            exit_code=st.one_of(st.none(), st.sampled_from([0, 1, 137])),
+            reason=peer_reasons,
+            ended_at=st.one_of(st.none(), st.integers(0, 3).map(float)),
+        ),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda r: r.rank,
+    )
+)
+def test_a_rank_that_lost_a_peer_is_blamed_only_when_every_crashed_rank_did(
+    ranks: list[RankObservation],
+) -> None:
+    decision = decide(RECOVERY, gang(*ranks))
+    if decision.failure is not FailureKind.CRASH:
+        return
+    blamed = next(r for r in ranks if r.rank == decision.rank)
+    crashed = [r for r in ranks if classify(r) is FailureKind.CRASH]
+    if lost_a_peer(blamed.reason):
+        assert all(lost_a_peer(r.reason) for r in crashed)
 
 
 @settings(max_examples=400)

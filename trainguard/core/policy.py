@@ -14,6 +14,14 @@ among ranks failing alike, the one that ended first (then one killed by a signal
 activity, one that was in its own work before one in a collective; then the lowest rank), since a rank
 whose peer died usually exits 1 from the collective a moment later.
 
+A crash whose reason says a peer's connection went away (gloo's "Connection closed by peer", NCCL's
+remote error: ``lost_a_peer``) is an effect, named only when no rank failed otherwise. Each pod's end
+reaches the executor on its own, so the effect is often seen before its cause: while every failure seen
+is such an effect and another rank still runs, the decision is WAIT for up to
+``PEER_FAILURE_GRACE_SECONDS`` after the effect ended (``Observation.now``, on the clock of
+``ended_at``), for the cause's own exit to show. After that the effect is named (a peer that never
+exits is hung, and judged so by its liveness).
+
 Hangs are read from where each rank's guardian last said its training thread was
 (``RankObservation.activity``, the status contract's ``Activity``). A gang steps in lockstep: when one
 rank stops, the others stop in their next collective and look hung too. Among hung ranks the cause is
@@ -196,6 +204,9 @@ class Observation:
     previous_failure: FailureSignature | None = None
     #: The gang's worst straggler at the job's threshold (None: none, or not scored).
     straggler: StragglerObservation | None = None
+    #: When the observation was made, on the clock of the ranks' ``ended_at`` (None: not known, and a
+    #: failure that only lost a peer is decided on at once).
+    now: float | None = None
 
 
 @dataclass(frozen=True)
@@ -281,7 +292,52 @@ def waiting_order(activity: Activity | None) -> int:
     return 1 if activity is Activity.BACKWARD else 0
 
 
-def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, float, bool, int, int]:
+#: How long after a rank failed for losing a peer the decision waits for that peer's own failure to
+#: show (a kubelet reports a container's end within about a second; two pods' ends arrive apart).
+PEER_FAILURE_GRACE_SECONDS = 5.0
+
+#: What a collective's transport says when the process at the other end went away, lowercased: gloo
+#: (its TCP pair), NCCL (a remote error), the TCP store. A rank failing so was waiting for a peer.
+_PEER_LOSS_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote worker",
+    "remote process exited",
+    "ncclremoteerror",
+    "failed to recv, got 0 bytes",
+)
+
+
+def lost_a_peer(reason: str) -> bool:
+    """Whether a rank's failure reason says a peer's connection went away first: the rank failed
+    because another did (its failure is an effect, not a cause)."""
+    lowered = reason.lower()
+    return any(marker in lowered for marker in _PEER_LOSS_MARKERS)
+
+
+def _awaiting_the_cause(
+    failures: Sequence[tuple[FailureKind, RankObservation]], observation: Observation
+) -> bool:
+    """Whether every failure seen lost a peer, another rank still runs, and the first of them ended within
+    the grace: the cause's own exit is probably on its way (see the module docstring)."""
+    if observation.now is None:
+        return False
+    if not all(k is FailureKind.CRASH and lost_a_peer(r.reason) for k, r in failures):
+        return False
+    failed = {r.rank for _, r in failures}
+    if not any(r.rank not in failed and r.exit_code is None for r in observation.ranks):
+        return False
+    ended = [r.ended_at for _, r in failures if r.ended_at is not None]
+    if not ended:
+        return False
+    # Both sides of zero: an executor whose clock is behind the node's (a container's end is the
+    # node's time) sees the end in the future; the wait stays bounded either way.
+    return abs(observation.now - min(ended)) < PEER_FAILURE_GRACE_SECONDS
+
+
+def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, bool, float, bool, int, int]:
+    # A rank that says it lost a peer comes after one that does not, whenever each ended.
     # Among ranks failing alike, the one that ended first is the cause, its peers' failures the effect
     # (a rank whose peer vanished exits 1 from the collective). Ending times may tie (a container's is
     # in whole seconds): then a rank killed by a signal (OOM, a liveness kill) is the likelier cause than
@@ -291,7 +347,14 @@ def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, fl
     # forward pass) reads as its own work.
     ended = rank.ended_at if rank.ended_at is not None else _NEVER
     evidence = waiting_order(rank.activity)
-    return (_PRIORITY.index(kind), ended, not killed_by_signal(rank.exit_code), evidence, rank.rank)
+    return (
+        _PRIORITY.index(kind),
+        lost_a_peer(rank.reason),
+        ended,
+        not killed_by_signal(rank.exit_code),
+        evidence,
+        rank.rank,
+    )
 
 
 def _hang_order(rank: RankObservation) -> tuple[int, float, float, int]:
@@ -438,6 +501,14 @@ def decide(
         return _straggler_decision(recovery, straggler, observation)
     if observation.attempt <= observation.handled_attempt:
         return Decision(Action.WAIT, "this attempt's failure is already being handled", restarts=restarts)
+    if _awaiting_the_cause(failures, observation):
+        lost = _ranks(sorted(r.rank for _, r in failures))
+        return Decision(
+            Action.WAIT,
+            f"{lost} failed for losing a peer: waiting up to {PEER_FAILURE_GRACE_SECONDS:g} s for the "
+            "peer's own failure",
+            restarts=restarts,
+        )
 
     kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
     hung = [r for k, r in failures if k is FailureKind.HANG]
@@ -451,14 +522,21 @@ def decide(
         rank, reason = _hang_reason(rank, hung, observation.ranks, at, what)
     elif not others:
         reason = f"rank {rank.rank} {_VERBS[kind]}{at}: {what}"
-    elif rank.ended_at is not None:  # ordered by when they ended: name the first
-        waited = [r for k, r in failures if k is kind and r is not rank]
-        note = ""
-        if all(r.activity is Activity.COLLECTIVE for r in waited):
-            note = " (in a collective its exit broke)"
-        reason = f"rank {rank.rank} {_VERBS[kind]} first{at}: {what}; {_ranks(others)} too{note}"
     else:
-        reason = f"{_ranks(alike)} {_VERBS[kind]}{at}: {what}"
+        waited = [r for k, r in failures if k is kind and r is not rank]
+        peers_lost = not lost_a_peer(rank.reason) and any(lost_a_peer(r.reason) for r in waited)
+        if rank.ended_at is None and not peers_lost:
+            reason = f"{_ranks(alike)} {_VERBS[kind]}{at}: {what}"  # nothing tells them apart
+        else:
+            ended = rank.ended_at
+            first = ended is not None and all(r.ended_at is None or ended <= r.ended_at for r in waited)
+            note = ""
+            if peers_lost:
+                note = " (after losing it as a peer)"
+            elif all(r.activity is Activity.COLLECTIVE for r in waited):
+                note = " (in a collective its exit broke)"
+            verb = _VERBS[kind] + (" first" if first else "")
+            reason = f"rank {rank.rank} {verb}{at}: {what}; {_ranks(others)} too{note}"
     failed = Decision(
         Action.FAIL,
         reason,

@@ -776,6 +776,7 @@ class LocalRunner(GangSupervisor):
             step=view.last_step,
             previous_failure=self.last_failure,
             straggler=view.straggler(self.spec.health.straggler.threshold),
+            now=now,
         )
         return Look(view, observation)
 
