@@ -100,6 +100,36 @@ def test_a_script_in_a_spare_sees_and_exits_exactly_as_a_cold_interpreter(tmp_pa
     assert "trainer_sidecar" not in (tmp_path / "raise.warm.log").read_text()  # none of the spare's frames
 
 
+HEAP_PROBE = """\
+import gc, json
+import torch
+print(json.dumps({"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count()}), flush=True)
+"""
+
+
+def test_a_spare_hands_over_with_the_import_graph_out_of_the_collectors_way(tmp_path: Path) -> None:
+    """A handed-off run's collections must not walk what torch's imports made (a full collection of it
+    is half a second on a recovery's path): a spare freezes it before the handoff, a cold interpreter
+    carries it in its generations."""
+    (tmp_path / "probe.py").write_text(HEAP_PROBE)
+    proc, channel = start_spare(tmp_path, dict(os.environ), tmp_path / "spare.log")
+    handoff = Handoff.for_command(
+        WarmStart(RunMode.PATH, "probe.py", ()), environment=dict(os.environ), cwd=tmp_path
+    )
+    with open(tmp_path / "warm.log", "wb") as out:
+        send_handoff(channel, handoff, out.fileno())
+    channel.close()
+    assert proc.wait(timeout=120) == 0, (tmp_path / "spare.log").read_text()
+    cold = subprocess.run(
+        [sys.executable, "probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert cold.returncode == 0, cold.stderr
+    warm_heap = json.loads((tmp_path / "warm.log").read_text().splitlines()[-1])
+    cold_heap = json.loads(cold.stdout.splitlines()[-1])
+    assert warm_heap["frozen"] > cold_heap["tracked"] / 2, (warm_heap, cold_heap)
+    assert warm_heap["tracked"] * 4 < cold_heap["tracked"], (warm_heap, cold_heap)
+
+
 def test_an_unhandled_exception_in_a_spare_is_a_crash_to_the_guardian_as_when_cold(tmp_path: Path) -> None:
     """The guardian's exit hook reads ``sys.last_value`` to tell a crash from an end: a loop that raises
     after training is never reported finished and gets no final checkpoint, warm as cold."""
