@@ -186,7 +186,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, flo
 
     guardian = Guardian(model, opt, scheduler=sched, checkpoint_dir=ckpt, validate=validate)  # trainguard
     loader = guardian.loader(train_set, batch_size=args.batch_size, seed=args.seed)  # trainguard
-    if rank == 0:
+    if rank == 0 and guardian.step_count == 0:
+        # After a resume the guardian has just evaluated (and logged) the held-out loss itself; a second
+        # pass would only delay the first step of a recovery.
         log.info("step %d held-out loss %.4f (ln 256 = %.4f)", guardian.step_count, validate(), math.log(256))
 
     last_time, last_iterations = time.perf_counter(), guardian.iterations

@@ -177,6 +177,8 @@ def test_rerun_with_more_steps_resumes_from_the_checkpoint(tmp_path: Path) -> No
     assert first["final_step"] == 20
     second, stderr = run_train(ckpt, 40)
     assert "resumed from the clean checkpoint at step 20" in stderr, stderr[-4000:]
+    # The held-out loss is evaluated once on the way back (by the guardian's resume), not twice.
+    assert stderr.count("held-out loss") == 1, stderr[-4000:]
     assert second["final_step"] == 40
     assert math.isfinite(second["heldout_loss"])
     assert second["heldout_loss"] < first["heldout_loss"], (first, second)
