@@ -145,6 +145,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
         )
     except OperatorSettingsError as exc:
         raise kopf.PermanentError(f"invalid operator settings: {exc}") from exc
+    settings.networking.error_backoffs = operator_settings.api_error_backoffs()
     metrics = OperatorMetrics()
     try:
         port = metrics.serve(operator_settings.metrics_host, operator_settings.metrics_port)

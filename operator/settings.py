@@ -8,6 +8,7 @@ refused with a message naming the variable, never silently replaced by a default
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -30,6 +31,11 @@ def _default_sidecar_resources() -> dict[str, Any]:
     # The sidecar re-reads a few-hundred-byte file per request: a sliver of CPU. No CPU limit, so a
     # probe is never throttled into a timeout on a node whose training process saturates the cores.
     return {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}}
+
+
+#: The most retries of one kopf request (``OperatorSettings.api_error_backoffs``): a tiny retry interval
+#: does not make a schedule of millions.
+MAX_API_RETRIES = 10_000
 
 
 class OperatorSettingsError(ValueError):
@@ -59,8 +65,19 @@ class OperatorSettings(BaseModel):
     crd_retry_seconds: float = Field(60.0, gt=0)
     #: Wait before retrying after a conflict or a transient API error.
     api_retry_seconds: float = Field(2.0, gt=0)
+    #: How long kopf's own requests (its watch of the jobs, its bookkeeping) retry a failing or unreachable
+    #: API server, every ``api_retry_seconds``, before the operator exits for its Deployment to restart it.
+    #: kopf's default gives up after 54 s (a control-plane upgrade outlasts it) and waits up to 21 s
+    #: between tries (the operator comes back that long after the API server).
+    api_outage_seconds: float = Field(600.0, ge=0, le=86400)
     #: How long a new attempt waits for the previous attempt's PyTorchJob to be gone before starting anyway.
     stale_attempt_grace_seconds: float = Field(120.0, ge=0)
+
+    def api_error_backoffs(self) -> tuple[float, ...]:
+        """kopf's ``settings.networking.error_backoffs``: a try every ``api_retry_seconds`` for
+        ``api_outage_seconds``, at least one and at most ``MAX_API_RETRIES``."""
+        tries = math.ceil(self.api_outage_seconds / self.api_retry_seconds)
+        return (self.api_retry_seconds,) * min(max(1, tries), MAX_API_RETRIES)
 
     @field_validator("sidecar_resources")
     @classmethod

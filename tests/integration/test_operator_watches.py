@@ -140,6 +140,33 @@ async def test_pods_deleted_while_the_watch_was_down_are_gone_after_the_relist(
         assert NS == "default"
 
 
+#: Longer than kopf's default retries of a failed request (1+1+2+3+5+8+13+21 s): with them, its watch of
+#: the jobs escalated the error and stopped the operator; with a shorter outage it came back up to 21 s
+#: after the API server did.
+OUTAGE_SECONDS = 60.0
+
+
+@pytest.mark.timeout(180)
+async def test_after_an_api_server_outage_a_new_job_is_taken_up_within_seconds(
+    cluster: kmock.KubernetesEmulator, operator_env: int
+) -> None:
+    assert isinstance(cluster, Emulator)
+    async with operator():
+        await post(cluster, GTJ_PATH, gtj(**LONG_PERIOD))
+        await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="attempt 1's PyTorchJob")
+        cluster.go_down()
+        await _sleep(OUTAGE_SECONDS)
+        cluster.come_back()
+        back = time.monotonic()
+        await post(cluster, GTJ_PATH, gtj("after-outage", **LONG_PERIOD))
+        # The operator's retries are capped at a few seconds: the job is seen soon after the server is.
+        await eventually(
+            lambda: alive(cluster, PTJ, "after-outage-1"), timeout=10, what="the new job's PyTorchJob"
+        )
+        assert time.monotonic() - back < 10
+        assert "0 of 2 pod(s) running" in ready_message(cluster)
+
+
 async def _sleep(seconds: float) -> None:
     import asyncio
 

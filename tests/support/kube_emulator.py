@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp.web
 import kmock
 from kmock._internal.rendering import ReactionMismatchError
 
@@ -88,6 +89,17 @@ GONE = {
 }
 
 
+#: What an API server that is not ready answers every request.
+UNAVAILABLE = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "status": "Failure",
+    "reason": "ServiceUnavailable",
+    "message": "the server is currently unable to handle the request",
+    "code": 503,
+}
+
+
 class WatchFaults:
     """Watches of one plural ended, held and answered 410 Gone on a test's request."""
 
@@ -108,9 +120,23 @@ class Emulator(kmock.KubernetesEmulator, FastReactions):
     A test can break the watches of a kind as a network or an API server would (``break_watches``,
     ``resume_watches``): open ones end, new ones wait, and the first after the break is answered 410
     Gone (the version it asks for is gone), so only a watcher that lists again sees what changed
-    meanwhile (kmock replays no deletion to a new watch)."""
+    meanwhile (kmock replays no deletion to a new watch). It can also go down as a whole (``go_down``,
+    ``come_back``): every open watch ends and every request is answered 503, as while a restarted API
+    server is not ready."""
 
     _serial = 0
+    _down = False
+
+    def go_down(self) -> None:
+        """End every open watch and answer every request 503 until ``come_back``."""
+        self._down = True
+        for faults in self.__dict__.setdefault("_watch_faults", {}).values():
+            faults.cut.set()
+            faults.cut = asyncio.Event()
+
+    def come_back(self) -> None:
+        """Serve again after ``go_down``."""
+        self._down = False
 
     def _faults(self, plural: str | None) -> WatchFaults:
         table: dict[str | None, WatchFaults] = self.__dict__.setdefault("_watch_faults", {})
@@ -190,6 +216,8 @@ class Emulator(kmock.KubernetesEmulator, FastReactions):
         return None if found.deleted else found.raw.get("metadata", {}).get("resourceVersion")
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if self._down:  # a plain Status, as the API server's (kmock's own errors carry a traceback)
+            return aiohttp.web.json_response(UNAVAILABLE, status=503)
         data = request.data
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
