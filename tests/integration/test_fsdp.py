@@ -184,6 +184,8 @@ def test_the_fsdp_example_job_runs_under_trainguard_run_through_a_nan_burst_and_
     assert summary["final_step"] == 60
     assert summary["rollbacks"] == 1
     assert len(summary["restarts"]) == 1  # the crash of rank 1: the gang resumed its sharded checkpoint
+    # Named as the cause, whatever rank 0's all-gather raised when its peer went.
+    assert summary["restarts"][0]["reason"].startswith("rank 1 crashed"), summary["restarts"]
     store = CheckpointStore(tmp_path / "run" / "volumes" / "fsdp-lm-ckpt")
     newest = store.newest_valid()
     assert newest == 60
