@@ -615,6 +615,39 @@ def test_a_running_rank_in_its_own_work_is_the_likely_cause_of_peers_waiting_for
     )
 
 
+def test_under_ddp_a_running_rank_in_its_forward_is_the_likely_cause_of_a_peer_hung_in_backward() -> None:
+    # The real node's hang test: rank 1 hung in its forward pass; rank 0 waited in the gradient
+    # all-reduce of its backward and its sidecar's learned deadline (6.0 s) ran out first.
+    decision = decide(
+        RECOVERY,
+        Observation(
+            attempt=1,
+            step=40,
+            ranks=[
+                running(0, alive=False, reason="no step for 6.1 s", step=40, activity=Activity.BACKWARD),
+                running(1, alive=True, step=40, activity=Activity.LOOP, place="pod w-1 on node n7"),
+            ],
+        ),
+    )
+    assert (decision.failure, decision.rank) == (FailureKind.HANG, 1)
+    assert decision.reason.startswith(
+        "rank 0 hung at step 40 in the backward pass, waiting for its peers: no step for 6.1 s; the likely "
+        "cause is rank 1 (pod w-1 on node n7), in its own work (the loop: next batch or forward pass)"
+    ), decision.reason
+
+
+def test_a_peer_in_its_own_backward_is_not_blamed_for_a_rank_hung_in_backward() -> None:
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, alive=False, reason="no step for 31 s", activity=Activity.BACKWARD),
+            running(1, alive=True, activity=Activity.BACKWARD),
+        ),
+    )
+    assert decision.rank == 0
+    assert decision.reason == "rank 0 hung in its backward pass: no step for 31 s"
+
+
 @settings(max_examples=300)
 @given(
     ranks=st.lists(rank_states, min_size=1, max_size=6, unique_by=lambda r: r.rank),

@@ -31,7 +31,9 @@ equals the lowest step, then the one that entered its activity first, then the l
 names it, its place when the executor knows it (pod, node), and the ranks that waited for it ("rank 1
 hung at step 15 in its own work (the loop: next batch or forward pass): ...; rank 0 waited for it in a
 collective"). When every hung rank is waiting in a collective, a running rank that reports its own work
-is what they wait for (its liveness may merely not have failed yet): it is named the likely cause. When
+(or its backward pass) is what they wait for (its liveness may merely not have failed yet): it is named
+the likely cause; so is a running rank in its own work when the hung ranks are in their backward pass
+(under DDP they wait there for its gradients). When
 they all wait and no such rank exists, the lowest step (then the earliest, then the lowest rank) is
 named, and the reason says they were all waiting. A gang that reports no activity (workers older than
 the field) is named as before: every hung rank, lowest first.
@@ -429,18 +431,29 @@ def _hang_reason(
 ) -> tuple[RankObservation, str]:
     """The rank a hang is blamed on and the reason, when some hung rank reported its activity."""
     others = [r for r in hung if r is not culprit]
-    if culprit.activity is Activity.COLLECTIVE:
+    if culprit.activity in (Activity.COLLECTIVE, Activity.BACKWARD):
+        # A peer still running is what the hung ranks wait for when it is further from a collective
+        # than they are: its liveness may merely not have failed yet (each sidecar times its own rank).
+        # Waiting in a collective: a peer in its own work or its backward pass; in the backward pass
+        # (under DDP the gradient all-reduce): a peer in its own work, which never reached its own.
+        closer = min(2, waiting_order(culprit.activity))
         running = [
-            r for r in ranks if classify(r) is None and r.exit_code is None and waiting_order(r.activity) < 2
+            r
+            for r in ranks
+            if classify(r) is None and r.exit_code is None and waiting_order(r.activity) < closer
         ]
         if running:
             cause = min(running, key=_hang_order)
             place = f" ({cause.place})" if cause.place else ""
             waiting = _ranks(sorted(r.rank for r in hung))
+            where = (
+                "waiting in a collective" if closer == 2 else "in the backward pass, waiting for its peers"
+            )
             return cause, (
-                f"{waiting} hung{at} waiting in a collective: {what}; the likely cause is rank "
+                f"{waiting} hung{at} {where}: {what}; the likely cause is rank "
                 f"{cause.rank}{place},{_where(cause)} and not stepping"
             )
+    if culprit.activity is Activity.COLLECTIVE:
         return culprit, (
             f"{_ranks(sorted(r.rank for r in hung))} hung{at}, every one waiting in a collective (for a "
             f"peer that is gone, or the network): {what}"
