@@ -24,6 +24,7 @@ from trainguard_operator.status import parse_time
 from tests.support.kube_emulator import Emulator
 from tests.support.kubeflow import pytorchjob_crd
 from tests.support.operator_harness import (
+    GTJ,
     GTJ_PATH,
     NS,
     PTJ,
@@ -272,6 +273,15 @@ async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_opera
         await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="the PyTorchJob once the CRD exists")
         await eventually(lambda: conditions(cluster)["PyTorchJobCRDMissing"]["status"] == "False")
         assert alive(cluster, PTJ, "broken-1") is None
+        # kopf has finished the creation (its handler retried while the CRD was missing) before the
+        # change: a change made while it still retries is admitted as part of the creation.
+        await eventually(
+            lambda: (
+                "trainguard.dev/last-handled-configuration"
+                in (alive(cluster, GTJ, "tiny-lm") or {})["metadata"].get("annotations", {})
+            ),
+            what="kopf's record of the creation",
+        )
 
         # A change of the checkpoint's place is refused with a condition; changes of recovery and of
         # replicas (from the next gang restart) are accepted.
