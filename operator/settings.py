@@ -64,7 +64,7 @@ class OperatorSettings(BaseModel):
     #: Wait before looking again for a missing PyTorchJob CRD (or retrying a forbidden call).
     crd_retry_seconds: float = Field(60.0, gt=0)
     #: Wait before retrying after a conflict or a transient API error.
-    api_retry_seconds: float = Field(2.0, gt=0)
+    api_retry_seconds: float = Field(2.0, gt=0, le=300)
     #: How long kopf's own requests (its watch of the jobs, its bookkeeping) retry a failing or unreachable
     #: API server, every ``api_retry_seconds``, before the operator exits for its Deployment to restart it.
     #: kopf's default gives up after 54 s (a control-plane upgrade outlasts it) and waits up to 21 s

@@ -27,3 +27,10 @@ def test_no_outage_still_retries_once_and_a_tiny_interval_stays_bounded() -> Non
 def test_a_bad_outage_is_refused_naming_its_variable(value: str) -> None:
     with pytest.raises(OperatorSettingsError, match="TRAINGUARD_OPERATOR_API_OUTAGE_SECONDS"):
         OperatorSettings.from_env({"TRAINGUARD_OPERATOR_API_OUTAGE_SECONDS": value})
+
+
+@pytest.mark.parametrize("value", ["0", "inf", "nan", "1e9"])
+def test_a_bad_retry_interval_is_refused_naming_its_variable(value: str) -> None:
+    # An infinite interval would make kopf's first retry of a failed request sleep forever.
+    with pytest.raises(OperatorSettingsError, match="TRAINGUARD_OPERATOR_API_RETRY_SECONDS"):
+        OperatorSettings.from_env({"TRAINGUARD_OPERATOR_API_RETRY_SECONDS": value})
