@@ -360,6 +360,21 @@ class ControlPlane:
         self.apiserver.stop()
         self.etcd.stop()
 
+    def restart_apiserver(self, down_seconds: float, *, timeout: float = 120.0) -> float:
+        """Stop kube-apiserver (SIGTERM, as an upgrade or a crash-looping control plane node does), keep
+        it down ``down_seconds`` more, and start it again on the same port and etcd, whose state is
+        kept; returns once ``/readyz`` says ok, with the seconds it took to get ready."""
+        self.apiserver.stop()
+        time.sleep(down_seconds)
+        self.apiserver.start(die_with_parent=True)
+        context = _tls_context(self.pki)
+
+        def ready() -> tuple[bool, str]:
+            code, body = _get(f"{self.server}/readyz", context)
+            return code == 200 and body.strip() == "ok", f"{code} {body[-2000:]}"
+
+        return _wait_until("kube-apiserver /readyz after a restart", ready, self.apiserver, timeout)
+
     def processes(self) -> list[Process]:
         """Every process of this plane, in order of start."""
         return [self.etcd, self.apiserver, *self.components]
