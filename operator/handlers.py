@@ -32,7 +32,7 @@ from typing import Any
 import kopf
 import kubernetes
 import urllib3
-from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields
+from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields, write_still_ahead
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
@@ -245,6 +245,7 @@ async def _reconcile(
     chosen = None
     if watched is not None and not state.read_fresh:
         chosen = fresher_body(copy.deepcopy(dict(watched)), state.written)
+        state.written = write_still_ahead(watched, state.written)
     body = chosen if chosen is not None else await rt.api.get_job(namespace, name)
     if body is None:
         return Outcome(rt.settings.crd_retry_seconds, done=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-from trainguard_operator.cache import ObjectCache, fresher_body, without_managed_fields
+from trainguard_operator.cache import ObjectCache, fresher_body, without_managed_fields, write_still_ahead
 from trainguard_operator.render import JOB_LABEL
 
 
@@ -101,6 +101,19 @@ def test_the_newer_copy_of_a_job_is_acted_on_and_an_undecidable_one_is_read_fres
     odd["metadata"]["resourceVersion"] = "opaque"
     assert fresher_body(odd, written) is None
     assert fresher_body(None, written) is None
+
+
+def test_the_operator_s_own_write_is_kept_only_until_kopf_s_copy_catches_up() -> None:
+    written = obj("job", 9)
+    assert write_still_ahead(obj("job", 7), written) is written  # kopf's copy still predates it
+    assert write_still_ahead(obj("job", 9), written) is None  # caught up: no second copy at rest
+    assert write_still_ahead(obj("job", 12), written) is None
+    assert write_still_ahead(obj("job", 7, uid="namesake"), written) is None  # another object now
+    odd = obj("job", 1)
+    odd["metadata"]["resourceVersion"] = "opaque"
+    assert write_still_ahead(odd, written) is written  # cannot be told: kept, and the job read fresh
+    assert write_still_ahead(None, written) is written
+    assert write_still_ahead(obj("job", 7), None) is None
 
 
 def test_only_what_decisions_read_is_kept_of_an_object() -> None:
