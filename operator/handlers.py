@@ -55,6 +55,8 @@ from trainguard.core.spec import GROUP, PLURAL, VERSION
 RUNTIME_KEY = "trainguard_runtime"
 SETTINGS_KEY = "trainguard_settings"
 STATE_KEY = "trainguard_job"
+#: How often a daemon looks whether kopf's copy of its job caught up with the operator's own last write.
+CATCH_UP_SECONDS = 1.0
 
 log = logging.getLogger("trainguard.operator")
 
@@ -429,6 +431,14 @@ async def supervise(
         if outcome.done:
             log.info("%s/%s is final; supervision ends", namespace, name)
             return
+        if state.written is not None:
+            # Kept only until kopf's live copy shows the write (its watch event is milliseconds away):
+            # a job at rest takes no further step to drop it, and must not hold two copies of itself.
+            await _sleep(
+                stopped, state.wake, CATCH_UP_SECONDS if wait is None else min(wait, CATCH_UP_SECONDS)
+            )
+            state.written = write_still_ahead(body, state.written)
+            continue  # the loop's top works out what is left of the wait, or steps when woken
         await _sleep(stopped, state.wake, wait)
 
 
