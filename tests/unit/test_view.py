@@ -11,9 +11,9 @@ from rich.console import Console
 
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainguard.core.observation import observe_gang
-from trainguard.core.summary import Pace
+from trainguard.core.summary import Pace, duration_text
 from trainguard.local.supervisor import Event
-from trainguard.local.view import LiveView, PlainView, duration_text, state_text, step_text
+from trainguard.local.view import LiveView, PlainView, state_text, step_text
 
 
 def fake_runner(step: int) -> Any:

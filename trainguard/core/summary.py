@@ -453,3 +453,15 @@ def _restart(incident: Incident) -> dict[str, Any]:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def duration_text(seconds: float | None) -> str:
+    """A duration for a person: ``42s``, ``7m05s``, ``3h02m``; "-" when not known."""
+    if seconds is None:
+        return "-"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from trainguard.core.observation import GangView
+from trainguard.core.summary import duration_text
 
 if TYPE_CHECKING:
     from trainguard.local.runner import LocalRunner
@@ -44,18 +45,6 @@ _COLUMNS = (
     "ckpt every",
     "hang timeout",
 )
-
-
-def duration_text(seconds: float | None) -> str:
-    """A duration for a person: ``42s``, ``7m05s``, ``3h02m``; "-" when not known."""
-    if seconds is None:
-        return "-"
-    whole = round(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 def state_text(view: GangView) -> str:
