@@ -65,6 +65,7 @@ from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView, SidecarReport
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, StragglerObservation, decide
 from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, StragglerStatus, parse_job
+from trainguard.core.summary import duration_text
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
 IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
@@ -308,6 +309,8 @@ class _Step:
             st.steps_per_second = _rounded(found.steps_per_second, 4)
             st.eta_seconds = round(found.eta_seconds) if found.eta_seconds is not None else None
             st.lost_seconds = _rounded(found.lost_seconds, 3)
+            st.eta = duration_text(found.eta_seconds) if found.eta_seconds is not None else None
+            st.lost = duration_text(found.lost_seconds) if found.lost_seconds is not None else None
 
     def failure_history(self) -> FailureHistory:
         """The job's restarts so far and its run time until now, for the next attempt's workers."""

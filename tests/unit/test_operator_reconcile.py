@@ -1117,12 +1117,14 @@ def test_the_status_gives_the_rate_the_eta_to_max_steps_and_the_time_lost_to_rec
     cluster.step(at(110), master(1, 110, max_steps=1000))
     st = cluster.status
     assert (st.max_steps, st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1000, 1.0, 890, 0.0)
+    assert (st.eta, st.lost) == ("14m50s", "0s")  # what `kubectl get gtj` prints
     cluster.set_pod(pod(1, 1, exit_code=137))
     assert cluster.step(at(110), master(1, 110, max_steps=1000)).action is PlanAction.RESTART
     cluster.step(at(115))
     st = cluster.status
     # Restarting: no rate, no ETA (nothing steps); what is lost so far is the backoff.
     assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (None, None, 5.0)
+    assert (st.eta, st.lost) == (None, "5s")
     assert "stepsPerSecond" not in cluster.body["status"]
     cluster.step(at(120))
     cluster.run_pods(2)
@@ -1131,6 +1133,7 @@ def test_the_status_gives_the_rate_the_eta_to_max_steps_and_the_time_lost_to_rec
     st = cluster.status
     # 1 step/s again: 840 steps to go. Lost: 240 s of wall time, 160 s of it on kept steps (goodput's).
     assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1.0, 840, 80.0)
+    assert (st.eta, st.lost) == ("14m00s", "1m20s")
     assert st.goodput == round(160 / 240, 4)
 
 

@@ -42,15 +42,15 @@ PRINTER_COLUMNS = [
     },
     {
         "name": "ETA",
-        "type": "integer",
-        "jsonPath": ".status.etaSeconds",
-        "description": "Seconds to the declared max steps at the current rate.",
+        "type": "string",
+        "jsonPath": ".status.eta",
+        "description": "Time to the declared max steps at the current rate.",
     },
     {
         "name": "Lost",
-        "type": "number",
-        "jsonPath": ".status.lostSeconds",
-        "description": "Seconds not spent on kept steps (recoveries, rollbacks, start).",
+        "type": "string",
+        "jsonPath": ".status.lost",
+        "description": "Time not spent on kept steps (recoveries, rollbacks, start).",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -554,6 +554,8 @@ class GuardedTrainingJobStatus(BaseModel):
         description="Wall time not spent on steps the final model kept: recoveries (detection, backoff, "
         "restart, redone steps), rollbacks and the start (seconds; the complement of goodput).",
     )
+    eta: str | None = Field(None, description="etaSeconds for a person: 42s, 7m05s, 3h02m.")
+    lost: str | None = Field(None, description="lostSeconds for a person: 42s, 7m05s, 3h02m.")
     checkpoint_every_steps: int | None = Field(
         None, description="The checkpoint interval in steps now in force (everySteps, or what auto chose)."
     )
