@@ -13,6 +13,7 @@ from tests.support.health import WALL0, Sidecar
 from trainer_sidecar.contract.hang import (
     CHECKPOINT_MARGIN,
     GAP_MARGIN,
+    RESUMED_WARMUP_GAPS,
     WARMUP_GAPS,
     GapLearner,
     ProgressGaps,
@@ -121,6 +122,45 @@ def test_a_gap_that_is_no_duration_makes_the_deadline_the_ceiling(bad: float) ->
     learned = record([0.5] * WARMUP_GAPS + [bad])
     assert hang_deadline(300.0, 10.0, learned) == 300.0
     assert hang_deadline(300.0, 10.0, record([0.5] * (WARMUP_GAPS + 1)), math.nan) == 300.0
+
+
+# --- a resumed run -------------------------------------------------------------------------------------
+
+
+@given(
+    st.lists(gap, min_size=WARMUP_GAPS + 1, max_size=3 * WARMUP_GAPS),
+    st.lists(gap, min_size=RESUMED_WARMUP_GAPS, max_size=RESUMED_WARMUP_GAPS),
+    st.lists(gap, max_size=WARMUP_GAPS),
+    seconds,
+    seconds,
+)
+def test_a_resumed_run_learns_again_after_its_own_short_warm_up(
+    before: list[float], warmup: list[float], after: list[float], ceiling: float, floor: float
+) -> None:
+    carried = record(before)
+    resumed = carried.resumed()
+    # The new process's first gaps (compilation, a cold cache) are judged by the ceiling, whatever they are.
+    for count, each in enumerate(warmup, start=1):
+        resumed = resumed.observe(each)
+        assert resumed.learned() == (count == RESUMED_WARMUP_GAPS)
+        assert resumed.longest == carried.longest
+    # Then the job's own record applies again, and grows with what the resumed run sees after it.
+    assert hang_deadline(ceiling, floor, resumed) == hang_deadline(ceiling, floor, carried)
+    for each in after:
+        resumed = resumed.observe(each)
+    assert resumed.longest == max([carried.longest, *after])
+    assert hang_deadline(ceiling, floor, resumed) >= hang_deadline(ceiling, floor, carried)
+
+
+@given(st.lists(gap, max_size=WARMUP_GAPS - 1))
+def test_a_record_still_in_its_warm_up_carries_nothing(before: list[float]) -> None:
+    assert record(before).resumed() == ProgressGaps()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_a_record_whose_longest_gap_is_no_duration_carries_nothing(bad: float) -> None:
+    assert ProgressGaps(WARMUP_GAPS + 3, bad).resumed() == ProgressGaps()
+    assert record([0.5] * WARMUP_GAPS + [bad]).resumed() == ProgressGaps()
 
 
 # --- the writer's learner -------------------------------------------------------------------------------

@@ -28,6 +28,14 @@ once (an epoch's data loader restart, a synchronous snapshot, a slow step under 
 and once seen it never again ends a worker. The record only grows, so the deadline never shrinks during a
 run. The checkpoint term covers a save that waits for the previous write still in flight (the guardian
 declares that wait as a busy section as well; the term also covers a guardian that does not).
+
+**A resumed run keeps what its job learned.** The record is a job counter, saved with the guardian's
+counters in every checkpoint; a worker that resumes from one starts from ``ProgressGaps.resumed``: the
+longest gap carried over, and a short warm-up of its own (``RESUMED_WARMUP_GAPS``, for the first steps
+of a new process: lazy set-up, compilation, a cold page cache) instead of the whole one. Without it every
+restart judged its first ``WARMUP_GAPS`` gaps by the ceiling: a hang soon after a restart (a bad node, a
+deadlock on resume) cost the ceiling, minutes, where the job had learned seconds. The sidecar needs no
+other rule: the carried record is still the worker's, so it can still only make the verdict stricter.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ WARMUP_GAPS = 20
 GAP_MARGIN = 4.0
 #: ... and at least this many times the last checkpoint's write (a save may wait for the previous one).
 CHECKPOINT_MARGIN = 2.0
+#: Gaps a resumed run counts as its own warm-up before the record it carried over applies again.
+RESUMED_WARMUP_GAPS = 5
 #: The floor when none is given: with the default status interval (0.5 s) a fast job's published gaps are
 #: about 0.5 s, so the floor is what bounds its deadline; 10 s stays clear of a peer's busy-section
 #: announcement (up to ~4 s before a waiting rank says it waits) and of short undeclared pauses.
@@ -68,6 +78,16 @@ class ProgressGaps:
     def learned(self, warmup: int = WARMUP_GAPS) -> bool:
         """Whether the warm-up is over."""
         return self.count >= warmup
+
+    def resumed(self, warmup: int = WARMUP_GAPS, resumed_warmup: int = RESUMED_WARMUP_GAPS) -> ProgressGaps:
+        """The record a run resumed from a checkpoint that saved this one starts with (see the module
+        docstring): its longest gap, counted so that the next ``resumed_warmup`` gaps are the new
+        process's warm-up (counted, never kept as the longest) and the deadline is learned again after
+        them. A record still in its warm-up, or whose longest gap is not a finite non-negative number,
+        carries nothing: the resumed run learns from the start."""
+        if not self.learned(warmup) or not (math.isfinite(self.longest) and self.longest >= 0):
+            return ProgressGaps()
+        return ProgressGaps(max(0, warmup - max(0, resumed_warmup)), self.longest)
 
 
 def hang_deadline(
