@@ -21,6 +21,7 @@ import torch
 from tests.support.copies import copies_held
 from trainer_sidecar import ConfigError, Diverged, ExitCode, Guardian, GuardianSettings, Phase
 from trainer_sidecar.checkpoint import CheckpointStore
+from trainer_sidecar.contract.hang import RESUMED_WARMUP_GAPS, WARMUP_GAPS, ProgressGaps
 from trainer_sidecar.contract.status import (
     Activity,
     StatusPublisher,
@@ -30,6 +31,7 @@ from trainer_sidecar.contract.status import (
 )
 from trainer_sidecar.guardian import reporting
 from trainer_sidecar.guardian.config import GuardianConfig
+from trainer_sidecar.guardian.counters import CountersError, GuardCounters
 from trainer_sidecar.guardian.data import GuardedLoader, sample_is_bad
 from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.guardian import Fenced, UncleanState
@@ -410,6 +412,53 @@ def test_resume_restores_weights_optimizer_counters_and_data_position(tmp_path: 
     continued, _, loader = train(20)
     assert continued.step_count == 20
     assert loader.position.epoch == 1  # 16 batches per epoch
+
+
+def test_a_resumed_run_starts_from_the_pace_its_checkpoint_saved(tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    config = settings(checkpoint={"everySteps": 100}, statusIntervalSeconds=0)
+
+    def train(until: int) -> tuple[Guardian, list[WorkerStatus]]:
+        model = tiny_model()
+        guardian = Guardian(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            checkpoint_dir=tmp_path / "ckpt",
+            status_file=status_file,
+            settings=config,
+        )
+        published = []
+        while guardian.step_count < until:
+            guardian.step(loss_of(model))
+            status, _ = read_status(status_file)
+            assert status is not None
+            published.append(status)
+        guardian.finish()
+        return guardian, published
+
+    first, _ = train(WARMUP_GAPS + 10)
+    learned = first.counters.pace  # as its last checkpoint saved it
+    assert learned.learned()
+    assert learned.longest > 0
+    # The resumed run counts a short warm-up of its own, then judges by what the first run learned.
+    _, published = train(WARMUP_GAPS + 10 + RESUMED_WARMUP_GAPS + 2)
+    counts = [status.progress_gaps for status in published]
+    assert min(counts) >= WARMUP_GAPS - RESUMED_WARMUP_GAPS, counts
+    first_learned = next(i for i, status in enumerate(published) if status.gaps.learned())
+    assert first_learned <= RESUMED_WARMUP_GAPS, counts  # not after WARMUP_GAPS steps, as a new job
+    assert published[first_learned].longest_progress_gap_seconds == learned.longest
+    assert all(status.longest_progress_gap_seconds >= learned.longest for status in published)
+
+
+def test_counters_saved_before_the_pace_was_saved_load_with_nothing_learned() -> None:
+    saved = GuardCounters(1.0, step=7, pace=ProgressGaps(30, 0.4)).to_state()
+    assert GuardCounters.from_state(saved, 10).pace == ProgressGaps(30, 0.4)
+    older = {k: v for k, v in saved.items() if k not in ("progress_gaps", "longest_progress_gap_seconds")}
+    assert GuardCounters.from_state(older, 10).pace == ProgressGaps()
+    assert GuardCounters(1.0, pace=ProgressGaps(30, math.inf)).to_state()["progress_gaps"] == 0
+    for field, bad in (("progress_gaps", -1), ("longest_progress_gap_seconds", math.nan)):
+        with pytest.raises(CountersError, match=field):
+            GuardCounters.from_state({**saved, field: bad}, 10)
 
 
 def test_checkpoint_of_another_model_is_a_config_error_and_deletes_nothing(tmp_path: Path) -> None:

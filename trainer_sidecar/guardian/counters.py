@@ -2,8 +2,8 @@
 
 Some counters describe the model's progress and go back with it on a rollback (the step, the optimizer
 steps, the loss and gradient-norm windows); the others describe the job and never go back (iterations,
-skipped steps, spikes, rollbacks, the remediation applied). ``GuardCounters.rewind_to`` is where that
-difference is written down.
+skipped steps, spikes, rollbacks, the remediation applied, the pace the hang deadline learned).
+``GuardCounters.rewind_to`` is where that difference is written down.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer_sidecar.contract.hang import ProgressGaps
 from trainer_sidecar.contract.settings import describe_validation_error
 from trainer_sidecar.guardian.judge import StepHistory
 
@@ -42,6 +43,9 @@ class _SavedCounters(BaseModel):
     losses: list[float] = Field(max_length=1_000_000)
     grad_norms: list[float] = Field(max_length=1_000_000)
     remediations_applied: list[str] = Field(max_length=10_000)
+    # Absent from checkpoints written before the pace was saved: nothing learned.
+    progress_gaps: int = Field(default=0, ge=0)
+    longest_progress_gap_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 @dataclass
@@ -62,6 +66,9 @@ class GuardCounters:
     remediations_applied: list[str] = field(default_factory=list)
     history: StepHistory = field(default_factory=StepHistory)
     explosion_pattern: str | None = None
+    #: The job's pace as the status reporter learned it (``contract.hang``), as of the last save; a
+    #: resumed run starts its hang deadline from it.
+    pace: ProgressGaps = field(default_factory=ProgressGaps)
 
     @property
     def iterations(self) -> int:
@@ -90,6 +97,7 @@ class GuardCounters:
             losses=list(history.losses),
             grad_norms=list(history.grad_norms),
             remediations_applied=list(self.remediations_applied),
+            **_saved_pace(self.pace),
         ).model_dump()
 
     @classmethod
@@ -121,6 +129,7 @@ class GuardCounters:
             lr_scale=saved.lr_scale,
             remediations_applied=list(saved.remediations_applied),
             history=history,
+            pace=ProgressGaps(saved.progress_gaps, saved.longest_progress_gap_seconds),
         )
 
     def rewind_to(self, saved: GuardCounters) -> None:
@@ -133,3 +142,11 @@ class GuardCounters:
     def copy(self) -> GuardCounters:
         """An independent copy (the history is immutable; the list is copied)."""
         return replace(self, remediations_applied=list(self.remediations_applied))
+
+
+def _saved_pace(pace: ProgressGaps) -> dict[str, Any]:
+    """The pace's saved fields; a longest gap that is no finite duration (an unbounded one: the deadline
+    is the ceiling anyway) is saved as nothing learned."""
+    if not (math.isfinite(pace.longest) and pace.longest >= 0 and pace.count >= 0):
+        return {}
+    return {"progress_gaps": pace.count, "longest_progress_gap_seconds": pace.longest}

@@ -1129,6 +1129,7 @@ class Guardian:
                 # (``contract.hang``) takes it for a hang; its end is progress.
                 with self.busy("checkpoint: waiting for the previous write"):
                     self.checkpoints.wait()
+            self.counters.pace = self._reporter.pace
             self.checkpoints.save(self.counters, stable, self.rank)
         except FencedError as exc:
             self._fenced(exc)
@@ -1318,6 +1319,7 @@ class Guardian:
             return None
         checkpoint, self.counters = resumed
         self.resumed_step = checkpoint.step
+        self._reporter.carry(self.counters.pace)
         self._take_snapshot()
         self._log_gang(
             logging.WARNING,

@@ -21,10 +21,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from trainer_sidecar.contract.env import STATUS_FILE_ENV
-from trainer_sidecar.contract.hang import GapLearner
+from trainer_sidecar.contract.hang import GapLearner, ProgressGaps
 from trainer_sidecar.contract.status import (
     Activity,
     Phase,
@@ -94,6 +95,20 @@ class StatusReporter:
                     self._failing = False
                     self._published = activity
                     self._learner = learner  # unwritten progress is none the sidecar saw
+
+    @property
+    def pace(self) -> ProgressGaps:
+        """What the gaps between the progress changes published so far taught (``contract.hang``)."""
+        with self._lock:
+            return self._learner.gaps
+
+    def carry(self, saved: ProgressGaps) -> None:
+        """Start from the pace a checkpoint this run resumed from saved (``ProgressGaps.resumed``: its
+        longest gap, after a short warm-up of this process), unless this process has learned its own."""
+        with self._lock:
+            learner = self._learner
+            if not learner.gaps.learned(learner.warmup):
+                self._learner = replace(learner, gaps=saved.resumed(learner.warmup))
 
     def stale_activity(self, now: float, period: float) -> bool:
         """Whether the file says another activity (or start) than the training thread's current one,
