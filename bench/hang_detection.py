@@ -10,6 +10,11 @@ alive): one learns the hang timeout (floor ``--floor``, ceiling ``--ceiling``), 
 
 Phase 1, ``--steps`` steps: every verdict of not alive is a false alarm. Phase 2: the loop stops stepping
 (a hang); the time from its last step to each collector's verdict of not alive is its detection latency.
+Phase 3: the job restarts: a new guardian resumes from the last checkpoint under two new collectors (the
+restarted sidecars), takes ``--resumed-steps`` steps (fewer published gaps than a new job's warm-up) and
+hangs again. The learned collector judges by the pace the checkpoint carried (``contract.hang``), after
+the resumed run's short warm-up; a run that learned afresh would still be in its warm-up, judged by the
+ceiling as the fixed rule is.
 
 Run ``python -m bench.hang_detection`` (about 5 min: 10,000 steps, then the fixed rule's minute);
 ``--quick`` for a smoke test. The last line printed is JSON. Goals: ``false_alarms_learned == 0`` over
@@ -35,6 +40,7 @@ import torch
 from torch import nn
 
 from trainer_sidecar import CheckpointPolicy, Guardian, GuardianSettings, GuardThresholds
+from trainer_sidecar.contract.hang import RESUMED_WARMUP_GAPS, WARMUP_GAPS
 from trainer_sidecar.contract.status import read_status
 from trainer_sidecar.sidecar.server import WorkerStatusCollector
 from trainguard.local.sidecars import LIVENESS_FAILURE_THRESHOLD
@@ -84,6 +90,52 @@ class Prober:
             self.detected_at = time.monotonic()
 
 
+class Probing:
+    """Probes ``probers`` every ``period`` seconds from a thread, while the ``with`` block runs; ``hang``
+    then marks the hang's start and waits for every prober's verdict (at most the ceiling and a few
+    probes)."""
+
+    def __init__(self, probers: list[Prober], period: float) -> None:
+        self.probers = probers
+        self.period = period
+        self.hung_since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Probing:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for prober in self.probers:
+                prober.probe(self.hung_since)
+
+    def hang(self, ceiling: float) -> float:
+        """The loop has stopped stepping: wait for the verdicts; when the hang began."""
+        hung_since = self.hung_since = time.monotonic()
+        limit = hung_since + ceiling + (LIVENESS_FAILURE_THRESHOLD + 3) * self.period
+        while time.monotonic() < limit and any(p.detected_at is None for p in self.probers):
+            time.sleep(0.1)
+        return hung_since
+
+
+def train(guardian: Guardian, model: nn.Module, steps: int, step_seconds: float) -> list[float]:
+    """``steps`` steps of about ``step_seconds`` each; their durations."""
+    durations = []
+    for _ in range(steps):
+        inputs, targets = torch.randn(32, 64), torch.randn(32, 1)
+        began = time.monotonic()
+        guardian.step(nn.functional.mse_loss(model(inputs), targets))
+        time.sleep(max(0.0, step_seconds - (time.monotonic() - began)))
+        durations.append(time.monotonic() - began)
+    return durations
+
+
 def _contend(count: int) -> list[subprocess.Popen[bytes]]:
     """``count`` processes that spin on a core each until killed."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
@@ -99,6 +151,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--ceiling", type=float, default=60.0)
     parser.add_argument("--probe-period", type=float, default=1.0)
     parser.add_argument("--contention", type=int, default=1)
+    parser.add_argument(
+        "--resumed-steps",
+        type=int,
+        default=300,
+        help="steps the resumed run takes before it hangs (default %(default)s: about 6 s of 0.02 s steps, "
+        "12 published gaps, fewer than a new job's warm-up)",
+    )
     parser.add_argument("--quick", action="store_true", help="600 steps, a 20 s ceiling: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -137,45 +196,41 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
 
         probers = [Prober("learned", collector(args.floor)), Prober("fixed", collector(None))]
-        hung_since: float | None = None
-        stop = threading.Event()
-
-        def probe_loop() -> None:
-            while not stop.wait(args.probe_period):
-                for prober in probers:
-                    prober.probe(hung_since)
-
-        thread = threading.Thread(target=probe_loop, daemon=True)
-        thread.start()
         spinners = _contend(args.contention)
         started = time.monotonic()
-        step_times: list[float] = []
         try:
-            for _ in range(args.steps):
-                inputs, targets = torch.randn(32, 64), torch.randn(32, 1)
-                began = time.monotonic()
-                guardian.step(nn.functional.mse_loss(model(inputs), targets))
-                time.sleep(max(0.0, args.step_seconds - (time.monotonic() - began)))
-                step_times.append(time.monotonic() - began)
+            with Probing(probers, args.probe_period) as probing:
+                step_times = train(guardian, model, args.steps, args.step_seconds)
+                run_seconds = time.monotonic() - started
+                published = read_status(status_file).status
+                # Phase 2: the loop stops stepping; the last step's status is the last progress published.
+                hung_since = probing.hang(args.ceiling)
+            guardian.close()
+            # Phase 3: the job restarts (a new guardian resumes from the last checkpoint, new sidecars) and
+            # hangs again after --resumed-steps, fewer gaps than a new job's warm-up.
+            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+            guardian = Guardian(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-3),
+                checkpoint_dir=directory / "checkpoints",
+                status_file=status_file,
+                settings=settings,
+            )
+            resumed = [Prober("learned", collector(args.floor)), Prober("fixed", collector(None))]
+            with Probing(resumed, args.probe_period) as probing:
+                train(guardian, model, args.resumed_steps, args.step_seconds)
+                republished = read_status(status_file).status
+                resumed_hung_since = probing.hang(args.ceiling)
+            guardian.close()
         finally:
             for spinner in spinners:
                 spinner.kill()
                 spinner.wait()
-        run_seconds = time.monotonic() - started
-        published = read_status(status_file).status
-        # Phase 2: the loop stops stepping; the last step's status is the last progress published.
-        hung_since = time.monotonic()
-        limit = hung_since + args.ceiling + (LIVENESS_FAILURE_THRESHOLD + 3) * args.probe_period
-        while time.monotonic() < limit and any(p.detected_at is None for p in probers):
-            time.sleep(0.1)
-        stop.set()
-        thread.join()
-        guardian.close()
 
     learned, fixed = probers
 
-    def detect(prober: Prober) -> float | None:
-        return None if prober.detected_at is None else prober.detected_at - hung_since
+    def detect(prober: Prober, since: float = hung_since) -> float | None:
+        return None if prober.detected_at is None else round(prober.detected_at - since, 2)
 
     result: dict[str, object] = {
         "steps": args.steps,
@@ -197,6 +252,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "false_alarms_fixed": fixed.false_alarms,
         "failed_probes_learned_while_stepping": learned.failed_while_stepping,
         "failed_probes_fixed_while_stepping": fixed.failed_while_stepping,
+        "resumed_steps": args.resumed_steps,
+        "resumed_progress_gaps": republished.progress_gaps if republished else None,
+        "resumed_learned_timeout_s": resumed[0].timeouts[-1] if resumed[0].timeouts else None,
+        "detect_resumed_learned_s": detect(resumed[0], resumed_hung_since),
+        "detect_resumed_fixed_s": detect(resumed[1], resumed_hung_since),
+        "false_alarms_resumed_learned": resumed[0].false_alarms,
     }
     print(
         f"{args.steps} steps in {run_seconds:.0f} s (median {result['step_median_s']} s, longest "
@@ -216,6 +277,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for prober in probers:
         for reason in prober.reasons[:3]:
             print(f"  {prober.name}: {reason}")
+    print(
+        f"resumed, then hung after {args.resumed_steps} steps (published gaps "
+        f"{result['resumed_progress_gaps']}, of which {RESUMED_WARMUP_GAPS} are the resumed run's warm-up "
+        f"and {WARMUP_GAPS - RESUMED_WARMUP_GAPS} stand for the record its checkpoint carried)"
+    )
+    for prober in resumed:
+        seen = detect(prober, resumed_hung_since)
+        shown = "not caught" if seen is None else f"{seen:.1f}"
+        print(f"{prober.name:10} {shown:>14} {prober.false_alarms:>13}")
     print(json.dumps(result))
     return result
 
