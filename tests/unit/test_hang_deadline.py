@@ -13,6 +13,7 @@ from tests.support.health import WALL0, Sidecar
 from trainer_sidecar.contract.hang import (
     CHECKPOINT_MARGIN,
     GAP_MARGIN,
+    RESUMED_SETUP_GAPS,
     RESUMED_WARMUP_GAPS,
     WARMUP_GAPS,
     GapLearner,
@@ -139,17 +140,34 @@ def test_a_resumed_run_learns_again_after_its_own_short_warm_up(
 ) -> None:
     carried = record(before)
     resumed = carried.resumed()
-    # The new process's first gaps (compilation, a cold cache) are judged by the ceiling, whatever they are.
+    # The new process's first gaps are judged by the ceiling, whatever they are; its set-up gaps
+    # (compilation, a cold cache) are never kept, the rest of its warm-up is.
     for count, each in enumerate(warmup, start=1):
         resumed = resumed.observe(each)
         assert resumed.learned() == (count == RESUMED_WARMUP_GAPS)
-        assert resumed.longest == carried.longest
-    # Then the job's own record applies again, and grows with what the resumed run sees after it.
-    assert hang_deadline(ceiling, floor, resumed) == hang_deadline(ceiling, floor, carried)
+    assert resumed.longest == max([carried.longest, *warmup[RESUMED_SETUP_GAPS:]])
+    assert hang_deadline(ceiling, floor, resumed) >= hang_deadline(ceiling, floor, carried)
     for each in after:
         resumed = resumed.observe(each)
-    assert resumed.longest == max([carried.longest, *after])
-    assert hang_deadline(ceiling, floor, resumed) >= hang_deadline(ceiling, floor, carried)
+    assert resumed.longest == max([carried.longest, *warmup[RESUMED_SETUP_GAPS:], *after])
+
+
+@given(
+    st.lists(st.floats(min_value=0.01, max_value=10.0), min_size=WARMUP_GAPS + 1, max_size=2 * WARMUP_GAPS),
+    st.floats(min_value=1.0, max_value=1000.0),
+    st.floats(min_value=1.0, max_value=60.0),
+)
+def test_a_resumed_run_slower_than_the_saved_pace_is_no_false_alarm(
+    before: list[float], slower: float, floor: float
+) -> None:
+    """A resumed run steps ``slower`` times slower than the run that saved the record (another node,
+    another batch size): no gap of its own, once past its set-up, reaches the deadline it is judged by."""
+    ceiling = 1e9
+    resumed = record(before).resumed()
+    pace = slower * max(before)
+    for _ in range(3 * WARMUP_GAPS):
+        assert not resumed.learned() or pace < hang_deadline(ceiling, floor, resumed)
+        resumed = resumed.observe(pace)
 
 
 @given(st.lists(gap, max_size=WARMUP_GAPS - 1))

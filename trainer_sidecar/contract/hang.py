@@ -31,8 +31,10 @@ declares that wait as a busy section as well; the term also covers a guardian th
 
 **A resumed run keeps what its job learned.** The record is a job counter, saved with the guardian's
 counters in every checkpoint; a worker that resumes from one starts from ``ProgressGaps.resumed``: the
-longest gap carried over, and a short warm-up of its own (``RESUMED_WARMUP_GAPS``, for the first steps
-of a new process: lazy set-up, compilation, a cold page cache) instead of the whole one. Without it every
+longest gap carried over, and a short warm-up of its own (``RESUMED_WARMUP_GAPS``) instead of the whole
+one: its first gaps (``RESUMED_SETUP_GAPS``: lazy set-up, compilation, a cold page cache) are only
+counted, the next ones are kept, so a resumed run slower than the one that saved the record (another
+node, another batch size) raises its deadline before the deadline applies. Without it every
 restart judged its first ``WARMUP_GAPS`` gaps by the ceiling: a hang soon after a restart (a bad node, a
 deadlock on resume) cost the ceiling, minutes, where the job had learned seconds. The sidecar needs no
 other rule: the carried record is still the worker's, so it can still only make the verdict stricter.
@@ -50,8 +52,10 @@ WARMUP_GAPS = 20
 GAP_MARGIN = 4.0
 #: ... and at least this many times the last checkpoint's write (a save may wait for the previous one).
 CHECKPOINT_MARGIN = 2.0
-#: Gaps a resumed run counts as its own warm-up before the record it carried over applies again.
+#: Gaps a resumed run counts as its own warm-up before the record it carried over applies again ...
 RESUMED_WARMUP_GAPS = 5
+#: ... of which the first are its set-up, never kept as the longest; the others are.
+RESUMED_SETUP_GAPS = 2
 #: The floor when none is given: with the default status interval (0.5 s) a fast job's published gaps are
 #: about 0.5 s, so the floor is what bounds its deadline; 10 s stays clear of a peer's busy-section
 #: announcement (up to ~4 s before a waiting rank says it waits) and of short undeclared pauses.
@@ -61,33 +65,46 @@ DEFAULT_FLOOR_SECONDS = 10.0
 @dataclass(frozen=True)
 class ProgressGaps:
     """What a worker learned of its pace: how many gaps between progress changes it saw while running
-    (``count``), and the longest of those after the first ``WARMUP_GAPS`` (``longest``, seconds)."""
+    (``count``), and the longest of those after the first ``WARMUP_GAPS`` (``longest``, seconds).
+
+    ``kept_after``: in a record a resumed run started from (``resumed``), the count after which gaps are
+    kept although the warm-up is not over (None: from the warm-up's end)."""
 
     count: int = 0
     longest: float = 0.0
+    kept_after: int | None = None
 
     def observe(self, gap: float, warmup: int = WARMUP_GAPS) -> ProgressGaps:
-        """The record after one more gap of ``gap`` seconds. A gap inside the first ``warmup`` is only
-        counted; a gap that is not a finite non-negative number counts as unbounded (infinite), which
-        makes the deadline the ceiling."""
+        """The record after one more gap of ``gap`` seconds. A gap inside the first ``warmup`` (or up to
+        ``kept_after``) is only counted; a gap that is not a finite non-negative number counts as
+        unbounded (infinite), which makes the deadline the ceiling."""
         gap = gap if math.isfinite(gap) and gap >= 0 else math.inf
         count = self.count + 1
-        longest = self.longest if count <= warmup else max(self.longest, gap)
-        return ProgressGaps(count, longest)
+        kept_after = warmup if self.kept_after is None else min(warmup, self.kept_after)
+        longest = self.longest if count <= kept_after else max(self.longest, gap)
+        return ProgressGaps(count, longest, self.kept_after)
 
     def learned(self, warmup: int = WARMUP_GAPS) -> bool:
         """Whether the warm-up is over."""
         return self.count >= warmup
 
-    def resumed(self, warmup: int = WARMUP_GAPS, resumed_warmup: int = RESUMED_WARMUP_GAPS) -> ProgressGaps:
+    def resumed(
+        self,
+        warmup: int = WARMUP_GAPS,
+        resumed_warmup: int = RESUMED_WARMUP_GAPS,
+        setup: int = RESUMED_SETUP_GAPS,
+    ) -> ProgressGaps:
         """The record a run resumed from a checkpoint that saved this one starts with (see the module
         docstring): its longest gap, counted so that the next ``resumed_warmup`` gaps are the new
-        process's warm-up (counted, never kept as the longest) and the deadline is learned again after
-        them. A record still in its warm-up, or whose longest gap is not a finite non-negative number,
-        carries nothing: the resumed run learns from the start."""
+        process's warm-up, after which the deadline is learned again. Of those, the first ``setup``
+        (compilation, cold caches) are only counted; the rest are kept, so that a resumed run slower
+        than the one that saved the record (another node, another batch size) has raised the deadline
+        before it applies. A record still in its warm-up, or whose longest gap is not a finite
+        non-negative number, carries nothing: the resumed run learns from the start."""
         if not self.learned(warmup) or not (math.isfinite(self.longest) and self.longest >= 0):
             return ProgressGaps()
-        return ProgressGaps(max(0, warmup - max(0, resumed_warmup)), self.longest)
+        count = max(0, warmup - max(0, resumed_warmup))
+        return ProgressGaps(count, self.longest, count + max(0, setup))
 
 
 def hang_deadline(

@@ -69,6 +69,7 @@ class StatusReporter:
         self._watch_stop = threading.Event()
         self._watch: threading.Thread | None = None
         self._learner = GapLearner()
+        self._carried: ProgressGaps | None = None
 
     def publish(self, phase: Phase, force: bool = False, at: float | None = None) -> None:
         """Write the current status if it is due for ``phase`` (or ``force``). Each status written carries
@@ -98,17 +99,23 @@ class StatusReporter:
 
     @property
     def pace(self) -> ProgressGaps:
-        """What the gaps between the progress changes published so far taught (``contract.hang``)."""
+        """What the job has learned of its pace (``contract.hang``), for a checkpoint: this process's
+        record once its warm-up is over; before, the record it carried over from its resume, if any."""
         with self._lock:
-            return self._learner.gaps
+            gaps = self._learner.gaps
+            if not gaps.learned(self._learner.warmup) and self._carried is not None:
+                return self._carried
+            return ProgressGaps(gaps.count, gaps.longest)
 
     def carry(self, saved: ProgressGaps) -> None:
         """Start from the pace a checkpoint this run resumed from saved (``ProgressGaps.resumed``: its
         longest gap, after a short warm-up of this process), unless this process has learned its own."""
         with self._lock:
             learner = self._learner
-            if not learner.gaps.learned(learner.warmup):
-                self._learner = replace(learner, gaps=saved.resumed(learner.warmup))
+            resumed = saved.resumed(learner.warmup)
+            if not learner.gaps.learned(learner.warmup) and resumed != ProgressGaps():
+                self._learner = replace(learner, gaps=resumed)
+                self._carried = saved
 
     def stale_activity(self, now: float, period: float) -> bool:
         """Whether the file says another activity (or start) than the training thread's current one,
