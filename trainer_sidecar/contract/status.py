@@ -254,10 +254,13 @@ class WorkerStatus(BaseModel):
         0,
         description="How many gaps between the progress changes it published the worker timed while "
         "running (declared pauses excluded): the hang deadline is learned once there are enough "
-        "(trainer_sidecar.contract.hang).",
+        "(trainer_sidecar.contract.hang). A run resumed from a checkpoint that saved a learned pace "
+        "starts at the warm-up less its own short one.",
     )
     longest_progress_gap_seconds: NonNegativeFloat = Field(
-        0.0, description="The longest of those gaps after the warm-up (seconds; 0 before)."
+        0.0,
+        description="The longest of those gaps after the warm-up (seconds; 0 before), or carried from the "
+        "checkpoint a run resumed from.",
     )
     exit_code: Annotated[int, Strict(), Field(ge=0, le=255)] | None = Field(
         None,
