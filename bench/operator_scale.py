@@ -34,6 +34,9 @@ Everything else is one code path (``measure``):
   and each figure runs from the API server's answer to that status write to the operator's deletion of
   the failed attempt's PyTorchJob (the restart it decides: the emulator notes the DELETE, a real API
   server's PyTorchJob watch the deletion), which comes after the restart is written to the job's status.
+* ``failure_in_burst_p50_s``, ``failure_in_burst_max_s``: with ``--failures-in-burst K``, the same for K
+  further jobs whose pods run before the burst and fail one after the other while it is being created
+  (the i-th once i/(K+1) of the burst was posted): a failure to act on behind a queue of admissions.
 * ``operator_peak_rss_mb``: the operator process's peak resident set size (``VmHWM`` in
   ``/proc/<pid>/status`` of the child process and of any child of its own, read just before it is
   stopped); the API server and this script run in other processes and are not counted.
@@ -74,7 +77,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,11 +225,9 @@ def worker_status(state: dict[str, Any], phase: str) -> dict[str, Any]:
     }
 
 
-async def measure_failures(cluster: Cluster, jobs: Sequence[str], timeout: float) -> list[float]:
-    """Seconds from a pod's failure being recorded by the API server (its status write answered) to the
-    operator acting on it (the deletion of the failed attempt's PyTorchJob seen), for each of ``jobs``:
-    each gets two running pods, and once the operator shows the job Running, rank 1 fails with exit 137,
-    one job after the other."""
+async def start_failure_jobs(cluster: Cluster, jobs: Sequence[str], timeout: float) -> None:
+    """Give each of ``jobs`` two running pods (as the training operator and a kubelet would), and wait
+    until the operator shows every one Running."""
     pending = asyncio.Semaphore(8)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -248,18 +249,36 @@ async def measure_failures(cluster: Cluster, jobs: Sequence[str], timeout: float
             raise TimeoutError("the operator did not show every job with pods as Running")
         await asyncio.sleep(0.5)
     await asyncio.sleep(1.0)
+
+
+async def fail_one(cluster: Cluster, job: str, timeout: float) -> float:
+    """Fail rank 1 of ``job`` (exit 137); seconds from the API server's answer to that status write to
+    the operator acting on it (the deletion of the failed attempt's PyTorchJob seen)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ended = {"terminated": {"exitCode": 137, "reason": "Error", "startedAt": now, "finishedAt": now}}
+    pod = pod_manifest(job, 1, cluster.namespace)["metadata"]["name"]
+    await cluster.patch_pod_status(pod, worker_status(ended, "Failed"))
+    failed = time.monotonic()
+    await wait_for(lambda: job in cluster.pytorchjob_deleted, timeout, f"{job}'s failure acted on")
+    return max(0.0, cluster.pytorchjob_deleted[job] - failed)
+
+
+async def measure_failures(cluster: Cluster, jobs: Sequence[str], timeout: float) -> list[float]:
+    """``fail_one`` for each of ``jobs`` once they run (``start_failure_jobs``), one job after the other:
+    the reaction to one failure, not a queue of them."""
+    await start_failure_jobs(cluster, jobs, timeout)
     seen = []
-    for job in jobs:  # one at a time: the reaction to one failure, not a queue of them
-        ended = {"terminated": {"exitCode": 137, "reason": "Error", "startedAt": now, "finishedAt": now}}
-        pod = pod_manifest(job, 1, cluster.namespace)["metadata"]["name"]
-        await cluster.patch_pod_status(pod, worker_status(ended, "Failed"))
-        failed = time.monotonic()
-        await wait_for(
-            lambda job=job: job in cluster.pytorchjob_deleted, timeout, f"{job}'s failure acted on"
-        )
-        seen.append(max(0.0, cluster.pytorchjob_deleted[job] - failed))
+    for job in jobs:
+        seen.append(await fail_one(cluster, job, timeout))
         await asyncio.sleep(0.2)
     return seen
+
+
+def _reasons(events: Sequence[Mapping[str, Any]], failed: Collection[str]) -> list[str]:
+    """The reasons of ``events``, but of those about a job in ``failed``."""
+    return [
+        str(e.get("reason", "")) for e in events if (e.get("involvedObject") or {}).get("name") not in failed
+    ]
 
 
 # --- the two API servers ----------------------------------------------------------------------------
@@ -297,8 +316,9 @@ class Cluster:
         """Counters of the API requests served so far, by kind where known (only differences are used)."""
         raise NotImplementedError
 
-    async def warning_events(self) -> list[str]:
-        """The reasons of the Warning events in the namespace (a healthy run has none)."""
+    async def warning_events(self, failed: Collection[str] = ()) -> list[str]:
+        """The reasons of the Warning events in the namespace (a healthy run has none), but those about
+        the jobs in ``failed``, whose pods this script failed."""
         raise NotImplementedError
 
     async def list_jobs(self) -> list[dict[str, Any]]:
@@ -338,10 +358,11 @@ class EmulatorCluster(Cluster):
     async def request_counts(self) -> dict[str, float]:
         return {"requests": float(self.emulator.served)}
 
-    async def warning_events(self) -> list[str]:
+    async def warning_events(self, failed: Collection[str] = ()) -> list[str]:
         async with self.emulator.get(f"/api/v1/namespaces/{self.namespace}/events") as response:
             listed = await response.json()
-        return [e.get("reason", "") for e in listed.get("items") or [] if e.get("type") == "Warning"]
+        warnings = [e for e in listed.get("items") or [] if e.get("type") == "Warning"]
+        return _reasons(warnings, failed)
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         async with self.emulator.get(f"{GTJ_API}/namespaces/{self.namespace}/{GTJ_PLURAL}") as response:
@@ -518,11 +539,11 @@ class RealCluster(Cluster):
                 counts[key] = counts.get(key, 0.0) + sample.value
         return counts
 
-    async def warning_events(self) -> list[str]:
+    async def warning_events(self, failed: Collection[str] = ()) -> list[str]:
         listed = await self.request(
             "GET", f"/api/v1/namespaces/{self.namespace}/events", params={"fieldSelector": "type=Warning"}
         )
-        return [e.get("reason", "") for e in listed.get("items") or []]
+        return _reasons(listed.get("items") or [], failed)
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         listed = await self.request("GET", f"{GTJ_API}/namespaces/{self.namespace}/{GTJ_PLURAL}")
@@ -882,6 +903,22 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         names = [f"job-{i:04d}" for i in range(jobs)]
         created: dict[str, float] = {}
         pending = asyncio.Semaphore(args.concurrency)
+        # Jobs whose pods fail while the burst runs: created, and running, before it.
+        in_burst = [f"burst-fail-{i:02d}" for i in range(args.failures_in_burst)]
+        for name in in_burst:
+            await cluster.create_job(job_manifest(name, cluster.namespace))
+        if in_burst:
+            await start_failure_jobs(cluster, in_burst, args.timeout)
+
+        async def fail_during_burst() -> list[float]:
+            # The i-th failure once i/(n+1) of the burst's jobs were posted: spread over the burst.
+            seen = []
+            for index, name in enumerate(in_burst, start=1):
+                share = jobs * index / (len(in_burst) + 1)
+                while len(created) < share:
+                    await asyncio.sleep(0.05)
+                seen.append(await fail_one(cluster, name, args.timeout))
+            return seen
 
         async def create(index: int, name: str) -> None:
             if args.rate:  # the index-th job is due index / rate seconds after the first
@@ -894,6 +931,7 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         server_cpu_mark = sum(cpu_seconds(pid) for pid in server_pids)
         requests_mark = await cluster.request_counts()
         burst = time.monotonic()
+        failing = asyncio.create_task(fail_during_burst())
         await asyncio.gather(*(create(i, n) for i, n in enumerate(names)))
         posted = time.monotonic() - burst
         pace = f"{args.rate:g}/s" if args.rate else f"back to back, {args.concurrency} in flight"
@@ -906,6 +944,7 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         await wait_for(
             lambda: all(n in cluster.pytorchjob_created for n in names), args.timeout, missing, process
         )
+        failures_in_burst = await failing
         burst_cpu = cpu_seconds(process.pid) - operator_cpu_mark
         burst_requests = {
             key: value - requests_mark.get(key, 0.0)
@@ -922,10 +961,12 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         while True:
             stored = await cluster.list_jobs()
             handled = sum(HANDLED_ANNOTATION in (j["metadata"].get("annotations") or {}) for j in stored)
-            if handled >= jobs + 1:
+            if handled >= jobs + 1 + len(in_burst):
                 break
             if time.monotonic() - burst > args.timeout:
-                raise TimeoutError(f"only {handled} of {jobs + 1} creations handled after {args.timeout:g} s")
+                raise TimeoutError(
+                    f"only {handled} of {jobs + 1 + len(in_burst)} creations handled after {args.timeout:g} s"
+                )
             await asyncio.sleep(1.0)
         all_handled = time.monotonic() - burst
         print(f"every creation handled (kopf's annotation written) {all_handled:.2f} s after the first")
@@ -935,7 +976,8 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         steady_requests = difference(await cluster.request_counts(), mark)
         steady = sum(steady_requests.values()) / args.steady_seconds
         steady_cpu = (cpu_seconds(process.pid) - cpu_mark) / args.steady_seconds
-        warnings = await cluster.warning_events()  # before the failures, whose events are warnings
+        # Before the failures, whose events are warnings; those of the failures in the burst are expected.
+        warnings = await cluster.warning_events(failed=in_burst)
         failures = (
             await measure_failures(cluster, names[: args.failures], args.timeout) if args.failures else []
         )
@@ -982,6 +1024,11 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
             f"p50 {percentile(failures, 0.5):.3f} s, p99 {percentile(failures, 0.99):.3f} s, "
             f"max {max(failures):.3f} s (probe period {PROBE_PERIOD_SECONDS} s)"
         )
+    if failures_in_burst:
+        print(
+            f"pod failure during the burst -> acted on, for {len(failures_in_burst)} jobs: "
+            f"p50 {percentile(failures_in_burst, 0.5):.3f} s, max {max(failures_in_burst):.3f} s"
+        )
     if warnings:
         print(f"warning: {len(warnings)} Warning events: {sorted(set(warnings))}")
     if server_pids:
@@ -1018,6 +1065,9 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         "failure_seen_p50_s": round(percentile(failures, 0.5), 4) if failures else None,
         "failure_seen_p99_s": round(percentile(failures, 0.99), 4) if failures else None,
         "failure_seen_max_s": round(max(failures), 4) if failures else None,
+        "failures_in_burst": len(failures_in_burst),
+        "failure_in_burst_p50_s": round(percentile(failures_in_burst, 0.5), 4) if failures_in_burst else None,
+        "failure_in_burst_max_s": round(max(failures_in_burst), 4) if failures_in_burst else None,
         "operator_cpu_seconds_to_ready": round(busy, 2),
         "operator_cpu_seconds_burst": round(burst_cpu, 2),
         "server_cpu_seconds_burst": round(server_burst_cpu, 2) if server_pids else None,
@@ -1099,6 +1149,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=20,
         help="after the steady window, fail a pod of this many jobs and time the operator's reaction "
         "(default 20; 0: skip)",
+    )
+    parser.add_argument(
+        "--failures-in-burst",
+        type=int,
+        default=0,
+        help="fail a pod of this many further jobs (running before the burst) one after the other while "
+        "the burst is being created, and time the operator's reaction (default 0)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this long (default 600)")
     args = parser.parse_args(argv)
