@@ -503,7 +503,9 @@ def test_a_hang_is_blamed_on_the_hung_rank_at_its_learned_timeout_and_a_repeated
     # The time the job lost (two recoveries and the redone steps) is in its status and its row.
     assert status["lostSeconds"] > 0, status
     header, row = cluster.kubectl("get", "gtj", "-n", namespace.name).splitlines()[:2]
-    assert float(table_row(header, row)["LOST"]) > 0, row
+    lost = table_row(header, row)["LOST"]
+    assert re.fullmatch(r"\d+s|\d+m\d\ds|\d+h\d\dm", lost), row
+    assert lost != "0s", row
 
 
 @pytest.mark.timeout(420)
