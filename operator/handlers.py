@@ -272,6 +272,8 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     namespace, name = meta["namespace"], meta["name"]
     version = meta.get("resourceVersion")
     posted = False
+    # A failure's restart or give-up is the goodput at stake: its calls do not queue behind admissions.
+    api = rt.api.urgent() if plan.action in (PlanAction.RESTART, PlanAction.FAIL) else rt.api
 
     async def post_events() -> None:
         # Posted and stored before the step goes on (not queued to kopf's poster, which loses what it
@@ -287,7 +289,7 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
             log_at = logging.WARNING if note.type == "Warning" else logging.INFO
             log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
             try:
-                await rt.api.post_event(body, note.type, note.reason, note.message)
+                await api.post_event(body, note.type, note.reason, note.message)
             except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
                 log.warning("%s/%s: the %s Event was not posted: %s", namespace, name, note.reason, exc)
 
@@ -307,7 +309,7 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     async def write_status() -> None:
         if plan.patch:
             state.written = without_managed_fields(
-                await rt.api.patch_status(namespace, name, plan.patch, version)
+                await api.patch_status(namespace, name, plan.patch, version)
             )
         await post_events()
         # With the status write, as the events: a restart or a give-up is counted once it is recorded,
@@ -325,12 +327,12 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
                 for pod in rt.watches.pods.of_job(namespace, name)
                 if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
             ]
-            if stopped := await rt.api.stop_pods(namespace, pods, grace):
+            if stopped := await api.stop_pods(namespace, pods, grace):
                 log.info("%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, grace)
-        if await rt.api.delete_pytorchjob(namespace, old):
+        if await api.delete_pytorchjob(namespace, old):
             log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
     if plan.create is not None:
-        created = await rt.api.create_pytorchjob(plan.create)
+        created = await api.create_pytorchjob(plan.create)
         verb = "created" if created is not None else "found"
         log.info("%s/%s: %s PyTorchJob %s", namespace, name, verb, plan.create["metadata"]["name"])
         if created is not None:

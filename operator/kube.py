@@ -8,12 +8,14 @@ not when the client library was imported), and the same credentials are handed t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import ssl
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,6 +39,8 @@ REQUEST_TIMEOUT = 30.0
 EVENT_COMPONENT = "trainguard-operator"
 #: An Event's message is cut to this many characters (the API server refuses longer ones).
 EVENT_MESSAGE_CHARS = 1024
+#: Threads of their own for the calls of steps that act on a failure (``KubeApi.urgent``).
+URGENT_API_THREADS = 2
 
 
 def load_configuration() -> Any:
@@ -92,18 +96,43 @@ def is_transient(error: BaseException) -> bool:
 
 @dataclass
 class KubeApi:
-    """The API calls one reconcile step makes, as coroutines (each runs the client in a thread)."""
+    """The API calls one reconcile step makes, as coroutines (each runs the client in a thread: the event
+    loop's default threads, or with ``urgent`` threads of their own)."""
 
     client: Any  # kubernetes.client.ApiClient
+    #: Where the calls run (None: the event loop's default threads).
+    executor: Executor | None = None
+    #: The threads ``urgent`` hands out (None: none, ``urgent`` is this API).
+    urgent_executor: Executor | None = None
 
     @classmethod
     def connect(cls) -> KubeApi:
         """An API client with the operator's credentials (see ``load_configuration``)."""
-        return cls(kubernetes.client.ApiClient(configuration=load_configuration()))
+        return cls(
+            kubernetes.client.ApiClient(configuration=load_configuration()),
+            urgent_executor=ThreadPoolExecutor(URGENT_API_THREADS, thread_name_prefix="trainguard-urgent"),
+        )
+
+    def urgent(self) -> KubeApi:
+        """The same client, its calls run in threads of their own: for a step that acts on a failure (a
+        gang restart, a give-up), which must not wait behind the calls queued in the default threads
+        (the admissions of a burst of new jobs: a sweep submitted at once, an operator taking over)."""
+        return self if self.urgent_executor is None else replace(self, executor=self.urgent_executor)
 
     def close(self) -> None:
-        """Release the client's connection pool."""
+        """Release the client's connection pool and the urgent threads."""
         self.client.close()
+        self.close_executors()
+
+    def close_executors(self) -> None:
+        """Stop the urgent threads (calls already running finish)."""
+        if self.urgent_executor is not None:
+            self.urgent_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` in a thread of ``executor``."""
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
     @property
     def _custom(self) -> Any:
@@ -116,7 +145,7 @@ class KubeApi:
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The GuardedTrainingJob as stored now (not kopf's cached copy), or None when it is gone."""
         try:
-            found: dict[str, Any] = await asyncio.to_thread(
+            found: dict[str, Any] = await self._call(
                 self._custom.get_namespaced_custom_object,
                 GROUP,
                 VERSION,
@@ -136,7 +165,7 @@ class KubeApi:
         one of that name already exists (creation is idempotent)."""
         namespace = manifest["metadata"]["namespace"]
         try:
-            created: Any = await asyncio.to_thread(
+            created: Any = await self._call(
                 self._custom.create_namespaced_custom_object,
                 PYTORCHJOB_GROUP,
                 PYTORCHJOB_VERSION,
@@ -179,7 +208,7 @@ class KubeApi:
             "reportingComponent": EVENT_COMPONENT,
             "reportingInstance": os.environ.get("HOSTNAME", EVENT_COMPONENT),
         }
-        await asyncio.to_thread(
+        await self._call(
             self._core.create_namespaced_event,
             meta["namespace"],
             event,
@@ -194,7 +223,7 @@ class KubeApi:
         stopped = 0
         for pod in pods:
             try:
-                await asyncio.to_thread(
+                await self._call(
                     self._core.delete_namespaced_pod,
                     pod,
                     namespace,
@@ -216,7 +245,7 @@ class KubeApi:
         next attempt waits for.
         """
         try:
-            await asyncio.to_thread(
+            await self._call(
                 self._custom.delete_namespaced_custom_object,
                 PYTORCHJOB_GROUP,
                 PYTORCHJOB_VERSION,
@@ -241,7 +270,7 @@ class KubeApi:
         body: dict[str, Any] = {"status": dict(patch)}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        written: dict[str, Any] = await asyncio.to_thread(
+        written: dict[str, Any] = await self._call(
             self._custom.patch_namespaced_custom_object_status,
             GROUP,
             VERSION,
