@@ -13,7 +13,11 @@ its 1 s poll period; the API server's for pods, to the second):
 - ``detect_s``: that last step to the failure the operator recorded (the hang timeout, for a hang);
 - ``restart_s``: the failure to the next attempt's pods being created (old gang deleted, backoff);
 - ``pod_start_s``: the kubelet's share, those pods' creation to their training container running
-  (scheduling, sandbox and network, the init containers, the sidecar);
+  (scheduling, sandbox and network, the init containers, the sidecar), split by the latest pod's
+  conditions: ``to_scheduled_s`` (PodScheduled), ``to_sandbox_s`` (PodReadyToStartContainers: the
+  sandbox and its network), ``to_initialized_s`` (Initialized: the training operator's init container,
+  which waits for the Master's name to resolve, and the native sidecar started), ``to_running_s`` (the
+  training container running);
 - ``first_step_s``: the container running to its first step (Python, torch, the rendezvous, the
   checkpoint), split by rank 0's log lines (the kubelet's timestamps; absent when a line is missing):
   ``to_corpus_s`` the container running to the script's first line (Python, torch, the rendezvous, the
@@ -68,6 +72,16 @@ def measure(namespace: JobNamespace, job: dict[str, Any]) -> dict[str, float]:
         "pod_start_s": max(running) - created,
         "first_step_s": first_step - max(running),
     }
+    # pod_start_s split by the pods' conditions (the latest pod's, to the second), where all are there.
+    mark = created
+    for phase, kind in POD_MARKS:
+        times = [pod_condition_time(pod, kind) for pod in pods]
+        if any(t is None for t in times):
+            break
+        latest = max(t for t in times if t is not None)
+        phases[phase], mark = latest - mark, latest
+    else:
+        phases["to_running_s"] = max(running) - mark
     # The container's start (to the second) is rank 0's, not the latest: its log is the one read.
     master = next(p for p in pods if p["metadata"]["name"] == f"{JOB}-2-master-0")
     (container,) = [s for s in master["status"]["containerStatuses"] if s["name"] == "pytorch"]
@@ -80,6 +94,22 @@ def measure(namespace: JobNamespace, job: dict[str, Any]) -> dict[str, float]:
         phases[phase], mark = lines[text] - mark, lines[text]
     phases["to_step_s"] = first_step - mark
     return phases
+
+
+#: The pod conditions that split ``pod_start_s``: the phase that ends at each (the kubelet's times).
+POD_MARKS = (
+    ("to_scheduled_s", "PodScheduled"),
+    ("to_sandbox_s", "PodReadyToStartContainers"),
+    ("to_initialized_s", "Initialized"),
+)
+
+
+def pod_condition_time(pod: dict[str, Any], kind: str) -> float | None:
+    """When ``pod``'s condition ``kind`` last became True (None: it is not True, or not there)."""
+    for found in pod.get("status", {}).get("conditions") or []:
+        if found.get("type") == kind and found.get("status") == "True" and found.get("lastTransitionTime"):
+            return timestamp(found["lastTransitionTime"])
+    return None
 
 
 #: The lines of the example's rank 0 that split ``first_step_s``: the phase that ends at each.
