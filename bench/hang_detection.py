@@ -170,20 +170,23 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="bench-hang-") as scratch:
         directory = Path(scratch)
         status_file = directory / "status.json"
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
         settings = GuardianSettings(
             # Spikes and rollbacks are not what is measured here: a noisy regression never converges.
             guard=GuardThresholds(loss_spike_factor=1e6, grad_norm_spike_factor=1e6),
             checkpoint=CheckpointPolicy(every_steps=args.checkpoint_every, snapshot_every_steps=10),
         )
-        guardian = Guardian(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=1e-3),
-            checkpoint_dir=directory / "checkpoints",
-            status_file=status_file,
-            settings=settings,
-            resume=False,
-        )
+
+        def start(resume: bool) -> tuple[Guardian, nn.Module]:
+            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+            guardian = Guardian(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-3),
+                checkpoint_dir=directory / "checkpoints",
+                status_file=status_file,
+                settings=settings,
+                resume=resume,
+            )
+            return guardian, model
 
         def collector(floor: float | None) -> WorkerStatusCollector:
             return WorkerStatusCollector(
@@ -195,7 +198,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 hang_timeout_floor_seconds=floor,
             )
 
-        probers = [Prober("learned", collector(args.floor)), Prober("fixed", collector(None))]
+        def pair() -> list[Prober]:
+            return [Prober("learned", collector(args.floor)), Prober("fixed", collector(None))]
+
+        probers = pair()
+        guardian, model = start(resume=False)
         spinners = _contend(args.contention)
         started = time.monotonic()
         try:
@@ -208,15 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             guardian.close()
             # Phase 3: the job restarts (a new guardian resumes from the last checkpoint, new sidecars) and
             # hangs again after --resumed-steps, fewer gaps than a new job's warm-up.
-            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
-            guardian = Guardian(
-                model,
-                torch.optim.AdamW(model.parameters(), lr=1e-3),
-                checkpoint_dir=directory / "checkpoints",
-                status_file=status_file,
-                settings=settings,
-            )
-            resumed = [Prober("learned", collector(args.floor)), Prober("fixed", collector(None))]
+            guardian, model = start(resume=True)
+            resumed = pair()
             with Probing(resumed, args.probe_period) as probing:
                 train(guardian, model, args.resumed_steps, args.step_seconds)
                 republished = read_status(status_file).status
@@ -270,10 +270,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"(floor {args.floor:g} s, ceiling {args.ceiling:g} s)"
     )
     print(f"{'':10} {'detection (s)':>14} {'false alarms':>13}")
-    for prober in probers:
-        seen = detect(prober)
-        shown = "not caught" if seen is None else f"{seen:.1f}"
-        print(f"{prober.name:10} {shown:>14} {prober.false_alarms:>13}")
+
+    def rows(of: list[Prober], since: float) -> None:
+        for prober in of:
+            seen = detect(prober, since)
+            shown = "not caught" if seen is None else f"{seen:.1f}"
+            print(f"{prober.name:10} {shown:>14} {prober.false_alarms:>13}")
+
+    rows(probers, hung_since)
     for prober in probers:
         for reason in prober.reasons[:3]:
             print(f"  {prober.name}: {reason}")
@@ -282,10 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"{result['resumed_progress_gaps']}, of which {RESUMED_WARMUP_GAPS} are the resumed run's warm-up "
         f"and {WARMUP_GAPS - RESUMED_WARMUP_GAPS} stand for the record its checkpoint carried)"
     )
-    for prober in resumed:
-        seen = detect(prober, resumed_hung_since)
-        shown = "not caught" if seen is None else f"{seen:.1f}"
-        print(f"{prober.name:10} {shown:>14} {prober.false_alarms:>13}")
+    rows(resumed, resumed_hung_since)
     print(json.dumps(result))
     return result
 

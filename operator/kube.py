@@ -122,10 +122,6 @@ class KubeApi:
     def close(self) -> None:
         """Release the client's connection pool and the urgent threads."""
         self.client.close()
-        self.close_executors()
-
-    def close_executors(self) -> None:
-        """Stop the urgent threads (calls already running finish)."""
         if self.urgent_executor is not None:
             self.urgent_executor.shutdown(wait=False, cancel_futures=True)
 

@@ -13,7 +13,8 @@ def test_a_failures_calls_do_not_wait_behind_the_calls_queued_in_the_default_thr
     async def scenario() -> tuple[str, bool]:
         loop = asyncio.get_running_loop()
         loop.set_default_executor(ThreadPoolExecutor(1))
-        api = KubeApi(client=None, urgent_executor=ThreadPoolExecutor(1, thread_name_prefix="urgent"))
+        urgent_threads = ThreadPoolExecutor(1, thread_name_prefix="urgent")
+        api = KubeApi(client=None, urgent_executor=urgent_threads)
         release = threading.Event()
         # The default threads are busy (a burst of admissions) ...
         admissions = [asyncio.ensure_future(api._call(release.wait, 10)) for _ in range(3)]
@@ -24,7 +25,7 @@ def test_a_failures_calls_do_not_wait_behind_the_calls_queued_in_the_default_thr
         waiting = not queued.done()
         release.set()
         await asyncio.gather(*admissions, queued)
-        api.close_executors()
+        urgent_threads.shutdown()
         return urgent, waiting
 
     name, ordinary_still_waiting = asyncio.run(scenario())
