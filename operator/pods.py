@@ -305,7 +305,8 @@ def _job_ranks(
         return tuple(RankObservation(rank=r, exit_code=0, alive=None) for r in range(replicas))
     ranks = [chosen[r][1] if r in chosen else RankObservation(rank=r, alive=None) for r in range(replicas)]
     failed = job_condition(job, "Failed")
-    if failed is not None and not any(classify(r) for r in ranks):
+    succeeded = all(r.exit_code == 0 for r in ranks)  # a declared finish, then a teardown crash
+    if failed is not None and not succeeded and not any(classify(r) for r in ranks):
         why = f"PyTorchJob {job_name} failed: {failed.get('message') or failed.get('reason')}"
         ranks[0] = RankObservation(rank=0, alive=None, lost=True, reason=why)
     return tuple(ranks)

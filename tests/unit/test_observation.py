@@ -302,6 +302,58 @@ def test_a_launchers_generic_failure_is_judged_by_the_code_the_guardian_declared
     assert classify(seen) is kind
 
 
+CRASHED_AT_55 = status(
+    55, phase=Phase.FAILED, message="ValueError: mat1 and mat2 shapes (at train.py:12)", exit_code=1
+)
+
+
+@pytest.mark.parametrize(
+    "process",
+    [
+        ProcessState(exit_code=1, exit_reason="exited with code 1", ended_at=3.0),
+        ProcessState(
+            exit_code=1, exit_reason="exited with code 1; its sidecar reported: stale", ended_at=3.0
+        ),
+        ProcessState(exit_code=-11, ended_at=3.0),  # the local runner: Python's signal number
+        ProcessState(exit_code=139, exit_reason="killed by signal 11", ended_at=3.0),  # a container
+        ProcessState(exit_code=134, exit_reason="killed by signal 6", ended_at=3.0),
+    ],
+    ids=[
+        "exit 1",
+        "exit 1 while its sidecar saw it stale",
+        "SIGSEGV local",
+        "SIGSEGV container",
+        "SIGABRT container",
+    ],
+)
+def test_a_declared_crash_is_the_same_failure_whether_or_not_the_teardown_then_crashed(
+    process: ProcessState,
+) -> None:
+    # PyTorch's gloo threads can end the interpreter's teardown in std::terminate or SIGSEGV after the
+    # script's exception; the deterministic-failure rule compares (kind, step, code, reason), which must
+    # not tell these apart.
+    seen = observe_gang({0: CRASHED_AT_55}, 1).rank_observation(0, process)
+    assert classify(seen) is FailureKind.CRASH
+    assert (seen.exit_code, seen.reason) == (
+        1,
+        "exited with code 1: ValueError: mat1 and mat2 shapes (at train.py:12)",
+    )
+
+
+def test_a_declared_finish_then_a_teardown_crash_is_a_success_and_nothing_else_is() -> None:
+    finished = status(600, phase=Phase.FINISHED, exit_code=0)
+    view = observe_gang({0: finished}, 1)
+    for signal_code in (-6, -11, 134, 139):
+        assert view.rank_observation(0, ProcessState(exit_code=signal_code)).exit_code == 0
+    # Its own code after the finish (the script failed after training) is still a failure, and so is a
+    # signal after a report that is not the final one.
+    assert classify(view.rank_observation(0, ProcessState(exit_code=1))) is FailureKind.CRASH
+    running = observe_gang({0: status(600, exit_code=0)}, 1)
+    assert classify(running.rank_observation(0, ProcessState(exit_code=-11))) is FailureKind.CRASH
+    undeclared = observe_gang({0: status(600, phase=Phase.FINISHED)}, 1)
+    assert classify(undeclared.rank_observation(0, ProcessState(exit_code=-11))) is FailureKind.CRASH
+
+
 def test_the_slowest_checkpoint_write_is_the_gangs() -> None:
     view = observe_gang(
         {0: status(checkpoint_seconds=2.5), 1: status(checkpoint_seconds=7.0), 2: status()}, 3

@@ -744,6 +744,42 @@ def test_the_same_crash_at_the_same_step_in_two_attempts_fails_as_deterministic_
     assert plan.delete == ("tiny-lm-2",)
 
 
+def test_a_repeated_crash_whose_teardown_then_segfaults_is_still_deterministic() -> None:
+    # PyTorch's gloo threads can end a worker's teardown by SIGSEGV after its exception (seen on the real
+    # node): the container's code is 139 in one attempt and 1 in the next, the failure is the same.
+    cluster = started_cluster()
+    cluster.set_pod(crashed_pod(1, 70))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
+    cluster.step(T0 + timedelta(seconds=71))
+    cluster.run_pods(2)
+    segfaulted = crashed_pod(2, 70)
+    segfaulted["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 139
+    cluster.set_pod(segfaulted)
+    plan = cluster.step(T0 + timedelta(seconds=120))
+    assert plan.action is PlanAction.FAIL
+    assert condition(cluster.status, "Failed") == ("True", "DeterministicFailure")
+
+
+def test_workers_that_declared_their_finish_succeed_though_a_teardown_aborted_and_failed_the_pytorchjob() -> (
+    None
+):
+    cluster = started_cluster()
+    final = {"phase": "finished", "step": 120, "started_at": 1.0, "last_step_time": 3.0, "exit_code": 0}
+    cluster.set_pod(terminated_with(1, 0, 0, json.dumps(final)))
+    cluster.set_pod(terminated_with(1, 1, 134, json.dumps(final)))  # std::terminate at exit: SIGABRT
+    cluster.current_job()["status"] = {
+        "conditions": [{"type": "Failed", "status": "True", "reason": "PyTorchJobFailed", "message": "x"}]
+    }
+    plan = cluster.step(T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.SUCCEED
+    assert cluster.status.phase == "Succeeded"
+    # A rank that never declared its finish and died by the same signal is a crash.
+    cluster = started_cluster()
+    cluster.set_pod(terminated_with(1, 0, 0, json.dumps(final)))
+    cluster.set_pod(terminated_with(1, 1, 134, json.dumps(final | {"phase": "running", "exit_code": None})))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
+
+
 def test_a_crash_at_another_step_after_progress_restarts_again() -> None:
     cluster = started_cluster()
     cluster.set_pod(crashed_pod(1, 70))

@@ -35,7 +35,7 @@ from typing import Any
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
-from trainguard.core.policy import RankObservation, StragglerObservation
+from trainguard.core.policy import RankObservation, StragglerObservation, killed_by_signal
 from trainguard.core.straggler import RankPace, RankScore, score_ranks, worst_straggler
 
 #: Phases in which a rank has failed by its own account.
@@ -273,7 +273,11 @@ def _judged(rank: int, state: RankState | None, process: ProcessState) -> RankOb
     """How one rank is doing, from its process as the executor saw it and its own last report.
 
     A failed exit is judged by the code the worker's guardian declared in its last report when there is
-    one (a launcher such as torchrun exits 1 whatever its workers' codes were). A rank that reports
+    one, and described by it: a launcher such as torchrun exits 1 whatever its workers' codes were, and
+    a worker that declared its failure may still die by a signal in the interpreter's teardown (PyTorch's
+    gloo threads end in std::terminate or SIGSEGV now and then), which must not make the same failure
+    look like another one to the deterministic-failure rule. For the same reason a worker that declared
+    itself finished (its final checkpoint durable) and then died by a signal succeeded. A rank that reports
     ``diverged`` (or exited with the diverged code) is diverged, whatever else its
     exit code (or none yet), its liveness or its pod say: a diverged worker fails its liveness probe and
     may die in its teardown, and neither is a hang nor a crash. A rank that exited with a failure
@@ -281,22 +285,26 @@ def _judged(rank: int, state: RankState | None, process: ProcessState) -> RankOb
     message names the field and the reason).
     """
     code = process.exit_code
-    if code not in (None, 0) and state is not None and state.exit_code not in (None, 0):
-        # The worker's own code, where a launcher (torchrun) reported its generic failure instead.
-        code = state.exit_code
+    exit_reason = process.exit_reason
+    declared = state.exit_code if state is not None else None
+    if code not in (None, 0) and declared is not None:
+        if declared != 0:
+            code, exit_reason = declared, describe_exit(declared)
+        elif state is not None and state.phase is Phase.FINISHED and killed_by_signal(code):
+            code = ExitCode.SUCCEEDED
     if code == ExitCode.SUCCEEDED:
         return RankObservation(rank=rank, exit_code=0, alive=None)
     alive = process.alive if code is None else None
     if code == ExitCode.DIVERGED or (state is not None and state.phase is Phase.DIVERGED):
         own = state.message if state is not None and state.phase is Phase.DIVERGED else ""
-        why = own or process.exit_reason or process.health_reason
+        why = own or exit_reason or process.health_reason
         return RankObservation(
             rank=rank, exit_code=code, alive=alive, reason=why, diverged=True, ended_at=process.ended_at
         )
     if process.lost:
         return RankObservation(rank=rank, alive=None, lost=True, reason=process.lost)
     if code is not None:
-        reason = process.exit_reason or describe_exit(code)
+        reason = exit_reason or describe_exit(code)
         says_why = state is not None and (state.phase is Phase.FAILED or code == ExitCode.CONFIG_ERROR)
         if says_why and state is not None and state.message and state.message not in reason:
             reason = with_detail(reason, state.message)
