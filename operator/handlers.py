@@ -49,8 +49,13 @@ from trainguard_operator.reconcile import (
 )
 from trainguard_operator.render import PYTORCHJOB_NAME_LABEL
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
+from trainguard_operator.slim_watch import install as slim_kopf_watches
 
 from trainguard.core.spec import GROUP, PLURAL, VERSION
+
+# Here, at import: kopf imports this module (``kopf run -m``, ``python -m trainguard_operator``) before it
+# starts its watches.
+slim_kopf_watches()
 
 RUNTIME_KEY = "trainguard_runtime"
 SETTINGS_KEY = "trainguard_settings"
