@@ -2119,3 +2119,35 @@ def test_a_quickly_stepping_guardian_writes_its_status_no_more_often_than_the_in
     # Five activity changes a step, none lasting a watch period: the interval alone paces the writes.
     assert len(writes) <= 2 + elapsed / 0.5, (len(writes), elapsed)
     guardian.close()
+
+
+def test_the_status_says_since_when_a_checkpoint_write_is_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a stop of a broken gang waits for (trainguard.core.stopping): set while the background write
+    # runs, gone once it is durable.
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "ckpt")
+    assert guardian.step(loss_of(model)).applied
+    store = guardian.checkpoints.store
+    assert store is not None
+    release = threading.Event()
+    write = store._write
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_write", held)
+    before = time.time()
+    assert guardian.status().checkpoint_write_since is None
+    assert guardian.save_checkpoint()
+    since = guardian.status().checkpoint_write_since
+    assert since is not None
+    assert before <= since <= time.time()
+    release.set()
+    store.wait()
+    status = guardian.status()
+    assert status.checkpoint_write_since is None
+    assert status.checkpoint_seconds is not None
+    guardian.close()

@@ -243,6 +243,12 @@ class WorkerStatus(BaseModel):
     checkpoint_stall_seconds: NonNegativeFloat | None = Field(
         None, description="How long the last checkpoint stalled the training thread (seconds)."
     )
+    checkpoint_write_since: Timestamp | None = Field(
+        None,
+        description="When this rank's checkpoint write still in flight started (unix seconds; None: none "
+        "in flight): a gang stopped because it lost a rank is given the time to finish it "
+        "(trainguard.core.stopping).",
+    )
     activity: Annotated[Activity | None, BeforeValidator(_known_activity)] = Field(
         None,
         description="Where the training thread is (see Activity); None from a worker older than this field.",

@@ -75,6 +75,7 @@ class CheckpointManager:
         # each rank's store has seen complete, so decisions taken on it need no agreement.
         self.checkpointed_step: int | None = None
         self._clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
+        self._started_at: float | None = None  # wall-clock time the last background write started
         self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
         #: Asked at every forward pass: whether the coming step boundary may write a checkpoint (the
         #: guardian's ``_rng_may_be_saved``, which knows about stops and the run's last step).
@@ -265,6 +266,7 @@ class CheckpointManager:
         assert self.store is not None, "save() without a checkpoint directory"
         started = time.monotonic()
         meta = {"loss": counters.last_loss, "state_finite": True, "clean": True}
+        self._started_at = time.time()
         self.store.save_async(counters.step, self._state(counters, rank), meta, stable=stable)
         self.checkpointed_step = counters.step
         self._clock = time.monotonic()
@@ -327,6 +329,11 @@ class CheckpointManager:
     def last_clean(self) -> CheckpointRef | None:
         """The newest checkpoint this rank saw become durable, as the status reports it."""
         return self.store.last_clean if self.store is not None else None
+
+    @property
+    def writing_since(self) -> float | None:
+        """When the checkpoint write still in flight started (unix seconds), or None: none in flight."""
+        return self._started_at if self.writing else None
 
     @property
     def last_write_seconds(self) -> float | None:

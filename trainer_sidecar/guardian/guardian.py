@@ -1405,6 +1405,7 @@ class Guardian:
             checkpoint_every_steps=self.checkpoints.interval,
             checkpoint_cadence=self.checkpoints.cadence,
             checkpoint_stall_seconds=self.checkpoints.stall_seconds or None,
+            checkpoint_write_since=self.checkpoints.writing_since,
             activity=activity,
             activity_since=activity_since,
             compute_seconds=compute,
