@@ -24,6 +24,7 @@ so two gangs never write to the checkpoint volume at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -41,6 +42,7 @@ from trainguard_operator.render import (
     RenderError,
     pytorchjob_name,
     render_pytorchjob,
+    stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
 from trainguard_operator.status import (
@@ -65,6 +67,7 @@ from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView, SidecarReport
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, StragglerObservation, decide
 from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, StragglerStatus, parse_job
+from trainguard.core.stopping import broken_gang_grace_seconds
 from trainguard.core.summary import duration_text
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
@@ -135,7 +138,8 @@ class Plan:
     #: When set, the pods of the PyTorchJobs in ``delete`` are deleted first, with this grace. A broken
     #: gang (a hung rank, ranks waiting on a dead or hung peer) cannot reach a step boundary to
     #: checkpoint, so the pods' own long grace, meant for evictions in which every rank can, would only
-    #: hold the restart up.
+    #: hold the restart up: a second, or what a checkpoint write in flight needs to finish
+    #: (``trainguard.core.stopping``).
     stop_pods_within_seconds: int | None = None
     events: tuple[EventNote, ...] = ()
     write_status_first: bool = False
@@ -623,9 +627,9 @@ class _Step:
         )
         decision = decide(self.job.spec.recovery, observation, self.job.spec.health.straggler)
         if decision.action is Action.RESTART:
-            return self.restart(decision, recovered)
+            return self.restart(decision, recovered, self.broken_gang_grace(gang))
         if decision.action is Action.FAIL:
-            return self.fail(decision, recovered)
+            return self.fail(decision, recovered, self.broken_gang_grace(gang))
         if decision.action is Action.SUCCEED:
             self.st.phase = Phase.SUCCEEDED.value
             self.st.recovering_since = None
@@ -653,6 +657,14 @@ class _Step:
             phase_reason="GangRunning" if gang.running else "WaitingForPods",
             phase_message=self.pods_running_message(gang.running),
         )
+
+    def broken_gang_grace(self, gang: GangReading) -> int:
+        """The stop grace of the gang's pods after it lost a rank (``trainguard.core.stopping``): a second,
+        unless a rank still running reported a checkpoint write in flight; at most the pods' own."""
+        alive = (r.rank for r in gang.ranks if r.exit_code is None and not r.lost)
+        ceiling = stop_grace_seconds(None, self.st.checkpoint_seconds)
+        grace = broken_gang_grace_seconds(gang.view.writes_in_flight(alive), self.now.timestamp(), ceiling)
+        return math.ceil(grace)
 
     def track_straggler(self, gang: GangReading) -> StragglerObservation | None:
         """Score the ranks (``GangView.straggler``, as ``trainguard run`` does), keep the scores and the
@@ -701,7 +713,7 @@ class _Step:
             self.st.recovering_since = iso_precise(self.now)
         self.event("Warning", kind, f"attempt {self.attempt}: {decision.reason}")
 
-    def restart(self, decision: Decision, recovered: float | None) -> Plan:
+    def restart(self, decision: Decision, recovered: float | None, grace: int) -> Plan:
         self.record_failure(decision)
         st = self.st
         # A straggler's gang is whole: its pods get their own grace to checkpoint, and the next attempt
@@ -732,7 +744,7 @@ class _Step:
             PlanAction.RESTART,
             min(self.period, decision.delay_seconds),
             delete=(*self.stale_delete, self.job_name),
-            stop_pods_within_seconds=None if straggler else HUNG_WORKER_GRACE_SECONDS,
+            stop_pods_within_seconds=None if straggler else grace,
             write_status_first=True,
             decision=decision,
             recovered_seconds=recovered,
@@ -740,7 +752,7 @@ class _Step:
             phase_message=f"{message}; attempt {st.attempt} starts at {iso(due)}",
         )
 
-    def fail(self, decision: Decision, recovered: float | None) -> Plan:
+    def fail(self, decision: Decision, recovered: float | None, grace: int) -> Plan:
         self.record_failure(decision)
         self.st.phase = Phase.FAILED.value
         self.st.recovering_since = None
@@ -751,7 +763,7 @@ class _Step:
             PlanAction.FAIL,
             self.period,
             delete=(*self.stale_delete, self.job_name),
-            stop_pods_within_seconds=HUNG_WORKER_GRACE_SECONDS,
+            stop_pods_within_seconds=grace,
             write_status_first=True,
             done=True,
             decision=decision,

@@ -268,7 +268,7 @@ def test_worker_killed_137_restarts_the_gang_after_the_first_backoff_without_rem
     assert plan.action is PlanAction.RESTART
     assert plan.write_status_first
     assert plan.delete == ("tiny-lm-1",)
-    assert plan.stop_pods_within_seconds == 5  # the broken gang cannot use its long grace
+    assert plan.stop_pods_within_seconds == 1  # the broken gang cannot use its long grace
     assert plan.decision is not None
     assert plan.decision.delay_seconds == 10
     status = cluster.status
@@ -364,6 +364,24 @@ def test_a_hang_seen_by_the_sidecar_restarts_with_its_reason() -> None:
     assert why in failure.message
     assert failure.rank == 1
     assert reasons(plan) == ["Hung", "GangRestart"]
+
+
+def test_a_hung_gang_is_stopped_at_once_unless_a_survivor_is_writing_a_checkpoint() -> None:
+    now = T0 + timedelta(seconds=400)
+    why = "no step for 312.0 s (hang timeout 300 s), last step 4200"
+    hung = report(alive=False, reason=why)
+    plan = started_cluster().step(now, {"tiny-lm-1-worker-0": hung})
+    assert (plan.action, plan.stop_pods_within_seconds) == (PlanAction.RESTART, 1)
+    # Rank 0 waits in a collective with its write of the last checkpoint in flight (started 1 s ago,
+    # its last write took 4 s): its pods get until that write is expected durable (2 x 4 - 1 + 1 s).
+    writing = report(checkpoint_write_since=now.timestamp() - 1, checkpoint_seconds=4.0)
+    plan = started_cluster().step(now, {"tiny-lm-1-worker-0": hung, "tiny-lm-1-master-0": writing})
+    assert (plan.action, plan.stop_pods_within_seconds) == (PlanAction.RESTART, 8)
+    # The hung rank's own write counts too: its process still runs.
+    plan = started_cluster().step(
+        now, {"tiny-lm-1-worker-0": report(False, why, checkpoint_write_since=now.timestamp() - 1)}
+    )
+    assert plan.stop_pods_within_seconds == 60  # its first write: nothing known, the pods' own grace
 
 
 def test_a_hang_names_the_rank_in_its_own_work_with_its_pod_and_node_not_the_rank_waiting_for_it() -> None:
@@ -690,7 +708,7 @@ def test_restarts_exhausted_fail_the_job_and_stop_the_gang() -> None:
     assert plan.done
     assert plan.write_status_first
     assert plan.delete == ("tiny-lm-2",)
-    assert plan.stop_pods_within_seconds == 5
+    assert plan.stop_pods_within_seconds == 1
     status = cluster.status
     assert status.phase == "Failed"
     assert status.restarts == 1

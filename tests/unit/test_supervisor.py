@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainguard.core.observation import GangView, observe_gang
-from trainguard.core.policy import Action, Decision, FailureKind, Observation
+from trainguard.core.policy import Action, Decision, FailureKind, Observation, RankObservation
 from trainguard.core.spec import parse_job
 from trainguard.local import supervisor
 from trainguard.local.launch import StopSignals
@@ -132,3 +133,44 @@ def test_the_next_attempt_is_prepared_after_the_stop_and_within_the_backoff(
     assert seen["order"] == ["stop begins", "stopped", "prepared", "start"]
     assert seen["prepared"] == pytest.approx(stop_takes)
     assert seen["start"] == pytest.approx(max(stop_takes + prepare_takes, delay))
+
+
+class GraceRecordingSupervisor(RecordingSupervisor):
+    """A gang that records the grace each stop was given."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock, stop_takes=0.0)
+        self.graces: list[float | None] = []
+
+    def _stop_workers(self, grace_seconds: float | None = None) -> None:
+        self.graces.append(grace_seconds)
+
+
+@pytest.mark.parametrize(
+    ("action", "rank_1", "grace"),
+    [
+        (Action.RESTART, None, 1.0),  # no write in flight: a moment
+        (Action.RESTART, 0, 1.0),  # only the dead rank's, which died with it
+        (Action.RESTART, None, 8.0),  # rank 0 is writing (started 1 s ago, its last took 4 s)
+        (Action.FAIL, None, 8.0),
+    ],
+    ids=["nothing in flight", "the dead rank's write", "a survivor's write", "a give-up"],
+)
+def test_a_broken_gangs_stop_waits_only_for_a_survivors_write_in_flight(
+    monkeypatch: pytest.MonkeyPatch, action: Action, rank_1: int | None, grace: float
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(supervisor, "time", clock)
+    gang = GraceRecordingSupervisor(clock)
+    gang.attempt = 1
+    writing = {"checkpoint_write_since": clock.now - 1, "checkpoint_seconds": 4.0}
+    survivor_writes = grace > 1.0
+    statuses = {
+        0: WorkerStatus(phase=Phase.RUNNING, started_at=1.0, **(writing if survivor_writes else {})),
+        1: WorkerStatus(phase=Phase.RUNNING, started_at=1.0, **(writing if rank_1 == 0 else {})),
+    }
+    ranks = [RankObservation(rank=0), RankObservation(rank=1, exit_code=-9, alive=None)]
+    look = Look(observe_gang(statuses, 2), Observation(attempt=1, ranks=ranks))
+    decision = Decision(action, "rank 1 crashed", 1.0, failure=FailureKind.CRASH, restarts=1)
+    gang._recover(decision, look, clock.now, StopSignals())
+    assert gang.graces == [pytest.approx(grace)]

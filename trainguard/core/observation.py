@@ -36,6 +36,7 @@ from typing import Any
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
 from trainguard.core.policy import RankObservation, StragglerObservation, killed_by_signal
+from trainguard.core.stopping import WriteInFlight
 from trainguard.core.straggler import RankPace, RankScore, score_ranks, worst_straggler
 
 #: Phases in which a rank has failed by its own account.
@@ -108,6 +109,8 @@ class RankState:
     activity_since: float | None = None
     compute_seconds: float | None = None
     best_compute_seconds: float | None = None
+    checkpoint_write_since: float | None = None
+    checkpoint_seconds: float | None = None
 
     @classmethod
     def of(cls, rank: int, status: WorkerStatus) -> RankState:
@@ -129,6 +132,8 @@ class RankState:
             activity_since=status.activity_since,
             compute_seconds=status.compute_seconds,
             best_compute_seconds=status.best_compute_seconds,
+            checkpoint_write_since=status.checkpoint_write_since,
+            checkpoint_seconds=status.checkpoint_seconds,
         )
 
 
@@ -219,6 +224,17 @@ class GangView:
         if self.samples_seen is None or self.samples_dropped is None:
             return None
         return self.samples_dropped / self.samples_seen if self.samples_seen else 0.0
+
+    def writes_in_flight(self, alive: Iterable[int]) -> tuple[WriteInFlight, ...]:
+        """The checkpoint writes the ``alive`` ranks (whose processes still run: a dead rank's write died
+        with it) reported still in flight (``trainguard.core.stopping``): what a stop of the gang after
+        it lost a rank waits for."""
+        running = set(alive)
+        return tuple(
+            WriteInFlight(r.checkpoint_write_since, r.checkpoint_seconds)
+            for r in self.ranks
+            if r.checkpoint_write_since is not None and r.rank in running
+        )
 
     def rank(self, rank: int) -> RankState | None:
         """What ``rank`` reported, or None."""

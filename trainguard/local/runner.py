@@ -161,13 +161,12 @@ class LocalRunner(GangSupervisor):
         (``run_folder``). ``warm_spares``: restart through warm spare interpreters where the command
         allows it (see ``warm_plan``). Raises SpecError or RunRefused naming the field.
         """
-        super().__init__(job, view=view)
+        super().__init__(job, view=view, stop_grace_seconds=stop_grace_seconds)
         self.checkpoint_root = checkpoint_root.absolute()
         claim = plain_name(self.spec.checkpoint.claim_name, "spec.checkpoint.claimName")
         self.checkpoint_dir = self.checkpoint_root / claim
         self.run_root = run_dir.absolute()
         self.run_folder: Path | None = None
-        self.stop_grace_seconds = stop_grace_seconds
         self.signals = signals
         self.worker = self.spec.template.spec.worker()
         self.template_env = self._template_env()

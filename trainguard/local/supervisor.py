@@ -25,16 +25,12 @@ from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.observation import GangView
 from trainguard.core.policy import Action, Decision, FailureKind, FailureSignature, Observation, decide
 from trainguard.core.spec import GuardedTrainingJob
+from trainguard.core.stopping import broken_gang_grace_seconds
 from trainguard.core.summary import Incident, RunFigures, RunRecord
 from trainguard.local.launch import StopSignals
 
 #: How often the loop looks again while nothing needs doing.
 IDLE_SECONDS = 0.25
-#: How long a gang that lost a rank (dead, hung) gets between SIGTERM and SIGKILL. Its survivors cannot
-#: reach a step boundary to checkpoint (the next collective waits for the lost rank), so the full stop
-#: grace would only hold the restart up; a moment is left for them to flush their output. The operator
-#: does the same (``trainguard_operator.render.HUNG_WORKER_GRACE_SECONDS``).
-BROKEN_GANG_GRACE_SECONDS = 1.0
 
 
 @dataclass
@@ -147,10 +143,14 @@ class GangSupervisor(ABC):
     timeline records every start, failure, restart and the end.
     """
 
-    def __init__(self, job: GuardedTrainingJob, *, view: RunView | None = None) -> None:
+    def __init__(
+        self, job: GuardedTrainingJob, *, view: RunView | None = None, stop_grace_seconds: float = 10.0
+    ) -> None:
         self.job = job
         self.spec = job.spec
         self.view = view
+        #: How long a whole gang told to stop gets between SIGTERM and SIGKILL (time for a checkpoint).
+        self.stop_grace_seconds = stop_grace_seconds
         self.attempt = 0
         self.restarts = 0
         # The attempt that introduced the remediation names it: workers apply a given id once, so a
@@ -298,7 +298,7 @@ class GangSupervisor(ABC):
         if decision.action is Action.FAIL:
             signals.disarm()
             self.final_decision = decision
-            self._end(BROKEN_GANG_GRACE_SECONDS)
+            self._end(self._broken_gang_grace(look))
             return False
         # Recorded before the stop: the restart's last step is the one the reason names.
         self.record.failed(
@@ -310,7 +310,7 @@ class GangSupervisor(ABC):
         backoff_ends = time.monotonic() + decision.delay_seconds
         with signals.deferred():
             # A straggler's gang is whole: its stop grace lets it checkpoint first.
-            self._stop_workers(None if straggler else BROKEN_GANG_GRACE_SECONDS)
+            self._stop_workers(None if straggler else self._broken_gang_grace(look))
             self._prepare_next_attempt()
         self.straggler = None
         self.restarts = decision.restarts
@@ -330,6 +330,13 @@ class GangSupervisor(ABC):
         """Record the final decision, let the gang go and take in its final statuses."""
         self.final_decision = decision
         self._end()
+
+    def _broken_gang_grace(self, look: Look) -> float:
+        """The stop grace of a gang that lost a rank (``trainguard.core.stopping``): a moment, unless a
+        checkpoint write was in flight when its ranks last reported."""
+        alive = (r.rank for r in look.observation.ranks if r.exit_code is None and not r.lost)
+        writes = look.view.writes_in_flight(alive)
+        return broken_gang_grace_seconds(writes, time.time(), ceiling=self.stop_grace_seconds)
 
     def _end(self, grace_seconds: float | None = None) -> None:
         """Stop the gang (``_stop_workers``' grace), then take in what its workers wrote as they ended (a
