@@ -316,6 +316,10 @@ class Cluster:
         """Counters of the API requests served so far, by kind where known (only differences are used)."""
         raise NotImplementedError
 
+    async def watch_counts(self) -> dict[str, float]:
+        """The watches open on the API server now, by resource of the operator's (empty: not known)."""
+        return {}
+
     async def warning_events(self, failed: Collection[str] = ()) -> list[str]:
         """The reasons of the Warning events in the namespace (a healthy run has none), but those about
         the jobs in ``failed``, whose pods this script failed."""
@@ -537,6 +541,22 @@ class RealCluster(Cluster):
                 sub = labels.get("subresource", "")
                 key = f"{labels.get('verb')} {resource}{'/' + sub if sub else ''}"
                 counts[key] = counts.get(key, 0.0) + sample.value
+        return counts
+
+    async def watch_counts(self) -> dict[str, float]:
+        """``apiserver_longrunning_requests`` of verb WATCH over the operator's resources, by resource
+        (every client's: the operator's own, kopf's, and the API server's controllers')."""
+        text = await self.request("GET", "/metrics")
+        lines = "\n".join(
+            line for line in str(text).splitlines() if line.startswith("apiserver_longrunning_requests{")
+        )
+        counts: dict[str, float] = {}
+        for family in text_string_to_metric_families(lines):
+            for sample in family.samples:
+                labels = sample.labels
+                group, resource = labels.get("group", ""), labels.get("resource", "")
+                if labels.get("verb") == "WATCH" and (group, resource) in OPERATOR_RESOURCES:
+                    counts[resource] = counts.get(resource, 0.0) + sample.value
         return counts
 
     async def warning_events(self, failed: Collection[str] = ()) -> list[str]:
@@ -892,6 +912,7 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
     metrics_port = free_port()
     load_before = os.getloadavg()[0]
     server_pids = cluster.server_pids()
+    server_rss_before = sum(memory_kib(pid).get("VmRSS", 0) for pid in server_pids) / 1024
     process = start_operator(cluster.kubeconfig, cluster.operator_scope, metrics_port, log)
     try:
         # Warm-up: one job through, so kopf's watch and the operator's clients are up.
@@ -976,6 +997,8 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         steady_requests = difference(await cluster.request_counts(), mark)
         steady = sum(steady_requests.values()) / args.steady_seconds
         steady_cpu = (cpu_seconds(process.pid) - cpu_mark) / args.steady_seconds
+        watches = await cluster.watch_counts()
+        server_rss_steady = sum(memory_kib(pid).get("VmRSS", 0) for pid in server_pids) / 1024
         # Before the failures, whose events are warnings; those of the failures in the burst are expected.
         warnings = await cluster.warning_events(failed=in_burst)
         failures = (
@@ -1033,6 +1056,13 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         print(f"warning: {len(warnings)} Warning events: {sorted(set(warnings))}")
     if server_pids:
         print(f"API server + etcd CPU during the burst: {server_burst_cpu:.1f} s")
+        print(
+            f"API server + etcd RSS: {server_rss_before:.0f} MB before the jobs, {server_rss_steady:.0f} MB "
+            f"in the steady window (the {jobs + 1} jobs, their PyTorchJobs and pods, stored and cached)"
+        )
+    if watches:
+        listed = ", ".join(f"{resource} {count:g}" for resource, count in sorted(watches.items()))
+        print(f"watches open on the API server over the operator's resources (every client's): {listed}")
     print(f"operator process: peak RSS {peak:.1f} MB (VmHWM), RSS {memory.get('VmRSS', 0) / 1024:.1f} MB now")
     load = max(load_before, load_after)
     if load > (os.cpu_count() or 1):
@@ -1071,6 +1101,9 @@ async def measure(cluster: Cluster, args: argparse.Namespace, jobs: int, directo
         "operator_cpu_seconds_to_ready": round(busy, 2),
         "operator_cpu_seconds_burst": round(burst_cpu, 2),
         "server_cpu_seconds_burst": round(server_burst_cpu, 2) if server_pids else None,
+        "server_rss_mb_before": round(server_rss_before, 1) if server_pids else None,
+        "server_rss_mb_steady": round(server_rss_steady, 1) if server_pids else None,
+        "watches": watches,
         "operator_peak_rss_mb": round(peak, 1),
         "rss_source": rss_source,
         "goals": {

@@ -49,6 +49,9 @@ KEYS = {
     "operator_cpu_seconds_to_ready",
     "operator_cpu_seconds_burst",
     "server_cpu_seconds_burst",
+    "server_rss_mb_before",
+    "server_rss_mb_steady",
+    "watches",
     "operator_peak_rss_mb",
     "rss_source",
     "goals",
@@ -108,6 +111,10 @@ def test_the_real_scale_bench_reconciles_every_job(plane: controlplane.ControlPl
     assert result["failure_jobs"] == 20, result
     assert 0 < result["failure_seen_p50_s"] <= result["failure_seen_p99_s"] <= result["failure_seen_max_s"]
     assert 10 < result["operator_peak_rss_mb"] < 1000
+    # The operator's own watches (pods, PyTorchJobs) and kopf's (GuardedTrainingJobs) are open, however
+    # many jobs there are.
+    watches = result["watches"]
+    assert all(watches.get(kind, 0) >= 1 for kind in ("pods", "pytorchjobs", "guardedtrainingjobs")), watches
     assert (
         set(result["goals_met"])
         == set(result["goals"])
