@@ -274,8 +274,9 @@ class Cluster:
         self.node.stop()
 
 
-def start(plane: ControlPlane, state_dir: Path) -> Cluster:
-    """Start the control plane's components and a real node on ``plane``; no operator is installed."""
+def start(plane: ControlPlane, state_dir: Path, *, dns_ttl_seconds: int = node.DNS_TTL_SECONDS) -> Cluster:
+    """Start the control plane's components and a real node on ``plane`` (its CoreDNS answering with
+    ``dns_ttl_seconds``); no operator is installed."""
     reason = why_not_runnable(plane.bin_dir)
     if reason:
         raise ClusterError(reason)
@@ -284,7 +285,7 @@ def start(plane: ControlPlane, state_dir: Path) -> Cluster:
     plane.startup_seconds["components"] = time.monotonic() - started
     state_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    running = node.start(plane, state_dir / "node")
+    running = node.start(plane, state_dir / "node", dns_ttl_seconds=dns_ttl_seconds)
     plane.startup_seconds["node"] = time.monotonic() - started
     for part, seconds in running.startup_seconds.items():
         plane.startup_seconds[f"node:{part}"] = seconds

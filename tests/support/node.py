@@ -452,7 +452,7 @@ def _kube_proxy_config(kubeconfig: Path, healthz_port: int, metrics_port: int) -
     }
 
 
-def _coredns_pod(image: str, kubeconfig: Path) -> dict[str, Any]:
+def _coredns_pod(image: str, kubeconfig: Path, dns_ttl_seconds: int) -> dict[str, Any]:
     corefile = (
         f"{CLUSTER_DOMAIN}:{DNS_PORT} {{\n"
         f"  bind {NODE_IP}\n"
@@ -462,8 +462,9 @@ def _coredns_pod(image: str, kubeconfig: Path) -> dict[str, Any]:
         f"  kubernetes {CLUSTER_DOMAIN} {{\n"
         f"    kubeconfig {kubeconfig.name} trainguard-test\n"
         f"    pods insecure\n"
+        f"    ttl {dns_ttl_seconds}\n"
         f"  }}\n"
-        f"  cache 5\n"
+        f"  cache {dns_ttl_seconds}\n"
         f"}}\n"
     )
     (kubeconfig.parent / "Corefile").write_text(corefile)
@@ -572,11 +573,22 @@ def _certificates(pki: Path) -> None:
 # --- start ----------------------------------------------------------------------------------------
 
 
+#: How long CoreDNS answers (and caches a "no such name") for the cluster's names: CoreDNS's own default.
+#: A kubeadm cluster's default Corefile says 30 (``ttl 30``, ``cache 30``).
+DNS_TTL_SECONDS = 5
+
+
 def start(
-    plane: ControlPlane, state_dir: Path, *, timeout: float = 180.0, lock_timeout: float = 600.0
+    plane: ControlPlane,
+    state_dir: Path,
+    *,
+    timeout: float = 180.0,
+    lock_timeout: float = 600.0,
+    dns_ttl_seconds: int = DNS_TTL_SECONDS,
 ) -> Node:
     """Start containerd, the network, the kubelet, kube-proxy and CoreDNS for ``plane``; return once the
-    node is Ready and ``kube-dns`` has an endpoint. NodeError (with the log tails) if a part fails."""
+    node is Ready and ``kube-dns`` has an endpoint. NodeError (with the log tails) if a part fails.
+    ``dns_ttl_seconds``: CoreDNS's ttl and cache for the cluster's names."""
     reason = why_not_runnable(plane.bin_dir)
     if reason:
         raise NodeError(reason)
@@ -602,14 +614,14 @@ def start(
         _lock=lock,
     )
     try:
-        _start(node, refs, timeout)
+        _start(node, refs, timeout, dns_ttl_seconds)
     except BaseException:
         node.stop()
         raise
     return node
 
 
-def _start(node: Node, refs: dict[str, str], timeout: float) -> None:
+def _start(node: Node, refs: dict[str, str], timeout: float, dns_ttl_seconds: int) -> None:
     plane, state = node.plane, node.state_dir
     pki = plane.pki
     started = time.monotonic()
@@ -700,7 +712,7 @@ def _start(node: Node, refs: dict[str, str], timeout: float) -> None:
         path.chmod(0o644)  # CoreDNS runs as 65532
     (state / "coredns").chmod(0o755)
     (state / "manifests" / "coredns.yaml").write_text(
-        yaml.safe_dump(_coredns_pod(refs["coredns"], coredns_kubeconfig))
+        yaml.safe_dump(_coredns_pod(refs["coredns"], coredns_kubeconfig, dns_ttl_seconds))
     )
 
     def dns_served() -> tuple[bool, str]:
