@@ -175,18 +175,23 @@ def test_the_next_attempts_sidecars_start_within_the_backoff_and_a_stop_there_le
     )
     runner = start_runner(tmp_path, job_file)
     run_folder = tmp_path / "run" / "latest"
+
+    def sidecars() -> list[int]:
+        found = []
+        for pid in procs.children_of(runner.pid):
+            with contextlib.suppress(OSError):  # gone since it was listed
+                if b"trainer_sidecar.sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+        return found
+
+    # Both of attempt 2's sidecar processes, not only their logs: a log is opened before its process
+    # exists, and a child shows the runner's command line until it has exec'd.
     wait_for(
-        lambda: len(list(run_folder.glob("attempt-2/rank-*/sidecar.log"))) == 2,
+        lambda: len(list(run_folder.glob("attempt-2/rank-*/sidecar.log"))) == 2 and len(sidecars()) == 2,
         timeout=45,  # half the backoff
         what="attempt 2's sidecars during the backoff",
     )
     assert not list(run_folder.glob("logs/attempt-2-*.log")), "attempt 2's workers started in the backoff"
-    sidecars = [
-        pid
-        for pid in procs.children_of(runner.pid)
-        if b"trainer_sidecar.sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
-    assert len(sidecars) == 2, sidecars
     runner.send_signal(signal.SIGINT)
     output, _ = runner.communicate(timeout=60)
     assert runner.returncode == 130, output
