@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from datetime import datetime
@@ -53,6 +54,7 @@ from tests.support.operator_harness import (
 )
 from tests.support.paths import REPO_ROOT as ROOT
 from trainer_sidecar.contract.status import Phase
+from trainguard.core.stopping import BROKEN_GANG_GRACE_SECONDS
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
@@ -333,9 +335,11 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
             workers.hang(1)
             await eventually(lambda: status(cluster).get("restarts") == 1, what="the restart decision")
             assert sidecars.healthz(1) == 503
-            # A hung gang cannot checkpoint on SIGTERM: its pods are stopped within 5 s, not their grace.
+            # A hung gang cannot checkpoint on SIGTERM, and no write was in flight (no checkpoint yet):
+            # its pods get a second to flush their output, not their grace.
+            floor = str(math.ceil(BROKEN_GANG_GRACE_SECONDS))
             await eventually(
-                lambda: sorted(graceful_pod_deletions(cluster)) == [(pods[0], "5"), (pods[1], "5")],
+                lambda: sorted(graceful_pod_deletions(cluster)) == [(pods[0], floor), (pods[1], floor)],
                 what="the hung gang's pods stopped with a short grace",
             )
             # The kubelet's liveness probe fails too, and it kills the container (restartPolicy Never:
