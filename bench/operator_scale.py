@@ -186,18 +186,18 @@ def job_manifest(name: str, namespace: str = NS) -> dict[str, Any]:
 def pod_manifest(job: str, rank: int, namespace: str) -> dict[str, Any]:
     """Rank ``rank``'s pod of attempt 1 of ``job``, labelled as the training operator labels it (no IP:
     no sidecar to poll)."""
-    kind, index = ("master", 0) if rank == 0 else ("worker", rank - 1)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"{job}-1-{kind}-{index}",
+            "name": f"{job}-1-worker-{rank}",
             "namespace": namespace,
             "labels": {
                 JOB_LABEL: job,
                 "trainguard.dev/attempt": "1",
-                "training.kubeflow.org/replica-type": kind,
-                "training.kubeflow.org/replica-index": str(index),
+                "trainguard.dev/ranks": "worker-index",
+                "training.kubeflow.org/replica-type": "worker",
+                "training.kubeflow.org/replica-index": str(rank),
                 "training.kubeflow.org/job-name": f"{job}-1",
             },
         },

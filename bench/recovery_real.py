@@ -15,9 +15,9 @@ its 1 s poll period; the API server's for pods, to the second):
 - ``pod_start_s``: the kubelet's share, those pods' creation to their training container running
   (scheduling, sandbox and network, the init containers, the sidecar), split by the latest pod's
   conditions: ``to_scheduled_s`` (PodScheduled), ``to_sandbox_s`` (PodReadyToStartContainers: the
-  sandbox and its network), ``to_initialized_s`` (Initialized: the training operator's init container,
-  which waits for the Master's name to resolve, and the native sidecar started), ``to_running_s`` (the
-  training container running);
+  sandbox and its network), ``to_initialized_s`` (Initialized: the native sidecar started; no init
+  container waits for a Master, the PyTorchJob has Workers only), ``to_running_s`` (the training
+  container running);
 - ``first_step_s``: the container running to its first step (Python, torch, the rendezvous, the
   checkpoint), split by rank 0's log lines (the kubelet's timestamps; absent when a line is missing):
   ``to_corpus_s`` the container running to the script's first line (Python, torch, the rendezvous, the
@@ -83,11 +83,11 @@ def measure(namespace: JobNamespace, job: dict[str, Any]) -> dict[str, float]:
     else:
         phases["to_running_s"] = max(running) - mark
     # The container's start (to the second) is rank 0's, not the latest: its log is the one read.
-    master = next(p for p in pods if p["metadata"]["name"] == f"{JOB}-2-master-0")
-    (container,) = [s for s in master["status"]["containerStatuses"] if s["name"] == "pytorch"]
+    rank0 = next(p for p in pods if p["metadata"]["name"] == f"{JOB}-2-worker-0")
+    (container,) = [s for s in rank0["status"]["containerStatuses"] if s["name"] == "pytorch"]
     state = container["state"].get("running") or container["state"].get("terminated") or {}
     mark = timestamp(state["startedAt"])
-    lines = log_times(namespace, f"{JOB}-2-master-0")
+    lines = log_times(namespace, f"{JOB}-2-worker-0")
     for phase, text in LOG_MARKS:
         if text not in lines:
             return phases

@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainguard_operator.render import ATTEMPT_LABEL, JOB_LABEL, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
+from trainguard_operator.render import (
+    ATTEMPT_LABEL,
+    JOB_LABEL,
+    RANK_LAYOUT_LABEL,
+    RANKS_BY_WORKER_INDEX,
+    REPLICA_INDEX_LABEL,
+    REPLICA_TYPE_LABEL,
+)
 from trainguard_operator.status import TERMINAL_PHASES, JobStatus, parse_time
 
 from trainer_sidecar.contract.exitcodes import describe_exit
@@ -64,7 +71,9 @@ def as_int(value: Any) -> int | None:
 
 # -------------------------------------------------------------------------------------------- pods ---
 def pod_rank(pod: Mapping[str, Any]) -> int | None:
-    """The torch.distributed rank of a training-operator pod: Master 0 is rank 0, Worker i is rank i+1."""
+    """The node rank of a training-operator pod: Worker i is rank i in a Workers-only PyTorchJob (its pods
+    carry ``RANK_LAYOUT_LABEL``, see ``render``); in one an earlier operator rendered, Master 0 is rank 0
+    and Worker i is rank i+1. None for a pod that is neither."""
     found_labels = labels(pod)
     kind = str(found_labels.get(REPLICA_TYPE_LABEL, "")).lower()
     index = as_int(found_labels.get(REPLICA_INDEX_LABEL))
@@ -73,6 +82,10 @@ def pod_rank(pod: Mapping[str, Any]) -> int | None:
         if not found:
             return None
         kind, index = found.group(1), int(found.group(2))
+    if index < 0:
+        return None
+    if found_labels.get(RANK_LAYOUT_LABEL) == RANKS_BY_WORKER_INDEX:
+        return index if kind == "worker" else None
     return index if kind == "master" else index + 1
 
 

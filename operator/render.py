@@ -1,10 +1,20 @@
 """GuardedTrainingJob -> Kubeflow PyTorchJob (``kubeflow.org/v1``), one per gang attempt. Pure.
 
 Each attempt of a job is its own PyTorchJob, named after the job and the attempt, owned by the
-GuardedTrainingJob, with a Master replica (rank 0) and ``replicas - 1`` Workers. Every replica's pod is the
-user's template with trainguard's pieces added: the ``trainguard-sidecar`` native sidecar, the status
-volume, the checkpoint claim, the guardian's environment, NCCL fail-fast settings, and a liveness probe
-on the training container that asks the sidecar.
+GuardedTrainingJob, with ``replicas`` Workers and no Master: Worker ``i`` is node rank ``i``, and Worker 0
+is the rendezvous host. Every replica's pod is the user's template with trainguard's pieces added: the
+``trainguard-sidecar`` native sidecar, the status volume, the checkpoint claim, the guardian's
+environment, torch.distributed's rendezvous variables, NCCL fail-fast settings, and a liveness probe on
+the training container that asks the sidecar.
+
+Workers only, deliberately: with a Master replica the training operator (1.9) gives every Worker an init
+container that polls the Master's Service name every 2 s until cluster DNS publishes it, which it does
+only once the Master pod is Ready. That put the Master's whole start in front of every Worker's (on the
+test node, most of the 8 s from a gang restart's new pods to their ``Initialized``). Without a Master the
+pods start side by side and only torch.distributed's own connect waits for Worker 0 (it retries), by then
+usually long up. The training operator sets ``MASTER_ADDR``, ``RANK`` and ``WORLD_SIZE`` only when there
+is a Master, so trainguard sets them: the rank from the pod's replica-index label, through the downward
+API.
 
 Restart policy ``Never`` on every replica, deliberately: a rank restarted alone (by the kubelet, or by
 the training operator's OnFailure/ExitCode policies) cannot rejoin a running collective -- its peers are
@@ -44,6 +54,16 @@ MANAGED_BY = "trainguard-operator"
 #: Labels the Kubeflow training operator puts on the pods it creates.
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+#: The replica type of every rank (module docstring).
+REPLICA_TYPE = "Worker"
+#: Label on the pods of a Workers-only PyTorchJob: its value says Worker ``i`` is rank ``i``. Pods without
+#: it were rendered by an operator before this layout (Master 0 is rank 0, Worker ``i`` is rank ``i + 1``)
+#: and are still read that way, so an upgrade does not misnumber a running attempt.
+RANK_LAYOUT_LABEL = "trainguard.dev/ranks"
+RANKS_BY_WORKER_INDEX = "worker-index"
+#: The training container's port the training operator's per-replica Services expose, and its default.
+RENDEZVOUS_PORT_NAME = "pytorchjob-port"
+DEFAULT_RENDEZVOUS_PORT = 23456
 
 SIDECAR_CONTAINER = "trainguard-sidecar"
 SIDECAR_PORT_NAME = "tg-sidecar"
@@ -65,8 +85,8 @@ NCCL_FAIL_FAST: Mapping[str, str] = {
 }
 
 #: The longest PyTorchJob name: the training operator names pods and services ``<job>-worker-<index>``,
-#: which must be a DNS-1035 label (<= 63). ``replicas`` is at most 4096, so the index is at most 4094.
-MAX_JOB_NAME = 63 - len("-worker-4094")
+#: which must be a DNS-1035 label (<= 63). ``replicas`` is at most 4096, so the index is at most 4095.
+MAX_JOB_NAME = 63 - len("-worker-4095")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _HASH_CHARS = 8
 
@@ -328,9 +348,9 @@ def render_pod_template(
         timing["liveness_failure_threshold"],
         timing["timeout_seconds"],
     )
-    # No startup probe, on purpose. One on /readyz (503 until the first step) would keep the master pod
-    # unready until the gang steps, but the workers' init container waits for the master's headless
-    # Service name to resolve, and cluster DNS publishes ready pods only: the gang would never start.
+    # No startup probe, on purpose. One on /readyz (503 until the first step) would keep Worker 0's pod
+    # unready until the gang steps, but the other ranks connect to Worker 0's headless Service name, and
+    # cluster DNS publishes ready pods only: the gang would never start.
     # /healthz already grants the startup grace before the first step. A startup probe of the user's
     # would hold the liveness probe off beyond that grace, so it goes too.
     worker.pop("startupProbe", None)
@@ -349,6 +369,48 @@ KUBEFLOW_NODE = NodeLaunch(
     master_addr="$(MASTER_ADDR)",
     master_port="$(MASTER_PORT)",
 )
+
+
+def _rendezvous_port(worker: dict[str, Any]) -> int:
+    """The training container's rendezvous port: the user's ``pytorchjob-port``, or the training
+    operator's default, added to the container as its defaulting would."""
+    ports = worker.setdefault("ports", [])
+    if not isinstance(ports, list) or not all(isinstance(port, dict) for port in ports):
+        raise RenderError(f"spec.template.spec.containers[{WORKER_CONTAINER}].ports: not a list of ports")
+    for port in ports:
+        if port.get("name") == RENDEZVOUS_PORT_NAME:
+            number = port.get("containerPort")
+            if not isinstance(number, int) or not 0 < number < 65536:
+                raise RenderError(
+                    f"spec.template.spec.containers[{WORKER_CONTAINER}].ports[{RENDEZVOUS_PORT_NAME}]"
+                    f".containerPort: {number!r} is not a port number"
+                )
+            return number
+    ports.append({"name": RENDEZVOUS_PORT_NAME, "containerPort": DEFAULT_RENDEZVOUS_PORT, "protocol": "TCP"})
+    return DEFAULT_RENDEZVOUS_PORT
+
+
+def _add_rendezvous(template: dict[str, Any], pytorchjob: str, world_size: int) -> None:
+    """torch.distributed's variables on the training container, as the training operator sets them when
+    there is a Master (module docstring), replacing any of the user's: the host is Worker 0's Service
+    (``<pytorchjob>-worker-0``), the rank is the pod's replica index (read by the downward API: one
+    template serves every Worker), and ``PET_*`` repeat them for a ``torchrun`` of the user's own."""
+    template["metadata"]["labels"][RANK_LAYOUT_LABEL] = RANKS_BY_WORKER_INDEX
+    worker = next(c for c in template["spec"]["containers"] if c.get("name") == WORKER_CONTAINER)
+    host = f"{pytorchjob}-{REPLICA_TYPE.lower()}-0"
+    port = str(_rendezvous_port(worker))
+    rank = {"fieldRef": {"apiVersion": "v1", "fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}}
+    owned: list[dict[str, Any]] = [
+        {"name": "MASTER_ADDR", "value": host},
+        {"name": "MASTER_PORT", "value": port},
+        {"name": "PET_MASTER_ADDR", "value": host},
+        {"name": "PET_MASTER_PORT", "value": port},
+        {"name": "WORLD_SIZE", "value": str(world_size)},
+        {"name": "RANK", "valueFrom": rank},
+        {"name": "PET_NODE_RANK", "valueFrom": copy.deepcopy(rank)},
+    ]
+    names = {item["name"] for item in owned}
+    worker["env"] = [item for item in worker.get("env", []) if item.get("name") not in names] + owned
 
 
 def _run_under_torchrun(worker: dict[str, Any]) -> None:
@@ -382,12 +444,8 @@ def render_pytorchjob(
         job, attempt, remediation, settings, checkpoint_seconds, history, avoid_node
     )
 
-    def replica(count: int) -> dict[str, Any]:
-        return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(template)}
-
-    replicas: dict[str, Any] = {"Master": replica(1)}
-    if job.spec.replicas > 1:
-        replicas["Worker"] = replica(job.spec.replicas - 1)
+    _add_rendezvous(template, name, job.spec.replicas * job.spec.nproc_per_node)
+    replicas = {REPLICA_TYPE: {"replicas": job.spec.replicas, "restartPolicy": "Never", "template": template}}
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,
         "kind": PYTORCHJOB_KIND,

@@ -579,7 +579,7 @@ def test_pods_the_operator_renders_pass_the_restricted_profile(custom: Rendered)
     owner = Owner(name="tiny-lm-demo", namespace="team-a", uid="5e1b5c4e-0000-4000-8000-000000000001")
     rendered = render_pytorchjob(job, owner, 1, None, settings)
     replicas = rendered["spec"]["pytorchReplicaSpecs"]
-    assert set(replicas) == {"Master", "Worker"}
+    assert set(replicas) == {"Worker"}
     for kind, replica in replicas.items():
         spec = replica["template"]["spec"]
         assert any(c["name"] == "trainguard-sidecar" for c in spec.get("initContainers", [])), kind

@@ -94,7 +94,7 @@ def test_the_operators_worker_pods_pass_restricted_pod_security(
         assert sidecar["restartPolicy"] == "Always"  # a native sidecar, kept by this API server
 
     # A pod that breaks the profile is refused by the same admission: the check above can fail.
-    bad = copy.deepcopy(manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
+    bad = copy.deepcopy(manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"])
     bad["spec"]["initContainers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
     refused = dry_run_pod(control_plane, WORKLOADS, "worker-bad", bad)
     assert refused.returncode != 0

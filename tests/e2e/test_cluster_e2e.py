@@ -148,8 +148,9 @@ def test_the_example_job_trains_to_success(
     assert status["step"] == 60, status
     assert status["lastCleanCheckpoint"]["step"] == 60
 
-    # The training operator made the gang: pods and headless Services named after the replicas, the
-    # worker's init container found the master by its Service name through the node's DNS.
+    # The training operator made the gang: Workers only, pods and headless Services named after the
+    # replicas, and rank 1 found rank 0 by its Service name through the node's DNS (no init container
+    # waits for it: the render's docstring).
     # (The training operator marks its PyTorchJob a moment after the ranks exit, which is when the
     # trainguard operator may have seen it already.)
     pytorchjob = namespace.wait(
@@ -162,18 +163,19 @@ def test_the_example_job_trains_to_success(
         timeout=60,
     )
     assert pytorchjob["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
-    master = cluster.get("pod", f"{JOB}-1-master-0", namespace.name)
-    worker = cluster.get("pod", f"{JOB}-1-worker-0", namespace.name)
-    assert master is not None
-    assert worker is not None
-    assert master["status"]["phase"] == worker["status"]["phase"] == "Succeeded"
-    assert cluster.get("service", f"{JOB}-1-master-0", namespace.name) is not None
-    init = {s["name"]: s for s in worker["status"]["initContainerStatuses"]}
-    assert init["init-pytorch"]["state"]["terminated"]["exitCode"] == 0
+    assert set(pytorchjob["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
+    rank0 = cluster.get("pod", f"{JOB}-1-worker-0", namespace.name)
+    rank1 = cluster.get("pod", f"{JOB}-1-worker-1", namespace.name)
+    assert rank0 is not None
+    assert rank1 is not None
+    assert rank0["status"]["phase"] == rank1["status"]["phase"] == "Succeeded"
+    assert cluster.get("service", f"{JOB}-1-worker-0", namespace.name) is not None
+    init = {s["name"]: s for s in rank1["status"]["initContainerStatuses"]}
+    assert set(init) == {"trainguard-sidecar"}
     assert init["trainguard-sidecar"]["state"]["terminated"]  # stopped after the worker finished
-    assert master["status"]["podIP"] != worker["status"]["podIP"]
+    assert rank0["status"]["podIP"] != rank1["status"]["podIP"]
     # The sidecar is the chart's image, which the operator was told through the chart's values.
-    sidecar = next(c for c in worker["spec"]["initContainers"] if c["name"] == "trainguard-sidecar")
+    sidecar = next(c for c in rank1["spec"]["initContainers"] if c["name"] == "trainguard-sidecar")
     assert sidecar["image"] == cluster.node.images["trainguard"]
 
     # The gang's checkpoints are on the shared volume, both ranks' files in each.
@@ -185,7 +187,7 @@ def test_the_example_job_trains_to_success(
     }
 
     # kubectl logs reaches the kubelet's API through the API server.
-    logs = cluster.kubectl("logs", f"{JOB}-1-master-0", "-n", namespace.name, "-c", "pytorch", "--tail=5")
+    logs = cluster.kubectl("logs", f"{JOB}-1-worker-0", "-n", namespace.name, "-c", "pytorch", "--tail=5")
     assert "[rank 0] tiny_lm: done in" in logs, logs
     # stdout and stderr reach the log through separate pipes, so their order in it is not the order
     # the script wrote them in: find the summary (the one JSON line) rather than take the last line.
@@ -282,17 +284,17 @@ def test_a_nan_burst_rolls_back_and_a_hang_while_the_operator_is_down_is_killed_
         namespace.wait("the operator to stop", lambda: not cluster.operator_pods(), timeout=60)
         terminated = namespace.wait(
             "the kubelet to kill the hung worker",
-            lambda: namespace.container_terminated(f"{JOB}-1-worker-0"),
+            lambda: namespace.container_terminated(f"{JOB}-1-worker-1"),
             timeout=400,
         )
         # Nobody deleted the pod: the kubelet killed it on its own.
-        worker = cluster.get("pod", f"{JOB}-1-worker-0", namespace.name)
+        worker = cluster.get("pod", f"{JOB}-1-worker-1", namespace.name)
         assert worker is not None
         assert "deletionTimestamp" not in worker["metadata"], worker["metadata"]
     finally:
         cluster.kubectl("scale", deployment, "-n", operator.namespace, "--replicas=1")
     assert terminated["exitCode"] in (137, 143), terminated  # SIGTERM, or SIGKILL after the grace
-    worker_events = namespace.events(f"{JOB}-1-worker-0")
+    worker_events = namespace.events(f"{JOB}-1-worker-1")
     unhealthy = [e for e in worker_events if e["reason"] == "Unhealthy"]
     assert any("Liveness probe failed" in e["message"] and "503" in e["message"] for e in unhealthy), (
         unhealthy
@@ -324,7 +326,7 @@ def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_gang_restarts(
     namespace.apply(documents)
     killed = namespace.wait(
         "the kernel to OOM-kill the leaking worker",
-        lambda: namespace.container_terminated(f"{JOB}-1-worker-0"),
+        lambda: namespace.container_terminated(f"{JOB}-1-worker-1"),
         timeout=400,
     )
     assert killed["reason"] == "OOMKilled", killed
@@ -466,7 +468,7 @@ def test_a_hang_is_blamed_on_the_hung_rank_at_its_learned_timeout_and_a_repeated
     failure = hung["lastFailure"]
     assert (failure["reason"], failure["rank"]) == ("Hung", 1), failure
     # Named first, or (when only the waiting rank's sidecar had failed yet) as the likely cause.
-    culprit = re.escape(f"rank 1 (pod {JOB}-1-worker-0 on node {NODE_NAME})")
+    culprit = re.escape(f"rank 1 (pod {JOB}-1-worker-1 on node {NODE_NAME})")
     assert re.search(
         rf"^{culprit} hung at step \d+ in its own work|the likely cause is {culprit}, in its own work",
         failure["message"],
@@ -537,7 +539,7 @@ def test_a_rank_made_twice_as_slow_is_named_a_straggler_with_its_pod_and_node(
         return found if found and found.get("pod") else None
 
     found = namespace.wait("a straggler in the job's status", straggler, timeout=300)
-    assert (found["rank"], found["pod"], found["node"]) == (1, f"{JOB}-1-worker-0", NODE_NAME), found
+    assert (found["rank"], found["pod"], found["node"]) == (1, f"{JOB}-1-worker-1", NODE_NAME), found
     assert found["score"] > 1.5, found
     job = namespace.finished(timeout=300)
     diagnostics = e2e_cluster.diagnostics(namespace.name)
@@ -547,7 +549,7 @@ def test_a_rank_made_twice_as_slow_is_named_a_straggler_with_its_pod_and_node(
     detected = [e["message"] for e in namespace.events() if e["reason"] == "StragglerDetected"]
     # Once, unless a noisy window cleared it in between: always rank 1, with its pod and node.
     assert detected, namespace.events()
-    assert all(f"rank 1 (pod {JOB}-1-worker-0 on node {NODE_NAME}) is a straggler" in m for m in detected), (
+    assert all(f"rank 1 (pod {JOB}-1-worker-1 on node {NODE_NAME}) is a straggler" in m for m in detected), (
         detected
     )
     print(f"straggler: {found['message']}", file=sys.stderr)

@@ -122,18 +122,18 @@ def apply(plane: controlplane.ControlPlane, manifest: dict[str, Any]) -> None:
 def rank_pod(job: str, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s pod of attempt 1 of ``job``, labelled as the training operator labels it; it has
     no IP, so there is no sidecar to poll (no kubelet runs here: the test writes its status)."""
-    kind, index = ("master", 0) if rank == 0 else ("worker", rank - 1)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"{job}-1-{kind}-{index}",
+            "name": f"{job}-1-worker-{rank}",
             "namespace": NAMESPACE,
             "labels": {
                 "trainguard.dev/job": job,
                 "trainguard.dev/attempt": "1",
-                "training.kubeflow.org/replica-type": kind,
-                "training.kubeflow.org/replica-index": str(index),
+                "trainguard.dev/ranks": "worker-index",
+                "training.kubeflow.org/replica-type": "worker",
+                "training.kubeflow.org/replica-index": str(rank),
                 "training.kubeflow.org/job-name": f"{job}-1",
             },
         },
@@ -197,7 +197,7 @@ def test_the_operator_rides_out_an_api_server_restart_and_acts_on_changes_right_
     # A pod that fails right after: the operator's own pod watch is back (resumed, or listed again),
     # and its failure is acted on at once, not at the next probe period (30 s).
     ended = {"terminated": {"exitCode": 137, "reason": "Error", "startedAt": now, "finishedAt": now}}
-    set_state(plane, "before-1-worker-0", "Failed", ended)
+    set_state(plane, "before-1-worker-1", "Failed", ended)
     failed = time.monotonic()
     wait("before's failure acted on", lambda: deleted(plane, "pytorchjob", "before-1"), 10, log)
     acted = time.monotonic() - failed

@@ -78,7 +78,7 @@ async def test_render_poll_crash_restart_divergence_remediation_success(
         init = job1["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["initContainers"]
         assert [c["name"] for c in init] == [SIDECAR_CONTAINER]
         assert init[0]["image"] == "registry.example/trainguard:test"
-        assert job1["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "Never"
+        assert job1["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
 
         # The kubelet runs the pods; the workers step, and the operator reads them through the sidecars.
         sidecars.write(0, step=50, rollbacks=1, skipped_steps=4, samples_seen=1000, samples_dropped=0)
@@ -118,7 +118,7 @@ async def test_render_poll_crash_restart_divergence_remediation_success(
         assert env_of(job2)["TRAINGUARD_ATTEMPT"] == "2"
         assert "TRAINGUARD_REMEDIATION" not in env_of(job2)
         assert (
-            job2["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"]["labels"][ATTEMPT_LABEL]
+            job2["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["labels"][ATTEMPT_LABEL]
             == "2"
         )
         await eventually(

@@ -317,14 +317,13 @@ async def start_pods(emulator: kmock.KubernetesEmulator, job: dict[str, Any], ip
     """Create the pods of a PyTorchJob as the training operator would, Running at the given IPs."""
     names = []
     name = job["metadata"]["name"]
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     for rank, ip in enumerate(ips):
-        kind, index = ("Master", 0) if rank == 0 else ("Worker", rank - 1)
-        template = job["spec"]["pytorchReplicaSpecs"][kind]["template"]
-        pod_name = f"{name}-{kind.lower()}-{index}"
+        pod_name = f"{name}-worker-{rank}"
         labels = {
             **template["metadata"]["labels"],
-            REPLICA_TYPE_LABEL: kind.lower(),
-            REPLICA_INDEX_LABEL: str(index),
+            REPLICA_TYPE_LABEL: "worker",
+            REPLICA_INDEX_LABEL: str(rank),
             "training.kubeflow.org/job-name": name,
         }
         pod = {
@@ -395,5 +394,5 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def env_of(job: dict[str, Any]) -> dict[str, str]:
-    worker = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     return {e["name"]: e.get("value", "") for e in worker["env"]}

@@ -33,6 +33,8 @@ from trainguard_operator.reconcile import (
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
     JOB_LABEL,
+    RANK_LAYOUT_LABEL,
+    RANKS_BY_WORKER_INDEX,
     REPLICA_INDEX_LABEL,
     REPLICA_TYPE_LABEL,
     pytorchjob_name,
@@ -93,7 +95,6 @@ def pod(
     **status: Any,
 ) -> dict[str, Any]:
     """A pod as the training operator creates it and the kubelet reports it."""
-    kind, index = ("master", 0) if rank == 0 else ("worker", rank - 1)
     state: dict[str, Any] = {"running": {"startedAt": "2030-01-01T00:00:00Z"}}
     if exit_code is not None:
         state = {
@@ -107,13 +108,14 @@ def pod(
         phase = "Succeeded" if exit_code == 0 else "Failed"
     return {
         "metadata": {
-            "name": f"{pytorchjob_name(job, attempt)}-{kind}-{index}",
+            "name": f"{pytorchjob_name(job, attempt)}-worker-{rank}",
             "namespace": "research",
             "labels": {
                 JOB_LABEL: job,
                 ATTEMPT_LABEL: str(attempt),
-                REPLICA_TYPE_LABEL: kind,
-                REPLICA_INDEX_LABEL: str(index),
+                REPLICA_TYPE_LABEL: "worker",
+                REPLICA_INDEX_LABEL: str(rank),
+                RANK_LAYOUT_LABEL: RANKS_BY_WORKER_INDEX,
             },
         },
         "status": {
@@ -218,7 +220,7 @@ def condition(status: JobStatus, type_: str) -> tuple[str, str]:
 
 
 def env(job: Mapping[str, Any]) -> dict[str, str]:
-    worker = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     return {e["name"]: e.get("value", "") for e in worker["env"]}
 
 
@@ -251,7 +253,7 @@ def test_a_new_job_gets_attempt_one_rendered_and_owned() -> None:
     assert condition(status, "SpecInvalid") == ("False", "SpecValid")
     assert all(c.observed_generation == 1 for c in status.conditions)
     cluster.run_pods(1)
-    plan = cluster.step(T0 + timedelta(seconds=10), {"tiny-lm-1-master-0": report(step=42)})
+    plan = cluster.step(T0 + timedelta(seconds=10), {"tiny-lm-1-worker-0": report(step=42)})
     assert plan.action is PlanAction.NOTHING
     assert plan.requeue_seconds == 10  # probePeriodSeconds
     assert cluster.status.phase == "Running"
@@ -344,7 +346,7 @@ def test_a_diverged_status_on_the_sidecar_is_acted_on_before_the_exit_code() -> 
     diverged = report(
         alive=False, reason="worker phase is diverged", phase="diverged", message="6 rollbacks in 2000 steps"
     )
-    plan = cluster.step(T0 + timedelta(seconds=60), {"tiny-lm-1-worker-0": diverged})
+    plan = cluster.step(T0 + timedelta(seconds=60), {"tiny-lm-1-worker-1": diverged})
     assert plan.action is PlanAction.RESTART
     failure = cluster.status.last_failure
     assert failure is not None
@@ -356,7 +358,7 @@ def test_a_diverged_status_on_the_sidecar_is_acted_on_before_the_exit_code() -> 
 def test_a_hang_seen_by_the_sidecar_restarts_with_its_reason() -> None:
     cluster = started_cluster()
     why = "no step for 312.0 s (hang timeout 300 s), last step 4200"
-    plan = cluster.step(T0 + timedelta(seconds=400), {"tiny-lm-1-worker-0": report(alive=False, reason=why)})
+    plan = cluster.step(T0 + timedelta(seconds=400), {"tiny-lm-1-worker-1": report(alive=False, reason=why)})
     assert plan.action is PlanAction.RESTART
     failure = cluster.status.last_failure
     assert failure is not None
@@ -370,16 +372,16 @@ def test_a_hung_gang_is_stopped_at_once_unless_a_survivor_is_writing_a_checkpoin
     now = T0 + timedelta(seconds=400)
     why = "no step for 312.0 s (hang timeout 300 s), last step 4200"
     hung = report(alive=False, reason=why)
-    plan = started_cluster().step(now, {"tiny-lm-1-worker-0": hung})
+    plan = started_cluster().step(now, {"tiny-lm-1-worker-1": hung})
     assert (plan.action, plan.stop_pods_within_seconds) == (PlanAction.RESTART, 1)
     # Rank 0 waits in a collective with its write of the last checkpoint in flight (started 1 s ago,
     # its last write took 4 s): its pods get until that write is expected durable (2 x 4 - 1 + 1 s).
     writing = report(checkpoint_write_since=now.timestamp() - 1, checkpoint_seconds=4.0)
-    plan = started_cluster().step(now, {"tiny-lm-1-worker-0": hung, "tiny-lm-1-master-0": writing})
+    plan = started_cluster().step(now, {"tiny-lm-1-worker-1": hung, "tiny-lm-1-worker-0": writing})
     assert (plan.action, plan.stop_pods_within_seconds) == (PlanAction.RESTART, 8)
     # The hung rank's own write counts too: its process still runs.
     plan = started_cluster().step(
-        now, {"tiny-lm-1-worker-0": report(False, why, checkpoint_write_since=now.timestamp() - 1)}
+        now, {"tiny-lm-1-worker-1": report(False, why, checkpoint_write_since=now.timestamp() - 1)}
     )
     assert plan.stop_pods_within_seconds == 60  # its first write: nothing known, the pods' own grace
 
@@ -395,8 +397,8 @@ def test_a_hang_names_the_rank_in_its_own_work_with_its_pod_and_node_not_the_ran
     plan = cluster.step(
         T0 + timedelta(seconds=400),
         {
-            "tiny-lm-1-master-0": report(alive=False, reason=why, activity="collective", step=4200),
-            "tiny-lm-1-worker-0": report(alive=False, reason=why, activity="loop", step=4200),
+            "tiny-lm-1-worker-0": report(alive=False, reason=why, activity="collective", step=4200),
+            "tiny-lm-1-worker-1": report(alive=False, reason=why, activity="loop", step=4200),
         },
     )
     assert plan.action is PlanAction.RESTART
@@ -404,18 +406,18 @@ def test_a_hang_names_the_rank_in_its_own_work_with_its_pod_and_node_not_the_ran
     assert failure is not None
     assert (failure.reason, failure.rank) == ("Hung", 1)
     assert failure.message.startswith(
-        "rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung at step 4200 in its own work"
+        "rank 1 (pod tiny-lm-1-worker-1 on node node-b) hung at step 4200 in its own work"
     )
     assert failure.message.endswith("; rank 0 waited for it in a collective")
     hung = next(event for event in plan.events if event.reason == "Hung")
-    assert "rank 1 (pod tiny-lm-1-worker-0 on node node-b) hung at step 4200 in its own work" in hung.message
+    assert "rank 1 (pod tiny-lm-1-worker-1 on node node-b) hung at step 4200 in its own work" in hung.message
 
 
 def test_a_liveness_kill_carries_the_sidecars_reason() -> None:
     cluster = started_cluster()
     cluster.set_pod(pod(1, 1, exit_code=137))
     why = "no step for 331.0 s (hang timeout 300 s), last step 4200"
-    cluster.step(T0 + timedelta(seconds=400), {"tiny-lm-1-worker-0": report(alive=False, reason=why)})
+    cluster.step(T0 + timedelta(seconds=400), {"tiny-lm-1-worker-1": report(alive=False, reason=why)})
     failure = cluster.status.last_failure
     assert failure is not None
     assert failure.reason == "Crashed"
@@ -433,18 +435,18 @@ def test_oom_kill_is_named() -> None:
 
 
 @pytest.mark.parametrize(
-    ("master_finished", "worker_finished"),
+    ("rank0_finished", "rank1_finished"),
     [("2030-01-01T00:01:05Z", "2030-01-01T00:01:04Z"), ("2030-01-01T00:01:04Z", "2030-01-01T00:01:04Z")],
     ids=["worker-ended-first", "same-second"],
 )
 def test_a_peer_that_exited_1_after_an_oom_kill_is_not_blamed_for_it(
-    master_finished: str, worker_finished: str
+    rank0_finished: str, rank1_finished: str
 ) -> None:
     # The OOM-killed rank 1 took rank 0 down with it (exit 1 from the collective); the operator sees both
     # ended at its next look. The container's finishedAt is in whole seconds: a tie goes to the signal.
     cluster = started_cluster()
-    cluster.set_pod(pod(1, 0, exit_code=1, finished_at=master_finished))
-    cluster.set_pod(pod(1, 1, exit_code=137, container_reason="OOMKilled", finished_at=worker_finished))
+    cluster.set_pod(pod(1, 0, exit_code=1, finished_at=rank0_finished))
+    cluster.set_pod(pod(1, 1, exit_code=137, container_reason="OOMKilled", finished_at=rank1_finished))
     cluster.step(T0 + timedelta(seconds=60))
     failure = cluster.status.last_failure
     assert failure is not None
@@ -637,7 +639,7 @@ def test_a_diverged_final_status_counts_before_an_exit_code_of_the_teardown() ->
 
 def test_the_gangs_step_is_its_slowest_ranks() -> None:
     cluster = started_cluster()
-    sidecars = {"tiny-lm-1-master-0": report(step=2101), "tiny-lm-1-worker-0": report(step=2100)}
+    sidecars = {"tiny-lm-1-worker-0": report(step=2101), "tiny-lm-1-worker-1": report(step=2100)}
     cluster.step(T0 + timedelta(seconds=30), sidecars)
     assert cluster.status.step == 2100  # a step is done when every rank did it
 
@@ -658,7 +660,7 @@ def served(step: int, **fields: Any) -> dict[str, SidecarReport]:
     worker = {"phase": "running", "step": step, "started_at": 1.0, "last_step_time": 2.0, **fields}
     report = SidecarReport.from_document(json.dumps(sidecar_body(worker)))
     assert report.status is not None, report.reason
-    return {"tiny-lm-1-master-0": report}
+    return {"tiny-lm-1-worker-0": report}
 
 
 def test_a_checkpoint_reference_longer_than_the_crd_allows_is_clipped() -> None:
@@ -925,7 +927,7 @@ def test_spec_change_of_immutable_fields_is_refused_and_recovery_changes_apply()
     plan = cluster.step(T0 + timedelta(seconds=62))
     assert plan.create is not None
     replicas = plan.create["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["template"]["spec"]["containers"][0]["image"] == "registry.example/tiny-lm:1"
+    assert replicas["Worker"]["template"]["spec"]["containers"][0]["image"] == "registry.example/tiny-lm:1"
     # Reverting the change clears the condition.
     spec["template"]["spec"]["containers"][0]["image"] = "registry.example/tiny-lm:1"
     cluster.step(T0 + timedelta(seconds=70))
@@ -951,7 +953,7 @@ def test_a_change_of_replicas_is_accepted_and_takes_effect_at_the_next_gang_rest
     assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
     plan = cluster.step(T0 + timedelta(seconds=200))
     assert plan.create is not None
-    assert plan.create["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
+    assert plan.create["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
     assert "WorldSizeChanged" in reasons(plan)
     changed = next(e for e in plan.events if e.reason == "WorldSizeChanged")
     assert "spec.replicas 2 -> 4" in changed.message
@@ -1036,10 +1038,10 @@ def test_progress_from_the_sidecars_is_aggregated_and_rollbacks_and_recovery_are
     cluster = started_cluster()
     checkpoint = {"step": 2000, "path": "/ckpt/step-2000", "sha256": "ab" * 32, "time": 1893456000.0}
     sidecars = {
-        "tiny-lm-1-master-0": report(
+        "tiny-lm-1-worker-0": report(
             step=2100, rollbacks=1, skipped_steps=3, samples_seen=1000, samples_dropped=1
         ),
-        "tiny-lm-1-worker-0": report(
+        "tiny-lm-1-worker-1": report(
             step=2100,
             rollbacks=1,
             skipped_steps=3,
@@ -1066,9 +1068,9 @@ def test_progress_from_the_sidecars_is_aggregated_and_rollbacks_and_recovery_are
     cluster.step(T0 + timedelta(seconds=60))
     cluster.step(T0 + timedelta(seconds=70))
     cluster.run_pods(2)
-    not_yet = {"tiny-lm-2-master-0": report(last_step_time=None, phase="starting")}
+    not_yet = {"tiny-lm-2-worker-0": report(last_step_time=None, phase="starting")}
     assert cluster.step(T0 + timedelta(seconds=80), not_yet).recovered_seconds is None
-    stepping = {"tiny-lm-2-master-0": report(step=2010, started_at=100.0, last_step_time=150.0)}
+    stepping = {"tiny-lm-2-worker-0": report(step=2010, started_at=100.0, last_step_time=150.0)}
     plan = cluster.step(T0 + timedelta(seconds=100), stepping)
     assert plan.recovered_seconds == 40
     assert "Recovered" in reasons(plan)
@@ -1080,22 +1082,40 @@ def test_only_the_current_attempts_running_pods_are_polled() -> None:
     cluster = started_cluster()
     cluster.pods.append(pod(0 + 1, 1, job="another-job"))
     cluster.set_pod(pod(1, 1, exit_code=137))
-    assert pods_to_poll(cluster.body, cluster.pods) == [("tiny-lm-1-master-0", "10.0.0.1")]
+    assert pods_to_poll(cluster.body, cluster.pods) == [("tiny-lm-1-worker-0", "10.0.0.1")]
     assert pod_rank(pod(1, 3)) == 3
     assert pod_rank(pod(1, 0)) == 0
+
+
+def test_a_pods_rank_is_read_in_the_layout_its_pytorchjob_was_rendered_in() -> None:
+    # Workers only (this operator's PyTorchJobs): Worker i is rank i; a Master there is no rank of ours.
+    assert [pod_rank(pod(1, rank)) for rank in range(3)] == [0, 1, 2]
+    stray = pod(1, 0)
+    stray["metadata"]["labels"][REPLICA_TYPE_LABEL] = "master"
+    assert pod_rank(stray) is None
+    # An attempt an earlier operator rendered (Master 0 is rank 0, Worker i is rank i + 1), still running
+    # across an upgrade: its pods have no layout label.
+    for kind, index, rank in (("master", 0, 0), ("worker", 0, 1), ("worker", 2, 3)):
+        legacy = pod(1, 0)
+        legacy["metadata"]["name"] = f"tiny-lm-1-{kind}-{index}"
+        legacy["metadata"]["labels"] |= {REPLICA_TYPE_LABEL: kind, REPLICA_INDEX_LABEL: str(index)}
+        del legacy["metadata"]["labels"][RANK_LAYOUT_LABEL]
+        assert pod_rank(legacy) == rank, (kind, index)
+        legacy["metadata"]["labels"] = {}
+        assert pod_rank(legacy) == rank, ("from the name", kind, index)
     unlabeled = pod(1, 2)
-    unlabeled["metadata"]["labels"] = {}
-    assert pod_rank(unlabeled) == 2  # from the name, <job>-worker-1
+    unlabeled["metadata"]["labels"] = {REPLICA_INDEX_LABEL: "-1"}
+    assert pod_rank(unlabeled) == 3  # no replica type: from the name, an earlier operator's Worker 2
 
 
 def test_last_transition_time_moves_only_when_the_status_changes() -> None:
     cluster = started_cluster()
-    cluster.step(T0 + timedelta(seconds=20), {"tiny-lm-1-master-0": report()})
+    cluster.step(T0 + timedelta(seconds=20), {"tiny-lm-1-worker-0": report()})
     running = cluster.status.condition("Running")
     assert running is not None
     assert running.status == "True"
     first = running.last_transition_time
-    cluster.step(T0 + timedelta(seconds=50), {"tiny-lm-1-master-0": report(step=500)})
+    cluster.step(T0 + timedelta(seconds=50), {"tiny-lm-1-worker-0": report(step=500)})
     running = cluster.status.condition("Running")
     assert running is not None
     assert running.last_transition_time == first
@@ -1119,9 +1139,9 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def master(attempt: int, step: int, resumed: int = 0, **status: Any) -> dict[str, SidecarReport]:
+def rank0(attempt: int, step: int, resumed: int = 0, **status: Any) -> dict[str, SidecarReport]:
     """Rank 0's sidecar of ``attempt`` reporting ``step``, resumed from checkpoint step ``resumed``."""
-    return {f"tiny-lm-{attempt}-master-0": report(step=step, resumed_step=resumed, **status)}
+    return {f"tiny-lm-{attempt}-worker-0": report(step=step, resumed_step=resumed, **status)}
 
 
 def test_goodput_loses_the_work_after_the_checkpoint_a_restart_resumed_from() -> None:
@@ -1131,19 +1151,19 @@ def test_goodput_loses_the_work_after_the_checkpoint_a_restart_resumed_from() ->
     assert cluster.status.job_started_at == "2030-01-01T00:00:00.000000Z"
     assert cluster.status.goodput == 0.0  # nothing kept yet
     cluster.run_pods(1)
-    cluster.step(at(10), master(1, 10))
-    cluster.step(at(110), master(1, 110))
+    cluster.step(at(10), rank0(1, 10))
+    cluster.step(at(110), rank0(1, 110))
     assert cluster.status.goodput == 1.0  # extrapolated back to its resume step 0: all 110 s kept
     # Rank 1 crashes at t=110; the gang restarts after the 10 s backoff.
     cluster.set_pod(pod(1, 1, exit_code=137))
-    assert cluster.step(at(110), master(1, 110)).action is PlanAction.RESTART
+    assert cluster.step(at(110), rank0(1, 110)).action is PlanAction.RESTART
     assert cluster.step(at(115)).action is PlanAction.WAIT
     assert cluster.status.goodput == round(110 / 115, 4)  # backoff is wall time, not kept time
     assert cluster.step(at(120)).action is PlanAction.CREATE
     # Attempt 2 resumed from the checkpoint at step 50: steps 50..110 of attempt 1 are redone, lost.
     cluster.run_pods(2)
-    cluster.step(at(140), master(2, 60, resumed=50))
-    cluster.step(at(240), master(2, 160, resumed=50))
+    cluster.step(at(140), rank0(2, 60, resumed=50))
+    cluster.step(at(240), rank0(2, 160, resumed=50))
     # Kept: steps 0..50 of attempt 1 (50 s) and 50..160 of attempt 2 (110 s, from t=130) over 240 s.
     assert cluster.status.goodput == round(160 / 240, 4)
     history = cluster.status.step_history
@@ -1167,13 +1187,13 @@ def test_the_status_gives_the_rate_the_eta_to_max_steps_and_the_time_lost_to_rec
     cluster = Cluster.of()
     cluster.step(at(0))
     cluster.run_pods(1)
-    cluster.step(at(10), master(1, 10, max_steps=1000))
-    cluster.step(at(110), master(1, 110, max_steps=1000))
+    cluster.step(at(10), rank0(1, 10, max_steps=1000))
+    cluster.step(at(110), rank0(1, 110, max_steps=1000))
     st = cluster.status
     assert (st.max_steps, st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1000, 1.0, 890, 0.0)
     assert (st.eta, st.lost) == ("14m50s", "0s")  # what `kubectl get gtj` prints
     cluster.set_pod(pod(1, 1, exit_code=137))
-    assert cluster.step(at(110), master(1, 110, max_steps=1000)).action is PlanAction.RESTART
+    assert cluster.step(at(110), rank0(1, 110, max_steps=1000)).action is PlanAction.RESTART
     cluster.step(at(115))
     st = cluster.status
     # Restarting: no rate, no ETA (nothing steps); what is lost so far is the backoff.
@@ -1182,8 +1202,8 @@ def test_the_status_gives_the_rate_the_eta_to_max_steps_and_the_time_lost_to_rec
     assert "stepsPerSecond" not in cluster.body["status"]
     cluster.step(at(120))
     cluster.run_pods(2)
-    cluster.step(at(140), master(2, 60, resumed=50, max_steps=1000))
-    cluster.step(at(240), master(2, 160, resumed=50, max_steps=1000))
+    cluster.step(at(140), rank0(2, 60, resumed=50, max_steps=1000))
+    cluster.step(at(240), rank0(2, 160, resumed=50, max_steps=1000))
     st = cluster.status
     # 1 step/s again: 840 steps to go. Lost: 240 s of wall time, 160 s of it on kept steps (goodput's).
     assert (st.steps_per_second, st.eta_seconds, st.lost_seconds) == (1.0, 840, 80.0)
@@ -1195,8 +1215,8 @@ def test_without_a_declared_end_there_is_a_rate_but_no_eta() -> None:
     cluster = Cluster.of()
     cluster.step(at(0))
     cluster.run_pods(1)
-    cluster.step(at(10), master(1, 10))
-    cluster.step(at(30), master(1, 50))
+    cluster.step(at(10), rank0(1, 10))
+    cluster.step(at(30), rank0(1, 50))
     assert (cluster.status.steps_per_second, cluster.status.eta_seconds) == (2.0, None)
 
 
@@ -1204,15 +1224,15 @@ def test_goodput_counts_steps_made_after_the_last_look_that_the_next_attempt_res
     cluster = Cluster.of()
     cluster.step(at(0))
     cluster.run_pods(1)
-    cluster.step(at(10), master(1, 10))
-    cluster.step(at(100), master(1, 100))
+    cluster.step(at(10), rank0(1, 10))
+    cluster.step(at(100), rank0(1, 100))
     # A checkpoint at step 104 is written after the last look, then rank 0 crashes at t=105.
     cluster.set_pod(pod(1, 0, exit_code=1))
     cluster.step(at(105))
     cluster.step(at(115))
     cluster.run_pods(2)
-    cluster.step(at(130), master(2, 110, resumed=104))
-    cluster.step(at(170), master(2, 150, resumed=104))
+    cluster.step(at(130), rank0(2, 110, resumed=104))
+    cluster.step(at(170), rank0(2, 150, resumed=104))
     # Attempt 1 reached 104 at ~t=104 (its own rate), attempt 2 went 104..150 in 46 s: 150 s of 170.
     assert cluster.status.goodput == round(150 / 170, 4)
 
@@ -1225,22 +1245,22 @@ def test_goodput_after_a_hang_that_followed_a_checkpoint_matches_the_hand_comput
     cluster.step(at(0))
     cluster.run_pods(1)
     for t in range(10, 81, 10):
-        cluster.step(at(t), master(1, t))
+        cluster.step(at(t), rank0(1, t))
     for t in range(90, 121, 10):
-        cluster.step(at(t), master(1, 80))
+        cluster.step(at(t), rank0(1, 80))
     hung = report(alive=False, reason="no step for 38 s (hang timeout 30 s), last step 80", step=80)
-    assert cluster.step(at(130), {"tiny-lm-1-master-0": hung}).action is PlanAction.RESTART
+    assert cluster.step(at(130), {"tiny-lm-1-worker-0": hung}).action is PlanAction.RESTART
     assert cluster.step(at(140)).action is PlanAction.CREATE  # after the 10 s backoff
     # Attempt 2 resumed from 90; seen at step 100 (t=150) and 150 (t=250): 2 s a step after a quick
     # start, so at that rate step 90 would be at t=130 -- before attempt 2 was created.
     cluster.run_pods(2)
-    plan = cluster.step(at(150), master(2, 100, resumed=90))
+    plan = cluster.step(at(150), rank0(2, 100, resumed=90))
     recovered = [e.message for e in plan.events if e.reason == "Recovered"]
     assert recovered == [
         "attempt 2 is training again at step 100, resumed from step 90 (attempt 1 was last seen at "
         "step 80: 0 step(s) redone), 20 s after the failure"
     ]
-    cluster.step(at(250), master(2, 150, resumed=90))
+    cluster.step(at(250), rank0(2, 150, resumed=90))
     # By hand: steps 0..90 took 90 s in attempt 1 (its rate, carried on from 80 to the checkpoint
     # attempt 2 resumed from); steps 90..150 took 110 s in attempt 2, from its creation at t=140 at the
     # earliest. Kept 200 s of 250 s.
@@ -1251,10 +1271,10 @@ def test_goodput_discards_steps_undone_by_a_rollback() -> None:
     cluster = Cluster.of()
     cluster.step(at(0))
     cluster.run_pods(1)
-    cluster.step(at(10), master(1, 10))
-    cluster.step(at(100), master(1, 100))
-    cluster.step(at(110), master(1, 80, rollbacks=1))  # rolled back to the snapshot at step 80
-    cluster.step(at(130), master(1, 100, rollbacks=1))
+    cluster.step(at(10), rank0(1, 10))
+    cluster.step(at(100), rank0(1, 100))
+    cluster.step(at(110), rank0(1, 80, rollbacks=1))  # rolled back to the snapshot at step 80
+    cluster.step(at(130), rank0(1, 100, rollbacks=1))
     history = cluster.status.step_history
     assert history is not None
     assert [(r.attempt, r.resumed_step, r.first_step, r.last_step) for r in history] == [
@@ -1274,9 +1294,9 @@ def test_the_step_history_in_the_status_is_bounded() -> None:
     for _ in range(30):
         for _ in range(10):
             step, clock = step + 1, clock + 1
-            cluster.step(at(clock), master(1, step))
+            cluster.step(at(clock), rank0(1, step))
         step, clock = step - 5, clock + 1
-        cluster.step(at(clock), master(1, step))
+        cluster.step(at(clock), rank0(1, step))
     status = cluster.status
     assert status.step_history is not None
     assert len(status.step_history) == MAX_RECORDS
@@ -1382,7 +1402,7 @@ def test_any_object_content_gives_a_plan_never_an_exception_nor_a_hot_loop(
             }
         }
     ]
-    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document(sidecar_document)}
+    sidecars = {"tiny-lm-1-worker-0": SidecarReport.from_document(sidecar_document)}
     world = World(body=body, jobs=jobs if crd else None, pods=pods, sidecars=sidecars, now=T0)
     plan = reconcile(world, SETTINGS)
     assert plan.requeue_seconds >= MIN_REQUEUE_SECONDS
@@ -1435,7 +1455,7 @@ def test_any_termination_message_or_sidecar_status_gives_a_plan_never_an_excepti
         if code is not None:
             ended["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
         cluster.pods.append(ended)  # beside the running pod of the same rank: two pods, one rank
-    sidecars = {"tiny-lm-1-master-0": SidecarReport.from_document(sidecar_body(live))}
+    sidecars = {"tiny-lm-1-worker-0": SidecarReport.from_document(sidecar_body(live))}
     plan = cluster.plan(T0 + timedelta(seconds=30), sidecars)
     assert plan.requeue_seconds >= MIN_REQUEUE_SECONDS
     json.dumps(plan.patch)
@@ -1476,7 +1496,7 @@ def straggler_cluster(action: str) -> Cluster:
 
 def paced(rank2: float) -> dict[str, SidecarReport]:
     """The three ranks' sidecars: ranks 0 and 1 compute 0.1 s a step, rank 2 ``rank2`` s (best 0.1)."""
-    names = ["tiny-lm-1-master-0", "tiny-lm-1-worker-0", "tiny-lm-1-worker-1"]
+    names = ["tiny-lm-1-worker-0", "tiny-lm-1-worker-1", "tiny-lm-1-worker-2"]
     computes = [0.1, 0.1, rank2]
     return {
         name: report(rank=rank, world_size=3, compute_seconds=compute, best_compute_seconds=0.1)
@@ -1490,9 +1510,9 @@ def test_a_straggler_is_named_in_the_status_an_event_and_the_metric_and_only_rep
     assert plan.action is PlanAction.NOTHING
     found = cluster.status.straggler
     assert found is not None
-    assert (found.rank, found.pod, found.node, found.score) == (2, "tiny-lm-1-worker-1", "node-c", 2.0)
+    assert (found.rank, found.pod, found.node, found.score) == (2, "tiny-lm-1-worker-2", "node-c", 2.0)
     assert found.own_score == 2.0
-    assert "rank 2 (pod tiny-lm-1-worker-1 on node node-c) is a straggler" in found.message
+    assert "rank 2 (pod tiny-lm-1-worker-2 on node node-c) is a straggler" in found.message
     assert cluster.status.straggler_scores == [0.667, 0.667, 2.0]  # 0.1 over the median of 0.1 and 0.2
     assert reasons(plan) == ["StragglerDetected"]
     assert "node-c" in plan.events[0].message

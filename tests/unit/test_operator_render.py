@@ -18,6 +18,9 @@ from trainguard_operator.render import (
     JOB_LABEL,
     MAX_JOB_NAME,
     NCCL_FAIL_FAST,
+    RANK_LAYOUT_LABEL,
+    RANKS_BY_WORKER_INDEX,
+    REPLICA_INDEX_LABEL,
     SIDECAR_CONTAINER,
     STATUS_DIR,
     STATUS_FILE,
@@ -64,6 +67,17 @@ def env_of(container: Mapping[str, Any]) -> dict[str, Any]:
     return {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
 
 
+RENDEZVOUS_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "PET_NODE_RANK",
+)
+
+
 def named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
     (found,) = [item for item in items if item["name"] == name]
     return found
@@ -81,12 +95,12 @@ def test_the_strict_schema_catches_what_the_api_server_would_prune() -> None:
     manifest = render_pytorchjob(load(gtj_manifest()), OWNER, 1, None, SETTINGS)
     assert schema_errors(manifest) == []
     broken = copy.deepcopy(manifest)
-    broken["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["initContainers"][-1][
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["initContainers"][-1][
         "restartPolicyy"
     ] = "Always"
     assert any("restartPolicyy" in e for e in schema_errors(broken))
     broken = copy.deepcopy(manifest)
-    broken["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "one"
     assert schema_errors(broken)
 
 
@@ -138,11 +152,9 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         }
     ]
     specs = manifest["spec"]["pytorchReplicaSpecs"]
-    assert specs["Master"]["replicas"] == 1
-    if replicas == 1:
-        assert "Worker" not in specs
-    else:
-        assert specs["Worker"]["replicas"] == replicas - 1
+    # Workers only: Worker i is rank i, and no init container waits for a Master (render's docstring).
+    assert set(specs) == {"Worker"}
+    assert specs["Worker"]["replicas"] == replicas
     assert manifest["spec"]["runPolicy"] == {"cleanPodPolicy": "None"}
 
     settings_json = job.spec.guardian_settings().model_dump_json(by_alias=True)
@@ -151,7 +163,12 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         pod = template["spec"]
         assert pod["restartPolicy"] == "Never"
         labels = template["metadata"]["labels"]
-        assert labels == {"team": "nlp", JOB_LABEL: "tiny-lm", ATTEMPT_LABEL: str(attempt)}
+        assert labels == {
+            "team": "nlp",
+            JOB_LABEL: "tiny-lm",
+            ATTEMPT_LABEL: str(attempt),
+            RANK_LAYOUT_LABEL: RANKS_BY_WORKER_INDEX,
+        }
         assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
         worker = named(pod["containers"], "pytorch")
@@ -183,6 +200,18 @@ def test_rendered_pytorchjob_is_valid_and_complete(
                 "lrScale": 0.25,
                 "maxGradNorm": 0.2,
             }
+        # ...torch.distributed's rendezvous, which the training operator sets only with a Master...
+        rank = {"fieldRef": {"apiVersion": "v1", "fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}}
+        assert {k: env[k] for k in RENDEZVOUS_ENV} == {
+            "MASTER_ADDR": f"tiny-lm-{attempt}-worker-0",
+            "MASTER_PORT": "23456",
+            "PET_MASTER_ADDR": f"tiny-lm-{attempt}-worker-0",
+            "PET_MASTER_PORT": "23456",
+            "WORLD_SIZE": str(replicas),
+            "RANK": rank,
+            "PET_NODE_RANK": rank,
+        }
+        assert named(worker["ports"], "pytorchjob-port")["containerPort"] == 23456
         # ...and the NCCL fail-fast settings, unless the user set them.
         expected_nccl = dict(NCCL_FAIL_FAST)
         if nccl_override:
@@ -207,7 +236,7 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         # A hung worker cannot checkpoint: its probe's kill is short, the pod's stop grace stays long.
         assert liveness["terminationGracePeriodSeconds"] == 5
         assert pod["terminationGracePeriodSeconds"] >= 60
-        # Nothing may hold the master's readiness until the gang steps (see render_pod_template).
+        # Nothing may hold Worker 0's readiness until the gang steps (see render_pod_template).
         assert "startupProbe" not in worker
         assert "readinessProbe" not in worker
 
@@ -265,7 +294,7 @@ def test_the_worker_environment_matches_the_local_runner(tmp_path: Path) -> None
     order = RemediationOrder.introduced_by(2, Remediation())
     manifest = render_pytorchjob(job, OWNER, 2, order, SETTINGS, history=history)
     worker = named(
-        manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"], "pytorch"
+        manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"], "pytorch"
     )
     rendered = {k: v for k, v in env_of(worker).items() if k.startswith("TRAINGUARD_")}
     assert set(rendered) == set(local)  # both hand a worker a termination-message file too
@@ -299,7 +328,7 @@ def test_a_first_attempt_tells_the_worker_it_has_no_failure_history_like_the_loc
     local = runner.worker_env(0, 29500, tmp_path / "s.json")
     manifest = render_pytorchjob(job, OWNER, 1, None, SETTINGS)
     worker = named(
-        manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"], "pytorch"
+        manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"], "pytorch"
     )
     rendered = env_of(worker)
     for key in ("TRAINGUARD_RESTARTS", "TRAINGUARD_RUN_SECONDS"):
@@ -314,7 +343,7 @@ def test_the_sidecar_environment_matches_the_local_runner(tmp_path: Path) -> Non
     runner = LocalRunner(job, checkpoint_root=tmp_path, run_dir=tmp_path)
     local = {k: v for k, v in runner.sidecar_env(tmp_path / "s.json").items() if k.startswith("TRAINGUARD_")}
     manifest = render_pytorchjob(job, OWNER, 1, None, SETTINGS)
-    pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     rendered = env_of(named(pod["initContainers"], SIDECAR_CONTAINER))
     own = {STATUS_FILE_ENV, SIDECAR_PORT_ENV, SIDECAR_HOST_ENV}
     assert set(rendered) - own == set(local) - own
@@ -332,7 +361,7 @@ def test_trainguard_variables_replace_the_users_like_the_local_runner() -> None:
         {"name": "TRAINGUARD_ATTEMPT", "value": "9"},
     ]
     manifest = render_pytorchjob(load(gtj_manifest(env=env)), OWNER, 1, None, SETTINGS)
-    worker = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    worker = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     names = [e["name"] for e in worker["env"]]
     assert names.count("TRAINGUARD_STATUS_FILE") == 1
     assert env_of(worker)["TRAINGUARD_STATUS_FILE"] == STATUS_FILE
@@ -365,7 +394,7 @@ def test_liveness_probe_timing_for_any_period() -> None:
         template["spec"]["containers"][0]["startupProbe"] = {"exec": {"command": ["true"]}}
         manifest["spec"]["template"] = template
         rendered = render_pytorchjob(load(manifest), OWNER, 1, None, SETTINGS)
-        worker = rendered["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+        worker = rendered["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
         assert worker["livenessProbe"]["periodSeconds"] == period
         assert worker["livenessProbe"]["timeoutSeconds"] == min(5, period)
         assert "startupProbe" not in worker  # the user's would hold the liveness probe off
@@ -405,7 +434,7 @@ def test_names_are_dns_labels_for_any_job_name_and_attempt(name: str, attempt: i
     assert len(job) <= MAX_JOB_NAME
     assert is_dns1035_label(job), job
     # The training operator's pod and service names for every replica index a job can have.
-    for suffix in ("-master-0", "-worker-0", "-worker-4094"):
+    for suffix in ("-worker-0", "-worker-4095"):
         assert is_dns1035_label(job + suffix), job + suffix
     assert pytorchjob_name(name, attempt) == job  # stable: recomputed after an operator restart
 
@@ -431,7 +460,7 @@ def test_the_kubernetes_example_is_valid_and_renders() -> None:
     job = load_job(example)
     manifest = render_pytorchjob(job, Owner("tiny-lm", "default", "uid"), 1, None, SETTINGS)
     assert schema_errors(manifest) == []
-    assert manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == job.spec.replicas == 2
     documents = list(yaml.safe_load_all(example.read_text()))
     (claim,) = [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
     assert claim["metadata"]["name"] == job.spec.checkpoint.claim_name
@@ -452,8 +481,43 @@ def test_processes_per_pod_run_under_torchrun_with_the_training_operators_number
         assert "args" not in worker
         sidecar = named(pod["initContainers"], SIDECAR_CONTAINER)
         assert env_of(sidecar)["TRAINGUARD_LOCAL_RANKS"] == "4"
+        # torchrun's world: the gang's processes, the training operator's number for nprocPerNode.
+        assert env_of(worker)["WORLD_SIZE"] == "8"
     single = render_pytorchjob(load(gtj_manifest()), OWNER, 1, None, SETTINGS)
     assert "nprocPerNode" not in single["spec"]
+
+
+def test_the_rendezvous_replaces_the_users_variables_and_keeps_the_users_port() -> None:
+    """The gang's rendezvous is trainguard's: a user's stale MASTER_ADDR or RANK would split the gang. A
+    port the user named for the training operator stays the rendezvous port."""
+    env = [*USER_ENV, {"name": "MASTER_ADDR", "value": "elsewhere"}, {"name": "RANK", "value": "3"}]
+    job = gtj_manifest(env=env)
+    job["spec"]["template"]["spec"]["containers"][0]["ports"] = [
+        {"name": "metrics", "containerPort": 8000},
+        {"name": "pytorchjob-port", "containerPort": 29500},
+    ]
+    manifest = render_pytorchjob(load(job), OWNER, 2, None, SETTINGS)
+    assert schema_errors(manifest) == []
+    worker = named(
+        manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"], "pytorch"
+    )
+    found = env_of(worker)
+    assert len(found) == len(worker["env"]), "an env name appears twice"
+    assert (found["MASTER_ADDR"], found["MASTER_PORT"]) == ("tiny-lm-2-worker-0", "29500")
+    assert found["RANK"] == {
+        "fieldRef": {"apiVersion": "v1", "fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}
+    }
+    assert [p["containerPort"] for p in worker["ports"]] == [8000, 29500]
+
+
+@pytest.mark.parametrize("port", ["23456", 0, 70000, None])
+def test_a_rendezvous_port_that_is_no_port_is_refused_by_name(port: Any) -> None:
+    job = gtj_manifest()
+    job["spec"]["template"]["spec"]["containers"][0]["ports"] = [
+        {"name": "pytorchjob-port", "containerPort": port}
+    ]
+    with pytest.raises(RenderError, match=r"containers\[pytorch\]\.ports\[pytorchjob-port\]\.containerPort"):
+        render_pytorchjob(load(job), OWNER, 1, None, SETTINGS)
 
 
 def test_processes_per_pod_need_a_python_command() -> None:

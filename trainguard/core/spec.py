@@ -337,7 +337,10 @@ class GuardedTrainingJobSpec(_Model):
         1,
         ge=1,
         le=4096,
-        description="Worker pods; rank 0 is the master (at most 4096: pod names stay DNS-1035 labels).",
+        description=(
+            "Worker pods, one per node rank; rank 0 hosts the rendezvous (at most 4096: pod names stay "
+            "DNS-1035 labels)."
+        ),
     )
     nproc_per_node: int = Field(
         1,
