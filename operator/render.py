@@ -112,10 +112,9 @@ def is_dns1035_label(value: str) -> bool:
 def pytorchjob_name(job_name: str, attempt: int) -> str:
     """The PyTorchJob name of ``attempt`` of ``job_name``: ``<job>-<attempt>`` when that fits.
 
-    The result, and the training operator's ``<result>-master-0`` / ``<result>-worker-N`` pod and service
-    names, are DNS-1035 labels for any job name of at most 63 characters. A name that is too long, or
-    does not start with a letter, is shortened to a prefix plus a hash of the whole name, so distinct jobs
-    keep distinct names.
+    The result, and the training operator's ``<result>-worker-N`` pod and service names, are DNS-1035
+    labels for any job name of at most 63 characters. A name that is too long, or does not start with a
+    letter, is shortened to a prefix plus a hash of the whole name, so distinct jobs keep distinct names.
     """
     if attempt < 1 or attempt >= 10**12:
         raise ValueError(f"attempt must be in [1, 10^12), got {attempt}")
