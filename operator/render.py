@@ -9,12 +9,12 @@ the training container that asks the sidecar.
 
 Workers only, deliberately: with a Master replica the training operator (1.9) gives every Worker an init
 container that polls the Master's Service name every 2 s until cluster DNS publishes it, which it does
-only once the Master pod is Ready. That put the Master's whole start in front of every Worker's (on the
-test node, most of the 8 s from a gang restart's new pods to their ``Initialized``). Without a Master the
-pods start side by side and only torch.distributed's own connect waits for Worker 0 (it retries), by then
-usually long up. The training operator sets ``MASTER_ADDR``, ``RANK`` and ``WORLD_SIZE`` only when there
-is a Master, so trainguard sets them: the rank from the pod's replica-index label, through the downward
-API.
+only once the Master pod is Ready. That put the Master's whole start in front of every Worker's: on the
+test node a gang restart's new pods took 8 s to their training container with a Master, 1 s without.
+Without a Master the pods start side by side and only torch.distributed's own connect waits for Worker 0
+(it retries), by then usually long up. The training operator sets ``MASTER_ADDR``, ``RANK`` and
+``WORLD_SIZE`` only when there is a Master, so trainguard sets them: the rank from the pod's
+replica-index label, through the downward API.
 
 Restart policy ``Never`` on every replica, deliberately: a rank restarted alone (by the kubelet, or by
 the training operator's OnFailure/ExitCode policies) cannot rejoin a running collective -- its peers are
