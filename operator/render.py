@@ -144,14 +144,21 @@ def _env_map(env: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, 
     return {str(item.get("name")): item for item in env or []}
 
 
+def _replacing_env(
+    existing: Sequence[Mapping[str, Any]] | None, owned: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The user's env without the variables ``owned`` names, then ``owned`` (values or ``valueFrom``)."""
+    names = {item["name"] for item in owned}
+    return [dict(item) for item in existing or [] if item.get("name") not in names] + list(owned)
+
+
 def _worker_env(
     existing: Sequence[Mapping[str, Any]] | None, owned: Mapping[str, str], defaults: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """The worker's env: the user's, trainguard's own variables replacing any of the same name (as the
     local runner does: the status path and settings must agree with the sidecar and the spec), then the
     NCCL defaults the user did not set."""
-    result = [dict(item) for item in existing or [] if item.get("name") not in owned]
-    result += [{"name": name, "value": value} for name, value in owned.items()]
+    result = _replacing_env(existing, [{"name": name, "value": value} for name, value in owned.items()])
     user = _env_map(existing)
     result += [{"name": name, "value": value} for name, value in defaults.items() if name not in user]
     return result
@@ -408,8 +415,7 @@ def _add_rendezvous(template: dict[str, Any], pytorchjob: str, world_size: int) 
         {"name": "RANK", "valueFrom": rank},
         {"name": "PET_NODE_RANK", "valueFrom": copy.deepcopy(rank)},
     ]
-    names = {item["name"] for item in owned}
-    worker["env"] = [item for item in worker.get("env", []) if item.get("name") not in names] + owned
+    worker["env"] = _replacing_env(worker.get("env"), owned)
 
 
 def _run_under_torchrun(worker: dict[str, Any]) -> None:
