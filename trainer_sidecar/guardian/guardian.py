@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils.data import DataLoader
@@ -150,6 +150,21 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def end_worker(gang: Gang, code: int, error: SystemExit) -> NoReturn:
+    """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping the
+    interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its threads still hold
+    work, or the store's) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to 40
+    under load (destroy_process_group first did not change that); the orchestrator needs the code. The
+    status and the message are published before this is called. With one process, ``error`` (a
+    SystemExit carrying the code) is raised, for the script or the interpreter to handle."""
+    if gang.distributed:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise error
+
+
 class Guardian:
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
@@ -213,7 +228,7 @@ class Guardian:
                 self._continue_at(self._start_step)
         except ConfigError as exc:
             report_config_error(config, exc)
-            raise
+            end_worker(Gang.current(), ExitCode.CONFIG_ERROR, exc)
         self._begin()
 
     # ------------------------------------------------------------------------------------- set-up ---
@@ -1235,8 +1250,11 @@ class Guardian:
 
     def _misused(self, error: ConfigError) -> None:
         """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
-        configuration error, published before it is raised."""
+        configuration error, published, then the worker ends (``end_worker``; with one process the caller
+        raises ``error``)."""
         self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
+        if self.gang.distributed:
+            end_worker(self.gang, ExitCode.CONFIG_ERROR, error)
 
     def _report_end(self, phase: Phase, message: str, code: int) -> None:
         """Publish the worker's final phase, message and exit code, in the status and the termination
@@ -1246,18 +1264,9 @@ class Guardian:
         self._publish(force=True)
         self._reporter.write_termination_message()
 
-    def _exit_now(self, code: int, error: SystemExit) -> None:
-        """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping
-        the interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its worker threads
-        still hold DDP's work) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to
-        40 under load (destroy_process_group first did not change that); the orchestrator needs the code.
-        With one process, ``error`` (a SystemExit carrying the code) is raised."""
-        if self.gang.distributed:
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        raise error
+    def _exit_now(self, code: int, error: SystemExit) -> NoReturn:
+        """End the worker with ``code`` (``end_worker``)."""
+        end_worker(self.gang, code, error)
 
     def _check_validation(self, when: str) -> None:
         if self.validate is None:
