@@ -12,12 +12,14 @@ its 1 s poll period; the API server's for pods, to the second):
 - ``recover_s``: the last step before the fault to the first step of the next attempt, in all;
 - ``detect_s``: that last step to the failure the operator recorded (the hang timeout, for a hang);
 - ``restart_s``: the failure to the next attempt's pods being created (old gang deleted, backoff);
+  ``lastFailure.time`` is whole seconds (cut, as Kubernetes' timestamps are), so the split between these
+  two moves by up to a second: a crash's ``detect_s`` can read slightly negative;
 - ``pod_start_s``: the kubelet's share, those pods' creation to their training container running
   (scheduling, sandbox and network, the init containers, the sidecar), split by the latest pod's
-  conditions: ``to_scheduled_s`` (PodScheduled), ``to_sandbox_s`` (PodReadyToStartContainers: the
-  sandbox and its network), ``to_initialized_s`` (Initialized: the native sidecar started; no init
-  container waits for a Master, the PyTorchJob has Workers only), ``to_running_s`` (the training
-  container running);
+  conditions as read while the attempt runs (a finished pod's sandbox condition turns False):
+  ``to_scheduled_s`` (PodScheduled), ``to_sandbox_s`` (PodReadyToStartContainers: the sandbox and its
+  network), ``to_initialized_s`` (Initialized: the native sidecar started; no init container waits for a
+  Master, the PyTorchJob has Workers only), ``to_running_s`` (the training container running);
 - ``first_step_s``: the container running to its first step (Python, torch, the rendezvous, the
   checkpoint), split by rank 0's log lines (the kubelet's timestamps; absent when a line is missing):
   ``to_corpus_s`` the container running to the script's first line (Python, torch, the rendezvous, the
@@ -51,14 +53,14 @@ FAULTS = {"hang": "hang@35:1", "crash": "crash@35:0"}
 BACKOFF_SECONDS = 2
 
 
-def measure(namespace: JobNamespace, job: dict[str, Any]) -> dict[str, float]:
-    """The phases of the one recovery of a finished job (see the module's docstring)."""
+def measure(namespace: JobNamespace, job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, float]:
+    """The phases of the one recovery of a finished job (see the module's docstring); ``pods`` are the
+    second attempt's, as read while their training containers ran."""
     status = job["status"]
     history = {h["attempt"]: h for h in status["stepHistory"]}
     last_step = timestamp(history[1]["lastStepAt"])
     failed = timestamp(status["lastFailure"]["time"])
     first_step = timestamp(history[2]["firstStepAt"])
-    pods = namespace.cluster.items("pods", namespace.name, "trainguard.dev/attempt=2")
     created = min(timestamp(p["metadata"]["creationTimestamp"]) for p in pods)
     running = []
     for pod in pods:
@@ -142,12 +144,27 @@ def run_once(cluster: test_cluster.Cluster, kind: str, index: int, volume: Path)
         health = FAST_HANG_DETECTION if kind == "hang" else None
         recovery = {"maxRestarts": 2, "backoffSeconds": [BACKOFF_SECONDS]}
         namespace.apply(example(faults=FAULTS[kind], health=health, recovery=recovery))
+        pods = namespace.wait("attempt 2 training", lambda: attempt_running(namespace), timeout=600)
         job = namespace.finished(timeout=600)
         if not condition(job, "Succeeded") or job["status"]["restarts"] != 1:
             raise RuntimeError(f"{kind} run {index}: {json.dumps(job['status'])[:2000]}")
-        return measure(namespace, job)
+        return measure(namespace, job, pods)
     finally:
         namespace.delete()
+
+
+def attempt_running(namespace: JobNamespace, attempt: int = 2, ranks: int = 2) -> list[dict[str, Any]]:
+    """``attempt``'s pods once all ``ranks`` of them have their training container started (else
+    empty)."""
+    pods = namespace.cluster.items("pods", namespace.name, f"trainguard.dev/attempt={attempt}")
+    started = [
+        pod
+        for pod in pods
+        for container in pod.get("status", {}).get("containerStatuses") or []
+        if container["name"] == "pytorch"
+        and ("running" in container["state"] or "terminated" in container["state"])
+    ]
+    return started if len(started) == ranks else []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
