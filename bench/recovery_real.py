@@ -9,7 +9,11 @@ step 35: ``hang@35:1`` (rank 1 stops stepping; a 4 s hang timeout, polled every 
 For each run it prints, from the job's status and the attempt's pods (the operator's clock for steps, to
 its 1 s poll period; the API server's for pods, to the second):
 
-- ``recover_s``: the last step before the fault to the first step of the next attempt, in all;
+- ``recover_s``: the last step before the fault to the first step of the next attempt, in all, as the
+  operator saw them: at its polls of the sidecars, every probe period (1 s for the hang, 2 s for the
+  crash), so either end can read late by up to that;
+- ``recover_log_s``: the same on the kubelet's clock, rank 0's last step line of the first attempt to
+  its first of the second (the example logs every step here), read while the pods run;
 - ``detect_s``: that last step to the failure the operator recorded (the hang timeout, for a hang);
 - ``restart_s``: the failure to the next attempt's pods being created (old gang deleted, backoff);
   ``lastFailure.time`` is whole seconds (cut, as Kubernetes' timestamps are), so the split between these
@@ -38,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,9 +59,9 @@ FAULTS = {"hang": "hang@35:1", "crash": "crash@35:0"}
 BACKOFF_SECONDS = 2
 
 
-def measure(namespace: JobNamespace, job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, float]:
+def measure(job: dict[str, Any], pods: list[dict[str, Any]], logs: LogTail) -> dict[str, float]:
     """The phases of the one recovery of a finished job (see the module's docstring); ``pods`` are the
-    second attempt's, as read while their training containers ran."""
+    second attempt's, as read while their training containers ran, and ``logs`` its pods' logs."""
     status = job["status"]
     history = {h["attempt"]: h for h in status["stepHistory"]}
     last_step = timestamp(history[1]["lastStepAt"])
@@ -89,12 +95,18 @@ def measure(namespace: JobNamespace, job: dict[str, Any], pods: list[dict[str, A
     (container,) = [s for s in rank0["status"]["containerStatuses"] if s["name"] == "pytorch"]
     state = container["state"].get("running") or container["state"].get("terminated") or {}
     mark = timestamp(state["startedAt"])
-    lines = log_times(namespace, f"{JOB}-2-worker-0")
+    old, new = logs.lines(f"{JOB}-1-worker-0"), logs.lines(f"{JOB}-2-worker-0")
+    last_logged = [at for at, text in old if STEP_LINE.search(text)]
+    first_logged = next((at for at, text in new if STEP_LINE.search(text)), None)
+    if last_logged and first_logged is not None:
+        phases["recover_log_s"] = first_logged - last_logged[-1]
     for phase, text in LOG_MARKS:
-        if text not in lines:
+        at = next((at for at, line in new if text in line), None)
+        if at is None:
             return phases
-        phases[phase], mark = lines[text] - mark, lines[text]
-    phases["to_step_s"] = first_step - mark
+        phases[phase], mark = at - mark, at
+    if first_logged is not None:
+        phases["to_step_s"] = first_logged - mark
     return phases
 
 
@@ -122,34 +134,79 @@ LOG_MARKS = (
 )
 
 
-def log_times(namespace: JobNamespace, pod: str) -> dict[str, float]:
-    """When each of ``LOG_MARKS``' texts first appeared in the ``pytorch`` container's log of ``pod``, by
-    the kubelet's timestamps (Unix seconds)."""
-    found: dict[str, float] = {}
-    logs = namespace.cluster.node.pod_logs_dir.glob(f"{namespace.name}_{pod}_*/pytorch/*.log")
-    for log in sorted(logs):
-        for line in log.read_text(errors="replace").splitlines():
-            stamp, _, rest = line.partition(" ")
-            for _, text in LOG_MARKS:
-                if text in rest and text not in found:
-                    whole, _, fraction = stamp.rstrip("Z").partition(".")
-                    found[text] = timestamp(f"{whole}.{fraction[:6] or '0'}Z")
-    return found
+#: A step line of the example's rank 0 (``--log-every 1``: every step it applied).
+STEP_LINE = re.compile(r"\bstep \d+ loss ")
+
+
+class LogTail:
+    """The ``pytorch`` containers' logs of one namespace's pods on the node, read while they are written: a
+    pod's log goes with the pod, and the first attempt's pods are deleted before the job ends."""
+
+    def __init__(self, logs_dir: Path, namespace: str, period: float = 0.2) -> None:
+        self._logs_dir, self._namespace, self._period = logs_dir, namespace, period
+        self._read: dict[Path, int] = {}
+        self._partial: dict[Path, str] = {}
+        self._lines: dict[str, list[tuple[float, str]]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="log-tail", daemon=True)
+        self._thread.start()
+
+    def lines(self, pod: str) -> list[tuple[float, str]]:
+        """``pod``'s lines so far, each with the kubelet's timestamp (Unix seconds)."""
+        self._poll()
+        with self._lock:
+            return list(self._lines.get(pod, []))
+
+    def stop(self) -> None:
+        """Stop reading (what was read stays)."""
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period):
+            self._poll()
+
+    def _poll(self) -> None:
+        with self._lock:
+            for log in sorted(self._logs_dir.glob(f"{self._namespace}_*/pytorch/*.log")):
+                pod = log.parent.parent.name.split("_")[1]
+                try:
+                    with log.open("rb") as file:
+                        file.seek(self._read.get(log, 0))
+                        chunk = file.read()
+                except OSError:  # removed with its pod
+                    continue
+                self._read[log] = self._read.get(log, 0) + len(chunk)
+                text = self._partial.pop(log, "") + chunk.decode(errors="replace")
+                *whole, rest = text.split("\n")
+                if rest:
+                    self._partial[log] = rest
+                for line in whole:
+                    stamp, _, message = line.partition(" ")
+                    seconds, _, fraction = stamp.rstrip("Z").partition(".")
+                    try:
+                        at = timestamp(f"{seconds}.{fraction[:6] or '0'}Z")
+                    except ValueError:
+                        continue
+                    self._lines.setdefault(pod, []).append((at, message))
 
 
 def run_once(cluster: test_cluster.Cluster, kind: str, index: int, volume: Path) -> dict[str, float]:
     """One job with one fault of ``kind``; its recovery's phases."""
     namespace = JobNamespace.create(cluster, f"recovery-{kind}-{index}", volume)
+    logs = LogTail(cluster.node.pod_logs_dir, namespace.name)
     try:
         health = FAST_HANG_DETECTION if kind == "hang" else None
         recovery = {"maxRestarts": 2, "backoffSeconds": [BACKOFF_SECONDS]}
-        namespace.apply(example(faults=FAULTS[kind], health=health, recovery=recovery))
+        namespace.apply(example(faults=FAULTS[kind], health=health, recovery=recovery, log_every=1))
         pods = namespace.wait("attempt 2 training", lambda: attempt_running(namespace), timeout=600)
         job = namespace.finished(timeout=600)
         if not condition(job, "Succeeded") or job["status"]["restarts"] != 1:
             raise RuntimeError(f"{kind} run {index}: {json.dumps(job['status'])[:2000]}")
-        return measure(namespace, job, pods)
+        return measure(job, pods, logs)
     finally:
+        logs.stop()
         namespace.delete()
 
 

@@ -44,9 +44,11 @@ def example(
     guard: dict[str, Any] | None = None,
     memory_limit: str = "4Gi",
     command: list[str] | None = None,
+    log_every: int = 10,
 ) -> list[dict[str, Any]]:
-    """examples/k8s/job.yaml (its claim and its job), shortened for a test, with ``faults`` injected and,
-    given ``command``, the container's command replaced (its ``--max-steps``/``--log-every`` kept)."""
+    """examples/k8s/job.yaml (its claim and its job), shortened for a test, with ``faults`` injected, rank
+    0 logging every ``log_every`` steps and, given ``command``, the container's command replaced (its
+    ``--max-steps``/``--log-every`` kept)."""
     claim, job = (copy.deepcopy(d) for d in yaml.safe_load_all(EXAMPLE.read_text()))
     container = job["spec"]["template"]["spec"]["containers"][0]
     # Less than the example asks: the test node's 2 CPUs and its memory hold the gang and the operator.
@@ -58,7 +60,7 @@ def example(
     }
     arguments = container["command"][2:]
     arguments[arguments.index("--max-steps") + 1] = str(steps)
-    arguments[arguments.index("--log-every") + 1] = "10"
+    arguments[arguments.index("--log-every") + 1] = str(log_every)
     container["command"] = [*(command or container["command"][:2]), *arguments]
     # Two ranks share the machine's two cores: one thread each, or they fight for them.
     container["env"] = [{"name": "OMP_NUM_THREADS", "value": "1"}]
