@@ -257,7 +257,8 @@ def test_a_runner_killed_while_its_spares_wait_leaves_nothing_running(tmp_path: 
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (spares := spare_processes(str(tmp_path))) and time.monotonic() < deadline:
+        # The runner starts the two spares one after the other: wait for both, not for the first.
+        while len(spares := spare_processes(str(tmp_path))) < 2 and time.monotonic() < deadline:
             assert runner.poll() is None
             time.sleep(0.2)
         assert len(spares) == 2
@@ -280,7 +281,7 @@ def test_a_spare_that_died_is_replaced_by_a_cold_start(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
-    while not (spares := spare_processes(str(tmp_path))) and time.monotonic() < deadline:
+    while len(spares := spare_processes(str(tmp_path))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in spares:
         os.kill(pid, signal.SIGKILL)
