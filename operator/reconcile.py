@@ -64,10 +64,10 @@ from trainguard_operator.status import (
 )
 
 from trainer_sidecar.contract.settings import RemediationOrder
+from trainer_sidecar.contract.stopping import broken_gang_grace_seconds
 from trainguard.core.observation import GangView, SidecarReport
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, StragglerObservation, decide
 from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, StragglerStatus, parse_job
-from trainguard.core.stopping import broken_gang_grace_seconds
 from trainguard.core.summary import duration_text
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
@@ -139,7 +139,7 @@ class Plan:
     #: gang (a hung rank, ranks waiting on a dead or hung peer) cannot reach a step boundary to
     #: checkpoint, so the pods' own long grace, meant for evictions in which every rank can, would only
     #: hold the restart up: a second, or what a checkpoint write in flight needs to finish
-    #: (``trainguard.core.stopping``).
+    #: (``contract.stopping``).
     stop_pods_within_seconds: int | None = None
     events: tuple[EventNote, ...] = ()
     write_status_first: bool = False
@@ -659,7 +659,7 @@ class _Step:
         )
 
     def broken_gang_grace(self, gang: GangReading) -> int:
-        """The stop grace of the gang's pods after it lost a rank (``trainguard.core.stopping``): a second,
+        """The stop grace of the gang's pods after it lost a rank (``contract.stopping``): a second,
         unless a rank still running reported a checkpoint write in flight; at most the pods' own."""
         alive = (r.rank for r in gang.ranks if r.exit_code is None and not r.lost)
         ceiling = stop_grace_seconds(None, self.st.checkpoint_seconds)

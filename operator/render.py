@@ -131,7 +131,7 @@ def pytorchjob_name(job_name: str, attempt: int) -> str:
 
 #: Seconds a worker killed by its failed liveness probe (a hang) gets between SIGTERM and SIGKILL, and
 #: the pods of a gang given up on that an operator restarted in between finds still running. A gang the
-#: operator stops itself after it lost a rank gets ``trainguard.core.stopping``'s grace instead.
+#: operator stops itself after it lost a rank gets ``trainer_sidecar.contract.stopping``'s grace instead.
 HUNG_WORKER_GRACE_SECONDS = 5
 #: Label the Kubeflow training operator puts on a PyTorchJob's pods: the PyTorchJob's name.
 PYTORCHJOB_NAME_LABEL = "training.kubeflow.org/job-name"

@@ -54,7 +54,7 @@ from tests.support.operator_harness import (
 )
 from tests.support.paths import REPO_ROOT as ROOT
 from trainer_sidecar.contract.status import Phase
-from trainguard.core.stopping import BROKEN_GANG_GRACE_SECONDS
+from trainer_sidecar.contract.stopping import BROKEN_GANG_GRACE_SECONDS
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 

@@ -2124,7 +2124,7 @@ def test_a_quickly_stepping_guardian_writes_its_status_no_more_often_than_the_in
 def test_the_status_says_since_when_a_checkpoint_write_is_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What a stop of a broken gang waits for (trainguard.core.stopping): set while the background write
+    # What a stop of a broken gang waits for (contract.stopping): set while the background write
     # runs, gone once it is durable.
     model = tiny_model()
     guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""The stop grace of a gang that lost a rank (``trainguard.core.stopping``)."""
+"""The stop grace of a gang that lost a rank (``trainer_sidecar.contract.stopping``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainguard.core.stopping import BROKEN_GANG_GRACE_SECONDS, WriteInFlight, broken_gang_grace_seconds
+from trainer_sidecar.contract.stopping import (
+    BROKEN_GANG_GRACE_SECONDS,
+    WriteInFlight,
+    broken_gang_grace_seconds,
+)
 
 NOW = 10_000.0
 WRITES = st.lists(

@@ -247,7 +247,7 @@ class WorkerStatus(BaseModel):
         None,
         description="When this rank's checkpoint write still in flight started (unix seconds; None: none "
         "in flight): a gang stopped because it lost a rank is given the time to finish it "
-        "(trainguard.core.stopping).",
+        "(trainer_sidecar.contract.stopping).",
     )
     activity: Annotated[Activity | None, BeforeValidator(_known_activity)] = Field(
         None,

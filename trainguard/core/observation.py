@@ -35,8 +35,8 @@ from typing import Any
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
+from trainer_sidecar.contract.stopping import WriteInFlight
 from trainguard.core.policy import RankObservation, StragglerObservation, killed_by_signal
-from trainguard.core.stopping import WriteInFlight
 from trainguard.core.straggler import RankPace, RankScore, score_ranks, worst_straggler
 
 #: Phases in which a rank has failed by its own account.
@@ -227,7 +227,7 @@ class GangView:
 
     def writes_in_flight(self, alive: Iterable[int]) -> tuple[WriteInFlight, ...]:
         """The checkpoint writes the ``alive`` ranks (whose processes still run: a dead rank's write died
-        with it) reported still in flight (``trainguard.core.stopping``): what a stop of the gang after
+        with it) reported still in flight (``contract.stopping``): what a stop of the gang after
         it lost a rank waits for."""
         running = set(alive)
         return tuple(

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trainer_sidecar.contract.settings import RemediationOrder
+from trainer_sidecar.contract.stopping import broken_gang_grace_seconds
 from trainguard.core.observation import GangView
 from trainguard.core.policy import Action, Decision, FailureKind, FailureSignature, Observation, decide
 from trainguard.core.spec import GuardedTrainingJob
-from trainguard.core.stopping import broken_gang_grace_seconds
 from trainguard.core.summary import Incident, RunFigures, RunRecord
 from trainguard.local.launch import StopSignals
 
@@ -332,7 +332,7 @@ class GangSupervisor(ABC):
         self._end()
 
     def _broken_gang_grace(self, look: Look) -> float:
-        """The stop grace of a gang that lost a rank (``trainguard.core.stopping``): a moment, unless a
+        """The stop grace of a gang that lost a rank (``contract.stopping``): a moment, unless a
         checkpoint write was in flight when its ranks last reported."""
         alive = (r.rank for r in look.observation.ranks if r.exit_code is None and not r.lost)
         writes = look.view.writes_in_flight(alive)
