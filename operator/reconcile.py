@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, job_pace, record_progress
 from trainguard_operator.pods import GangReading, as_int, labels, meta, read_gang
 from trainguard_operator.render import (
-    HUNG_WORKER_GRACE_SECONDS,
+    GIVEN_UP_GANG_GRACE_SECONDS,
     JOB_LABEL,
     FailureHistory,
     Owner,
@@ -398,7 +398,7 @@ class _Step:
             PlanAction.NOTHING,
             self.settings.crd_retry_seconds,
             delete=delete,
-            stop_pods_within_seconds=HUNG_WORKER_GRACE_SECONDS if delete else None,
+            stop_pods_within_seconds=GIVEN_UP_GANG_GRACE_SECONDS if delete else None,
             done=True,
             phase_reason=failed.reason if failed else phase.value,
             phase_message=message,

@@ -36,6 +36,7 @@ from typing import Any
 from trainguard_operator.settings import OperatorSettings
 
 from trainer_sidecar.contract.settings import RemediationOrder
+from trainer_sidecar.contract.stopping import BROKEN_GANG_GRACE_SECONDS
 from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.probes import probe_timing
 from trainguard.core.spec import API_VERSION, KIND, WORKER_CONTAINER, GuardedTrainingJob
@@ -129,10 +130,13 @@ def pytorchjob_name(job_name: str, attempt: int) -> str:
     return f"{head}-{digest}{suffix}" if head else f"tg-{digest}{suffix}"
 
 
-#: Seconds a worker killed by its failed liveness probe (a hang) gets between SIGTERM and SIGKILL, and
-#: the pods of a gang given up on that an operator restarted in between finds still running. A gang the
-#: operator stops itself after it lost a rank gets ``trainer_sidecar.contract.stopping``'s grace instead.
-HUNG_WORKER_GRACE_SECONDS = 5
+#: Seconds a worker killed by its failed liveness probe (a hang) gets between SIGTERM and SIGKILL: the
+#: moment a broken gang's ranks get (``trainer_sidecar.contract.stopping``). A hung worker cannot act on
+#: SIGTERM; what it can still finish, a checkpoint write in flight, holds the kill in the sidecar instead
+#: (its probe passes until the write is expected to be durable), because this grace is fixed in the pod.
+PROBE_KILL_GRACE_SECONDS = math.ceil(BROKEN_GANG_GRACE_SECONDS)
+#: Seconds the pods of a gang given up on get, when an operator restarted in between finds them running.
+GIVEN_UP_GANG_GRACE_SECONDS = 5
 #: Label the Kubeflow training operator puts on a PyTorchJob's pods: the PyTorchJob's name.
 PYTORCHJOB_NAME_LABEL = "training.kubeflow.org/job-name"
 
@@ -209,7 +213,7 @@ def _probe(path: str, port: int, period: int, failure_threshold: int, timeout: i
         # The sidecar fails liveness only after the hang timeout with no step and no busy section, so the
         # worker cannot act on SIGTERM: the pod's long stop grace (time for a checkpoint) would only delay
         # the gang's restart by that much. Kubernetes >= 1.28 lets the probe's kill have its own grace.
-        "terminationGracePeriodSeconds": HUNG_WORKER_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS,
     }
 
 

@@ -148,13 +148,40 @@ def test_hung_worker_fails_liveness_with_the_reason(serve: Serve, status_file: P
     assert "hang timeout 30 s" in body
     assert "last step 7" in body
     assert get(f"{server.url}/readyz")[0] == 503
-    document = get_json(f"{server.url}/status")
-    assert document["health"] == {
+    health = get_json(f"{server.url}/status")["health"]
+    # The same reason, but for its age (".1f" s), which moves on between the two requests under load.
+    assert health.pop("reason").split("s (hang timeout")[1] == body.strip().split("s (hang timeout")[1]
+    assert health == {
         "alive": False,
         "ready": False,
-        "reason": body.strip(),
         "hang_timeout_seconds": HANG,  # nothing learned: the worker published no gaps
+        "kill_held": False,
     }
+
+
+def test_a_hung_workers_checkpoint_write_in_flight_holds_its_kill(serve: Serve, status_file: Path) -> None:
+    # Hung, but a write it started 1 s ago is expected to finish (its last took 30 s): the kubelet's kill
+    # (a moment's grace) waits; the verdict the operator reads stays "not alive".
+    now = time.time()
+    write_status(
+        status_file,
+        worker_status(
+            step=7, last_step_time=now - 10 * HANG, checkpoint_write_since=now - 1, checkpoint_seconds=30.0
+        ),
+    )
+    server = serve()
+    code, body = get(f"{server.url}/healthz")
+    assert code == 200
+    assert body.startswith("no step for")
+    assert "the kill waits for its checkpoint write in flight for " in body
+    assert body.endswith("s (expected within 60 s)\n")
+    assert get(f"{server.url}/readyz")[0] == 503
+    health = get_json(f"{server.url}/status")["health"]
+    assert (health["alive"], health["kill_held"]) == (False, True)
+    assert value(scrape(server), "trainguard_worker_alive") == 0.0
+    # Once the status shows the write done (a worker that publishes again), the probe fails.
+    write_status(status_file, worker_status(step=7, last_step_time=now - 10 * HANG, checkpoint_seconds=30.0))
+    assert get(f"{server.url}/healthz")[0] == 503
 
 
 def test_worker_recovers_once_it_steps_again(serve: Serve, status_file: Path) -> None:

@@ -234,7 +234,7 @@ def test_rendered_pytorchjob_is_valid_and_complete(
         assert liveness["failureThreshold"] == 3
         assert liveness["timeoutSeconds"] == 5
         # A hung worker cannot checkpoint: its probe's kill is short, the pod's stop grace stays long.
-        assert liveness["terminationGracePeriodSeconds"] == 5
+        assert liveness["terminationGracePeriodSeconds"] == 1
         assert pod["terminationGracePeriodSeconds"] >= 60
         # Nothing may hold Worker 0's readiness until the gang steps (see render_pod_template).
         assert "startupProbe" not in worker

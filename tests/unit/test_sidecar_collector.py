@@ -247,6 +247,28 @@ def test_a_command_that_runs_torchrun_itself_is_judged_by_its_per_rank_files(tmp
     assert reading.health.reason.startswith("local rank 1: no step for")
 
 
+def test_a_pods_kill_waits_only_while_every_hung_rank_has_a_write_in_flight(tmp_path: Path) -> None:
+    clocks = FakeClocks()
+    source = pod(tmp_path, clocks, local_ranks=2)
+    files = [tmp_path / f"status-{rank}.json" for rank in range(2)]
+    for rank, path in enumerate(files):
+        write_status(path, local(rank, 5, clocks, checkpoint_seconds=10.0))
+    assert source.read().health.alive
+    stepped_at = clocks.wall
+    clocks.advance(HANG + 1)  # both hang; rank 0's write began a second ago (expected within 20 s)
+    writing: dict[str, Any] = {"checkpoint_write_since": clocks.wall - 1, "last_step_time": stepped_at}
+    write_status(files[0], local(0, 5, clocks, checkpoint_seconds=10.0, **writing))
+    write_status(files[1], local(1, 5, clocks, checkpoint_seconds=10.0, last_step_time=stepped_at))
+    health = source.read().health
+    assert (health.alive, health.kill_held) == (False, False)  # rank 1 has nothing to finish
+    writing = {"checkpoint_write_since": clocks.wall - 2, "last_step_time": stepped_at}
+    write_status(files[1], local(1, 5, clocks, checkpoint_seconds=10.0, **writing))
+    health = source.read().health
+    assert (health.alive, health.kill_held) == (False, True)
+    assert "local rank 0:" in health.reason
+    assert "local rank 1:" in health.reason
+
+
 def test_a_missing_expected_rank_file_is_reported_then_fails_the_pod(tmp_path: Path) -> None:
     clocks = FakeClocks()
     source = pod(tmp_path, clocks)

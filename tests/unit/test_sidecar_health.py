@@ -55,6 +55,9 @@ def worker(**fields: Any) -> WorkerStatus:
             id="rollback-busy-since-in-the-future",
         ),
         pytest.param({"updated_at": 1e300, "last_step_time": WALL0}, id="updated-in-the-future"),
+        pytest.param(
+            {"checkpoint_write_since": WALL0 + 3600, "last_step_time": WALL0}, id="write-in-the-future"
+        ),
     ],
 )
 def test_future_timestamps_get_the_grace_then_are_not_alive(fields: dict[str, Any]) -> None:
@@ -260,6 +263,139 @@ def test_tracking_ignores_what_is_not_progress() -> None:
     stepped = track(again, worker(step=11, steps_total=11), 3.0)
     assert (stepped.progress_since, stepped.stepped) == (3.0, True)
     assert track(stepped, None, 4.0) == stepped
+
+
+# --- the kubelet's kill of a hung worker waits for its checkpoint write in flight ----------------------
+
+
+def hung(sidecar: Sidecar, **fields: Any) -> Health:
+    """The verdict on a worker that stepped at the sidecar's start and not since, ``HANG + 1`` s later."""
+    sidecar.read(worker(last_step_time=sidecar.wall))
+    sidecar.advance(HANG + 1)
+    return sidecar.read(worker(last_step_time=WALL0, **fields))
+
+
+def test_a_hung_workers_kill_waits_while_its_write_is_expected_to_finish_and_not_longer() -> None:
+    sidecar = Sidecar()
+    # Its last write took 4 s; this one started 1 s before the hang was seen: expected within 8 s.
+    verdict = hung(sidecar, checkpoint_write_since=WALL0 + HANG, checkpoint_seconds=4.0)
+    assert not verdict.alive  # the verdict the operator acts on is unchanged
+    assert verdict.kill_held
+    assert verdict.liveness_passes
+    assert verdict.reason.startswith("no step for 31.0 s")
+    assert verdict.reason.endswith(
+        "the kill waits for its checkpoint write in flight for 1 s (expected within 8 s)"
+    )
+    sidecar.advance(6.5)
+    assert sidecar.read(
+        worker(last_step_time=WALL0, checkpoint_write_since=WALL0 + HANG, checkpoint_seconds=4.0)
+    ).kill_held
+    sidecar.advance(1.0)
+    late = sidecar.read(
+        worker(last_step_time=WALL0, checkpoint_write_since=WALL0 + HANG, checkpoint_seconds=4.0)
+    )
+    assert not late.kill_held
+    assert not late.liveness_passes
+    assert "the kill waits" not in late.reason
+
+
+def test_without_a_write_in_flight_a_hung_worker_fails_liveness_at_once() -> None:
+    verdict = hung(Sidecar(), checkpoint_seconds=4.0)
+    assert not verdict.alive
+    assert not verdict.kill_held
+    assert not verdict.liveness_passes
+
+
+def test_a_write_that_should_have_ended_holds_nothing() -> None:
+    # A hang that began after a write the status still shows (a hung main thread publishes nothing new).
+    verdict = hung(Sidecar(), checkpoint_write_since=WALL0 - 100, checkpoint_seconds=4.0)
+    assert not verdict.liveness_passes
+
+
+def test_a_first_write_holds_the_kill_for_at_most_the_startup_grace() -> None:
+    sidecar = Sidecar()
+    since = WALL0 + 1  # a write began a second after the last step, then the worker hung
+    assert hung(sidecar, checkpoint_write_since=since).kill_held  # no write finished yet: nothing known
+    sidecar.advance(GRACE - HANG - 3)
+    assert sidecar.read(worker(last_step_time=WALL0, checkpoint_write_since=since)).kill_held
+    sidecar.advance(3)
+    assert not sidecar.read(worker(last_step_time=WALL0, checkpoint_write_since=since)).liveness_passes
+
+
+def test_a_worker_renewing_its_write_cannot_hold_its_kill_past_the_sidecars_bound() -> None:
+    # Every reading claims a write started just now: held until the hang ceiling plus the startup grace
+    # after its last progress, whatever it claims.
+    sidecar = Sidecar()
+    hung(sidecar)
+    held_until = 0.0
+    for _ in range(int(GRACE + HANG) + 10):
+        verdict = sidecar.read(
+            worker(last_step_time=WALL0, checkpoint_write_since=sidecar.wall - 0.5, checkpoint_seconds=60.0)
+        )
+        assert not verdict.alive
+        if verdict.kill_held:
+            held_until = sidecar.monotonic
+        sidecar.advance(1.0)
+    assert GRACE + HANG - 1 <= held_until < GRACE + HANG
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"phase": Phase.DIVERGED, "message": "NaN loss"}, id="diverged"),
+        pytest.param({"phase": Phase.FAILED, "message": "config"}, id="failed"),
+    ],
+)
+def test_a_worker_that_failed_by_its_own_account_is_never_held(fields: dict[str, Any]) -> None:
+    sidecar = Sidecar()
+    sidecar.read(worker(last_step_time=sidecar.wall))
+    verdict = sidecar.read(worker(checkpoint_write_since=sidecar.wall, checkpoint_seconds=4.0, **fields))
+    assert not verdict.liveness_passes
+
+
+@given(
+    policy=st.builds(
+        HealthPolicy,
+        hang_timeout_seconds=st.floats(min_value=0.01, max_value=1e5, allow_nan=False),
+        startup_grace_seconds=st.floats(min_value=0.0, max_value=1e5, allow_nan=False),
+    ),
+    write_age=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    last_write=st.none() | st.floats(min_value=0.0, max_value=1e308, allow_nan=False, allow_infinity=False),
+    stalled=st.floats(min_value=0.0, max_value=1e6, allow_nan=False),
+    wall_offset=st.floats(min_value=-1e4, max_value=1e4, allow_nan=False),
+    phase=st.sampled_from([Phase.STARTING, Phase.RUNNING, Phase.ROLLING_BACK, Phase.BUSY]),
+)
+def test_a_held_kill_is_bounded_by_the_write_and_by_the_sidecars_own_limits(
+    policy: HealthPolicy,
+    write_age: float,
+    last_write: float | None,
+    stalled: float,
+    wall_offset: float,
+    phase: Phase,
+) -> None:
+    # The sidecar first sees the worker (its last progress) at monotonic 0, then ``stalled`` s later.
+    clocks = Clocks(monotonic=stalled, wall=WALL0 + stalled + wall_offset)
+    status = worker(
+        phase=phase,
+        last_step_time=WALL0,
+        busy_since=WALL0 if phase in (Phase.ROLLING_BACK, Phase.BUSY) else None,
+        checkpoint_write_since=clocks.wall - write_age,
+        checkpoint_seconds=last_write,
+    )
+    _, tracking = assess_health(Tracking.begin(0.0), status, "unreadable", Clocks(0.0, WALL0), policy)
+    health, _ = assess_health(tracking, status, "unreadable", clocks, policy)
+    assert status.checkpoint_write_since is not None
+    write_age = clocks.wall - status.checkpoint_write_since  # as rounded in the status
+    if health.kill_held:
+        assert not health.alive
+        assert health.liveness_passes
+        assert write_age < policy.startup_grace_seconds
+        assert stalled < policy.hang_timeout_seconds + policy.startup_grace_seconds
+        if last_write is not None:
+            assert write_age < 2 * last_write
+        assert "the kill waits for its checkpoint write in flight" in health.reason
+    else:
+        assert health.liveness_passes == health.alive
 
 
 # --- properties ----------------------------------------------------------------------------------------

@@ -381,14 +381,20 @@ Reason = Annotated[str, AfterValidator(_shorten_reason)]
 
 
 class HealthReport(BaseModel):
-    """The sidecar's verdict on its worker: ``alive`` is what ``/healthz`` answers, ``ready`` what
-    ``/readyz`` answers, ``reason`` why (also when both are true), and the hang timeout it judged by."""
+    """The sidecar's verdict on its worker: ``alive`` the liveness verdict, ``ready`` what ``/readyz``
+    answers, ``reason`` why (also when both are true), and the hang timeout it judged by. ``/healthz``
+    passes while ``alive`` or ``kill_held``."""
 
     model_config = ConfigDict(extra="ignore")
 
     alive: Annotated[bool, Strict()]
     ready: Annotated[bool, Strict()]
     reason: Reason = ""
+    kill_held: Annotated[bool, Strict()] = Field(
+        False,
+        description="Not alive, but the liveness probe still passes while the worker's checkpoint write in "
+        "flight is expected to finish (False from a sidecar older than this field).",
+    )
     hang_timeout_seconds: NonNegativeFloat | None = Field(
         None,
         description="The hang timeout the worker is judged by now: learned from its pace, between the "

@@ -10,6 +10,11 @@ finished a write yet (its first) gets the ceiling. Never more than ``ceiling`` (
 which already allows three times the longest write). Both runners use it: the local runner with its
 workers' status files, the operator with the sidecars' last reports.
 
+The sidecar uses the same expectation (``write_expected_by``) for the one stop it does not order: the
+kubelet's kill of a hung worker after its liveness probe failed. That kill's grace is fixed in the pod
+spec, so it is a moment too, and the sidecar keeps the probe passing while the hung rank's own write in
+flight is expected to finish (``trainer_sidecar.sidecar.health``).
+
 The worker's start time is on its own wall clock and ``now`` on the executor's: a skew between them
 moves the expectation by that much, inside the same bounds.
 """
@@ -46,8 +51,18 @@ def broken_gang_grace_seconds(
     between ``floor`` and ``ceiling`` (a ceiling below the floor gives the floor)."""
     grace = floor
     for write in writes:
-        last = write.last_write_seconds
-        if last is None or not math.isfinite(last) or not math.isfinite(write.since):
+        expected = write_expected_by(write)
+        if not math.isfinite(expected):
             return max(floor, ceiling)
-        grace = max(grace, write.since + WRITE_MARGIN * last + floor - now)
+        grace = max(grace, expected + floor - now)
     return max(floor, min(grace, ceiling))
+
+
+def write_expected_by(write: WriteInFlight) -> float:
+    """When ``write`` is expected to be durable (unix seconds, the worker's clock): its start plus
+    ``WRITE_MARGIN`` times the rank's last write. Infinite when nothing bounds it: no write completed yet,
+    or a time that is not a finite number."""
+    last = write.last_write_seconds
+    if last is None or not math.isfinite(last) or not math.isfinite(write.since):
+        return math.inf
+    return write.since + WRITE_MARGIN * last

@@ -16,6 +16,17 @@ them into a deadline with its own ceiling (``hang_timeout_seconds``) and floor
 ceiling to the floor, a stricter verdict, never a looser one. Only the running phase is judged by it:
 starting, rolling back and busy sections keep their own allowances, and a worker without a readable
 status is judged by the ceiling.
+
+**The kill waits for a checkpoint write in flight.** A worker judged not alive by a time limit (a hang, a
+busy section or a rollback overrun, no first step) may have a checkpoint write still running in the
+background: it needs no collective, and losing it costs a whole checkpoint interval. The kubelet kills
+such a worker with the probe's own grace, a moment (the worker cannot act on SIGTERM), so the liveness
+probe keeps passing (``Health.kill_held``) while that write is expected to finish by the rule the
+runners stop a broken gang by (``trainer_sidecar.contract.stopping``): twice the rank's last write from
+when this one started; the startup grace for its first. The verdict itself (``alive``, what the
+operator acts on) is unchanged. As with every claim of the worker, the hold is bounded by the sidecar's
+own settings: never longer than the startup grace from the write's start, and never past the hang
+timeout's ceiling plus the startup grace after the worker's last progress.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from dataclasses import dataclass, replace
 from trainer_sidecar.contract.allowance import OpenSection, busy_allowance
 from trainer_sidecar.contract.hang import hang_deadline
 from trainer_sidecar.contract.status import BusySection, Phase, WorkerStatus
+from trainer_sidecar.contract.stopping import WriteInFlight, write_expected_by
 
 #: How far in the future a worker's timestamp may be before it is implausible. The worker and its sidecar
 #: read the same host clock, so this only has to absorb the clock being stepped back a little.
@@ -78,11 +90,19 @@ class Clocks:
 
 @dataclass(frozen=True)
 class Health:
-    """A verdict on a worker: ``alive`` drives liveness, ``ready`` readiness; ``reason`` says why."""
+    """A verdict on a worker: ``alive`` drives liveness, ``ready`` readiness; ``reason`` says why.
+    ``kill_held``: not alive, but its liveness probe still passes while its checkpoint write in flight is
+    expected to finish (module docstring); never set on a worker judged alive."""
 
     alive: bool
     ready: bool
     reason: str
+    kill_held: bool = False
+
+    @property
+    def liveness_passes(self) -> bool:
+        """What ``/healthz`` answers: alive, or not alive with its kill held."""
+        return self.alive or self.kill_held
 
 
 @dataclass(frozen=True)
@@ -162,6 +182,7 @@ def implausible_timestamps(status: WorkerStatus, wall: float, clock_skew_seconds
         "updated_at": status.updated_at,
         "last_step_time": status.last_step_time,
         "busy_since": status.busy_since,
+        "checkpoint_write_since": status.checkpoint_write_since,
     }
     stamps.update({f"busy_sections[{i}].since": each.since for i, each in enumerate(status.busy_sections)})
     late = [
@@ -343,6 +364,28 @@ def _ending(tracking: Tracking, status: WorkerStatus, clocks: Clocks, policy: He
     )
 
 
+def _kill_held(
+    health: Health, tracking: Tracking, status: WorkerStatus, clocks: Clocks, policy: HealthPolicy
+) -> Health:
+    """``health``, with its kill held while the worker's checkpoint write in flight is expected to finish
+    (module docstring); ``health`` itself when it is alive or no write is in flight or the hold is over."""
+    since = status.checkpoint_write_since
+    if health.alive or since is None:
+        return health
+    grace = policy.startup_grace_seconds
+    writing = clocks.wall - since
+    allowed = min(write_expected_by(WriteInFlight(since, status.checkpoint_seconds)) - since, grace)
+    stalled = clocks.monotonic - tracking.progress_since
+    if not (writing < allowed and stalled < policy.hang_timeout_seconds + grace):
+        return health
+    return replace(
+        health,
+        kill_held=True,
+        reason=f"{health.reason}; the kill waits for its checkpoint write in flight "
+        f"for {max(writing, 0.0):.0f} s (expected within {allowed:g} s)",
+    )
+
+
 def judge(
     tracking: Tracking, status: WorkerStatus | None, read_error: str, clocks: Clocks, policy: HealthPolicy
 ) -> Health:
@@ -374,6 +417,9 @@ def judge(
       ``last_step_time`` of this run is older than that); else alive and ready. The hang timeout is
       ``hang_timeout(policy, status)``: learned from the worker's pace, between the floor and the
       ceiling.
+
+    A worker not alive by one of the last four rules has its kill held (``Health.kill_held``) while its
+    checkpoint write in flight is expected to finish (module docstring).
     """
     grace = policy.startup_grace_seconds
     if status is None:
@@ -392,12 +438,14 @@ def judge(
     if implausible:
         return _implausible(tracking, implausible, clocks, grace)
     if status.phase is Phase.ROLLING_BACK and status.busy_since is not None:
-        return _rolling_back(tracking, status, clocks, grace)
-    if status.phase is Phase.BUSY and status.busy_since is not None:
-        return _busy(tracking, status, clocks, grace)
-    if not tracking.stepped and _step_of_this_run(status) is None:
-        return _starting(tracking, status, clocks, grace)
-    return _stepping(tracking, status, clocks, policy)
+        health = _rolling_back(tracking, status, clocks, grace)
+    elif status.phase is Phase.BUSY and status.busy_since is not None:
+        health = _busy(tracking, status, clocks, grace)
+    elif not tracking.stepped and _step_of_this_run(status) is None:
+        health = _starting(tracking, status, clocks, grace)
+    else:
+        health = _stepping(tracking, status, clocks, policy)
+    return _kill_held(health, tracking, status, clocks, policy)
 
 
 def assess_health(

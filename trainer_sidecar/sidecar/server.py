@@ -5,6 +5,8 @@ Endpoints (one port):
 
 * ``GET /healthz`` - 200 ``ok`` while the worker is alive, 503 with the reason otherwise. This is the
   *training container's* liveness probe target: a hung or diverged worker gets restarted by the kubelet.
+  A hung worker's checkpoint write in flight holds that kill while it is expected to finish (200 with
+  the reason; ``sidecar.health``).
 * ``GET /readyz`` - 200 once the worker is stepping (or finished), 503 with the reason otherwise.
 * ``GET /status`` - JSON: the worker status as read, the health verdict and the sidecar's settings. Always
   200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
@@ -238,6 +240,8 @@ def _combined(readings: Sequence[Reading], watched: Sequence[_Watched], ignored:
     """One reading for a pod of several status files (see ``WorkerStatusCollector.read``); ``ignored``:
     why files named like status files do not count."""
     failing = [i for i, r in enumerate(readings) if not r.health.alive]
+    # The pod's kill waits while every rank not alive has its own kill held.
+    held = bool(failing) and all(readings[i].health.kill_held for i in failing)
     worst = failing or [i for i, r in enumerate(readings) if not r.health.ready]
     shown = _shown(readings, failing)
     if worst:
@@ -257,7 +261,7 @@ def _combined(readings: Sequence[Reading], watched: Sequence[_Watched], ignored:
         clocks=readings[shown].clocks,
         status=readings[shown].status,
         read_error=_listed([*errors, *ignored]),
-        health=Health(alive=not failing, ready=not worst, reason=reason),
+        health=Health(alive=not failing, ready=not worst, reason=reason, kill_held=held),
         seconds_since_step=max(ages, default=None),
         counters=counters,
         # The strictest: the pod is not alive once any of its ranks passed its own.
@@ -442,7 +446,8 @@ def _health_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
     """The alive and ready gauges of the verdict."""
     yield from _gauge(
         "trainguard_worker_alive",
-        "1 while the sidecar judges the worker alive (its liveness probe passes), else 0.",
+        "1 while the sidecar judges the worker alive, else 0 (its liveness probe also passes while a hung "
+        "worker's checkpoint write in flight finishes).",
         labels,
         float(reading.health.alive),
     )
@@ -564,7 +569,10 @@ class _Handler(BaseHTTPRequestHandler):
         collector = self._sidecar().collector
         if path == "/healthz":
             health = collector.read().health
-            self._send_verdict(health.alive, health.reason)
+            if health.kill_held:  # not alive, but its kill waits: say why the probe passes
+                self._send(HTTPStatus.OK, self._reason_body(health.reason), "text/plain; charset=utf-8")
+            else:
+                self._send_verdict(health.alive, health.reason)
         elif path == "/readyz":
             health = collector.read().health
             self._send_verdict(health.ready, health.reason)
@@ -582,9 +590,12 @@ class _Handler(BaseHTTPRequestHandler):
         if good:
             self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
         else:
-            # A path from the command line may hold bytes that are not UTF-8 (surrogates in str).
-            body = f"{reason}\n".encode(errors="backslashreplace")
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, body, "text/plain; charset=utf-8")
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, self._reason_body(reason), "text/plain; charset=utf-8")
+
+    @staticmethod
+    def _reason_body(reason: str) -> bytes:
+        # A path from the command line may hold bytes that are not UTF-8 (surrogates in str).
+        return f"{reason}\n".encode(errors="backslashreplace")
 
     def _send(self, code: HTTPStatus, body: bytes, content_type: str) -> None:
         self.send_response(code)
