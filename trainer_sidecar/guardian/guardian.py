@@ -802,7 +802,6 @@ class Guardian:
             yield
         except ConfigError as error:
             self._misused(error)
-            raise
 
     def _check_adoption(self) -> None:
         """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
@@ -812,7 +811,6 @@ class Guardian:
             self.training.check_scheduler_kept(self.feed.tracked)
         except ConfigError as error:
             self._misused(error)
-            raise
 
     def _measure(self, step_loss: torch.Tensor) -> _Agreed:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
@@ -946,7 +944,7 @@ class Guardian:
         code = 128 + int(received)
         self._report_end(Phase.STOPPED, message, code)
         self._release()
-        self._exit_now(code, SystemExit(code))
+        end_worker(self.gang, code, SystemExit(code))
 
     def _benign_overflow(self, norm: float) -> bool:
         """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
@@ -1234,7 +1232,7 @@ class Guardian:
         except CheckpointError as exc:
             log.error("%s", exc)
         # Every rank diverges at the same step (the decision is collective) and ends here, now.
-        self._exit_now(ExitCode.DIVERGED, Diverged(message))
+        end_worker(self.gang, ExitCode.DIVERGED, Diverged(message))
 
     def _log_gang(self, level: int, message: str, *args: object) -> None:
         """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
@@ -1246,15 +1244,14 @@ class Guardian:
         message = f"fenced out of the checkpoint directory: {error}"
         log.error("%s; exiting with code %d", message, ExitCode.FENCED)
         self._report_end(Phase.FAILED, message, ExitCode.FENCED)
-        self._exit_now(ExitCode.FENCED, Fenced(message))
+        end_worker(self.gang, ExitCode.FENCED, Fenced(message))
 
-    def _misused(self, error: ConfigError) -> None:
+    def _misused(self, error: ConfigError) -> NoReturn:
         """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
-        configuration error, published, then the worker ends (``end_worker``; with one process the caller
-        raises ``error``)."""
+        configuration error, published, then the worker ends (``end_worker``: with one process, ``error``
+        is raised)."""
         self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
-        if self.gang.distributed:
-            end_worker(self.gang, ExitCode.CONFIG_ERROR, error)
+        end_worker(self.gang, ExitCode.CONFIG_ERROR, error)
 
     def _report_end(self, phase: Phase, message: str, code: int) -> None:
         """Publish the worker's final phase, message and exit code, in the status and the termination
@@ -1263,10 +1260,6 @@ class Guardian:
         self.phase, self.message, self.exit_code = phase, message, code
         self._publish(force=True)
         self._reporter.write_termination_message()
-
-    def _exit_now(self, code: int, error: SystemExit) -> NoReturn:
-        """End the worker with ``code`` (``end_worker``)."""
-        end_worker(self.gang, code, error)
 
     def _check_validation(self, when: str) -> None:
         if self.validate is None:

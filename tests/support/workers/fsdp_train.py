@@ -188,7 +188,7 @@ def exit_skipping_teardown(code: int = 0) -> NoReturn:
     std::terminate (SIGABRT) or SIGSEGV instead of ``code``, in a few runs of a hundred even after
     ``destroy_process_group``. The tests judge the training, not PyTorch's teardown; the product judges a
     worker by the end its guardian declared (``trainguard.core.observation``) and the guardian's own
-    ending (``Guardian._exit_now``) skips the teardown for its exit codes.
+    ending (``guardian.end_worker``) skips the teardown for its exit codes.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
