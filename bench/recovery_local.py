@@ -32,7 +32,13 @@ Rank 0 logs every step (``--log-every 1``) with millisecond timestamps; those li
 times. The last line is one JSON object: every run, the medians per scenario and mode, and per scenario
 ``warm_over_cold`` (the median ``recover_s`` ratio).
 
+``--demo`` runs the README's demo job instead (``examples/local/job.yaml`` as it is: 600 steps, a NaN
+burst, a hang and a crash), cold and warm alternately, and prints what a user of it buys: its goodput
+(the share of the run's wall time spent on steps the final model kept, ``trainguard run``'s summary), the
+same without the backoffs, and the run's wall time, with the median ``goodput`` ratio warm/cold.
+
     python -m bench.recovery_local [--runs 2] [--steps 120] [--fault-step 70] [--scenario crash|hang|both]
+    python -m bench.recovery_local --demo [--runs 1]
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from trainguard.core.spec import parse_job
 from trainguard.local.runner import LocalRunner
@@ -188,6 +196,68 @@ def run_once(scratch: Path, document: dict[str, Any], *, scenario: str, warm: bo
     }
 
 
+DEMO_JOB = ROOT / "examples" / "local" / "job.yaml"
+#: What ``--demo`` prints per run, from the run's summary.
+DEMO_FIGURES = ("goodput", "goodput_excluding_backoff", "wall_seconds")
+
+
+def demo_once(scratch: Path, *, warm: bool) -> dict[str, Any]:
+    """One run of the README's demo job (its script's path made absolute, nothing else changed); the
+    summary's goodput figures, attempts and final step."""
+    document = yaml.safe_load(DEMO_JOB.read_text())
+    command = document["spec"]["template"]["spec"]["containers"][0]["command"]
+    command[1] = str(ROOT / command[1])
+    job = parse_job(document, str(DEMO_JOB))
+    runner = LocalRunner(job, checkpoint_root=scratch / "volumes", run_dir=scratch / "run", warm_spares=warm)
+    began = time.monotonic()
+    code = runner.run()
+    wall = time.monotonic() - began
+    summary = runner.summary().as_dict()
+    if code != 0 or summary["result"] != "succeeded":
+        raise RuntimeError(f"demo run ({'warm' if warm else 'cold'}): exit {code}, {summary['reason']}")
+    return {
+        "mode": "warm" if warm else "cold",
+        "goodput": summary["goodput"],
+        "goodput_excluding_backoff": summary["goodput_excluding_backoff"],
+        "wall_seconds": round(wall, 1),
+        "attempts": summary["attempts"],
+        "final_step": summary["final_step"],
+    }
+
+
+def demo(runs: int) -> int:
+    """Run the demo job cold and warm, alternately, ``runs`` of each; print each run, the medians and
+    their goodput ratio (JSON on the last line)."""
+    results: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
+    with tempfile.TemporaryDirectory(prefix="trainguard-demo-goodput-") as scratch:
+        for index in range(runs):
+            for warm in (False, True):
+                result = demo_once(Path(scratch) / f"{index}-{warm}", warm=warm)
+                results[result["mode"]].append(result)
+                figures = " ".join(
+                    f"{key}={result[key]}" for key in (*DEMO_FIGURES, "attempts", "final_step")
+                )
+                print(f"demo {result['mode']} {index}: {figures}", flush=True)
+    medians = {
+        mode: {key: round(statistics.median(r[key] for r in found), 3) for key in DEMO_FIGURES}
+        for mode, found in results.items()
+    }
+    ratio = round(medians["warm"]["goodput"] / medians["cold"]["goodput"], 3)
+    print()
+    print(f"demo: {'figure (median)':<28}{'cold':>8}{'warm':>8}")
+    for key in DEMO_FIGURES:
+        print(f"{'':<6}{key:<28}{medians['cold'][key]:>8}{medians['warm'][key]:>8}")
+    print(f"demo: warm/cold goodput {ratio:.3f}")
+    summary = {
+        "demo": results,
+        "median": medians,
+        "warm_over_cold_goodput": ratio,
+        "load_average": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run each scenario cold and warm, alternately; print each run and the medians (JSON on the last
     line)."""
@@ -200,7 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=20, help="(default: %(default)s)")
     parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="one run of each, 60 steps: a smoke test")
+    parser.add_argument("--demo", action="store_true", help="the README's demo job's goodput, cold and warm")
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if args.demo:
+        return demo(args.runs)
     if args.quick:
         args.runs, args.steps, args.fault_step = 1, 60, 40
     if not 0 < args.fault_step < args.steps:
