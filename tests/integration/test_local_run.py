@@ -122,9 +122,9 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     assert len(summary["restarts"]) == 1
     restart = summary["restarts"][0]
     assert "hung" in restart["reason"]
-    # The hang began at the last step; the sidecar fails liveness after the timeout, and the runner
-    # acts after LIVENESS_FAILURE_THRESHOLD failed probes in a row, as the kubelet does (plus a little
-    # scheduling slack on a loaded 2-core machine).
+    # The hang began at the last step; the sidecar judges it not alive after the timeout, and the runner
+    # acts on that verdict, at the latest after LIVENESS_FAILURE_THRESHOLD failed probes in a row as the
+    # kubelet does (plus a little scheduling slack on a loaded 2-core machine).
     assert restart["detect_seconds"] <= hang_timeout + LIVENESS_FAILURE_THRESHOLD * probe_period + 1.5
     assert restart["time_to_recover_seconds"] is not None
     # One source: the reason names the step the entry records (the furthest any rank's status said;
@@ -141,6 +141,24 @@ def test_a_hang_on_one_rank_is_detected_and_the_gang_resumes_past_it(tmp_path: P
     assert failure["step"] == last
     assert summary["final_step"] == 40
     assert summary["attempts"] == 2
+
+
+def test_a_hang_is_acted_on_at_the_sidecars_verdict_not_after_the_kubelets_probe_failures(
+    tmp_path: Path,
+) -> None:
+    # Probes 6 s apart: the kubelet's way (3 failed probes in a row) could not have caught the hang
+    # before 12 s after the first failure. The runner reads /status in between, as the operator does, and
+    # acts on the sidecar's own verdict.
+    hang_timeout, probe_period = 7, 6
+    document = job(tmp_path, faults="hang@15:1", hang_timeout=hang_timeout,
+                   health={"probePeriodSeconds": probe_period})  # fmt: skip
+    code, summary, output = run(tmp_path, document)
+    assert code == 0, output
+    (restart,) = summary["restarts"]
+    assert re.search(r"rank 1 hung at step \d+ in its own work .*: no step for", restart["reason"]), restart
+    assert "liveness probe failed" not in restart["reason"], restart
+    assert restart["detect_seconds"] < hang_timeout + probe_period, restart
+    assert summary["final_step"] == 40
 
 
 def test_a_hang_names_the_rank_stuck_in_its_own_work_not_the_rank_that_waited_for_it(tmp_path: Path) -> None:

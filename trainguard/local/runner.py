@@ -106,6 +106,9 @@ class RankProcesses:
     status: WorkerStatus | None = None
     #: The hang timeout its sidecar last said it judges the worker by (None: not said yet).
     hang_timeout_seconds: float | None = None
+    #: Its sidecar's own verdict in its last ``/status`` (None: not read yet), and the reason it gave.
+    verdict_alive: bool | None = None
+    verdict_reason: str = ""
 
     @property
     def sidecar_url(self) -> str:
@@ -638,7 +641,8 @@ class LocalRunner(GangSupervisor):
         """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
 
         A sidecar that exited is restarted first (with backoff). A failed or unanswered probe counts
-        towards the failure threshold; a rank is not alive only once the threshold is reached.
+        towards the failure threshold; a rank is not alive once the threshold is reached, or as soon as
+        its sidecar's own verdict in ``/status`` says so (``_heed_verdict``).
         """
         timeout = min(5.0, float(self.spec.health.probe_period_seconds))
         for rank in self.ranks:
@@ -652,6 +656,19 @@ class LocalRunner(GangSupervisor):
             rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
             rank.alive = self._liveness(rank)
             rank.health_reason = "" if probe_passed(code) else self._probe_failure(rank, code, body)
+            self._heed_verdict(rank)
+
+    @staticmethod
+    def _heed_verdict(rank: RankProcesses) -> None:
+        """A worker its sidecar judges not alive is not alive at once, as the operator acts on the same
+        verdict at its poll of ``/status``: the kubelet's threshold of failed probes is there to ride out
+        probes that went unanswered, not to second-guess a verdict, and waiting for it added two probe
+        periods to every hang's detection. A worker that published its final "failed" keeps the stop
+        grace to exit (``_liveness``)."""
+        ending = rank.status is not None and rank.status.phase is Phase.FAILED
+        if rank.verdict_alive is False and not ending:
+            rank.alive = False
+            rank.health_reason = rank.verdict_reason
 
     def _liveness(self, rank: RankProcesses) -> bool | None:
         """The kubelet's verdict, except that a worker that published its final status ("failed") gets
@@ -690,6 +707,9 @@ class LocalRunner(GangSupervisor):
             rank.status = report.status
         if report.hang_timeout_seconds is not None:
             rank.hang_timeout_seconds = report.hang_timeout_seconds
+        if report.reachable:
+            rank.verdict_alive, rank.verdict_reason = report.alive, report.reason
+            self._heed_verdict(rank)
 
     def _monitor_workers(self) -> Look:
         """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as
