@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -28,17 +29,22 @@ from pathlib import Path
 
 __all__ = [
     "READY",
+    "SPARE_MODULE",
     "Handoff",
     "HandoffError",
     "RunMode",
     "WarmStart",
     "plan_warm_start",
     "receive_handoff",
+    "said_ready",
     "send_handoff",
+    "spare_argv",
 ]
 
 #: The byte a spare writes when it is warm.
 READY = b"R"
+#: The module a warm spare runs (``trainer_sidecar.guardian.spare``), named, not imported: it imports torch.
+SPARE_MODULE = "trainer_sidecar.guardian.spare"
 _LENGTH = struct.Struct("!I")
 #: A handoff is an environment, argv and a path: far below this, unless something is wrong.
 MAX_HANDOFF_BYTES = 16 << 20
@@ -188,3 +194,20 @@ def _recv_some(sock: socket.socket) -> bytes:
     if not chunk:
         raise HandoffError("handoff: the message was cut short")
     return chunk
+
+
+def spare_argv(executable: str, channel_fd: int, plan: WarmStart) -> list[str]:
+    """The command of a spare for ``plan`` run by ``executable``, told its end of the channel
+    (``channel_fd``, passed to it open) and, for a script, to preload what the script imports."""
+    preload = ["--preload-script", plan.target] if plan.mode is RunMode.PATH else []
+    return [executable, "-m", SPARE_MODULE, "--channel", str(channel_fd), *preload]
+
+
+def said_ready(channel: socket.socket) -> bool:
+    """Whether the spare at the other end of ``channel`` has written ``READY`` (without waiting)."""
+    if not select.select([channel], [], [], 0)[0]:
+        return False
+    try:
+        return channel.recv(1) == READY
+    except OSError:
+        return False

@@ -38,7 +38,14 @@ from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
 from trainer_sidecar.contract.files import read_small_file
-from trainer_sidecar.contract.handoff import READY, Handoff, RunMode, WarmStart, plan_warm_start, send_handoff
+from trainer_sidecar.contract.handoff import (
+    Handoff,
+    WarmStart,
+    plan_warm_start,
+    said_ready,
+    send_handoff,
+    spare_argv,
+)
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.status import (
     MAX_STATUS_BYTES,
@@ -121,8 +128,6 @@ class RankProcesses:
         return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
-#: The module a warm spare runs (``trainer_sidecar.guardian.spare``), named, not imported: it imports torch.
-SPARE_MODULE = "trainer_sidecar.guardian.spare"
 
 
 @dataclass
@@ -136,11 +141,7 @@ class Spare:
 
     def is_warm(self) -> bool:
         """Whether the spare has said it finished its imports (without waiting for it)."""
-        if not self.warm and select.select([self.channel], [], [], 0)[0]:
-            try:
-                self.warm = self.channel.recv(1) == READY
-            except OSError:
-                self.warm = False
+        self.warm = self.warm or said_ready(self.channel)
         return self.warm
 
 
@@ -501,12 +502,11 @@ class LocalRunner(GangSupervisor):
         self._spare_attempt, self._spare_gang = attempt, gang
         self._announce(gang)
         logs = self.run_folder / "logs"
-        preload = ["--preload-script", plan.target] if plan.mode is RunMode.PATH else []
         for rank in range(self.spec.replicas):
             status_file = self.run_folder / f"attempt-{attempt}" / f"rank-{rank}" / "status.json"
             env = self.worker_env(rank, 0, status_file, attempt=attempt, gang_id=gang)
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            argv = [sys.executable, "-m", SPARE_MODULE, "--channel", str(theirs.fileno()), *preload]
+            argv = spare_argv(sys.executable, theirs.fileno(), plan)
             try:
                 with open(logs / f"attempt-{attempt}-rank-{rank}.spare.log", "ab") as spare_log:
                     proc = self._spawn(
