@@ -1,0 +1,205 @@
+"""Restarting a gang in place: the order that starts a pod's next attempt, and the launcher's state.
+
+A pod that restarts in place keeps its container: its entrypoint is the launcher
+(``trainer_sidecar.launcher``), a torch-free process that runs the worker command as its child, and
+restarts that child (in a warm spare where the command allows one) when it is ordered to. The order and
+the launcher's answer are two small files in the pod's status directory, the emptyDir the worker and
+the sidecar already share:
+
+- ``restart-order.json`` (``RestartOrder``): the attempt to start, the trainguard variables that change
+  with it, and how to stop the worker that runs now. The runner that decides the restart (the operator,
+  through the sidecar) writes it; the launcher acts on an order once, when its attempt is newer than the
+  one it runs.
+- ``launcher.json`` (``LauncherState``): which attempt the launcher runs, whether its worker is running
+  or has exited (with the exit code a container would have shown), and whether a warm spare is ready.
+  The launcher writes it at every change; the sidecar reports it.
+
+Both are written atomically and read bounded (``contract.files``): each side trusts nothing of the other.
+An order may set only the worker variables an attempt changes (``ORDERABLE_VARIABLES``): the rest of
+the worker's environment is the pod's, fixed for the pod's life.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from trainer_sidecar.contract.env import ATTEMPT_ENV, REMEDIATION_ENV, RESTARTS_ENV, RUN_SECONDS_ENV
+from trainer_sidecar.contract.files import FileRefused, read_small_file
+from trainer_sidecar.contract.settings import SETTINGS_ENV
+
+__all__ = [
+    "LAUNCHER_FILE",
+    "ORDERABLE_VARIABLES",
+    "ORDER_FILE",
+    "LauncherPhase",
+    "LauncherState",
+    "OrderRead",
+    "RestartOrder",
+    "StateRead",
+    "StopMode",
+    "container_exit_code",
+    "read_launcher_state",
+    "read_order",
+    "write_launcher_state",
+    "write_order",
+]
+
+ORDER_FILE = "restart-order.json"
+LAUNCHER_FILE = "launcher.json"
+#: Either file is a few variables and numbers: far below this, unless something is wrong.
+MAX_FILE_BYTES = 256 * 1024
+#: The worker variables that differ from one attempt to the next (``WorkerEnvironment``): the attempt, the
+#: remediation it carries out, the failure history ``everySteps: auto`` reads, and the guardian settings
+#: (a spec change of ``guard`` or ``health`` takes effect at the next attempt).
+ORDERABLE_VARIABLES = frozenset({ATTEMPT_ENV, REMEDIATION_ENV, RESTARTS_ENV, RUN_SECONDS_ENV, SETTINGS_ENV})
+MAX_ATTEMPT = 2**31 - 1
+MAX_GRACE_SECONDS = 3600.0
+MAX_MESSAGE_CHARS = 1024
+
+Attempt = Annotated[int, Field(ge=1, le=MAX_ATTEMPT)]
+
+
+class StopMode(StrEnum):
+    """How the launcher stops the worker that runs when an order arrives."""
+
+    #: SIGKILL at once: the gang is broken (a rank hung or died), nothing left can reach a checkpoint.
+    KILL = "kill"
+    #: SIGTERM (the guardian stops at a step boundary, with a checkpoint), SIGKILL after the grace.
+    GRACEFUL = "graceful"
+
+
+class RestartOrder(BaseModel):
+    """Start ``attempt`` in this pod: stop the worker that runs now as ``stop`` says (``grace_seconds``
+    for a graceful stop), then run the worker command again with ``environment`` over the pod's own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attempt: Attempt
+    environment: dict[str, str]
+    stop: StopMode
+    grace_seconds: float = Field(default=0.0, ge=0.0, le=MAX_GRACE_SECONDS, allow_inf_nan=False)
+
+    @field_validator("environment")
+    @classmethod
+    def _orderable(cls, environment: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(environment) - ORDERABLE_VARIABLES)
+        if unknown:
+            allowed = ", ".join(sorted(ORDERABLE_VARIABLES))
+            raise ValueError(f"{', '.join(unknown)} cannot be set by an order (only {allowed})")
+        if any("\0" in value for value in environment.values()):
+            raise ValueError("a value holds a NUL byte")
+        return environment
+
+
+class LauncherPhase(StrEnum):
+    """Where the launcher's worker is."""
+
+    #: The worker process of ``attempt`` runs.
+    RUNNING = "running"
+    #: The worker of ``attempt`` exited (``exit_code``); the launcher waits for an order before it exits.
+    EXITED = "exited"
+    #: An order arrived: the old worker is being stopped before ``attempt`` starts.
+    STOPPING = "stopping"
+
+
+class LauncherState(BaseModel):
+    """What the launcher of a pod runs: ``attempt`` in ``phase``; the worker's ``pid`` while it runs, its
+    ``exit_code`` once it exited (as a container shows it: 128 + the signal for a killed process);
+    ``warm``: whether the attempt started in a warm spare; ``spare_ready``: whether one waits for the next;
+    ``updated_at``: wall-clock seconds of the write."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: Attempt
+    phase: LauncherPhase
+    pid: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    exit_code: int | None = Field(default=None, ge=0, le=255)
+    warm: bool = False
+    spare_ready: bool = False
+    updated_at: float = Field(ge=0.0, allow_inf_nan=False)
+    message: str = Field(default="", max_length=MAX_MESSAGE_CHARS)
+
+
+def container_exit_code(returncode: int) -> int:
+    """``returncode`` as a container running the process as its entrypoint would have exited: a process
+    killed by signal N shows 128 + N, as a shell and the kubelet show it."""
+    if returncode < 0:
+        return min(255, 128 - returncode)
+    return returncode & 0xFF
+
+
+def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload, separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_order(directory: Path, order: RestartOrder) -> Path:
+    """Write ``order`` to ``directory``'s order file, atomically; returns its path (OSError if it cannot)."""
+    path = Path(directory) / ORDER_FILE
+    _write_atomic(path, order.model_dump(mode="json"))
+    return path
+
+
+def write_launcher_state(directory: Path, state: LauncherState) -> Path:
+    """Write ``state`` to ``directory``'s launcher file, atomically; returns its path."""
+    path = Path(directory) / LAUNCHER_FILE
+    _write_atomic(path, state.model_dump(mode="json"))
+    return path
+
+
+class OrderRead(NamedTuple):
+    """``(order, "")``, ``(None, "")`` when there is no order, or ``(None, why it is refused)``."""
+
+    order: RestartOrder | None
+    reason: str
+
+
+class StateRead(NamedTuple):
+    """``(state, "")``, ``(None, "")`` when there is no launcher file, or ``(None, why it is refused)``."""
+
+    state: LauncherState | None
+    reason: str
+
+
+def _read(path: Path, model: type[BaseModel]) -> tuple[Any, str]:
+    source = f"{model.__name__} file {path}"
+    try:
+        data = read_small_file(path, MAX_FILE_BYTES, source)
+    except FileNotFoundError:
+        return None, ""
+    except FileRefused as exc:
+        return None, str(exc)
+    try:
+        return model.model_validate_json(data), ""
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(document)"
+        return None, f"{source} is not valid ({where}: {first['msg']})"
+    except Exception as exc:  # never trust the parser's error paths with hostile input either
+        return None, f"{source} cannot be parsed: {type(exc).__name__}"
+
+
+def read_order(directory: Path) -> OrderRead:
+    """The order in ``directory`` (see ``OrderRead``). Never raises, never blocks on a special file."""
+    return OrderRead(*_read(Path(directory) / ORDER_FILE, RestartOrder))
+
+
+def read_launcher_state(directory: Path) -> StateRead:
+    """The launcher's state in ``directory`` (see ``StateRead``). Never raises."""
+    return StateRead(*_read(Path(directory) / LAUNCHER_FILE, LauncherState))
+
+
+#: The signal each stop mode sends first.
+FIRST_SIGNAL = {StopMode.KILL: signal.SIGKILL, StopMode.GRACEFUL: signal.SIGTERM}
