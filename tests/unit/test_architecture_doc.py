@@ -14,6 +14,7 @@ PACKAGES = {
     "trainer_sidecar/checkpoint": "**checkpoint/**",
     "trainer_sidecar/guardian": "**guardian/**",
     "trainer_sidecar/sidecar": "**sidecar/**",
+    "trainer_sidecar/launcher": "**launcher/**",
     "trainguard/core": "**trainguard/core/**",
     "trainguard/local": "**trainguard/local/**",
     "operator": "**operator/**",

@@ -1,0 +1,1 @@
+"""The worker container's entrypoint for restarts in place (``trainguard-launch``); torch-free."""

@@ -1,0 +1,442 @@
+"""``trainguard-launch -- COMMAND...``: a worker container's entrypoint that can restart its worker in place.
+
+The launcher runs COMMAND (the user's worker command) as its child, in a session of its own, and
+stays for the container's life. What a restart in place needs from it:
+
+- **An order starts the next attempt** (``trainer_sidecar.contract.inplace``). It watches the order file
+  in the pod's status directory; an order for an attempt newer than the one it runs stops the worker as
+  the order says (SIGKILL at once for a broken gang, or SIGTERM and a grace), reaps it and everything in
+  its process group, and starts COMMAND again with the order's variables over the container's own. The
+  pod, its network, its volumes and its sidecar stay; the rendezvous is done again by the new workers.
+- **A warm spare makes that start near zero** where COMMAND is a plain ``python SCRIPT`` or ``python -m
+  MODULE`` of the launcher's own interpreter (``contract.handoff.plan_warm_start``): once the worker has
+  stepped, the launcher starts one spare (``trainer_sidecar.guardian.spare``: torch imported, waiting)
+  and hands the next attempt to it. Any other command (torchrun for several processes per pod, a shell
+  script) is restarted cold, still in place.
+- **An exit is reported, then passed on.** When the worker exits, the launcher writes its exit code to
+  its state file and, for a failure, waits up to ``--order-wait-seconds`` for an order; without one it
+  exits with the worker's code (128 + N for a signal, as a container shows it), so the pod fails as it
+  would have without the launcher. A success is passed on at once.
+- **A stop is passed on.** SIGTERM or SIGINT to the launcher (the kubelet stopping the pod) is sent to
+  the worker's process group; the launcher exits with the worker's code once it has exited.
+- **It is a good PID 1.** It reaps every child, the orphans the kernel gives it included.
+
+The launcher is torch-free and imports only the contract: it is in the worker's image, but must cost the
+worker nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from trainer_sidecar.contract.env import ATTEMPT_ENV, STATUS_FILE_ENV
+from trainer_sidecar.contract.handoff import (
+    Handoff,
+    WarmStart,
+    plan_warm_start,
+    said_ready,
+    send_handoff,
+    spare_argv,
+)
+from trainer_sidecar.contract.inplace import (
+    FIRST_SIGNAL,
+    ORDER_FILE,
+    LauncherPhase,
+    LauncherState,
+    RestartOrder,
+    StopMode,
+    container_exit_code,
+    read_order,
+    write_launcher_state,
+)
+from trainer_sidecar.contract.status import read_status
+
+#: How often the launcher looks at its children and the order file.
+POLL_SECONDS = 0.05
+#: The exit codes of a shell that cannot run a command: not found, and found but not executable.
+NOT_FOUND, NOT_EXECUTABLE = 127, 126
+
+
+class LaunchError(Exception):
+    """The launcher cannot start: the message names the flag, variable or command."""
+
+
+@dataclass
+class _Process:
+    """A child the launcher started: its process, and its exit status once reaped."""
+
+    proc: subprocess.Popen[bytes]
+    returncode: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+
+@dataclass
+class _Spare:
+    """A warm spare for the next attempt and the launcher's end of its channel."""
+
+    process: _Process
+    channel: socket.socket
+    ready: bool = False
+
+
+@dataclass
+class Launcher:
+    """Runs ``command`` and restarts it in place on orders found in ``status_dir`` (module docstring).
+
+    ``order_wait_seconds``: how long a failed worker's exit waits for an order before the launcher exits
+    with it (0: at once). ``warm``: keep a warm spare where the command allows one. ``output_fd``: where a
+    spare's script writes (a cold worker inherits the launcher's own standard output and error).
+    """
+
+    command: list[str]
+    status_dir: Path
+    order_wait_seconds: float = 0.0
+    warm: bool = True
+    output_fd: int = 1
+    executable: str = sys.executable
+    attempt: int = 1
+    _worker: _Process | None = None
+    _worker_started_at: float = 0.0
+    _worker_warm: bool = False
+    _spare: _Spare | None = None
+    _children: dict[int, _Process] = field(default_factory=dict)
+    _exited_at: float | None = None
+    _stop_signal: int | None = None
+    _order_seen: tuple[int, int, int] | None = None
+    _message: str = ""
+    _phase: LauncherPhase | None = None
+    _exit_code: int | None = None
+
+    def __post_init__(self) -> None:
+        self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
+        if not self.warm:
+            self.plan = "warm spares are turned off"
+
+    # ------------------------------------------------------------------------------- the loop ---
+    def run(self) -> int:
+        """Run the worker and every ordered restart until the launcher is done; its exit code."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        self._start(dict(os.environ))
+        try:
+            while True:
+                self._reap()
+                if self._stop_signal is not None:
+                    return self._stop()
+                order = self._new_order()
+                if order is not None:
+                    self._restart(order)
+                    continue
+                done = self._after_exit()
+                if done is not None:
+                    return done
+                self._tend_spare()
+                time.sleep(POLL_SECONDS)
+        finally:
+            self._drop_spare()
+            if self._worker is not None:
+                # What the worker left in its process group ends with the launcher, as with a container.
+                _signal_group(self._worker.proc.pid, signal.SIGKILL)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stop_signal = signum
+
+    def _after_exit(self) -> int | None:
+        """The launcher's exit code once it should exit after its worker's exit, else None."""
+        worker = self._worker
+        if worker is None or worker.alive:
+            return None
+        assert worker.returncode is not None
+        code = container_exit_code(worker.returncode)
+        if self._exited_at is None:
+            self._exited_at = time.monotonic()
+            self._publish(LauncherPhase.EXITED, exit_code=code)
+        if code == 0 or time.monotonic() - self._exited_at >= self.order_wait_seconds:
+            return code
+        return None
+
+    def _stop(self) -> int:
+        """Pass the stop signal on to the worker and exit with the worker's code once it has exited (the
+        kubelet's SIGKILL ends a worker that outlives the pod's grace, and the launcher with it)."""
+        assert self._stop_signal is not None
+        self._drop_spare()
+        worker = self._worker
+        if worker is not None and worker.alive:
+            _signal_group(worker.proc.pid, self._stop_signal)
+            while worker.alive:
+                time.sleep(POLL_SECONDS)
+                self._reap()
+        if worker is None:
+            return 128 + self._stop_signal
+        assert worker.returncode is not None
+        return container_exit_code(worker.returncode)
+
+    # ------------------------------------------------------------------------------- children ---
+    def _spawn(self, argv: Sequence[str], env: dict[str, str], **options: Any) -> _Process:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, **options)
+        child = _Process(proc)
+        self._children[proc.pid] = child
+        return child
+
+    def _reap(self) -> None:
+        """Collect every exited child (orphans too: as PID 1 the launcher inherits them)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self._children.pop(pid, None)
+            if child is not None:
+                child.returncode = os.waitstatus_to_exitcode(status)
+                child.proc.returncode = child.returncode  # reaped here, not by Popen
+
+    def _wait_gone(self, child: _Process, deadline: float) -> bool:
+        """Reap until ``child`` has exited or ``deadline`` (monotonic) passed; whether it exited."""
+        while child.alive and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS / 5)
+            self._reap()
+        return not child.alive
+
+    # ------------------------------------------------------------------------------- attempts ---
+    def _start(self, env: dict[str, str]) -> None:
+        """Start the worker of ``self.attempt`` with ``env``: in the spare if one is alive, else cold."""
+        self.attempt = _attempt_of(env, self.attempt)
+        self._worker_warm = False
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.process.alive and isinstance(self.plan, WarmStart):
+            handoff = Handoff.for_command(self.plan, environment=env, cwd=None)
+            try:
+                send_handoff(spare.channel, handoff, self.output_fd)
+                self._worker, self._worker_warm = spare.process, True
+            except OSError as exc:
+                self._note(f"attempt {self.attempt}: the warm spare could not be told ({exc}); starting cold")
+            finally:
+                spare.channel.close()
+            if not self._worker_warm:
+                _signal_group(spare.process.proc.pid, signal.SIGKILL)
+        elif spare is not None:
+            self._discard(spare)
+        if not self._worker_warm:
+            self._worker = self._spawn(self.command, env)
+        self._worker_started_at = time.time()
+        self._exited_at = None
+        self._publish(LauncherPhase.RUNNING)
+
+    def _restart(self, order: RestartOrder) -> None:
+        """Stop the worker that runs as ``order`` says, reap its process group, start ``order.attempt``."""
+        self.attempt = order.attempt
+        self._publish(LauncherPhase.STOPPING)
+        worker = self._worker
+        if worker is not None:
+            if worker.alive:
+                _signal_group(worker.proc.pid, FIRST_SIGNAL[order.stop])
+                grace = order.grace_seconds if order.stop is StopMode.GRACEFUL else 0.0
+                if not self._wait_gone(worker, time.monotonic() + grace):
+                    _signal_group(worker.proc.pid, signal.SIGKILL)
+                self._wait_gone(worker, float("inf"))
+            _signal_group(worker.proc.pid, signal.SIGKILL)  # what it left in its group (data loaders)
+        env = {**os.environ, **order.environment, ATTEMPT_ENV: str(order.attempt)}
+        self._start(env)
+
+    def _new_order(self) -> RestartOrder | None:
+        """An order not acted on yet for a newer attempt than the one running, read when the file changed."""
+        path = self.status_dir / ORDER_FILE
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if seen == self._order_seen:
+            return None
+        self._order_seen = seen
+        order, reason = read_order(self.status_dir)
+        if order is None:
+            self._note(f"ignored the order file: {reason}")
+            return None
+        if order.attempt <= self.attempt:
+            self._note(f"ignored an order for attempt {order.attempt}: attempt {self.attempt} runs")
+            return None
+        return order
+
+    # ---------------------------------------------------------------------------- warm spares ---
+    def _tend_spare(self) -> None:
+        """Start a spare once the worker has stepped (earlier, its imports would compete with the worker's
+        start for the cores); note when it is ready; forget one that died."""
+        spare = self._spare
+        if spare is not None:
+            if not spare.process.alive:
+                self._discard(spare)
+                self._spare = None
+            elif not spare.ready and said_ready(spare.channel):
+                spare.ready = True
+                self._publish(LauncherPhase.RUNNING)
+            return
+        worker = self._worker
+        if not isinstance(self.plan, WarmStart) or worker is None or not worker.alive or not self._stepped():
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = self._spawn(
+                spare_argv(self.executable, theirs.fileno(), self.plan),
+                dict(os.environ),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            ours.close()
+            self.plan = f"the warm spare could not start ({exc})"
+            self._note(self.plan)
+            return
+        finally:
+            theirs.close()
+        self._spare = _Spare(process, ours)
+
+    def _stepped(self) -> bool:
+        """Whether the running worker has published a step it took (not merely the step it resumed at)."""
+        status_file = os.environ.get(STATUS_FILE_ENV)
+        if not status_file:
+            return False
+        status, _ = read_status(Path(status_file))
+        return (
+            status is not None
+            and status.started_at >= self._worker_started_at - 1.0
+            and status.last_step_time is not None
+            and status.last_step_time >= status.started_at
+        )
+
+    def _discard(self, spare: _Spare) -> None:
+        spare.channel.close()
+        if spare.process.alive:
+            _signal_group(spare.process.proc.pid, signal.SIGKILL)
+
+    def _drop_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._discard(spare)
+
+    # -------------------------------------------------------------------------------- the state ---
+    def _note(self, message: str) -> None:
+        """Say ``message`` on standard error and in the state file (republished as it is)."""
+        print(f"trainguard-launch: {message}", file=sys.stderr, flush=True)
+        self._message = message
+        if self._phase is not None:
+            self._publish(self._phase, self._exit_code)
+
+    def _publish(self, phase: LauncherPhase, exit_code: int | None = None) -> None:
+        """Write the launcher's state file: ``phase`` of ``self.attempt`` (OSError only said)."""
+        self._phase, self._exit_code = phase, exit_code
+        worker = self._worker
+        state = LauncherState(
+            attempt=self.attempt,
+            phase=phase,
+            pid=worker.proc.pid if worker is not None and worker.alive else None,
+            exit_code=exit_code,
+            warm=self._worker_warm,
+            spare_ready=self._spare is not None and self._spare.ready,
+            updated_at=time.time(),
+            message=self._message[:1024],
+        )
+        try:
+            write_launcher_state(self.status_dir, state)
+        except OSError as exc:
+            print(f"trainguard-launch: cannot write its state in {self.status_dir}: {exc}", file=sys.stderr)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _attempt_of(env: dict[str, str], default: int) -> int:
+    try:
+        return max(1, int(env.get(ATTEMPT_ENV, default)))
+    except ValueError:
+        return default
+
+
+def resolve(command: Sequence[str]) -> list[str]:
+    """``command`` with its program found on PATH (as exec would); LaunchError if it is not there."""
+    if not command:
+        raise LaunchError("no command: give it after --, e.g. trainguard-launch -- python train.py")
+    program = command[0]
+    found = program if os.sep in program else shutil.which(program)
+    if found is None:
+        raise LaunchError(f"the command {program!r} is not found on PATH")
+    return [found, *command[1:]]
+
+
+def status_dir_from(flag: str | None) -> Path:
+    """The status directory: ``flag``, or the folder of ``$TRAINGUARD_STATUS_FILE``; LaunchError if
+    neither names a directory."""
+    if flag:
+        directory = Path(flag)
+    elif os.environ.get(STATUS_FILE_ENV):
+        directory = Path(os.environ[STATUS_FILE_ENV]).parent
+    else:
+        raise LaunchError(f"--status-dir is not given and {STATUS_FILE_ENV} is not set")
+    if not directory.is_dir():
+        raise LaunchError(f"--status-dir: {directory} is not a directory")
+    return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``trainguard-launch`` command (module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="trainguard-launch", description="Run a worker command and restart it in place when ordered."
+    )
+    parser.add_argument(
+        "--status-dir", help="the pod's status directory (default: the folder of $TRAINGUARD_STATUS_FILE)"
+    )
+    parser.add_argument(
+        "--order-wait-seconds",
+        type=float,
+        default=0.0,
+        help="after a failed exit, how long to wait for an order before exiting with it (default 0)",
+    )
+    parser.add_argument("--no-spare", action="store_true", help="never keep a warm spare")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not 0.0 <= args.order_wait_seconds <= 3600.0:
+        parser.error(f"--order-wait-seconds: {args.order_wait_seconds} is not between 0 and 3600")
+    try:
+        launcher = Launcher(
+            resolve(command),
+            status_dir_from(args.status_dir),
+            order_wait_seconds=args.order_wait_seconds,
+            warm=not args.no_spare,
+            attempt=_attempt_of(dict(os.environ), 1),
+        )
+    except LaunchError as exc:
+        parser.error(str(exc))
+    try:
+        code = launcher.run()
+    except PermissionError as exc:
+        print(f"trainguard-launch: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        code = NOT_EXECUTABLE
+    except OSError as exc:
+        print(f"trainguard-launch: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        code = NOT_FOUND
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
