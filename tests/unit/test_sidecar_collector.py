@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainer_sidecar.contract.hang import WARMUP_GAPS, GapLearner
+from trainer_sidecar.contract.inplace import LAUNCHER_FILE, LauncherPhase, LauncherState, write_launcher_state
 from trainer_sidecar.contract.status import Phase, WorkerStatus, parse_status_document, write_status
 from trainer_sidecar.sidecar.server import COUNTER_FIELDS, WorkerStatusCollector, fold_counters
 
@@ -452,3 +453,43 @@ def test_what_a_worker_publishes_never_loosens_the_ceiling(tmp_path: Path) -> No
         hang_timeout_floor_seconds=1.0,
     )  # fmt: skip
     assert learning.read().hang_timeout_seconds == HANG
+
+
+def test_a_pod_under_the_launcher_reports_its_state_and_is_judged_by_it(tmp_path: Path) -> None:
+    path = tmp_path / "status.json"
+    clocks = FakeClocks()
+    source = collector(path, clocks)
+    # Attempt 1's worker hung: no step for longer than the hang timeout.
+    write_status(path, worker(step=5, steps_total=5, last_step_time=clocks.wall))
+    source.read()
+    clocks.advance(HANG + 1)
+    assert not source.read().health.alive
+    # Its launcher starts attempt 2 in place; the old status is still there.
+    state = LauncherState(
+        attempt=2, phase=LauncherPhase.RUNNING, started_at=clocks.wall, updated_at=clocks.wall
+    )
+    write_launcher_state(tmp_path, state)
+    clocks.advance(1)
+    reading = source.read()
+    assert (reading.health.alive, reading.health.ready) == (True, False)
+    document, reason = parse_status_document(source.document(reading).to_document())
+    assert document is not None, reason
+    assert document.launcher == state
+    assert document.launcher_error == ""
+    # Attempt 2's worker exits; the launcher waits for an order: not alive, the kubelet's kill held.
+    write_launcher_state(tmp_path, state.model_copy(update={"phase": LauncherPhase.EXITED, "exit_code": 139}))
+    exited = source.read().health
+    assert (exited.alive, exited.kill_held) == (False, True)
+    assert "exited with code 139" in exited.reason
+
+
+def test_a_spoiled_launcher_file_is_reported_and_changes_no_verdict(tmp_path: Path) -> None:
+    path = tmp_path / "status.json"
+    clocks = FakeClocks()
+    source = collector(path, clocks)
+    write_status(path, worker(step=5, steps_total=5, last_step_time=clocks.wall))
+    (tmp_path / LAUNCHER_FILE).write_text('{"attempt": "two"}')
+    reading = source.read()
+    assert reading.health.alive
+    assert reading.launcher is None
+    assert "attempt" in reading.launcher_error

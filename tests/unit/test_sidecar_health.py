@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.health import GRACE, HANG, POLICY, WALL0, Sidecar
+from trainer_sidecar.contract.inplace import LauncherPhase, LauncherState
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainer_sidecar.sidecar.health import (
     OUTSIDE_STEPS_HINT,
@@ -25,6 +26,7 @@ from trainer_sidecar.sidecar.health import (
     implausible_timestamps,
     judge,
     track,
+    under_launcher,
 )
 
 
@@ -704,3 +706,86 @@ def test_a_worker_failing_with_its_exit_code_is_alive_while_it_ends_then_not() -
     verdict = sidecar.read(failing)
     assert not verdict.alive
     assert "its process did not end within" in verdict.reason
+
+
+# --- under the launcher (trainguard-launch restarts the worker in place) ---------------------------------
+
+
+def launched(phase: LauncherPhase, started_at: float, attempt: int = 2, **fields: Any) -> LauncherState:
+    return LauncherState(attempt=attempt, phase=phase, started_at=started_at, updated_at=started_at, **fields)
+
+
+def test_without_a_launcher_the_status_files_verdict_stands() -> None:
+    health = Health(alive=False, ready=False, reason="hung")
+    clocks = Clocks(monotonic=5.0, wall=WALL0 + 5)
+    assert under_launcher(health, None, worker(), clocks, POLICY) is health
+
+
+def test_an_exited_worker_is_not_alive_at_once_and_its_kill_waits_for_an_order_within_the_grace() -> None:
+    alive = Health(alive=True, ready=True, reason="stepping")  # its last status still looks fine
+    exited = launched(LauncherPhase.EXITED, WALL0, exit_code=137)
+    early = under_launcher(alive, exited, worker(), Clocks(1.0, WALL0 + 1), POLICY)
+    assert (early.alive, early.kill_held, early.liveness_passes) == (False, True, True)
+    assert "exited with code 137" in early.reason
+    assert "waits for an order" in early.reason
+    late = under_launcher(alive, exited, worker(), Clocks(GRACE, WALL0 + GRACE), POLICY)
+    assert (late.alive, late.kill_held) == (False, False)
+
+
+def test_a_launcher_claiming_a_start_in_the_future_holds_nothing_and_excuses_nothing() -> None:
+    now = Clocks(0.0, WALL0)
+    exited = launched(LauncherPhase.EXITED, WALL0 + 3600, exit_code=1)
+    verdict = under_launcher(Health(True, True, "ok"), exited, None, now, POLICY)
+    assert (verdict.alive, verdict.kill_held) == (False, False)
+    assert "ahead of the sidecar's clock" in verdict.reason
+    # A running state that would excuse a stale status forever is ignored: the file's verdict stands.
+    hung = Health(alive=False, ready=False, reason="no progress")
+    running = launched(LauncherPhase.RUNNING, WALL0 + 3600)
+    assert under_launcher(hung, running, worker(), now, POLICY) is hung
+
+
+def test_a_worker_being_stopped_for_an_ordered_attempt_is_not_alive_with_its_kill_held() -> None:
+    stopping = launched(LauncherPhase.STOPPING, WALL0)
+    health = under_launcher(Health(False, False, "hung"), stopping, worker(), Clocks(2.0, WALL0 + 2), POLICY)
+    assert (health.alive, health.kill_held) == (False, True)
+    assert "stopping the worker for attempt 2" in health.reason
+
+
+def test_the_previous_attempts_status_is_a_start_in_place_with_a_fresh_grace() -> None:
+    hung = Health(alive=False, ready=False, reason="no progress for 40 s")
+    running = launched(LauncherPhase.RUNNING, WALL0 + 100)
+    old = worker(started_at=WALL0)
+    start = under_launcher(hung, running, old, Clocks(101.0, WALL0 + 101), POLICY)
+    assert (start.alive, start.ready) == (True, False)
+    assert "attempt 2 started in place" in start.reason
+    over = under_launcher(hung, running, old, Clocks(100.0 + GRACE, WALL0 + 100 + GRACE), POLICY)
+    assert not over.alive
+    assert "no status within the startup grace" in over.reason
+    # The new worker's own status is judged by the status file's rules again.
+    new = worker(started_at=WALL0 + 100.5)
+    assert under_launcher(hung, running, new, Clocks(101.0, WALL0 + 101), POLICY) is hung
+
+
+@given(
+    phase=st.sampled_from(list(LauncherPhase)),
+    started=st.floats(min_value=0, max_value=2 * WALL0),
+    now=st.floats(min_value=0, max_value=1e6),
+    alive=st.booleans(),
+    status_started=st.none() | st.floats(min_value=0, max_value=2 * WALL0),
+)
+def test_the_launcher_never_makes_a_verdict_inconsistent_or_holds_past_the_grace(
+    phase: LauncherPhase, started: float, now: float, alive: bool, status_started: float | None
+) -> None:
+    health = Health(alive=alive, ready=alive, reason="file")
+    status = None if status_started is None else worker(started_at=status_started)
+    wall = WALL0 + now
+    verdict = under_launcher(health, launched(phase, started), status, Clocks(now, wall), POLICY)
+    assert not (verdict.alive and verdict.kill_held)
+    assert not (verdict.ready and not verdict.alive)
+    if verdict.kill_held:
+        assert started <= wall + POLICY.clock_skew_seconds
+        assert wall - min(started, wall) < GRACE
+    if verdict.alive and not health.alive:  # excused as a start in place: only within the grace
+        assert wall - POLICY.clock_skew_seconds <= started + GRACE
+    if phase is not LauncherPhase.RUNNING:
+        assert not verdict.alive

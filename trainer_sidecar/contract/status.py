@@ -34,6 +34,7 @@ from pydantic import (
 
 from trainer_sidecar.contract.files import FileRefused, read_small_file
 from trainer_sidecar.contract.hang import ProgressGaps
+from trainer_sidecar.contract.inplace import LauncherState
 
 MAX_LOCAL_RANKS = 256
 #: The kubelet keeps at most this much of a container's termination message.
@@ -419,8 +420,9 @@ class SidecarInfo(BaseModel):
 class SidecarStatusDocument(BaseModel):
     """The body of a sidecar's ``GET /status``: the worker's status as the sidecar read it (None when it
     could not, then ``read_error`` says why), the health verdict, the sidecar's time (unix seconds) and
-    settings. The sidecar builds its answer with this model, and the operator and the local runner parse
-    it with ``parse_status_document``."""
+    settings, and the launcher's state where the worker runs under ``trainguard-launch``. The sidecar
+    builds its answer with this model, and the operator and the local runner parse it with
+    ``parse_status_document``."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -429,6 +431,13 @@ class SidecarStatusDocument(BaseModel):
     health: HealthReport
     time: Timestamp
     sidecar: SidecarInfo
+    launcher: LauncherState | None = Field(
+        None,
+        description="What the pod's launcher (trainguard-launch) runs, when the worker runs under one: the "
+        "attempt, and the worker's exit while the launcher waits for an order (None: no launcher, or a "
+        "sidecar older than this field).",
+    )
+    launcher_error: Reason = Field("", description="Why the launcher's state file could not be read.")
 
     def to_document(self) -> dict[str, object]:
         """The JSON object served: the fields, with ``status.drop_rate`` added when there is a status."""

@@ -243,6 +243,7 @@ class Launcher:
     def _restart(self, order: RestartOrder) -> None:
         """Stop the worker that runs as ``order`` says, reap its process group, start ``order.attempt``."""
         self.attempt = order.attempt
+        self._worker_started_at = time.time()
         self._publish(LauncherPhase.STOPPING)
         worker = self._worker
         if worker is not None:
@@ -347,6 +348,7 @@ class Launcher:
         state = LauncherState(
             attempt=self.attempt,
             phase=phase,
+            started_at=self._worker_started_at,
             pid=worker.proc.pid if worker is not None and worker.alive else None,
             exit_code=exit_code,
             warm=self._worker_warm,

@@ -27,6 +27,13 @@ when this one started; the startup grace for its first. The verdict itself (``al
 operator acts on) is unchanged. As with every claim of the worker, the hold is bounded by the sidecar's
 own settings: never longer than the startup grace from the write's start, and never past the hang
 timeout's ceiling plus the startup grace after the worker's last progress.
+
+**Under the launcher** (``trainguard-launch``, which restarts its worker in place on an order), the
+launcher's state (``trainer_sidecar.contract.inplace``) comes first (``under_launcher``): a worker that
+exited, or is being stopped for an ordered attempt, is not alive at once, with its kill held while the
+launcher waits for the order or stops it (bounded by the startup grace from the exit or the order); a
+status older than the attempt the launcher runs is the previous attempt's, and the new worker gets the
+startup grace from its start.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass, replace
 
 from trainer_sidecar.contract.allowance import OpenSection, busy_allowance
 from trainer_sidecar.contract.hang import hang_deadline
+from trainer_sidecar.contract.inplace import LauncherPhase, LauncherState
 from trainer_sidecar.contract.status import BusySection, Phase, WorkerStatus
 from trainer_sidecar.contract.stopping import WriteInFlight, write_expected_by
 
@@ -454,3 +462,66 @@ def assess_health(
     """Fold one reading into ``tracking`` and judge it: the verdict (see ``judge``) and the new state."""
     tracked = track(tracking, status, clocks.monotonic)
     return judge(tracked, status, read_error, clocks, policy), tracked
+
+
+def under_launcher(
+    health: Health,
+    launcher: LauncherState | None,
+    status: WorkerStatus | None,
+    clocks: Clocks,
+    policy: HealthPolicy,
+) -> Health:
+    """``health`` (the status file's verdict) as the launcher's state changes it (module docstring):
+
+    * no launcher: ``health``;
+    * the worker exited: not alive; its kill held while the launcher waits for an order, at most the
+      startup grace from the exit (``started_at`` of the state: the launcher's claim; a time ahead of the
+      sidecar's clock by more than the skew holds nothing, and a running state that claims one is
+      ignored);
+    * stopping for a newer attempt: not alive, its kill held the same way from the order;
+    * running, and no status, or one older than the attempt's start (the previous attempt's): alive, not
+      ready, for the startup grace from the start, then not alive;
+    * otherwise ``health``.
+    """
+    if launcher is None:
+        return health
+    grace = policy.startup_grace_seconds
+    ahead = launcher.started_at - clocks.wall
+    if ahead > policy.clock_skew_seconds:
+        # A claim the sidecar cannot time: it holds nothing and excuses nothing.
+        if launcher.phase is LauncherPhase.RUNNING:
+            return health
+        return Health(
+            alive=False,
+            ready=False,
+            reason=f"the launcher's state is {launcher.phase.value} for attempt {launcher.attempt}, "
+            f"with a start {ahead:.0f} s ahead of the sidecar's clock",
+        )
+    since = min(launcher.started_at, clocks.wall)
+    waited = clocks.wall - since
+    held = waited < grace
+    if launcher.phase is LauncherPhase.EXITED:
+        return Health(
+            alive=False,
+            ready=False,
+            kill_held=held,
+            reason=f"the worker of attempt {launcher.attempt} exited with code {launcher.exit_code}"
+            + (f"; the launcher waits for an order ({waited:.0f} s of {grace:g} s)" if held else ""),
+        )
+    if launcher.phase is LauncherPhase.STOPPING:
+        return Health(
+            alive=False,
+            ready=False,
+            kill_held=held,
+            reason=f"the launcher is stopping the worker for attempt {launcher.attempt} ({waited:.0f} s)",
+        )
+    # Both times are read from the pod's one clock, by processes of one container: no skew to allow.
+    if status is not None and status.started_at >= launcher.started_at:
+        return health
+    return _graced(
+        waited,
+        grace,
+        f"attempt {launcher.attempt} started in place {waited:.0f} s ago; waiting for its worker's status "
+        f"(startup grace {grace:g} s)",
+        f"attempt {launcher.attempt}'s worker wrote no status within the startup grace of {grace:g} s",
+    )

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,6 +59,7 @@ from trainer_sidecar.contract.env import (
 )
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.hang import DEFAULT_FLOOR_SECONDS
+from trainer_sidecar.contract.inplace import LauncherState, read_launcher_state
 from trainer_sidecar.contract.status import (
     MAX_LOCAL_RANKS,
     HealthReport,
@@ -78,6 +79,7 @@ from trainer_sidecar.sidecar.health import (
     assess_health,
     hang_timeout,
     implausible_timestamps,
+    under_launcher,
 )
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,10 @@ class Reading:
     seconds_since_step: float | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
     hang_timeout_seconds: float | None = None
+    #: The launcher's state when the worker runs under ``trainguard-launch`` (None: not, or unreadable, then
+    #: ``launcher_error`` says why).
+    launcher: LauncherState | None = None
+    launcher_error: str = ""
 
 
 def fold_counters(
@@ -384,9 +390,10 @@ class WorkerStatusCollector(Collector):
                 for rank, (status, why) in fetched.items()
                 if status is None and not self._watched[rank].judged and rank not in expected
             ]
-        if len(readings) == 1 and not ignored:
-            return readings[0]
-        return _combined(readings, judged, ignored)
+        reading = readings[0] if len(readings) == 1 and not ignored else _combined(readings, judged, ignored)
+        launcher, launcher_error = read_launcher_state(self.status_file.parent)
+        health = under_launcher(reading.health, launcher, reading.status, reading.clocks, self.policy)
+        return replace(reading, health=health, launcher=launcher, launcher_error=launcher_error)
 
     def describe(self) -> Iterable[Metric]:
         """Nothing declared up front: the registry is private, and describing must not read the file."""
@@ -418,6 +425,8 @@ class WorkerStatusCollector(Collector):
                 hang_timeout_seconds=_hang_timeout_of(reading, self.policy),
             ),
             time=reading.clocks.wall,
+            launcher=reading.launcher,
+            launcher_error=reading.launcher_error,
             sidecar=SidecarInfo(
                 started_at=self.started_at,
                 hang_timeout_seconds=self.policy.hang_timeout_seconds,
