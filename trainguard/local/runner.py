@@ -128,8 +128,6 @@ class RankProcesses:
         return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
-
-
 @dataclass
 class Spare:
     """A warm spare for one rank of the next attempt: its process and the runner's end of its channel."""
