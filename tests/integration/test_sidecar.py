@@ -4,6 +4,7 @@ in a real process."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -23,6 +24,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.contract.env import STATUS_FILE_ENV
+from trainer_sidecar.contract.inplace import (
+    MAX_FILE_BYTES,
+    LauncherPhase,
+    LauncherState,
+    RestartOrder,
+    StopMode,
+    order_token_digest,
+    read_order,
+    write_launcher_state,
+)
 from trainer_sidecar.contract.status import (
     CheckpointRef,
     Phase,
@@ -30,7 +42,7 @@ from trainer_sidecar.contract.status import (
     parse_status_document,
     write_status,
 )
-from trainer_sidecar.sidecar.server import SidecarServer, main
+from trainer_sidecar.sidecar.server import SettingsError, SidecarServer, load_settings, main
 
 #: Long enough that no test is judged hung by the time it takes on a loaded machine; a hung worker is
 #: written with a last step ten hang timeouts old.
@@ -589,3 +601,100 @@ def test_cli_port_in_use_exits_2(
         code = main(["--status-file", str(tmp_path / "s"), "--host", "127.0.0.1", "--port", str(taken.port)])
     assert code == 2
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+# --- restart orders (POST /restart) ----------------------------------------------------------------------
+
+TOKEN = "s3cret-token-of-the-job"
+
+
+def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    """POST ``body`` to ``url``; (status code, body) for error statuses too."""
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.read().decode()
+
+
+def an_order(attempt: int = 2) -> bytes:
+    return RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL).model_dump_json().encode()
+
+
+def with_launcher(status_file: Path, attempt: int = 1) -> LauncherState:
+    state = LauncherState(
+        attempt=attempt, phase=LauncherPhase.RUNNING, started_at=time.time(), updated_at=time.time()
+    )
+    write_launcher_state(status_file.parent, state)
+    return state
+
+
+def test_an_order_with_the_token_is_written_for_the_launcher(serve: Serve, status_file: Path) -> None:
+    server = serve(order_token_sha256=order_token_digest(TOKEN))
+    with_launcher(status_file)
+    code, body = post(f"{server.url}/restart", an_order(), {"Authorization": f"Bearer {TOKEN}"})
+    assert (code, body.strip()) == (202, "attempt 2 ordered")
+    order, reason = read_order(status_file.parent)
+    assert order is not None, reason
+    assert (order.attempt, order.stop) == (2, StopMode.KILL)
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "expected", "said"),
+    [
+        ({}, an_order(), 401, "token"),
+        ({"Authorization": "Bearer not-the-token"}, an_order(), 401, "token"),
+        ({"Authorization": f"Basic {TOKEN}"}, an_order(), 401, "token"),
+        ({"Authorization": f"Bearer {TOKEN}"}, b"{}", 400, "attempt"),
+        ({"Authorization": f"Bearer {TOKEN}"}, b"\xff" * 10, 400, "not a restart order"),
+        (
+            {"Authorization": f"Bearer {TOKEN}"},
+            b'{"attempt": 2, "stop": "kill", "environment": {"LD_PRELOAD": "/x.so"}}',
+            400,
+            "LD_PRELOAD",
+        ),
+        ({"Authorization": f"Bearer {TOKEN}"}, an_order(attempt=1), 409, "attempt 1 already runs"),
+    ],
+)
+def test_an_order_that_is_not_the_jobs_or_not_an_order_is_refused_and_nothing_written(
+    serve: Serve, status_file: Path, headers: dict[str, str], body: bytes, expected: int, said: str
+) -> None:
+    server = serve(order_token_sha256=order_token_digest(TOKEN))
+    with_launcher(status_file)
+    code, answer = post(f"{server.url}/restart", body, headers)
+    assert code == expected
+    assert said in answer
+    assert read_order(status_file.parent) == (None, "")
+
+
+def test_an_oversized_order_is_refused_before_it_is_read(serve: Serve, status_file: Path) -> None:
+    server = serve(order_token_sha256=order_token_digest(TOKEN))
+    with_launcher(status_file)
+    # Only the headers are sent: the sidecar must answer from the length alone, without waiting for a body.
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    connection.putrequest("POST", "/restart")
+    connection.putheader("Authorization", f"Bearer {TOKEN}")
+    connection.putheader("Content-Length", str(MAX_FILE_BYTES + 1))
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413
+    connection.close()
+    assert read_order(status_file.parent) == (None, "")
+
+
+def test_without_a_launcher_or_a_token_setting_no_order_is_taken(serve: Serve, status_file: Path) -> None:
+    ordering = serve(order_token_sha256=order_token_digest(TOKEN))
+    code, answer = post(f"{ordering.url}/restart", an_order(), {"Authorization": f"Bearer {TOKEN}"})
+    assert (code, "no launcher" in answer) == (409, True)
+    with_launcher(status_file)
+    closed = serve()
+    code, answer = post(f"{closed.url}/restart", an_order(), {"Authorization": f"Bearer {TOKEN}"})
+    assert (code, "takes no restart orders" in answer) == (404, True)
+    assert read_order(status_file.parent) == (None, "")
+
+
+def test_an_order_token_digest_that_is_not_one_is_a_settings_error_naming_the_flag() -> None:
+    with pytest.raises(SettingsError, match="--order-token-sha256"):
+        load_settings({"order_token_sha256": TOKEN}, {STATUS_FILE_ENV: "/tmp/status.json"})

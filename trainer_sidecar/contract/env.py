@@ -45,6 +45,8 @@ HANG_TIMEOUT_FLOOR_ENV = "TRAINGUARD_HANG_TIMEOUT_FLOOR_SECONDS"
 STARTUP_GRACE_ENV = "TRAINGUARD_STARTUP_GRACE_SECONDS"
 #: How many workers share the pod (``nprocPerNode``); each writes its own status file.
 LOCAL_RANKS_ENV = "TRAINGUARD_LOCAL_RANKS"
+#: The SHA-256 (hex) of the token a restart order to the sidecar must carry (unset: no orders taken).
+ORDER_TOKEN_DIGEST_ENV = "TRAINGUARD_ORDER_TOKEN_SHA256"
 
 # Set by ``trainguard run`` on every process it starts.
 GANG_ENV = "TRAINGUARD_GANG_ID"
@@ -60,6 +62,7 @@ __all__ = [
     "JOB_NAME_ENV",
     "LOCAL_RANKS_ENV",
     "NAMESPACE_ENV",
+    "ORDER_TOKEN_DIGEST_ENV",
     "PREFIX",
     "REMEDIATION_ENV",
     "RESTARTS_ENV",

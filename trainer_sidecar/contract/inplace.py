@@ -14,6 +14,10 @@ the sidecar already share:
   or has exited (with the exit code a container would have shown), and whether a warm spare is ready.
   The launcher writes it at every change; the sidecar reports it.
 
+The runner that decides a restart reaches a pod through its sidecar: ``POST /restart`` (``ORDER_PATH``)
+with the order as its body and ``Authorization: Bearer TOKEN``; the sidecar knows only the token's
+SHA-256 (``order_token_digest``), from its environment, and writes the order file for the launcher.
+
 Both are written atomically and read bounded (``contract.files``): each side trusts nothing of the other.
 An order may set only the worker variables an attempt changes (``ORDERABLE_VARIABLES``): the rest of
 the worker's environment is the pod's, fixed for the pod's life.
@@ -21,6 +25,7 @@ the worker's environment is the pod's, fixed for the pod's life.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -38,6 +43,7 @@ __all__ = [
     "LAUNCHER_FILE",
     "ORDERABLE_VARIABLES",
     "ORDER_FILE",
+    "ORDER_PATH",
     "LauncherPhase",
     "LauncherState",
     "OrderRead",
@@ -45,6 +51,7 @@ __all__ = [
     "StateRead",
     "StopMode",
     "container_exit_code",
+    "order_token_digest",
     "read_launcher_state",
     "read_order",
     "write_launcher_state",
@@ -52,6 +59,8 @@ __all__ = [
 ]
 
 ORDER_FILE = "restart-order.json"
+#: The sidecar's endpoint that takes an order.
+ORDER_PATH = "/restart"
 LAUNCHER_FILE = "launcher.json"
 #: Either file is a few variables and numbers: far below this, unless something is wrong.
 MAX_FILE_BYTES = 256 * 1024
@@ -128,6 +137,12 @@ class LauncherState(BaseModel):
     spare_ready: bool = False
     updated_at: float = Field(ge=0.0, allow_inf_nan=False)
     message: str = Field(default="", max_length=MAX_MESSAGE_CHARS)
+
+
+def order_token_digest(token: str) -> str:
+    """The SHA-256 of ``token``, in hex: what a sidecar is told instead of the token itself (a pod's spec
+    is readable by more than the runner that orders restarts)."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def container_exit_code(returncode: int) -> int:

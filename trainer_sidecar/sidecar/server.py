@@ -11,6 +11,9 @@ Endpoints (one port):
 * ``GET /status`` - JSON: the worker status as read, the health verdict and the sidecar's settings. Always
   200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
 * ``GET /metrics`` - Prometheus text exposition from a private registry.
+* ``POST /restart`` - a restart order for the pod's launcher (``trainguard-launch``), taken only with the
+  token whose SHA-256 the sidecar was given (``--order-token-sha256``), written into the status directory
+  for the launcher (``trainer_sidecar.contract.inplace``); 202, or the refusal and why.
 
 The status file is re-read on every request (it is a few hundred bytes; only a regular file of at most
 ``MAX_STATUS_BYTES`` is read). A missing, half-written, oversized, special or garbage file is a reason in the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import math
@@ -52,6 +56,7 @@ from trainer_sidecar.contract.env import (
     JOB_NAME_ENV,
     LOCAL_RANKS_ENV,
     NAMESPACE_ENV,
+    ORDER_TOKEN_DIGEST_ENV,
     SIDECAR_HOST_ENV,
     SIDECAR_PORT_ENV,
     STARTUP_GRACE_ENV,
@@ -59,7 +64,17 @@ from trainer_sidecar.contract.env import (
 )
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.hang import DEFAULT_FLOOR_SECONDS
-from trainer_sidecar.contract.inplace import LauncherState, read_launcher_state
+from trainer_sidecar.contract.inplace import (
+    MAX_FILE_BYTES as MAX_ORDER_BYTES,
+)
+from trainer_sidecar.contract.inplace import (
+    ORDER_PATH,
+    LauncherState,
+    RestartOrder,
+    order_token_digest,
+    read_launcher_state,
+    write_order,
+)
 from trainer_sidecar.contract.status import (
     MAX_LOCAL_RANKS,
     HealthReport,
@@ -595,6 +610,56 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(HTTPStatus.NOT_FOUND, f"not found: {path}\n".encode(), "text/plain; charset=utf-8")
 
+    def do_POST(self) -> None:
+        """``POST /restart``: take a restart order for the pod's launcher (``_take_order``)."""
+        path = urlsplit(self.path).path
+        try:
+            if path == ORDER_PATH:
+                code, message = self._take_order()
+                self._send(code, self._reason_body(message), "text/plain; charset=utf-8")
+            else:
+                self._send(HTTPStatus.NOT_FOUND, f"not found: {path}\n".encode(), "text/plain; charset=utf-8")
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            logger.debug("client went away during POST %s", path)
+        except Exception:
+            logger.exception("error serving POST %s", path)
+            with contextlib.suppress(OSError):
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n", "text/plain; charset=utf-8")
+
+    def _take_order(self) -> tuple[HTTPStatus, str]:
+        """Check a restart order's token, body and attempt, and write it for the launcher
+        (``trainer_sidecar.contract.inplace``). 202 when written; otherwise the refusal and why: 404 when
+        this sidecar takes no orders, 401 for a missing or wrong token, 400/413 for a body that is not an
+        order, 409 when no launcher runs in the pod or the attempt is not newer than the one it runs."""
+        digest = self._sidecar().order_token_sha256
+        if not digest:
+            return HTTPStatus.NOT_FOUND, "this sidecar takes no restart orders (no order token is set)"
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(order_token_digest(token.strip()), digest):
+            return HTTPStatus.UNAUTHORIZED, "a restart order needs the job's token (Authorization: Bearer)"
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            return HTTPStatus.LENGTH_REQUIRED, "a restart order needs a Content-Length"
+        if not 0 < length <= MAX_ORDER_BYTES:
+            return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a restart order is 1 to {MAX_ORDER_BYTES} bytes"
+        body = self.rfile.read(length)
+        try:
+            order = RestartOrder.model_validate_json(body)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(body)"
+            return HTTPStatus.BAD_REQUEST, f"not a restart order ({where}: {first['msg']})"
+        status_dir = self._sidecar().collector.status_file.parent
+        state, reason = read_launcher_state(status_dir)
+        if state is None:
+            return HTTPStatus.CONFLICT, f"no launcher runs in this pod{': ' + reason if reason else ''}"
+        if order.attempt <= state.attempt:
+            return HTTPStatus.CONFLICT, f"attempt {state.attempt} already runs in this pod"
+        write_order(status_dir, order)
+        logger.info("restart order for attempt %d (stop: %s) written", order.attempt, order.stop.value)
+        return HTTPStatus.ACCEPTED, f"attempt {order.attempt} ordered"
+
     def _send_verdict(self, good: bool, reason: str) -> None:
         if good:
             self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
@@ -624,6 +689,8 @@ class _SidecarHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    #: The digest of the token a restart order must carry ("" : no orders taken).
+    order_token_sha256 = ""
 
     def __init__(
         self,
@@ -657,6 +724,7 @@ class SidecarServer:
         namespace: str = DEFAULT_NAMESPACE,
         local_ranks: int = 1,
         hang_timeout_floor_seconds: float = DEFAULT_FLOOR_SECONDS,
+        order_token_sha256: str = "",
     ) -> None:
         settings = SidecarSettings(
             status_file=Path(status_file),
@@ -668,6 +736,7 @@ class SidecarServer:
             namespace=namespace,
             local_ranks=local_ranks,
             hang_timeout_floor_seconds=hang_timeout_floor_seconds,
+            order_token_sha256=order_token_sha256,
         )
         self.host = settings.host
         self.collector = WorkerStatusCollector(
@@ -683,6 +752,7 @@ class SidecarServer:
         self.registry.register(self.collector)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._httpd = _SidecarHTTPServer((self.host, settings.port), self.collector, self.registry, family)
+        self._httpd.order_token_sha256 = settings.order_token_sha256
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -776,6 +846,13 @@ class SidecarSettings(BaseModel):
         "writes <status file stem>-<local rank><suffix>, and the pod is alive only while all are.",
     )
 
+    order_token_sha256: str = Field(
+        "",
+        pattern=r"^([0-9a-f]{64})?$",
+        description="The SHA-256 (64 hex digits) of the token POST /restart must carry; empty: the sidecar "
+        "takes no restart orders.",
+    )
+
     @field_validator("status_file", mode="before")
     @classmethod
     def _required_path(cls, value: object) -> object:
@@ -795,6 +872,7 @@ SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
     "job": ("--job", JOB_NAME_ENV),
     "namespace": ("--namespace", NAMESPACE_ENV),
     "local_ranks": ("--local-ranks", LOCAL_RANKS_ENV),
+    "order_token_sha256": ("--order-token-sha256", ORDER_TOKEN_DIGEST_ENV),
 }
 
 
