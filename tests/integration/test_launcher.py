@@ -58,6 +58,13 @@ if mode == "graceful":
             out.write(json.dumps({"stopped": os.getpid()}) + "\\n")
         sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
+if mode == "stepexit":
+    from trainer_sidecar.contract.status import WorkerStatus, write_status
+    now = time.time()
+    write_status(Path(os.environ["TRAINGUARD_STATUS_FILE"]),
+                 WorkerStatus(pid=os.getpid(), started_at=now, step=1, last_step_time=now + 0.01))
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
 if mode == "step":
     from trainer_sidecar.contract.status import WorkerStatus, write_status
     now = time.time()
@@ -366,3 +373,19 @@ def _spares_of(launcher: int) -> list[int]:
         if int(stat.split(") ")[1].split()[1]) == launcher and b"trainer_sidecar.guardian.spare" in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def test_a_spare_ready_after_the_worker_died_keeps_the_exit_reported_and_takes_the_order(
+    launches: Callable[..., Launch],
+) -> None:
+    launch = launches("stepexit", "hang", spare=True, order_wait=120)
+    wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.EXITED)
+    state = wait_for(lambda: (s := launch.current()) and s.spare_ready and s, timeout=120)
+    assert isinstance(state, LauncherState)
+    assert (state.phase, state.exit_code) == (LauncherPhase.EXITED, 128 + signal.SIGKILL)
+    spares = _spares_of(launch.proc.pid)
+    launch.order(2, StopMode.KILL)
+    starts = wait_for(lambda: launch.starts()[1:] and launch.starts())
+    assert isinstance(starts, list)
+    assert [starts[1]["pid"]] == spares
+    assert launch.proc.poll() is None

@@ -288,7 +288,8 @@ class Launcher:
                 self._spare = None
             elif not spare.ready and said_ready(spare.channel):
                 spare.ready = True
-                self._publish(LauncherPhase.RUNNING)
+                if self._phase is not None:
+                    self._publish(self._phase, self._exit_code)
             return
         worker = self._worker
         if not isinstance(self.plan, WarmStart) or worker is None or not worker.alive or not self._stepped():
