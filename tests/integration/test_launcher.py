@@ -40,8 +40,11 @@ record = Path(os.environ["RECORD"])
 # A child that ignores SIGTERM, as a data loader's worker may.
 IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 child = subprocess.Popen([sys.executable, "-c", IGNORE_TERM])
+# And one in a session of its own, out of the worker's process group, as torchrun starts its workers.
+escaped = subprocess.Popen([sys.executable, "-c", IGNORE_TERM], start_new_session=True)
 with record.open("a") as out:
-    out.write(json.dumps({"pid": os.getpid(), "child": child.pid, "argv": sys.argv[1:],
+    out.write(json.dumps({"pid": os.getpid(), "child": child.pid, "escaped": escaped.pid,
+                          "argv": sys.argv[1:],
                           "attempt": os.environ.get("TRAINGUARD_ATTEMPT"),
                           "remediation": os.environ.get("TRAINGUARD_REMEDIATION"),
                           "kept": os.environ.get("KEPT")}) + "\\n")
@@ -178,7 +181,7 @@ def launches(tmp_path: Path) -> Iterator[Callable[..., Launch]]:
             os.killpg(launch.proc.pid, signal.SIGKILL)
             launch.proc.wait()
         for start in launch.starts():
-            for pid in (start["pid"], start["child"]):
+            for pid in (start["pid"], start["child"], start["escaped"]):
                 assert isinstance(pid, int)
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
@@ -207,7 +210,7 @@ def test_a_kill_order_replaces_a_hung_worker_and_its_process_group_with_the_orde
     assert second["remediation"] == '{"id": "r2"}'
     assert second["kept"] == "from the pod"  # the rest of the environment is the container's
     assert second["pid"] != first["pid"]
-    wait_for(lambda: not alive(first["pid"]) and not alive(first["child"]), timeout=10)
+    wait_for(lambda: not any(alive(first[key]) for key in ("pid", "child", "escaped")), timeout=10)
     state = wait_for(lambda: (s := launch.current()) and s.pid == second["pid"] and s)
     assert isinstance(state, LauncherState)
     assert (state.attempt, state.phase, state.warm) == (2, LauncherPhase.RUNNING, False)
@@ -303,6 +306,8 @@ def test_a_stop_signal_is_passed_to_the_worker_and_its_code_returned(launches: C
     launch.proc.send_signal(signal.SIGTERM)
     assert launch.proc.wait(timeout=30) == 0  # the worker's own exit after its handler
     assert launch.stops() == [first["pid"]]
+    # Nothing the worker started outlives the launcher, in its group or not.
+    wait_for(lambda: not alive(first["child"]) and not alive(first["escaped"]), timeout=10)
 
 
 def test_a_command_that_is_not_there_is_a_clear_error(tmp_path: Path) -> None:

@@ -19,7 +19,10 @@ stays for the container's life. What a restart in place needs from it:
   would have without the launcher. A success is passed on at once.
 - **A stop is passed on.** SIGTERM or SIGINT to the launcher (the kubelet stopping the pod) is sent to
   the worker's process group; the launcher exits with the worker's code once it has exited.
-- **It is a good PID 1.** It reaps every child, the orphans the kernel gives it included.
+- **It is a good PID 1.** It reaps every child, the orphans the kernel gives it included. It is also a
+  child subreaper (Linux's ``PR_SET_CHILD_SUBREAPER``) where it is not PID 1, so what a worker leaves
+  behind becomes its child there too: a stopped attempt leaves nothing running, not even processes that
+  left the worker's process group (torchrun starts each of its workers in a session of its own).
 
 The launcher is torch-free and imports only the contract: it is in the worker's image, but must cost the
 worker nothing.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -133,6 +137,8 @@ class Launcher:
         """Run the worker and every ordered restart until the launcher is done; its exit code."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
+        if os.getpid() != 1 and not become_subreaper():
+            self._note("not a child subreaper: what a stopped worker leaves outside its group may survive it")
         self._start(dict(os.environ))
         try:
             while True:
@@ -151,8 +157,9 @@ class Launcher:
         finally:
             self._drop_spare()
             if self._worker is not None:
-                # What the worker left in its process group ends with the launcher, as with a container.
+                # What the worker left ends with the launcher, as with a container.
                 _signal_group(self._worker.proc.pid, signal.SIGKILL)
+                self._sweep(timeout=2.0)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop_signal = signum
@@ -208,6 +215,25 @@ class Launcher:
                 child.returncode = os.waitstatus_to_exitcode(status)
                 child.proc.returncode = child.returncode  # reaped here, not by Popen
 
+    def _sweep(self, timeout: float = 10.0) -> None:
+        """SIGKILL every process the old attempt left as the launcher's child (orphans it inherited, in
+        other sessions) but the spare, until none is left or ``timeout`` passed; a process killed here
+        may leave orphans of its own, which become the launcher's next."""
+        keep = {os.getpid()}
+        if self._spare is not None:
+            keep.add(self._spare.process.proc.pid)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._reap()
+            strays = [pid for pid in _children_of(os.getpid()) if pid not in keep]
+            if not strays:
+                return
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(POLL_SECONDS / 5)
+        self._note(f"processes of the previous attempt outlived {timeout:g} s of SIGKILL")
+
     def _wait_gone(self, child: _Process, deadline: float) -> bool:
         """Reap until ``child`` has exited or ``deadline`` (monotonic) passed; whether it exited."""
         while child.alive and time.monotonic() < deadline:
@@ -254,6 +280,7 @@ class Launcher:
                     _signal_group(worker.proc.pid, signal.SIGKILL)
                 self._wait_gone(worker, float("inf"))
             _signal_group(worker.proc.pid, signal.SIGKILL)  # what it left in its group (data loaders)
+            self._sweep()
         env = {**os.environ, **order.environment, ATTEMPT_ENV: str(order.attempt)}
         self._start(env)
 
@@ -361,6 +388,42 @@ class Launcher:
             write_launcher_state(self.status_dir, state)
         except OSError as exc:
             print(f"trainguard-launch: cannot write its state in {self.status_dir}: {exc}", file=sys.stderr)
+
+
+def _children_of(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (from /proc; [] where there is none)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and int(fields[1]) == parent and fields[0] != b"Z":
+            found.append(int(name))
+    return found
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process adopt its descendants' orphans (Linux); whether it could."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def _signal_group(pid: int, sig: int) -> None:
