@@ -4,13 +4,15 @@ Every test runs in a namespace of its own that enforces the Pod Security "restri
 from the images of ``scripts/images.sh`` (the trainguard image: Python, user 65532; the base image: root),
 and asserts on what the API server reports (pod status, Events), on ``kubectl logs`` and ``kubectl
 exec``, and on what crosses the pod network (a Service's ClusterIP and its DNS name, through kube-proxy
-and CoreDNS).
+and CoreDNS). The last tests run trainguard's worker launcher as a container's PID 1 beside a sidecar
+that takes restart orders over the pod network.
 """
 
 from __future__ import annotations
 
 import json
 import textwrap
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import yaml
 
 from tests.support.cluster import Cluster, wait_for
 from tests.support.controlplane import PYTORCH_INIT_CONTAINER
+from trainer_sidecar.contract.inplace import RestartOrder, StopMode, order_token_digest
 
 TIMEOUT = 120.0  # for anything that involves scheduling and starting a pod on a busy 2-core machine
 
@@ -371,3 +374,91 @@ def test_the_training_operators_init_container_finds_a_headless_service_by_its_s
     ns.apply(pod("master", master), headless, pod("waiter", init))
     state = ns.terminated("waiter")
     assert state["exitCode"] == 0, f"{state}\n{ns.logs('waiter')}"
+
+
+# --- the worker container's launcher (trainguard-launch) on a real kubelet ----------------------------------
+
+ORDER_TOKEN = "e2e-order-token"
+
+
+def launched_pod(name: str, image: str, worker_script: str, order_wait: int) -> dict[str, Any]:
+    """A pod whose worker container runs ``worker_script`` under the launcher (PID 1), beside a sidecar
+    that takes restart orders with ``ORDER_TOKEN``; the two share the status directory."""
+    status = {"name": "status", "mountPath": "/status"}
+    launcher = [
+        "python3", "-m", "trainer_sidecar.launcher.launcher", "--status-dir", "/status",
+        "--order-wait-seconds", str(order_wait), "--no-spare", "--",
+        "python3", "-c", textwrap.dedent(worker_script),
+    ]  # fmt: skip
+    worker = restricted_container(
+        "worker", image, "", command=launcher, env=[{"name": "TRAINGUARD_ATTEMPT", "value": "1"}],
+        volumeMounts=[status],
+    )  # fmt: skip
+    sidecar = restricted_container(
+        "sidecar",
+        image,
+        "",
+        command=["trainguard-sidecar"],
+        env=[
+            {"name": "TRAINGUARD_STATUS_FILE", "value": "/status/status.json"},
+            {"name": "TRAINGUARD_SIDECAR_HOST", "value": "0.0.0.0"},
+            {"name": "TRAINGUARD_SIDECAR_PORT", "value": "8080"},
+            {"name": "TRAINGUARD_ORDER_TOKEN_SHA256", "value": order_token_digest(ORDER_TOKEN)},
+        ],
+        volumeMounts=[status],
+    )
+    return pod(name, worker, sidecar, volumes=[{"name": "status", "emptyDir": {}}])
+
+
+def post_order(pod_ip: str, attempt: int, token: str) -> int:
+    """POST a kill order for ``attempt`` to the pod's sidecar; the HTTP status."""
+    body = RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL).model_dump_json().encode()
+    request = urllib.request.Request(
+        f"http://{pod_ip}:8080/restart",
+        data=body,
+        headers={"Authorization": f"Bearer {token}"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code
+
+
+def test_an_order_restarts_the_worker_inside_its_running_container(ns: Namespace, image: str) -> None:
+    script = """
+        import os, sys, time
+        attempt = os.environ["TRAINGUARD_ATTEMPT"]
+        print(f"attempt {attempt} pid {os.getpid()} parent {os.getppid()}", flush=True)
+        if attempt == "1":
+            time.sleep(600)  # hung: only a kill ends it
+    """
+    ns.apply(launched_pod("inplace", image, script, order_wait=60))
+    running = ns.running("inplace")
+    pod_ip, uid = running["status"]["podIP"], running["metadata"]["uid"]
+    ns.wait("attempt 1", lambda: "attempt 1" in ns.logs("inplace", "-c", "worker"))
+    assert post_order(pod_ip, 2, "not-the-token") == 401
+    assert post_order(pod_ip, 2, ORDER_TOKEN) == 202
+    state = ns.terminated("inplace", "worker")
+    assert (state["exitCode"], state["reason"]) == (0, "Completed"), state  # attempt 2's own exit
+    lines = ns.logs("inplace", "-c", "worker").splitlines()
+    attempts = [line for line in lines if line.startswith("attempt ")]
+    assert [line.split()[1] for line in attempts] == ["1", "2"], lines
+    # Both attempts ran in the one container of the one pod, children of the launcher as its PID 1.
+    assert all(line.endswith("parent 1") for line in attempts), attempts
+    found = ns.get_pod("inplace")
+    worker = next(s for s in found["status"]["containerStatuses"] if s["name"] == "worker")
+    assert (found["metadata"]["uid"], worker["restartCount"]) == (uid, 0)
+
+
+def test_without_an_order_the_worker_s_exit_is_the_container_s(ns: Namespace, image: str) -> None:
+    script = """
+        import os, signal
+        print("attempt", os.environ["TRAINGUARD_ATTEMPT"], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    ns.apply(launched_pod("passthrough", image, script, order_wait=0))
+    state = ns.terminated("passthrough", "worker")
+    assert state["exitCode"] == 128 + 9, state
