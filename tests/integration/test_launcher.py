@@ -49,6 +49,9 @@ with record.open("a") as out:
                           "remediation": os.environ.get("TRAINGUARD_REMEDIATION"),
                           "kept": os.environ.get("KEPT")}) + "\\n")
 mode = sys.argv[1] if int(os.environ.get("TRAINGUARD_ATTEMPT", "1")) == 1 else sys.argv[2]
+if mode == "sleep2exit1":
+    time.sleep(2)
+    sys.exit(1)
 if mode.startswith("exit"):
     sys.exit(int(mode[4:]))
 if mode == "kill":
@@ -245,6 +248,17 @@ def test_a_failed_worker_waits_for_an_order_then_restarts_in_place(launches: Cal
     launch.order(2, StopMode.KILL)
     wait_for(lambda: len(launch.starts()) == 2)
     assert launch.state().attempt == 2
+
+
+def test_an_exit_is_dated_from_the_exit_not_from_the_workers_start(launches: Callable[..., Launch]) -> None:
+    # The sidecar holds the kubelet's kill for a grace counted from this date: a worker that ran for an
+    # hour must still get it.
+    launch = launches("sleep2exit1", "hang", order_wait=60)
+    running = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.RUNNING and s)
+    exited = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.EXITED and s)
+    assert isinstance(running, LauncherState)
+    assert isinstance(exited, LauncherState)
+    assert exited.since - running.since >= 2.0
 
 
 def test_a_failed_worker_without_an_order_is_passed_on_after_the_wait(

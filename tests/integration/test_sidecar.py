@@ -625,7 +625,7 @@ def an_order(attempt: int = 2) -> bytes:
 
 def with_launcher(status_file: Path, attempt: int = 1) -> LauncherState:
     state = LauncherState(
-        attempt=attempt, phase=LauncherPhase.RUNNING, started_at=time.time(), updated_at=time.time()
+        attempt=attempt, phase=LauncherPhase.RUNNING, since=time.time(), updated_at=time.time()
     )
     write_launcher_state(status_file.parent, state)
     return state

@@ -34,9 +34,7 @@ def test_an_order_and_a_state_read_back_as_written(tmp_path: Path) -> None:
     )
     write_order(tmp_path, order)
     assert read_order(tmp_path) == (order, "")
-    state = LauncherState(
-        attempt=7, phase=LauncherPhase.EXITED, started_at=0.5, exit_code=137, updated_at=1.0
-    )
+    state = LauncherState(attempt=7, phase=LauncherPhase.EXITED, since=0.5, exit_code=137, updated_at=1.0)
     write_launcher_state(tmp_path, state)
     assert read_launcher_state(tmp_path) == (state, "")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ORDER_FILE, LAUNCHER_FILE])  # no temp left
@@ -104,5 +102,5 @@ def test_an_exit_is_shown_as_a_container_shows_it(returncode: int, shown: int) -
 @given(st.integers(min_value=-64, max_value=2**16))
 def test_every_exit_code_fits_a_state(returncode: int) -> None:
     code = container_exit_code(returncode)
-    LauncherState(attempt=1, phase=LauncherPhase.EXITED, started_at=0.0, exit_code=code, updated_at=0.0)
+    LauncherState(attempt=1, phase=LauncherPhase.EXITED, since=0.0, exit_code=code, updated_at=0.0)
     assert (code == 0) == (returncode in (0, 256, 512) or (returncode % 256 == 0 and returncode >= 0))

@@ -465,9 +465,7 @@ def test_a_pod_under_the_launcher_reports_its_state_and_is_judged_by_it(tmp_path
     clocks.advance(HANG + 1)
     assert not source.read().health.alive
     # Its launcher starts attempt 2 in place; the old status is still there.
-    state = LauncherState(
-        attempt=2, phase=LauncherPhase.RUNNING, started_at=clocks.wall, updated_at=clocks.wall
-    )
+    state = LauncherState(attempt=2, phase=LauncherPhase.RUNNING, since=clocks.wall, updated_at=clocks.wall)
     write_launcher_state(tmp_path, state)
     clocks.advance(1)
     reading = source.read()

@@ -711,8 +711,8 @@ def test_a_worker_failing_with_its_exit_code_is_alive_while_it_ends_then_not() -
 # --- under the launcher (trainguard-launch restarts the worker in place) ---------------------------------
 
 
-def launched(phase: LauncherPhase, started_at: float, attempt: int = 2, **fields: Any) -> LauncherState:
-    return LauncherState(attempt=attempt, phase=phase, started_at=started_at, updated_at=started_at, **fields)
+def launched(phase: LauncherPhase, since: float, attempt: int = 2, **fields: Any) -> LauncherState:
+    return LauncherState(attempt=attempt, phase=phase, since=since, updated_at=since, **fields)
 
 
 def test_without_a_launcher_the_status_files_verdict_stands() -> None:

@@ -119,8 +119,9 @@ class LauncherPhase(StrEnum):
 
 
 class LauncherState(BaseModel):
-    """What the launcher of a pod runs: ``attempt`` in ``phase``, its worker started at ``started_at``
-    (wall-clock seconds; when the order arrived, while ``phase`` is stopping); the worker's ``pid`` while
+    """What the launcher of a pod runs: ``attempt`` in ``phase`` since ``since`` (wall-clock seconds:
+    when the attempt's worker started, when it exited, or when the order to stop it arrived); the
+    worker's ``pid`` while
     it runs, its ``exit_code`` once it exited (as a container shows it: 128 + the signal for a killed
     process); ``warm``: whether the attempt started in a warm spare; ``spare_ready``: whether one waits for
     the next; ``updated_at``: wall-clock seconds of the write. Unknown fields are ignored (a newer
@@ -130,7 +131,7 @@ class LauncherState(BaseModel):
 
     attempt: Attempt
     phase: LauncherPhase
-    started_at: float = Field(ge=0.0, allow_inf_nan=False)
+    since: float = Field(ge=0.0, allow_inf_nan=False)
     pid: int | None = Field(default=None, ge=1, le=2**31 - 1)
     exit_code: int | None = Field(default=None, ge=0, le=255)
     warm: bool = False

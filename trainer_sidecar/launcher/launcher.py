@@ -126,6 +126,7 @@ class Launcher:
     _message: str = ""
     _phase: LauncherPhase | None = None
     _exit_code: int | None = None
+    _since: float = 0.0
 
     def __post_init__(self) -> None:
         self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
@@ -173,6 +174,7 @@ class Launcher:
         code = container_exit_code(worker.returncode)
         if self._exited_at is None:
             self._exited_at = time.monotonic()
+            self._since = time.time()
             self._publish(LauncherPhase.EXITED, exit_code=code)
         if code == 0 or time.monotonic() - self._exited_at >= self.order_wait_seconds:
             return code
@@ -262,14 +264,14 @@ class Launcher:
             self._discard(spare)
         if not self._worker_warm:
             self._worker = self._spawn(self.command, env)
-        self._worker_started_at = time.time()
+        self._worker_started_at = self._since = time.time()
         self._exited_at = None
         self._publish(LauncherPhase.RUNNING)
 
     def _restart(self, order: RestartOrder) -> None:
         """Stop the worker that runs as ``order`` says, reap its process group, start ``order.attempt``."""
         self.attempt = order.attempt
-        self._worker_started_at = time.time()
+        self._since = time.time()
         self._publish(LauncherPhase.STOPPING)
         worker = self._worker
         if worker is not None:
@@ -376,7 +378,7 @@ class Launcher:
         state = LauncherState(
             attempt=self.attempt,
             phase=phase,
-            started_at=self._worker_started_at,
+            since=self._since,
             pid=worker.proc.pid if worker is not None and worker.alive else None,
             exit_code=exit_code,
             warm=self._worker_warm,

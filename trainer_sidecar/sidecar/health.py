@@ -475,7 +475,7 @@ def under_launcher(
 
     * no launcher: ``health``;
     * the worker exited: not alive; its kill held while the launcher waits for an order, at most the
-      startup grace from the exit (``started_at`` of the state: the launcher's claim; a time ahead of the
+      startup grace from the exit (``since`` of the state: the launcher's claim; a time ahead of the
       sidecar's clock by more than the skew holds nothing, and a running state that claims one is
       ignored);
     * stopping for a newer attempt: not alive, its kill held the same way from the order;
@@ -486,7 +486,7 @@ def under_launcher(
     if launcher is None:
         return health
     grace = policy.startup_grace_seconds
-    ahead = launcher.started_at - clocks.wall
+    ahead = launcher.since - clocks.wall
     if ahead > policy.clock_skew_seconds:
         # A claim the sidecar cannot time: it holds nothing and excuses nothing.
         if launcher.phase is LauncherPhase.RUNNING:
@@ -495,9 +495,9 @@ def under_launcher(
             alive=False,
             ready=False,
             reason=f"the launcher's state is {launcher.phase.value} for attempt {launcher.attempt}, "
-            f"with a start {ahead:.0f} s ahead of the sidecar's clock",
+            f"since a time {ahead:.0f} s ahead of the sidecar's clock",
         )
-    since = min(launcher.started_at, clocks.wall)
+    since = min(launcher.since, clocks.wall)
     waited = clocks.wall - since
     held = waited < grace
     if launcher.phase is LauncherPhase.EXITED:
@@ -516,7 +516,7 @@ def under_launcher(
             reason=f"the launcher is stopping the worker for attempt {launcher.attempt} ({waited:.0f} s)",
         )
     # Both times are read from the pod's one clock, by processes of one container: no skew to allow.
-    if status is not None and status.started_at >= launcher.started_at:
+    if status is not None and status.started_at >= launcher.since:
         return health
     return _graced(
         waited,
