@@ -649,7 +649,7 @@ class LocalRunner(GangSupervisor):
             happened = rank.sidecar.keep_running()
             if happened:
                 self.event("sidecar", f"rank {rank.rank}: {happened}")
-            self.read_status(rank)
+            self._fetch_status(rank)
             code, body = rank.sidecar.healthz(timeout)
             rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
             rank.alive = self._liveness(rank)
@@ -696,10 +696,18 @@ class LocalRunner(GangSupervisor):
         return rank.exit_reason
 
     def read_status(self, rank: RankProcesses) -> None:
-        """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had)."""
+        """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had),
+        and heed the sidecar's verdict in it."""
+        if self._fetch_status(rank):
+            self._heed_verdict(rank)
+
+    @staticmethod
+    def _fetch_status(rank: RankProcesses) -> bool:
+        """Read one rank's /status into ``rank`` (its status, hang timeout and the sidecar's verdict);
+        whether the sidecar answered with one."""
         code, body = rank.sidecar.get("/status", 2.0)
         if code != 200:
-            return
+            return False
         report = SidecarReport.from_document(body)
         if report.status is not None:
             rank.status = report.status
@@ -707,7 +715,7 @@ class LocalRunner(GangSupervisor):
             rank.hang_timeout_seconds = report.hang_timeout_seconds
         if report.reachable:
             rank.verdict_alive, rank.verdict_reason = report.alive, report.reason
-            self._heed_verdict(rank)
+        return report.reachable
 
     def _monitor_workers(self) -> Look:
         """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as
