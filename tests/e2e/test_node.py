@@ -382,18 +382,22 @@ ORDER_TOKEN = "e2e-order-token"
 
 
 def launched_pod(name: str, image: str, worker_script: str, order_wait: int) -> dict[str, Any]:
-    """A pod whose worker container runs ``worker_script`` under the launcher (PID 1), beside a sidecar
-    that takes restart orders with ``ORDER_TOKEN``; the two share the status directory."""
+    """A pod whose worker container runs ``worker_script`` under the launcher (PID 1, user 1000), beside
+    a sidecar (the image's user) that takes restart orders with ``ORDER_TOKEN``; the two share the status
+    directory."""
     status = {"name": "status", "mountPath": "/status"}
     launcher = [
         "python3", "-m", "trainer_sidecar.launcher.launcher", "--status-dir", "/status",
         "--order-wait-seconds", str(order_wait), "--no-spare", "--",
         "python3", "-c", textwrap.dedent(worker_script),
     ]  # fmt: skip
+    # The worker runs as another user than the sidecar, as a user's image beside the chart's sidecar does
+    # (examples/k8s/job.yaml: 1000; the sidecar: 65532): the order and the state cross users.
     worker = restricted_container(
         "worker", image, "", command=launcher, env=[{"name": "TRAINGUARD_ATTEMPT", "value": "1"}],
         volumeMounts=[status],
     )  # fmt: skip
+    worker["securityContext"]["runAsUser"] = 1000
     sidecar = restricted_container(
         "sidecar",
         image,
@@ -431,7 +435,7 @@ def test_an_order_restarts_the_worker_inside_its_running_container(ns: Namespace
     script = """
         import os, sys, time
         attempt = os.environ["TRAINGUARD_ATTEMPT"]
-        print(f"attempt {attempt} pid {os.getpid()} parent {os.getppid()}", flush=True)
+        print(f"attempt {attempt} uid {os.getuid()} parent {os.getppid()}", flush=True)
         if attempt == "1":
             time.sleep(600)  # hung: only a kill ends it
     """
@@ -447,7 +451,7 @@ def test_an_order_restarts_the_worker_inside_its_running_container(ns: Namespace
     attempts = [line for line in lines if line.startswith("attempt ")]
     assert [line.split()[1] for line in attempts] == ["1", "2"], lines
     # Both attempts ran in the one container of the one pod, children of the launcher as its PID 1.
-    assert all(line.endswith("parent 1") for line in attempts), attempts
+    assert all(line.endswith("uid 1000 parent 1") for line in attempts), attempts
     found = ns.get_pod("inplace")
     worker = next(s for s in found["status"]["containerStatuses"] if s["name"] == "worker")
     assert (found["metadata"]["uid"], worker["restartCount"]) == (uid, 0)
