@@ -135,11 +135,22 @@ class Launch:
         return state
 
     def order(
-        self, attempt: int, stop: StopMode, grace: float = 0.0, environment: dict[str, str] | None = None
+        self,
+        attempt: int,
+        stop: StopMode,
+        grace: float = 0.0,
+        environment: dict[str, str] | None = None,
+        delay: float = 0.0,
     ) -> None:
         write_order(
             self.dir,
-            RestartOrder(attempt=attempt, environment=environment or {}, stop=stop, grace_seconds=grace),
+            RestartOrder(
+                attempt=attempt,
+                environment=environment or {},
+                stop=stop,
+                grace_seconds=grace,
+                start_delay_seconds=delay,
+            ),
         )
 
     def stderr(self) -> str:
@@ -238,6 +249,36 @@ def test_a_graceful_stop_that_outlives_its_grace_is_killed(launches: Callable[..
     wait_for(lambda: len(launch.starts()) == 2)
     assert time.monotonic() - began >= 1.0
     assert not alive(first["pid"])
+
+
+def test_a_delayed_order_stops_the_worker_at_once_and_starts_the_attempt_after_the_delay(
+    launches: Callable[..., Launch],
+) -> None:
+    launch = launches("hang", "hang")
+    first = wait_for(lambda: launch.starts())[0]  # type: ignore[index]
+    ordered = time.time()
+    launch.order(2, StopMode.KILL, delay=3.0)
+    wait_for(lambda: not alive(first["pid"]) and not alive(first["escaped"]), timeout=2.5)
+    waiting = launch.state()
+    assert (waiting.attempt, waiting.phase) == (2, LauncherPhase.STOPPING)
+    assert waiting.starts_at is not None and ordered + 2.5 <= waiting.starts_at <= ordered + 4
+    assert len(launch.starts()) == 1
+    wait_for(lambda: len(launch.starts()) == 2)
+    assert time.time() - ordered >= 3.0
+    running = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.RUNNING and s)
+    assert isinstance(running, LauncherState) and running.starts_at is None
+
+
+def test_a_stop_signal_during_a_delayed_start_ends_the_launcher_without_the_attempt(
+    launches: Callable[..., Launch],
+) -> None:
+    launch = launches("hang", "hang")
+    wait_for(lambda: launch.starts())
+    launch.order(2, StopMode.KILL, delay=60.0)
+    wait_for(lambda: (s := launch.current()) and s.starts_at is not None)
+    launch.proc.send_signal(signal.SIGTERM)
+    assert launch.proc.wait(timeout=10) == 128 + signal.SIGKILL  # as the stopped worker ended
+    assert len(launch.starts()) == 1
 
 
 def test_a_failed_worker_waits_for_an_order_then_restarts_in_place(launches: Callable[..., Launch]) -> None:

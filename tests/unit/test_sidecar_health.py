@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.health import GRACE, HANG, POLICY, WALL0, Sidecar
-from trainer_sidecar.contract.inplace import LauncherPhase, LauncherState
+from trainer_sidecar.contract.inplace import MAX_START_DELAY_SECONDS, LauncherPhase, LauncherState
 from trainer_sidecar.contract.status import Phase, WorkerStatus
 from trainer_sidecar.sidecar.health import (
     OUTSIDE_STEPS_HINT,
@@ -749,6 +749,24 @@ def test_a_worker_being_stopped_for_an_ordered_attempt_is_not_alive_with_its_kil
     health = under_launcher(Health(False, False, "hung"), stopping, worker(), Clocks(2.0, WALL0 + 2), POLICY)
     assert (health.alive, health.kill_held) == (False, True)
     assert "stopping the worker for attempt 2" in health.reason
+
+
+def test_a_delayed_start_holds_the_kill_through_the_backoff_then_for_the_grace() -> None:
+    # An order with the gang's backoff: the worker is stopped at once, the attempt starts 30 s later.
+    waiting = launched(LauncherPhase.STOPPING, WALL0, starts_at=WALL0 + 30)
+    file = Health(False, False, "hung")
+
+    def at(seconds: float) -> Health:
+        return under_launcher(file, waiting, worker(), Clocks(seconds, WALL0 + seconds), POLICY)
+
+    assert (at(20).alive, at(20).kill_held) == (False, True)
+    assert "starts in 10 s" in at(20).reason
+    assert at(30 + GRACE - 1).kill_held
+    assert not at(30 + GRACE).kill_held
+    # A start claimed beyond the longest delay an order may ask holds no longer than that delay allows.
+    far = launched(LauncherPhase.STOPPING, WALL0, starts_at=WALL0 + 10 * MAX_START_DELAY_SECONDS)
+    late = WALL0 + MAX_START_DELAY_SECONDS + GRACE
+    assert not under_launcher(file, far, worker(), Clocks(0.0, late), POLICY).kill_held
 
 
 def test_the_previous_attempts_status_is_a_start_in_place_with_a_fresh_grace() -> None:

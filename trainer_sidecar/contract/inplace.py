@@ -41,6 +41,7 @@ from trainer_sidecar.contract.settings import SETTINGS_ENV
 
 __all__ = [
     "LAUNCHER_FILE",
+    "MAX_START_DELAY_SECONDS",
     "ORDERABLE_VARIABLES",
     "ORDER_FILE",
     "ORDER_PATH",
@@ -70,6 +71,9 @@ MAX_FILE_BYTES = 256 * 1024
 ORDERABLE_VARIABLES = frozenset({ATTEMPT_ENV, REMEDIATION_ENV, RESTARTS_ENV, RUN_SECONDS_ENV, SETTINGS_ENV})
 MAX_ATTEMPT = 2**31 - 1
 MAX_GRACE_SECONDS = 3600.0
+#: The longest wait an order may ask between stopping the worker and starting its attempt: a day, the
+#: longest backoff a spec may set.
+MAX_START_DELAY_SECONDS = 86400.0
 MAX_MESSAGE_CHARS = 1024
 
 Attempt = Annotated[int, Field(ge=1, le=MAX_ATTEMPT)]
@@ -86,7 +90,9 @@ class StopMode(StrEnum):
 
 class RestartOrder(BaseModel):
     """Start ``attempt`` in this pod: stop the worker that runs now as ``stop`` says (``grace_seconds``
-    for a graceful stop), then run the worker command again with ``environment`` over the pod's own."""
+    for a graceful stop), then, ``start_delay_seconds`` after the order arrived (the gang's backoff: the
+    broken gang stops at once, the next attempt starts when the backoff is over), run the worker command
+    again with ``environment`` over the pod's own. The delay is relative, so no two clocks are compared."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -94,6 +100,9 @@ class RestartOrder(BaseModel):
     environment: dict[str, str]
     stop: StopMode
     grace_seconds: float = Field(default=0.0, ge=0.0, le=MAX_GRACE_SECONDS, allow_inf_nan=False)
+    start_delay_seconds: float = Field(
+        default=0.0, ge=0.0, le=MAX_START_DELAY_SECONDS, allow_inf_nan=False
+    )
 
     @field_validator("environment")
     @classmethod
@@ -114,7 +123,8 @@ class LauncherPhase(StrEnum):
     RUNNING = "running"
     #: The worker of ``attempt`` exited (``exit_code``); the launcher waits for an order before it exits.
     EXITED = "exited"
-    #: An order arrived: the old worker is being stopped before ``attempt`` starts.
+    #: An order arrived: the old worker is being stopped, or is stopped and ``attempt`` starts at
+    #: ``starts_at`` (the order's delay).
     STOPPING = "stopping"
 
 
@@ -124,8 +134,9 @@ class LauncherState(BaseModel):
     worker's ``pid`` while
     it runs, its ``exit_code`` once it exited (as a container shows it: 128 + the signal for a killed
     process); ``warm``: whether the attempt started in a warm spare; ``spare_ready``: whether one waits for
-    the next; ``updated_at``: wall-clock seconds of the write. Unknown fields are ignored (a newer
-    launcher's additions)."""
+    the next; ``updated_at``: wall-clock seconds of the write; ``starts_at``: while stopping, when the
+    ordered attempt is due to start (None: as soon as the old worker is gone). Unknown fields are ignored
+    (a newer launcher's additions)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -138,6 +149,7 @@ class LauncherState(BaseModel):
     spare_ready: bool = False
     updated_at: float = Field(ge=0.0, allow_inf_nan=False)
     message: str = Field(default="", max_length=MAX_MESSAGE_CHARS)
+    starts_at: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
 
 def order_token_digest(token: str) -> str:

@@ -127,6 +127,7 @@ class Launcher:
     _phase: LauncherPhase | None = None
     _exit_code: int | None = None
     _since: float = 0.0
+    _starts_at: float | None = None
 
     def __post_init__(self) -> None:
         self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
@@ -266,12 +267,17 @@ class Launcher:
             self._worker = self._spawn(self.command, env)
         self._worker_started_at = self._since = time.time()
         self._exited_at = None
+        self._starts_at = None
         self._publish(LauncherPhase.RUNNING)
 
     def _restart(self, order: RestartOrder) -> None:
-        """Stop the worker that runs as ``order`` says, reap its process group, start ``order.attempt``."""
+        """Stop the worker that runs as ``order`` says, reap its process group, and start
+        ``order.attempt`` once the order's delay has passed (a stop signal in the meantime ends the wait,
+        and the launcher exits as its stopped worker did)."""
         self.attempt = order.attempt
         self._since = time.time()
+        due = time.monotonic() + order.start_delay_seconds
+        self._starts_at = self._since + order.start_delay_seconds if order.start_delay_seconds else None
         self._publish(LauncherPhase.STOPPING)
         worker = self._worker
         if worker is not None:
@@ -283,6 +289,11 @@ class Launcher:
                 self._wait_gone(worker, float("inf"))
             _signal_group(worker.proc.pid, signal.SIGKILL)  # what it left in its group (data loaders)
             self._sweep()
+        while time.monotonic() < due:
+            if self._stop_signal is not None:
+                return
+            self._reap()
+            time.sleep(POLL_SECONDS)
         env = {**os.environ, **order.environment, ATTEMPT_ENV: str(order.attempt)}
         self._start(env)
 
@@ -385,6 +396,7 @@ class Launcher:
             spare_ready=self._spare is not None and self._spare.ready,
             updated_at=time.time(),
             message=self._message[:1024],
+            starts_at=self._starts_at if phase is LauncherPhase.STOPPING else None,
         )
         try:
             write_launcher_state(self.status_dir, state)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from trainer_sidecar.contract.allowance import OpenSection, busy_allowance
 from trainer_sidecar.contract.hang import hang_deadline
-from trainer_sidecar.contract.inplace import LauncherPhase, LauncherState
+from trainer_sidecar.contract.inplace import MAX_START_DELAY_SECONDS, LauncherPhase, LauncherState
 from trainer_sidecar.contract.status import BusySection, Phase, WorkerStatus
 from trainer_sidecar.contract.stopping import WriteInFlight, write_expected_by
 
@@ -478,7 +478,8 @@ def under_launcher(
       startup grace from the exit (``since`` of the state: the launcher's claim; a time ahead of the
       sidecar's clock by more than the skew holds nothing, and a running state that claims one is
       ignored);
-    * stopping for a newer attempt: not alive, its kill held the same way from the order;
+    * stopping for a newer attempt: not alive, its kill held the same way from the order, or from the
+      attempt's start when the order delays it (a backoff);
     * running, and no status, or one older than the attempt's start (the previous attempt's): alive, not
       ready, for the startup grace from the start, then not alive;
     * otherwise ``health``.
@@ -509,6 +510,17 @@ def under_launcher(
             + (f"; the launcher waits for an order ({waited:.0f} s of {grace:g} s)" if held else ""),
         )
     if launcher.phase is LauncherPhase.STOPPING:
+        if launcher.starts_at is not None and launcher.starts_at > since:
+            # The order's backoff: the hold counts from the attempt's start, at most the longest delay
+            # an order may ask after the order.
+            starts = min(launcher.starts_at, since + MAX_START_DELAY_SECONDS)
+            return Health(
+                alive=False,
+                ready=False,
+                kill_held=clocks.wall - starts < grace,
+                reason=f"the launcher stopped the worker; attempt {launcher.attempt} starts in "
+                f"{max(0.0, starts - clocks.wall):.0f} s (the gang's backoff)",
+            )
         return Health(
             alive=False,
             ready=False,
