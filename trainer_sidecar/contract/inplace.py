@@ -41,6 +41,8 @@ from trainer_sidecar.contract.settings import SETTINGS_ENV
 
 __all__ = [
     "LAUNCHER_FILE",
+    "LAUNCHER_MODULE",
+    "LAUNCHER_SCRIPT",
     "MAX_START_DELAY_SECONDS",
     "ORDERABLE_VARIABLES",
     "ORDER_FILE",
@@ -60,6 +62,9 @@ __all__ = [
 ]
 
 ORDER_FILE = "restart-order.json"
+#: The launcher, as a module of the worker's interpreter and as the console script the package installs.
+LAUNCHER_MODULE = "trainer_sidecar.launcher.launcher"
+LAUNCHER_SCRIPT = "trainguard-launch"
 #: The sidecar's endpoint that takes an order.
 ORDER_PATH = "/restart"
 LAUNCHER_FILE = "launcher.json"
@@ -100,9 +105,7 @@ class RestartOrder(BaseModel):
     environment: dict[str, str]
     stop: StopMode
     grace_seconds: float = Field(default=0.0, ge=0.0, le=MAX_GRACE_SECONDS, allow_inf_nan=False)
-    start_delay_seconds: float = Field(
-        default=0.0, ge=0.0, le=MAX_START_DELAY_SECONDS, allow_inf_nan=False
-    )
+    start_delay_seconds: float = Field(default=0.0, ge=0.0, le=MAX_START_DELAY_SECONDS, allow_inf_nan=False)
 
     @field_validator("environment")
     @classmethod
@@ -150,6 +153,9 @@ class LauncherState(BaseModel):
     updated_at: float = Field(ge=0.0, allow_inf_nan=False)
     message: str = Field(default="", max_length=MAX_MESSAGE_CHARS)
     starts_at: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    #: When the attempt's worker started (None: not started yet): a worker status older than this is
+    #: an earlier attempt's.
+    started_at: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
 
 def order_token_digest(token: str) -> str:

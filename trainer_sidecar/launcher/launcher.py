@@ -397,6 +397,7 @@ class Launcher:
             updated_at=time.time(),
             message=self._message[:1024],
             starts_at=self._starts_at if phase is LauncherPhase.STOPPING else None,
+            started_at=self._worker_started_at if phase is not LauncherPhase.STOPPING else None,
         )
         try:
             write_launcher_state(self.status_dir, state)

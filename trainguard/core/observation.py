@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
+from trainer_sidecar.contract.inplace import LauncherState
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
 from trainer_sidecar.contract.stopping import WriteInFlight
 from trainguard.core.policy import RankObservation, StragglerObservation, killed_by_signal
@@ -54,6 +55,8 @@ class SidecarReport:
     status: WorkerStatus | None = None
     #: The hang timeout the sidecar judges its worker by now (learned from its pace; None: not said).
     hang_timeout_seconds: float | None = None
+    #: The pod's launcher, where the worker runs under one (which attempt, running or exited).
+    launcher: LauncherState | None = None
 
     @classmethod
     def from_document(cls, document: Any) -> SidecarReport:
@@ -69,6 +72,7 @@ class SidecarReport:
             reason=health.reason,
             status=parsed.status,
             hang_timeout_seconds=health.hang_timeout_seconds,
+            launcher=parsed.launcher,
         )
 
 

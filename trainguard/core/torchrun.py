@@ -45,6 +45,11 @@ class NodeLaunch:
         ]
 
 
+def is_python(program: str) -> bool:
+    """Whether ``program`` (a path or a name) names a Python interpreter: python, python3, python3.12."""
+    return bool(_PYTHON.match(PurePosixPath(program).name))
+
+
 def launches_torchrun(command: Sequence[str]) -> bool:
     """Whether ``command`` already starts torchrun (the user's own launch)."""
     if not command:
@@ -52,7 +57,7 @@ def launches_torchrun(command: Sequence[str]) -> bool:
     program = PurePosixPath(command[0]).name
     if program == "torchrun":
         return True
-    return bool(_PYTHON.match(program)) and list(command[1:3]) == ["-m", _TORCHRUN_MODULE]
+    return is_python(program) and list(command[1:3]) == ["-m", _TORCHRUN_MODULE]
 
 
 def under_torchrun(command: Sequence[str], node: NodeLaunch) -> list[str]:
@@ -60,7 +65,7 @@ def under_torchrun(command: Sequence[str], node: NodeLaunch) -> list[str]:
     runs it on one node; a command that already starts torchrun unchanged. Raises NotPython otherwise."""
     if launches_torchrun(command):
         return list(command)
-    if not command or not _PYTHON.match(PurePosixPath(command[0]).name) or len(command) < 2:
+    if not command or not is_python(command[0]) or len(command) < 2:
         raise NotPython(
             "with nprocPerNode above 1 the command must start Python with a script or -m module (trainguard "
             "runs it under torchrun), or start torchrun itself"
