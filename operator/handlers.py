@@ -33,6 +33,7 @@ import kopf
 import kubernetes
 import urllib3
 from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields, write_still_ahead
+from trainguard_operator.inplace import order_token
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
@@ -50,6 +51,7 @@ from trainguard_operator.reconcile import (
 from trainguard_operator.render import PYTORCHJOB_NAME_LABEL
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 from trainguard_operator.slim_watch import install as slim_kopf_watches
+from trainguard_operator.status import JobStatus
 
 from trainguard.core.spec import GROUP, PLURAL, VERSION
 
@@ -80,6 +82,9 @@ class JobState:
     written: Mapping[str, Any] | None = None
     #: Read the job from the API server at the next step (a write conflicted).
     read_fresh: bool = False
+    #: The attempt last ordered in place, and the pods that did not take its order (with why).
+    refused_attempt: int | None = None
+    refusals: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -261,7 +266,9 @@ async def _reconcile(
     jobs = None if cache.pytorchjobs.absent else cache.pytorchjobs.of_job(namespace, name)
     pods = cache.pods.of_job(namespace, name)
     sidecars = await rt.poller.reports(pods_to_poll(body, pods))
-    plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC)), rt.settings)
+    attempt = JobStatus.from_body(body).attempt
+    refusals = state.refusals if attempt is not None and attempt == state.refused_attempt else {}
+    plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC), refusals), rt.settings)
     await _execute(rt, state, body, plan)
     return Outcome(plan.requeue_seconds, plan.done, plan.clock)
 
@@ -278,7 +285,8 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     version = meta.get("resourceVersion")
     posted = False
     # A failure's restart or give-up is the goodput at stake: its calls do not queue behind admissions.
-    api = rt.api.urgent() if plan.action in (PlanAction.RESTART, PlanAction.FAIL) else rt.api
+    urgent = (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE, PlanAction.FALL_BACK, PlanAction.FAIL)
+    api = rt.api.urgent() if plan.action in urgent else rt.api
 
     async def post_events() -> None:
         # Posted and stored before the step goes on (not queued to kopf's poster, which loses what it
@@ -303,7 +311,7 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
         rt.metrics.observe_status(name, namespace, status)
         decision = plan.decision
         kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
-        if plan.action is PlanAction.RESTART:
+        if plan.action in (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE):
             failure = status.last_failure
             rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
         elif plan.action is PlanAction.FAIL:
@@ -323,6 +331,8 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
 
     if plan.write_status_first:
         await write_status()
+    if plan.order is not None:
+        await _give_orders(rt, state, body, plan)
     for old in plan.delete:
         if plan.stop_pods_within_seconds is not None:
             grace = plan.stop_pods_within_seconds
@@ -347,6 +357,29 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
             await post_events()
     if not plan.write_status_first:
         await write_status()
+
+
+async def _give_orders(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: Plan) -> None:
+    """Give every pod of the plan its order, at once; the pods that did not take it are remembered for
+    the next step (which falls back to a new PyTorchJob), and wake it."""
+    assert plan.order is not None
+    meta = body["metadata"]
+    key = rt.settings.order_key.get_secret_value()
+    token = order_token(key, str(meta.get("uid", "")), str(plan.status.pytorch_job))
+    answers = await asyncio.gather(*(rt.poller.order(t.ip, token, plan.order) for t in plan.orders))
+    refused = {t.pod: why for t, why in zip(plan.orders, answers, strict=True) if why}
+    state.refused_attempt, state.refusals = plan.order.attempt, refused
+    log.info(
+        "%s/%s: ordered attempt %d in place in %d pod(s)%s",
+        meta["namespace"],
+        meta["name"],
+        plan.order.attempt,
+        len(plan.orders) - len(refused),
+        f"; refused by {sorted(refused)}" if refused else "",
+    )
+    if refused:
+        state.changed = True
+        state.wake.set()
 
 
 # ---------------------------------------------------------------------------------- handlers ---

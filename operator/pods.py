@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard_operator.inplace import OrderTarget
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
     JOB_LABEL,
@@ -25,6 +26,7 @@ from trainguard_operator.render import (
 from trainguard_operator.status import TERMINAL_PHASES, JobStatus, parse_time
 
 from trainer_sidecar.contract.exitcodes import describe_exit
+from trainer_sidecar.contract.inplace import LauncherPhase
 from trainer_sidecar.contract.status import WorkerStatus, parse_status
 from trainguard.core.observation import (
     GangView,
@@ -107,7 +109,8 @@ def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | 
     return None
 
 
-def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def container_terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The worker container's ``state.terminated`` once it ended, else None."""
     container = _container_status(pod, WORKER_CONTAINER)
     state = container.get("state") if container else None
     terminated = state.get("terminated") if isinstance(state, Mapping) else None
@@ -115,7 +118,7 @@ def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def _termination_message(pod: Mapping[str, Any]) -> str:
-    terminated = _terminated(pod)
+    terminated = container_terminated(pod)
     message = terminated.get("message") if terminated else None
     return message if isinstance(message, str) else ""
 
@@ -167,7 +170,7 @@ def pod_disruption(pod: Mapping[str, Any]) -> str | None:
 
 
 def _exit_reason(pod: Mapping[str, Any], code: int, report: SidecarReport | None) -> str:
-    terminated = _terminated(pod) or {}
+    terminated = container_terminated(pod) or {}
     why = str(terminated.get("reason") or "")
     reason = describe_exit(code) + (f" ({why})" if why and why not in ("Error", "Completed") else "")
     quoted = _quoted_message(pod)
@@ -179,9 +182,34 @@ def _exit_reason(pod: Mapping[str, Any], code: int, report: SidecarReport | None
     return reason
 
 
-def pod_process(pod: Mapping[str, Any], report: SidecarReport | None) -> ProcessState:
-    """How one rank's worker process is doing, from its pod (the API server's view) and its sidecar."""
-    terminated = _terminated(pod)
+def worker_restarts(pod: Mapping[str, Any]) -> int:
+    """How often the kubelet restarted the worker container (0 when it never did)."""
+    container = _container_status(pod, WORKER_CONTAINER) or {}
+    return max(0, as_int(container.get("restartCount")) or 0)
+
+
+def launcher_process(report: SidecarReport, attempt: int) -> ProcessState | None:
+    """The worker of ``attempt`` as the pod's launcher tells it, or None when the pod has no launcher:
+    an exit the launcher holds (waiting for an order) is the worker's exit; an attempt ordered but not
+    started yet (its launcher still stopping the old worker, or not reached by the order) is not known."""
+    launcher = report.launcher
+    if launcher is None:
+        return None
+    if launcher.attempt != attempt or launcher.phase is LauncherPhase.STOPPING:
+        return ProcessState()
+    if launcher.phase is LauncherPhase.EXITED:
+        code = 1 if launcher.exit_code is None else launcher.exit_code
+        if code == 0:
+            return ProcessState(exit_code=0)
+        reason = describe_exit(code) + " (its launcher holds the container for an order)"
+        return ProcessState(exit_code=code, exit_reason=reason, ended_at=launcher.since)
+    return ProcessState(alive=report.alive, health_reason=report.reason)
+
+
+def pod_process(pod: Mapping[str, Any], report: SidecarReport | None, attempt: int) -> ProcessState:
+    """How one rank's worker process of ``attempt`` is doing, from its pod (the API server's view) and
+    its sidecar (and the pod's launcher, where there is one)."""
+    terminated = container_terminated(pod)
     code = as_int(terminated.get("exitCode")) if terminated else None
     if code == 0:
         return ProcessState(exit_code=0)
@@ -215,6 +243,9 @@ def pod_process(pod: Mapping[str, Any], report: SidecarReport | None) -> Process
         return ProcessState(lost=f"pod failed ({why}): {status.get('message') or ''}")
     if report is None or not report.reachable:
         return ProcessState()
+    by_launcher = launcher_process(report, attempt)
+    if by_launcher is not None:
+        return by_launcher
     return ProcessState(alive=report.alive, health_reason=report.reason)
 
 
@@ -232,13 +263,21 @@ def pod_place(pod: Mapping[str, Any]) -> str:
     return f"{place} on node {node}" if node else place
 
 
-def _reported(pod: Mapping[str, Any], report: SidecarReport | None) -> WorkerStatus | None:
-    """What the rank of ``pod`` last reported: its final status once the worker ended, else its
-    sidecar's."""
+def _reported(pod: Mapping[str, Any], report: SidecarReport | None, attempt: int) -> WorkerStatus | None:
+    """What the rank of ``pod`` last reported in ``attempt``: its final status once the worker ended, else
+    its sidecar's; under a launcher, only a status the attempt's own worker wrote (the status file keeps
+    an earlier attempt's until the new worker writes its first)."""
     final = final_status(pod)
     if final is not None:
         return final
-    return report.status if report is not None and report.reachable else None
+    if report is None or not report.reachable or report.status is None:
+        return None
+    launcher = report.launcher
+    if launcher is None:
+        return report.status
+    if launcher.attempt != attempt or launcher.started_at is None:
+        return None
+    return report.status if report.status.started_at >= launcher.started_at else None
 
 
 def job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
@@ -275,15 +314,16 @@ def read_gang(
     attempt: int,
     replicas: int,
     job_name: str,
+    host_attempt: int | None = None,
 ) -> GangReading:
     """Read ``attempt`` of the GuardedTrainingJob ``name`` (``job``: its PyTorchJob ``job_name``, None if
-    absent).
+    absent), running in the pods of ``host_attempt`` when it was restarted in place.
 
     Two pods for one rank (a replacement beside a terminating one): the failing one counts. A PyTorchJob
     deleted by someone else is a lost gang; one the training operator marked Succeeded is a gang whose
     every rank exited 0; one it marked Failed without a failing rank is a lost rank 0.
     """
-    mine = attempt_pods(pods, name, attempt)
+    mine = attempt_pods(pods, name, host_attempt or attempt)
     chosen: dict[int, tuple[WorkerStatus | None, RankObservation]] = {}
     timeouts: dict[int, float | None] = {}
     places: dict[int, tuple[str, str]] = {}
@@ -292,9 +332,9 @@ def read_gang(
         if rank is None or not 0 <= rank < replicas:
             continue
         report = sidecars.get(str(meta(pod).get("name")))
-        status = _reported(pod, report)
+        status = _reported(pod, report, attempt)
         state = RankState.of(rank, status) if status is not None else None
-        process = replace(pod_process(pod, report), place=pod_place(pod))
+        process = replace(pod_process(pod, report, attempt), place=pod_place(pod))
         seen = rank_observation(rank, state, process)
         if rank not in chosen or classify(seen) is not None:
             chosen[rank] = (status, seen)
@@ -332,8 +372,112 @@ def pods_to_poll(body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> 
     if status.attempt is None or status.phase in TERMINAL_PHASES:
         return []
     result = []
-    for pod in attempt_pods(pods, name, status.attempt):
+    for pod in attempt_pods(pods, name, status.host_attempt or status.attempt):
         ip = status_of(pod).get("podIP")
-        if ip and status_of(pod).get("phase") == "Running" and _terminated(pod) is None:
+        if ip and status_of(pod).get("phase") == "Running" and container_terminated(pod) is None:
             result.append((str(meta(pod).get("name")), str(ip)))
     return result
+
+
+def order_targets(
+    pods: Sequence[Mapping[str, Any]],
+    sidecars: Mapping[str, SidecarReport],
+    *,
+    name: str,
+    host_attempt: int,
+    attempt: int,
+    replicas: int,
+) -> tuple[tuple[OrderTarget, ...], str]:
+    """The pods of ``host_attempt`` of the job ``name`` to order, one per rank, when every rank's pod can
+    take an order now (its launcher runs ``attempt``, or holds its worker's exit); else no target, and
+    why not.
+
+    A pod can when it runs (not deleted, disrupted or failed, its worker container not ended and never
+    restarted by the kubelet), has an IP, and its sidecar reports a launcher at ``attempt`` that is not
+    stopping a worker.
+    """
+    found = _rank_pods(pods, name, host_attempt, replicas)
+    if isinstance(found, str):
+        return (), found
+    targets = []
+    for rank, pod in enumerate(found):
+        pod_name = str(meta(pod).get("name", ""))
+        report = sidecars.get(pod_name)
+        why = pod_cannot_host(pod) or _launcher_not_at(report, attempt)
+        if why:
+            return (), f"pod {pod_name} (rank {rank}) {why}"
+        targets.append(OrderTarget(pod_name, str(status_of(pod).get("podIP"))))
+    return tuple(targets), ""
+
+
+def in_place_start(
+    pods: Sequence[Mapping[str, Any]],
+    sidecars: Mapping[str, SidecarReport],
+    *,
+    name: str,
+    host_attempt: int,
+    attempt: int,
+    replicas: int,
+) -> tuple[str, str]:
+    """How the start of ``attempt`` in the pods of ``host_attempt`` is going, as ``(broken, pending)``:
+    why it cannot happen any more (a pod lost, failed, or its container ended), else "", and which pod's
+    launcher has not taken the order yet (not reached, or still stopping the old worker), else ""."""
+    found = _rank_pods(pods, name, host_attempt, replicas)
+    if isinstance(found, str):
+        return found, ""
+    pending = ""
+    for rank, pod in enumerate(found):
+        pod_name = str(meta(pod).get("name", ""))
+        broken = pod_cannot_host(pod)
+        if broken:
+            return f"pod {pod_name} (rank {rank}) {broken}", ""
+        waiting = _launcher_not_at(sidecars.get(pod_name), attempt)
+        if waiting and not pending:
+            pending = f"pod {pod_name} (rank {rank}) {waiting}"
+    return "", pending
+
+
+def _rank_pods(
+    pods: Sequence[Mapping[str, Any]], name: str, attempt: int, replicas: int
+) -> list[Mapping[str, Any]] | str:
+    """The pod of each rank of ``attempt``, in rank order, or why there is not exactly one each."""
+    by_rank: dict[int, Mapping[str, Any]] = {}
+    for pod in attempt_pods(pods, name, attempt):
+        rank = pod_rank(pod)
+        if rank is None or not 0 <= rank < replicas:
+            continue
+        if rank in by_rank:
+            return f"rank {rank} has two pods"
+        by_rank[rank] = pod
+    missing = [r for r in range(replicas) if r not in by_rank]
+    if missing:
+        return f"no pod of rank {missing[0]}"
+    return [by_rank[r] for r in range(replicas)]
+
+
+def pod_cannot_host(pod: Mapping[str, Any]) -> str:
+    """Why ``pod`` cannot run another attempt in place ("" when it can): it is lost, not running, has no
+    IP, or its worker container ended or was restarted by the kubelet."""
+    lost = pod_disruption(pod)
+    if lost:
+        return f"is lost: {lost}"
+    if status_of(pod).get("phase") != "Running":
+        return f"is {status_of(pod).get('phase') or 'not running'}"
+    if container_terminated(pod) is not None:
+        return "has a worker container that ended"
+    if worker_restarts(pod):
+        return "has a worker container the kubelet restarted"
+    if not status_of(pod).get("podIP"):
+        return "has no IP"
+    return ""
+
+
+def _launcher_not_at(report: SidecarReport | None, attempt: int) -> str:
+    if report is None or not report.reachable:
+        return "has a sidecar that does not answer" + (f" ({report.reason})" if report else "")
+    launcher = report.launcher
+    if launcher is None:
+        return "runs its worker without a launcher"
+    if launcher.attempt != attempt or launcher.phase is LauncherPhase.STOPPING:
+        return f"has a launcher at attempt {launcher.attempt} ({launcher.phase.value}), not {attempt}"
+    return ""

@@ -1,4 +1,5 @@
-"""Asking the sidecars for ``/status``: bounded concurrency over all jobs, a timeout per request."""
+"""Asking the sidecars for ``/status``, and giving them restart orders: bounded concurrency over all jobs,
+a timeout per request."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from trainer_sidecar.contract.inplace import ORDER_PATH, RestartOrder
 from trainguard.core.observation import SidecarReport
+
+#: The sidecar's answer when it wrote an order for its launcher.
+ORDER_ACCEPTED = 202
 
 
 class SidecarPoller:
@@ -35,10 +40,26 @@ class SidecarPoller:
             await self._session.close()
             self._session = None
 
-    def url(self, ip: str) -> str:
-        """The ``/status`` URL of the sidecar of the pod at ``ip``."""
+    def url(self, ip: str, path: str = "/status") -> str:
+        """The URL of ``path`` on the sidecar of the pod at ``ip``."""
         host = f"[{ip}]" if ":" in ip else ip
-        return f"http://{host}:{self.port}/status"
+        return f"http://{host}:{self.port}{path}"
+
+    async def order(self, ip: str, token: str, order: RestartOrder) -> str:
+        """Give the sidecar of the pod at ``ip`` a restart order: "" once it took it, else why not (its
+        answer, or why it could not be reached). Never raises for what the network or a sidecar does."""
+        body = order.model_dump_json()
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        async with self._semaphore:
+            session = await self._client()
+            try:
+                async with session.post(self.url(ip, ORDER_PATH), data=body, headers=headers) as response:
+                    if response.status == ORDER_ACCEPTED:
+                        return ""
+                    text = (await response.text())[:300]
+                    return f"{ORDER_PATH} answered {response.status}: {text.strip()}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                return f"{type(exc).__name__}: {exc}"
 
     async def report(self, ip: str) -> SidecarReport:
         """One sidecar's report."""

@@ -26,20 +26,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, job_pace, record_progress
-from trainguard_operator.pods import GangReading, as_int, labels, meta, read_gang
+from trainguard_operator.inplace import OrderTarget
+from trainguard_operator.pods import (
+    GangReading,
+    as_int,
+    in_place_start,
+    labels,
+    meta,
+    order_targets,
+    read_gang,
+)
 from trainguard_operator.render import (
     GIVEN_UP_GANG_GRACE_SECONDS,
     JOB_LABEL,
     FailureHistory,
     Owner,
     RenderError,
+    order_environment,
     pytorchjob_name,
     render_pytorchjob,
     stop_grace_seconds,
@@ -63,6 +73,7 @@ from trainguard_operator.status import (
     set_condition,
 )
 
+from trainer_sidecar.contract.inplace import RestartOrder, StopMode
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.stopping import broken_gang_grace_seconds
 from trainguard.core.observation import GangView, SidecarReport
@@ -88,6 +99,10 @@ class PlanAction(StrEnum):
 
     CREATE = "create"  # create the current attempt's PyTorchJob now
     RESTART = "restart"  # delete the current attempt's PyTorchJob; the next attempt starts at nextAttemptAt
+    RESTART_IN_PLACE = (
+        "restart-in-place"  # order every pod's launcher: stop now, next attempt at nextAttemptAt
+    )
+    FALL_BACK = "fall-back"  # an attempt ordered in place did not take: delete its PyTorchJob, start anew
     SUCCEED = "succeed"  # the job succeeded: final
     FAIL = "fail"  # the policy gave up: final; the attempt's PyTorchJob is deleted
     WAIT = "wait"  # a restart is pending: wait for nextAttemptAt (and for the old attempt to be gone)
@@ -118,6 +133,9 @@ class World:
     pods: Sequence[Mapping[str, Any]]
     sidecars: Mapping[str, SidecarReport]
     now: datetime
+    #: Pods whose sidecar refused or did not take the current attempt's order, with why (the executor's
+    #: memory of its last orders; empty after an operator restart, when the order's timeout decides).
+    order_refusals: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,6 +159,9 @@ class Plan:
     #: hold the restart up: a second, or what a checkpoint write in flight needs to finish
     #: (``contract.stopping``).
     stop_pods_within_seconds: int | None = None
+    #: RESTART_IN_PLACE: the pods to order (every rank's), and the order, after the status write.
+    orders: tuple[OrderTarget, ...] = ()
+    order: RestartOrder | None = None
     events: tuple[EventNote, ...] = ()
     write_status_first: bool = False
     done: bool = False
@@ -330,6 +351,8 @@ class _Step:
             self.st.job_started_at = self.st.attempt_started_at
         self.st.pytorch_job = self.job_name
         self.st.next_attempt_at = None
+        self.st.host_attempt = None
+        self.st.in_place_restarts = 0
 
     # ------------------------------------------------------------------------------------ phases ---
     def run(self) -> Plan:
@@ -361,7 +384,8 @@ class _Step:
         self.attempt = self.st.attempt
         self.restarts = self.st.restarts or 0
         self.measuring = True
-        self.job_name = pytorchjob_name(self.name, self.attempt)
+        self.host = self.st.host_attempt or self.attempt
+        self.job_name = pytorchjob_name(self.name, self.host)
         labelled = [j for j in self.world.jobs if labels(j).get(JOB_LABEL) == self.name]
         # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
         self.current = next(
@@ -611,7 +635,11 @@ class _Step:
             attempt=self.attempt,
             replicas=self.job.spec.replicas,
             job_name=self.job_name,
+            host_attempt=self.st.host_attempt,
         )
+        fallback = self.in_place_failure()
+        if fallback:
+            return self.fall_back(fallback, self.broken_gang_grace(gang))
         recovered = self.track_progress(gang.view)
         straggler = self.track_straggler(gang)
         observation = Observation(
@@ -627,7 +655,11 @@ class _Step:
         )
         decision = decide(self.job.spec.recovery, observation, self.job.spec.health.straggler)
         if decision.action is Action.RESTART:
-            return self.restart(decision, recovered, self.broken_gang_grace(gang))
+            grace = self.broken_gang_grace(gang)
+            in_place = self.in_place_orders(decision)
+            if in_place:
+                return self.restart_in_place(decision, recovered, grace, in_place)
+            return self.restart(decision, recovered, grace)
         if decision.action is Action.FAIL:
             return self.fail(decision, recovered, self.broken_gang_grace(gang))
         if decision.action is Action.SUCCEED:
@@ -713,7 +745,10 @@ class _Step:
             self.st.recovering_since = iso_precise(self.now)
         self.event("Warning", kind, f"attempt {self.attempt}: {decision.reason}")
 
-    def restart(self, decision: Decision, recovered: float | None, grace: int) -> Plan:
+    def schedule_next(self, decision: Decision, how: str) -> tuple[datetime, str]:
+        """Record a restart decision: the failure, the next attempt, when it is due, its remediation and
+        the GangRestart event (``how``: how the gang restarts). Returns when it is due, and the event's
+        message."""
         self.record_failure(decision)
         st = self.st
         # A straggler's gang is whole: its pods get their own grace to checkpoint, and the next attempt
@@ -736,10 +771,15 @@ class _Step:
                 f"maxGradNorm {decision.remediation.max_grad_norm})"
             )
         message = (
-            f"restarting the whole gang as attempt {st.attempt} in {decision.delay_seconds:g} s "
+            f"restarting the whole gang {how} as attempt {st.attempt} in {decision.delay_seconds:g} s "
             f"(restart {st.restarts} of {limit}){remedy}: {decision.reason}"
         )
         self.event("Warning", "GangRestart", message)
+        return due, message
+
+    def restart(self, decision: Decision, recovered: float | None, grace: int) -> Plan:
+        due, message = self.schedule_next(decision, "as a new PyTorchJob")
+        straggler = decision.failure is FailureKind.STRAGGLER
         return self.plan(
             PlanAction.RESTART,
             min(self.period, decision.delay_seconds),
@@ -749,7 +789,107 @@ class _Step:
             decision=decision,
             recovered_seconds=recovered,
             phase_reason="GangRestart",
-            phase_message=f"{message}; attempt {st.attempt} starts at {iso(due)}",
+            phase_message=f"{message}; attempt {self.st.attempt} starts at {iso(due)}",
+        )
+
+    # --------------------------------------------------------------------------- in place ---
+    def in_place_orders(self, decision: Decision) -> tuple[OrderTarget, ...]:
+        """The pods to order when this restart can keep the gang's pods (``inplace``), else ()."""
+        if not self.settings.restarts_in_place or decision.failure is FailureKind.STRAGGLER:
+            return ()  # a straggler's restart wants another node
+        if self.st.in_place_restarts >= self.settings.in_place_restarts:
+            return ()  # fresh pods, fresh placement, now and then
+        if self.st.pinned is not None and repin_world(self.st.pinned, self.asked.spec)[1]:
+            return ()  # a new world size: new pods
+        targets, _ = order_targets(
+            self.world.pods,
+            self.world.sidecars,
+            name=self.name,
+            host_attempt=self.host,
+            attempt=self.attempt,
+            replicas=self.job.spec.replicas,
+        )
+        return targets
+
+    def restart_in_place(
+        self, decision: Decision, recovered: float | None, grace: int, targets: tuple[OrderTarget, ...]
+    ) -> Plan:
+        """Restart the gang in its pods: every launcher stops its worker now (a SIGTERM, then SIGKILL after
+        ``grace``) and starts the next attempt when the backoff is over."""
+        due, message = self.schedule_next(decision, "in place (pods kept)")
+        st = self.st
+        attempt = self.attempt + 1
+        st.attempt_created = attempt
+        st.attempt_started_at = iso_precise(due)
+        st.host_attempt = self.host
+        st.in_place_restarts += 1
+        history = FailureHistory(decision.restarts, self.failure_history().run_seconds)
+        order = RestartOrder(
+            attempt=attempt,
+            environment=order_environment(self.job, attempt, st.remediation, history),
+            stop=StopMode.GRACEFUL,
+            grace_seconds=grace,
+            start_delay_seconds=decision.delay_seconds,
+        )
+        return self.plan(
+            PlanAction.RESTART_IN_PLACE,
+            min(self.period, decision.delay_seconds),
+            delete=self.stale_delete,
+            orders=targets,
+            order=order,
+            write_status_first=True,
+            decision=decision,
+            recovered_seconds=recovered,
+            phase_reason="GangRestart",
+            phase_message=f"{message}; attempt {attempt} starts at {iso(due)}",
+        )
+
+    def in_place_failure(self) -> str:
+        """Why the attempt ordered in place will not start in its pods ("" while it may, or once the gang
+        stepped in it): an order refused, a pod that cannot host it, or a launcher that did not take the
+        order within ``order_timeout_seconds`` of the attempt's start."""
+        if self.st.host_attempt is None or self.st.recovering_since is None:
+            return ""
+        if self.world.order_refusals:
+            pod, why = sorted(self.world.order_refusals.items())[0]
+            return f"pod {pod} did not take the order: {why}"
+        broken, pending = in_place_start(
+            self.world.pods,
+            self.world.sidecars,
+            name=self.name,
+            host_attempt=self.host,
+            attempt=self.attempt,
+            replicas=self.job.spec.replicas,
+        )
+        if broken:
+            return broken
+        due = parse_time(self.st.next_attempt_at) or self.now
+        if pending and self.now >= due + timedelta(seconds=self.settings.order_timeout_seconds):
+            return f"{pending} {self.settings.order_timeout_seconds:g} s after the attempt was due"
+        return ""
+
+    def fall_back(self, why: str, grace: int) -> Plan:
+        """Give up the restart in place of the current attempt: its PyTorchJob goes, and the attempt starts
+        as a new one (the restart was counted when it was decided)."""
+        st = self.st
+        self.event(
+            "Warning",
+            "InPlaceRestartFailed",
+            f"attempt {self.attempt} cannot start in the pods of attempt {self.host} ({why}): "
+            "it starts as a new PyTorchJob",
+        )
+        st.host_attempt = None
+        st.in_place_restarts = 0
+        st.attempt_created = self.attempt - 1
+        st.phase = Phase.RESTARTING.value
+        return self.plan(
+            PlanAction.FALL_BACK,
+            STALE_POLL_SECONDS,
+            delete=(*self.stale_delete, self.job_name),
+            stop_pods_within_seconds=grace,
+            write_status_first=True,
+            phase_reason="InPlaceRestartFailed",
+            phase_message=f"attempt {self.attempt} starts as a new PyTorchJob: {why}",
         )
 
     def fail(self, decision: Decision, recovered: float | None, grace: int) -> Plan:

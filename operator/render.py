@@ -33,8 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard_operator.inplace import launcher_command, order_token, order_wait_seconds
 from trainguard_operator.settings import OperatorSettings
 
+from trainer_sidecar.contract.env import ORDER_TOKEN_DIGEST_ENV
+from trainer_sidecar.contract.inplace import ORDERABLE_VARIABLES, order_token_digest
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.stopping import BROKEN_GANG_GRACE_SECONDS
 from trainguard.core.environment import sidecar_environment, worker_environment
@@ -370,6 +373,27 @@ def render_pod_template(
     return template
 
 
+def order_environment(
+    job: GuardedTrainingJob,
+    attempt: int,
+    remediation: RemediationOrder | None,
+    history: FailureHistory,
+) -> dict[str, str]:
+    """The worker variables an order for ``attempt`` sets in pods rendered for an earlier attempt: those
+    of ``contract.inplace.ORDERABLE_VARIABLES``, as a new PyTorchJob of ``attempt`` would render them."""
+    variables = worker_environment(
+        job,
+        attempt=attempt,
+        remediation=remediation,
+        checkpoint_dir=job.spec.checkpoint.mount_path,
+        status_file=STATUS_FILE,
+        termination_message_path=TERMINATION_MESSAGE_PATH,
+        restarts=history.restarts,
+        run_seconds=history.run_seconds,
+    ).variables()
+    return {name: value for name, value in variables.items() if name in ORDERABLE_VARIABLES}
+
+
 #: torchrun's node arguments as the Kubeflow training operator's variables, which the container expands:
 #: it sets them on every replica when the PyTorchJob has ``nprocPerNode``.
 KUBEFLOW_NODE = NodeLaunch(
@@ -422,6 +446,35 @@ def _add_rendezvous(template: dict[str, Any], pytorchjob: str, world_size: int) 
     worker["env"] = _replacing_env(worker.get("env"), owned)
 
 
+def _has_memory_limit(container: Mapping[str, Any]) -> bool:
+    resources = container.get("resources")
+    limits = resources.get("limits") if isinstance(resources, Mapping) else None
+    return isinstance(limits, Mapping) and "memory" in limits
+
+
+def _add_launcher(
+    template: dict[str, Any], job: GuardedTrainingJob, settings: OperatorSettings, token_digest: str
+) -> None:
+    """Run the worker command under the launcher, and tell the sidecar the order token's digest, so the
+    gang can be restarted in place (``inplace``). A container without a command of its own (the image's
+    entrypoint runs) cannot be wrapped: its pods restart as a new PyTorchJob, as before. No warm spare
+    where the container has a memory limit: the spare (about 0.7 GB with torch imported) counts against
+    it, and could get the worker itself killed."""
+    pod = template["spec"]
+    worker = next(c for c in pod["containers"] if c.get("name") == WORKER_CONTAINER)
+    command = [*worker.get("command", []), *worker.get("args", [])]
+    if not worker.get("command"):
+        return
+    worker["command"] = launcher_command(
+        command,
+        order_wait_seconds=order_wait_seconds(job.spec.health.probe_period_seconds),
+        warm=settings.warm_spares and not _has_memory_limit(worker),
+    )
+    worker.pop("args", None)
+    sidecar = next(c for c in pod["initContainers"] if c.get("name") == SIDECAR_CONTAINER)
+    sidecar["env"].append({"name": ORDER_TOKEN_DIGEST_ENV, "value": token_digest})
+
+
 def _run_under_torchrun(worker: dict[str, Any]) -> None:
     """The worker's command and arguments as one command run by torchrun (``trainguard.core.torchrun``)."""
     command = [*worker.get("command", []), *worker.get("args", [])]
@@ -454,6 +507,9 @@ def render_pytorchjob(
     )
 
     _add_rendezvous(template, name, job.spec.replicas * job.spec.nproc_per_node)
+    if settings.restarts_in_place:
+        token = order_token(settings.order_key.get_secret_value(), owner.uid, name)
+        _add_launcher(template, job, settings, order_token_digest(token))
     replicas = {REPLICA_TYPE: {"replicas": job.spec.replicas, "restartPolicy": "Never", "template": template}}
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,

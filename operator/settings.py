@@ -13,13 +13,15 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 ENV_PREFIX = "TRAINGUARD_OPERATOR_"
 
 #: Fields read as JSON from their variable; list fields are comma-separated; the rest are plain strings.
 _JSON_FIELDS = frozenset({"sidecar_resources"})
 _LIST_FIELDS = frozenset({"namespaces"})
+#: Fields whose value an error never repeats.
+_SECRET_FIELDS = frozenset({"order_key"})
 
 
 def env_name(field: str) -> str:
@@ -36,6 +38,8 @@ def _default_sidecar_resources() -> dict[str, Any]:
 #: The most retries of one kopf request (``OperatorSettings.api_error_backoffs``): a tiny retry interval
 #: does not make a schedule of millions.
 MAX_API_RETRIES = 10_000
+#: The shortest order key: 128 bits as hex.
+MIN_ORDER_KEY_CHARS = 32
 
 
 class OperatorSettingsError(ValueError):
@@ -72,6 +76,23 @@ class OperatorSettings(BaseModel):
     api_outage_seconds: float = Field(600.0, ge=0, le=86400)
     #: How long a new attempt waits for the previous attempt's PyTorchJob to be gone before starting anyway.
     stale_attempt_grace_seconds: float = Field(120.0, ge=0)
+    #: The key the tokens of restart orders are derived from (``inplace.order_token``); empty: no
+    #: restart in place (every restart makes a new PyTorchJob). The chart keeps it in a Secret.
+    order_key: SecretStr = Field(SecretStr(""))
+    #: Restarts in place one PyTorchJob may host; the next restart makes a new PyTorchJob (fresh pods,
+    #: fresh placement). 0: never restart in place.
+    in_place_restarts: int = Field(3, ge=0, le=1000)
+    #: How long after an attempt restarted in place is due every pod's launcher must report it before the
+    #: gang falls back to a new PyTorchJob.
+    order_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    #: Keep a warm spare (torch imported) beside each worker for a restart in place. It is never kept
+    #: for a worker container with a memory limit, which the spare's memory would count against.
+    warm_spares: bool = True
+
+    @property
+    def restarts_in_place(self) -> bool:
+        """Whether gangs may be restarted in place (a key is set and the cap allows any)."""
+        return bool(self.order_key.get_secret_value()) and self.in_place_restarts > 0
 
     def api_error_backoffs(self) -> tuple[float, ...]:
         """kopf's ``settings.networking.error_backoffs``: a try every ``api_retry_seconds`` for
@@ -91,6 +112,14 @@ class OperatorSettings(BaseModel):
                 isinstance(v, str | int | float) for v in section.values()
             ):
                 raise ValueError(f"{key} must map resource names to quantities")
+        return value
+
+    @field_validator("order_key")
+    @classmethod
+    def _key_long_enough(cls, value: SecretStr) -> SecretStr:
+        key = value.get_secret_value()
+        if key and len(key) < MIN_ORDER_KEY_CHARS:
+            raise ValueError(f"an order key must be empty or at least {MIN_ORDER_KEY_CHARS} characters")
         return value
 
     @field_validator("namespaces")
@@ -134,5 +163,6 @@ class OperatorSettings(BaseModel):
             for error in exc.errors():
                 field = str(error["loc"][0]) if error["loc"] else ""
                 where = env_name(field) if field in cls.model_fields else field or "(settings)"
-                lines.append(f"{where}: {error['msg']} (got {error.get('input')!r})")
+                got = "" if field in _SECRET_FIELDS else f" (got {error.get('input')!r})"
+                lines.append(f"{where}: {error['msg']}{got}")
             raise OperatorSettingsError("\n".join(lines)) from exc

@@ -113,6 +113,16 @@ class JobStatus(GuardedTrainingJobStatus):
     attempt_started_at: str | None = Field(None, description="When the current attempt was created.")
     next_attempt_at: str | None = Field(None, description="When the pending attempt may be created.")
     pytorch_job: str | None = Field(None, description="The current attempt's PyTorchJob.")
+    host_attempt: int | None = Field(
+        None,
+        ge=1,
+        lt=10**12,
+        description="The earlier attempt whose PyTorchJob (and pods) the current attempt runs in, when it "
+        "was restarted in place (unset: the attempt has its own PyTorchJob).",
+    )
+    in_place_restarts: int = Field(
+        0, ge=0, description="Restarts in place the current attempt's PyTorchJob has hosted."
+    )
     remediation: RemediationOrder | None = Field(None, description="Handed to the current attempt.")
     pinned: dict[str, Any] | None = Field(
         None,

@@ -42,6 +42,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "operator": {"scope": "namespaced", "watchNamespaces": ["team-a", "team-b"], "replicas": 2},
     "monitoring": {"force": True, "labels": {"release": "kube-prometheus-stack"}},
     "dashboard": {"enabled": True},
+    "restartInPlace": {"existingSecret": "team-order-key"},
 }
 
 

@@ -261,12 +261,14 @@ def test_a_delayed_order_stops_the_worker_at_once_and_starts_the_attempt_after_t
     wait_for(lambda: not alive(first["pid"]) and not alive(first["escaped"]), timeout=2.5)
     waiting = launch.state()
     assert (waiting.attempt, waiting.phase) == (2, LauncherPhase.STOPPING)
-    assert waiting.starts_at is not None and ordered + 2.5 <= waiting.starts_at <= ordered + 4
+    assert waiting.starts_at is not None
+    assert ordered + 2.5 <= waiting.starts_at <= ordered + 4
     assert len(launch.starts()) == 1
     wait_for(lambda: len(launch.starts()) == 2)
     assert time.time() - ordered >= 3.0
     running = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.RUNNING and s)
-    assert isinstance(running, LauncherState) and running.starts_at is None
+    assert isinstance(running, LauncherState)
+    assert running.starts_at is None
 
 
 def test_a_stop_signal_during_a_delayed_start_ends_the_launcher_without_the_attempt(

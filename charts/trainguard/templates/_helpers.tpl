@@ -132,3 +132,8 @@ in the cluster, so they carry the release's namespace too.
 {{- define "trainguard.clusterRoleName" -}}
 {{- printf "%s-%s-operator" .Release.Namespace (include "trainguard.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/* The Secret holding the key restart orders are signed with: the user's, or the chart's own. */}}
+{{- define "trainguard.orderKeySecret" -}}
+{{- default (include "trainguard.componentName" (list . "order-key")) .Values.restartInPlace.existingSecret -}}
+{{- end -}}

@@ -79,6 +79,17 @@ spec:
           value: {{ .Values.sidecar.image.pullPolicy | quote }}
         - name: TRAINGUARD_OPERATOR_SIDECAR_RESOURCES
           value: {{ toJson .Values.sidecar.resources | quote }}
+        - name: TRAINGUARD_OPERATOR_IN_PLACE_RESTARTS
+          value: {{ .Values.restartInPlace.maxPerPyTorchJob | quote }}
+        - name: TRAINGUARD_OPERATOR_WARM_SPARES
+          value: {{ .Values.restartInPlace.warmSpares | quote }}
+        {{- if gt (int .Values.restartInPlace.maxPerPyTorchJob) 0 }}
+        - name: TRAINGUARD_OPERATOR_ORDER_KEY
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "trainguard.orderKeySecret" . }}
+              key: order-key
+        {{- end }}
         # The root filesystem is read-only: no bytecode files; temporary files go to the /tmp volume.
         - name: PYTHONDONTWRITEBYTECODE
           value: "1"

@@ -1,0 +1,367 @@
+"""Restarting a gang in place on a cluster: the rendered launcher and token, which restarts keep the pods,
+how the ordered attempt is read, and every fallback to a new PyTorchJob (``inplace``, ``pods``,
+``reconcile``)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from trainguard_operator.inplace import launcher_command, order_token, order_wait_seconds
+from trainguard_operator.pods import pods_to_poll
+from trainguard_operator.reconcile import Plan, PlanAction, World, reconcile
+from trainguard_operator.render import SIDECAR_CONTAINER, Owner, render_pytorchjob
+from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
+
+from tests.support.manifests import gtj_manifest
+from tests.unit.test_operator_reconcile import T0, UID, Cluster, pod, reasons
+from trainer_sidecar.contract.env import ATTEMPT_ENV, ORDER_TOKEN_DIGEST_ENV, RESTARTS_ENV
+from trainer_sidecar.contract.inplace import LAUNCHER_MODULE, LauncherPhase, LauncherState, StopMode
+from trainer_sidecar.contract.status import WorkerStatus
+from trainguard.core.observation import SidecarReport
+from trainguard.core.spec import parse_job
+
+KEY = "k" * 40
+SETTINGS = OperatorSettings(
+    stale_attempt_grace_seconds=60, crd_retry_seconds=60, order_key=KEY, order_timeout_seconds=30
+)
+WALL0 = T0.timestamp()
+
+
+def worker_report(
+    attempt: int,
+    phase: LauncherPhase = LauncherPhase.RUNNING,
+    *,
+    alive: bool = True,
+    started: float = WALL0,
+    status_started: float | None = None,
+    step: int = 100,
+    exit_code: int | None = None,
+) -> SidecarReport:
+    """A sidecar's answer for a pod whose launcher runs ``attempt`` (its worker started at ``started``)."""
+    launcher = LauncherState(
+        attempt=attempt,
+        phase=phase,
+        since=started,
+        updated_at=started,
+        exit_code=exit_code,
+        started_at=None if phase is LauncherPhase.STOPPING else started,
+    )
+    begun = started + 1 if status_started is None else status_started
+    status = WorkerStatus(phase="running", step=step, started_at=begun, last_step_time=begun + 1)
+    return SidecarReport(reachable=True, alive=alive, reason="ok", status=status, launcher=launcher)
+
+
+def both(attempt: int, name: str = "tiny-lm-1", **fields: Any) -> dict[str, SidecarReport]:
+    return {f"{name}-worker-{rank}": worker_report(attempt, **fields) for rank in range(2)}
+
+
+@dataclass
+class InPlaceCluster(Cluster):
+    """The reconcile tests' cluster, with restarts in place turned on."""
+
+    settings: OperatorSettings = SETTINGS
+
+    def plan(
+        self,
+        now: datetime,
+        sidecars: Mapping[str, SidecarReport] | None = None,
+        refusals: Mapping[str, str] | None = None,
+    ) -> Plan:
+        world = self.world(now, sidecars)
+        world = World(world.body, world.jobs, world.pods, world.sidecars, world.now, dict(refusals or {}))
+        return reconcile(world, self.settings)
+
+    def step(
+        self,
+        now: datetime,
+        sidecars: Mapping[str, SidecarReport] | None = None,
+        refusals: Mapping[str, str] | None = None,
+    ) -> Plan:
+        plan = self.plan(now, sidecars, refusals)
+        if plan.write_status_first:
+            self.write_status(plan)
+        self.effects(plan)
+        if not plan.write_status_first:
+            self.write_status(plan)
+        self.history.append(plan)
+        return plan
+
+
+def running_in_place(settings: OperatorSettings = SETTINGS, **spec: Any) -> InPlaceCluster:
+    cluster = InPlaceCluster(
+        Cluster.of(gtj_manifest(recovery={"backoffSeconds": [10, 30, 90], "maxRestarts": 5}, **spec)).body,
+        settings=settings,
+    )
+    assert cluster.step(T0).action is PlanAction.CREATE
+    cluster.run_pods(1)
+    assert cluster.step(T0 + timedelta(seconds=5), both(1)).action is PlanAction.NOTHING
+    return cluster
+
+
+def crash(cluster: InPlaceCluster, at: datetime, attempt: int = 1, host: str = "tiny-lm-1") -> Plan:
+    """Rank 1's worker exits 137 under its launcher, which holds the container for an order."""
+    sidecars = both(attempt, host)
+    sidecars[f"{host}-worker-1"] = worker_report(
+        attempt, LauncherPhase.EXITED, alive=False, exit_code=137, started=at.timestamp() - 1
+    )
+    return cluster.step(at, sidecars)
+
+
+# --------------------------------------------------------------------------------------- render ---
+def test_the_worker_runs_under_the_launcher_of_its_own_interpreter_and_the_sidecar_knows_the_digest() -> None:
+    job = parse_job(gtj_manifest(), "research/tiny-lm")
+    manifest = render_pytorchjob(job, Owner("tiny-lm", "research", UID), 1, None, SETTINGS)
+    pod_spec = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    worker = pod_spec["containers"][0]
+    container = job.spec.template.spec.containers[0]
+    user = [*(container.command or []), *(container.args or [])]
+    wait = str(order_wait_seconds(job.spec.health.probe_period_seconds))
+    assert worker["command"] == [user[0], "-m", LAUNCHER_MODULE, "--order-wait-seconds", wait, "--", *user]
+    assert "args" not in worker
+    sidecar = next(c for c in pod_spec["initContainers"] if c["name"] == SIDECAR_CONTAINER)
+    digest = {e["name"]: e["value"] for e in sidecar["env"]}[ORDER_TOKEN_DIGEST_ENV]
+    token = order_token(KEY, UID, "tiny-lm-1")
+    assert digest == hashlib.sha256(token.encode()).hexdigest()
+    assert KEY not in str(manifest)
+    assert token not in str(manifest)
+    # Another PyTorchJob of the job, or another job, takes another token.
+    assert order_token(KEY, UID, "tiny-lm-2") != token != order_token(KEY, "other-uid", "tiny-lm-1")
+
+
+def test_no_launcher_without_a_key_or_without_a_command_and_no_spare_under_a_memory_limit() -> None:
+    job = parse_job(gtj_manifest(), "research/tiny-lm")
+    owner = Owner("tiny-lm", "research", UID)
+
+    def worker(settings: OperatorSettings, container: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        changed = job
+        if container is not None:
+            template = job.spec.template.model_dump(mode="json", exclude_none=True)
+            template["spec"]["containers"][0] = {**template["spec"]["containers"][0], **container}
+            spec = job.spec.model_dump(by_alias=True, mode="json") | {"template": template}
+            changed = job.model_copy(update={"spec": type(job.spec).model_validate(spec)})
+        manifest = render_pytorchjob(changed, owner, 1, None, settings)
+        result: dict[str, Any] = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
+            "containers"
+        ][0]
+        return result
+
+    plain = worker(OperatorSettings())
+    assert LAUNCHER_MODULE not in plain["command"]
+    assert LAUNCHER_MODULE not in worker(SETTINGS.model_copy(update={"in_place_restarts": 0}))["command"]
+    entrypoint = worker(SETTINGS, {"command": None, "args": ["--steps", "5"]})
+    assert "command" not in entrypoint
+    assert entrypoint["args"] == ["--steps", "5"]
+    limited = worker(SETTINGS, {"resources": {"limits": {"memory": "8Gi"}}})
+    assert "--no-spare" in limited["command"]
+    assert "--no-spare" in worker(SETTINGS.model_copy(update={"warm_spares": False}))["command"]
+    assert "--no-spare" not in worker(SETTINGS)["command"]
+
+
+def test_a_command_that_is_not_python_runs_under_the_launchers_script() -> None:
+    assert launcher_command(["torchrun", "train.py"], order_wait_seconds=30, warm=True) == [
+        "trainguard-launch",
+        "--order-wait-seconds",
+        "30",
+        "--",
+        "torchrun",
+        "train.py",
+    ]
+    assert launcher_command(["/usr/bin/python3.12", "t.py"], order_wait_seconds=5, warm=False)[:3] == [
+        "/usr/bin/python3.12",
+        "-m",
+        LAUNCHER_MODULE,
+    ]
+
+
+@pytest.mark.parametrize("key", ["short", "x" * 31])
+def test_a_short_order_key_is_refused_without_repeating_it(key: str) -> None:
+    with pytest.raises(OperatorSettingsError) as caught:
+        OperatorSettings.from_env({"TRAINGUARD_OPERATOR_ORDER_KEY": key})
+    assert "TRAINGUARD_OPERATOR_ORDER_KEY" in str(caught.value)
+    assert key not in str(caught.value)
+    assert KEY not in repr(SETTINGS)
+
+
+# -------------------------------------------------------------------------------------- restart ---
+def test_a_crash_restarts_the_gang_in_its_pods_with_the_backoff_in_the_order() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    plan = crash(cluster, failed)
+    assert plan.action is PlanAction.RESTART_IN_PLACE
+    assert plan.write_status_first
+    assert plan.delete == ()
+    assert plan.create is None
+    assert [(t.pod, t.ip) for t in plan.orders] == [
+        ("tiny-lm-1-worker-0", "10.0.0.1"),
+        ("tiny-lm-1-worker-1", "10.0.0.2"),
+    ]
+    order = plan.order
+    assert order is not None
+    assert (order.attempt, order.stop, order.grace_seconds, order.start_delay_seconds) == (
+        2,
+        StopMode.GRACEFUL,
+        1,
+        10,
+    )
+    assert order.environment[ATTEMPT_ENV] == "2"
+    assert order.environment[RESTARTS_ENV] == "1"
+    status = cluster.status
+    assert (status.attempt, status.attempt_created, status.host_attempt, status.in_place_restarts) == (
+        2,
+        2,
+        1,
+        1,
+    )
+    assert (status.restarts, status.pytorch_job, status.phase) == (1, "tiny-lm-1", "Restarting")
+    assert reasons(plan) == ["Crashed", "GangRestart"]
+    assert "in place" in plan.events[-1].message
+    # The pods stay the ones polled, though their label says attempt 1.
+    assert [name for name, _ in pods_to_poll(cluster.body, cluster.pods)] == [
+        "tiny-lm-1-worker-0",
+        "tiny-lm-1-worker-1",
+    ]
+
+    # During the backoff the launchers hold the stopped workers: nothing to decide, nothing created.
+    waiting = both(2, phase=LauncherPhase.STOPPING, alive=False, started=failed.timestamp())
+    plan = cluster.step(failed + timedelta(seconds=5), waiting)
+    assert plan.action is PlanAction.NOTHING
+    assert plan.create is None
+    assert plan.delete == ()
+    # Attempt 2 runs; until its workers write a status of their own, the old one counts for nothing.
+    began = (failed + timedelta(seconds=10)).timestamp()
+    stale = both(2, started=began, status_started=began - 50, step=100)
+    plan = cluster.step(failed + timedelta(seconds=11), stale)
+    assert plan.action is PlanAction.NOTHING
+    assert "Recovered" not in reasons(plan)
+    plan = cluster.step(failed + timedelta(seconds=13), both(2, started=began, step=101))
+    assert plan.action is PlanAction.NOTHING
+    assert "Recovered" in reasons(plan)
+    assert cluster.status.step == 101
+    assert cluster.status.recovering_since is None
+
+
+def test_a_crash_of_an_attempt_restarted_in_place_is_read_from_its_launcher_and_restarts_again() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    crash(cluster, failed)
+    began = (failed + timedelta(seconds=10)).timestamp()
+    cluster.step(failed + timedelta(seconds=13), both(2, started=began, step=101))
+    again = failed + timedelta(seconds=120)
+    plan = crash(cluster, again, attempt=2)
+    assert plan.action is PlanAction.RESTART_IN_PLACE
+    assert plan.order is not None
+    assert plan.order.attempt == 3
+    assert plan.order.start_delay_seconds == 30
+    assert (cluster.status.host_attempt, cluster.status.in_place_restarts) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["no key", "cap reached", "a launcher missing", "a pod failed", "world size changed"],
+)
+def test_a_restart_that_cannot_keep_the_pods_makes_a_new_pytorchjob(why: str) -> None:
+    settings = SETTINGS
+    if why == "no key":
+        settings = OperatorSettings(stale_attempt_grace_seconds=60, crd_retry_seconds=60)
+    if why == "cap reached":
+        settings = SETTINGS.model_copy(update={"in_place_restarts": 0})
+    cluster = running_in_place(settings)
+    failed = T0 + timedelta(seconds=60)
+    sidecars = both(1)
+    sidecars["tiny-lm-1-worker-1"] = worker_report(
+        1, LauncherPhase.EXITED, alive=False, exit_code=137, started=failed.timestamp() - 1
+    )
+    if why == "a launcher missing":
+        sidecars["tiny-lm-1-worker-0"] = SidecarReport(reachable=True, alive=True, status=None)
+    if why == "a pod failed":
+        cluster.set_pod(pod(1, 1, exit_code=137))
+    if why == "world size changed":
+        cluster.body["spec"]["replicas"] = 3
+    plan = cluster.step(failed, sidecars)
+    assert plan.action is PlanAction.RESTART
+    assert plan.delete == ("tiny-lm-1",)
+    assert plan.order is None
+    assert cluster.status.host_attempt is None
+
+
+def test_the_cap_of_restarts_in_place_makes_the_next_restart_a_new_pytorchjob_and_resets() -> None:
+    cluster = running_in_place(SETTINGS.model_copy(update={"in_place_restarts": 1}))
+    failed = T0 + timedelta(seconds=60)
+    assert crash(cluster, failed).action is PlanAction.RESTART_IN_PLACE
+    began = (failed + timedelta(seconds=10)).timestamp()
+    cluster.step(failed + timedelta(seconds=13), both(2, started=began, step=101))
+    plan = crash(cluster, failed + timedelta(seconds=120), attempt=2)
+    assert plan.action is PlanAction.RESTART
+    assert plan.delete == ("tiny-lm-1",)
+    created = cluster.step(failed + timedelta(seconds=150))
+    assert created.action is PlanAction.CREATE
+    assert created.create is not None
+    assert created.create["metadata"]["name"] == "tiny-lm-3"
+    assert (cluster.status.host_attempt, cluster.status.in_place_restarts) == (None, 0)
+
+
+# ------------------------------------------------------------------------------------ fallbacks ---
+def fallen_back(plan: Plan, cluster: InPlaceCluster) -> None:
+    assert plan.action is PlanAction.FALL_BACK
+    assert plan.write_status_first
+    assert plan.delete == ("tiny-lm-1",)
+    assert plan.stop_pods_within_seconds is not None
+    assert reasons(plan) == ["InPlaceRestartFailed"]
+    status = cluster.status
+    assert (status.attempt, status.restarts, status.host_attempt, status.attempt_created) == (2, 1, None, 1)
+
+
+def test_an_order_refused_falls_back_to_a_new_pytorchjob_of_the_same_attempt() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    crash(cluster, failed)
+    plan = cluster.step(
+        failed + timedelta(seconds=1), both(1), {"tiny-lm-1-worker-0": "/restart answered 401"}
+    )
+    fallen_back(plan, cluster)
+    assert "401" in plan.events[0].message
+    # The new PyTorchJob of attempt 2 comes once the backoff is over and the old one is gone.
+    plan = cluster.step(failed + timedelta(seconds=10))
+    assert plan.action is PlanAction.CREATE
+    assert plan.create is not None
+    assert plan.create["metadata"]["name"] == "tiny-lm-2"
+    assert cluster.status.restarts == 1  # the fallback is the same restart, not another
+
+
+def test_a_pod_lost_while_the_attempt_waits_to_start_falls_back_at_once() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    crash(cluster, failed)
+    gone = pod(1, 0)
+    gone["metadata"]["deletionTimestamp"] = "2030-01-01T00:01:02Z"
+    cluster.set_pod(gone)
+    waiting = both(2, phase=LauncherPhase.STOPPING, alive=False, started=failed.timestamp())
+    fallen_back(cluster.step(failed + timedelta(seconds=2), waiting), cluster)
+
+
+def test_a_launcher_that_never_takes_the_order_falls_back_after_the_timeout() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    crash(cluster, failed)
+    due = failed + timedelta(seconds=10)
+    # Still at attempt 1 (the order never arrived), within the timeout: wait.
+    assert cluster.step(due + timedelta(seconds=29), both(1)).action is PlanAction.NOTHING
+    fallen_back(cluster.step(due + timedelta(seconds=30), both(1)), cluster)
+
+
+def test_once_the_gang_stepped_in_place_a_later_failure_is_the_policys_not_a_fallback() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    crash(cluster, failed)
+    began = (failed + timedelta(seconds=10)).timestamp()
+    cluster.step(failed + timedelta(seconds=13), both(2, started=began, step=101))
+    cluster.set_pod(pod(1, 0, exit_code=1))
+    plan = cluster.step(failed + timedelta(seconds=200), both(2, started=began, step=105))
+    assert plan.action is PlanAction.RESTART
+    assert cluster.status.restarts == 2
+    assert cluster.status.attempt == 3
