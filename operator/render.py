@@ -473,6 +473,10 @@ def _add_launcher(
     worker.pop("args", None)
     sidecar = next(c for c in pod["initContainers"] if c.get("name") == SIDECAR_CONTAINER)
     sidecar["env"].append({"name": ORDER_TOKEN_DIGEST_ENV, "value": token_digest})
+    # The sidecar writes the launcher's order into the status directory.
+    for mount in sidecar["volumeMounts"]:
+        if mount["name"] == STATUS_VOLUME:
+            mount["readOnly"] = False
 
 
 def _run_under_torchrun(worker: dict[str, Any]) -> None:

@@ -88,7 +88,7 @@ def image_values(reference: str, *components: str) -> list[str]:
         for component in components
         for argument in (
             f"--set={component}.image.repository={repository}",
-            f"--set={component}.image.tag={tag}",
+            f"--set-string={component}.image.tag={tag}",  # a tag of digits is no number
             f"--set={component}.image.pullPolicy=IfNotPresent",
         )
     ]

@@ -125,6 +125,8 @@ def test_the_worker_runs_under_the_launcher_of_its_own_interpreter_and_the_sidec
     assert "args" not in worker
     sidecar = next(c for c in pod_spec["initContainers"] if c["name"] == SIDECAR_CONTAINER)
     digest = {e["name"]: e["value"] for e in sidecar["env"]}[ORDER_TOKEN_DIGEST_ENV]
+    # The sidecar writes the order into the status directory, so it mounts it writable.
+    assert [m["readOnly"] for m in sidecar["volumeMounts"] if m["name"] == "trainguard-status"] == [False]
     token = order_token(KEY, UID, "tiny-lm-1")
     assert digest == hashlib.sha256(token.encode()).hexdigest()
     assert KEY not in str(manifest)

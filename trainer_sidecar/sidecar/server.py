@@ -656,7 +656,10 @@ class _Handler(BaseHTTPRequestHandler):
             return HTTPStatus.CONFLICT, f"no launcher runs in this pod{': ' + reason if reason else ''}"
         if order.attempt <= state.attempt:
             return HTTPStatus.CONFLICT, f"attempt {state.attempt} already runs in this pod"
-        write_order(status_dir, order)
+        try:
+            write_order(status_dir, order)
+        except OSError as exc:
+            return HTTPStatus.SERVICE_UNAVAILABLE, f"cannot write the order into {status_dir}: {exc}"
         logger.info("restart order for attempt %d (stop: %s) written", order.attempt, order.stop.value)
         return HTTPStatus.ACCEPTED, f"attempt {order.attempt} ordered"
 
