@@ -139,7 +139,12 @@ def _quoted_message(pod: Mapping[str, Any]) -> str:
     message = _termination_message(pod)
     if message.lstrip().startswith("{"):
         return ""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return last_line(message)
+
+
+def last_line(text: str) -> str:
+    """The last line of ``text`` that is not blank, shortened to ``QUOTED_MESSAGE_CHARS``; "" if none."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return ""
     last = lines[-1]
@@ -201,7 +206,9 @@ def launcher_process(report: SidecarReport, attempt: int) -> ProcessState | None
         code = 1 if launcher.exit_code is None else launcher.exit_code
         if code == 0:
             return ProcessState(exit_code=0)
-        reason = describe_exit(code) + " (its launcher holds the container for an order)"
+        # Quoted as a container's log fallback would be: the container itself has not ended.
+        quoted = last_line(launcher.output_tail)
+        reason = describe_exit(code) + (f": {quoted}" if quoted else "")
         return ProcessState(exit_code=code, exit_reason=reason, ended_at=launcher.since)
     return ProcessState(alive=report.alive, health_reason=report.reason)
 

@@ -54,6 +54,8 @@ if mode == "sleep2exit1":
     sys.exit(1)
 if mode.startswith("exit"):
     sys.exit(int(mode[4:]))
+if mode == "raise":
+    raise ValueError("mat1 and mat2 shapes cannot be multiplied")
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "hang":
@@ -249,6 +251,24 @@ def test_a_graceful_stop_that_outlives_its_grace_is_killed(launches: Callable[..
     wait_for(lambda: len(launch.starts()) == 2)
     assert time.monotonic() - began >= 1.0
     assert not alive(first["pid"])
+
+
+def test_a_crash_is_reported_with_the_end_of_its_output_which_still_reaches_the_log(
+    launches: Callable[..., Launch],
+) -> None:
+    launch = launches("raise", "hang", order_wait=60)
+    exited = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.EXITED and s)
+    assert isinstance(exited, LauncherState)
+    assert exited.exit_code == 1
+    assert exited.output_tail.rstrip().endswith("ValueError: mat1 and mat2 shapes cannot be multiplied")
+    assert "Traceback (most recent call last)" in exited.output_tail
+    launch.order(2, StopMode.KILL)
+    running = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.RUNNING and s)
+    assert isinstance(running, LauncherState)
+    assert running.output_tail == ""  # a new attempt starts without the old one's
+    os.killpg(launch.proc.pid, signal.SIGKILL)
+    launch.proc.wait()
+    assert "ValueError: mat1 and mat2 shapes cannot be multiplied" in launch.stderr()
 
 
 def test_a_delayed_order_stops_the_worker_at_once_and_starts_the_attempt_after_the_delay(

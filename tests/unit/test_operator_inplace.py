@@ -41,6 +41,7 @@ def worker_report(
     status_started: float | None = None,
     step: int = 100,
     exit_code: int | None = None,
+    output: str = "",
 ) -> SidecarReport:
     """A sidecar's answer for a pod whose launcher runs ``attempt`` (its worker started at ``started``)."""
     launcher = LauncherState(
@@ -50,6 +51,7 @@ def worker_report(
         updated_at=started,
         exit_code=exit_code,
         started_at=None if phase is LauncherPhase.STOPPING else started,
+        output_tail=output,
     )
     begun = started + 1 if status_started is None else status_started
     status = WorkerStatus(phase="running", step=step, started_at=begun, last_step_time=begun + 1)
@@ -103,13 +105,26 @@ def running_in_place(settings: OperatorSettings = SETTINGS, **spec: Any) -> InPl
     return cluster
 
 
-def crash(cluster: InPlaceCluster, at: datetime, attempt: int = 1, host: str = "tiny-lm-1") -> Plan:
+def crash(
+    cluster: InPlaceCluster, at: datetime, attempt: int = 1, host: str = "tiny-lm-1", output: str = ""
+) -> Plan:
     """Rank 1's worker exits 137 under its launcher, which holds the container for an order."""
     sidecars = both(attempt, host)
     sidecars[f"{host}-worker-1"] = worker_report(
-        attempt, LauncherPhase.EXITED, alive=False, exit_code=137, started=at.timestamp() - 1
+        attempt, LauncherPhase.EXITED, alive=False, exit_code=137, started=at.timestamp() - 1, output=output
     )
     return cluster.step(at, sidecars)
+
+
+def test_a_crash_under_a_launcher_is_named_with_the_last_line_of_its_output() -> None:
+    cluster = running_in_place()
+    output = (
+        "Traceback (most recent call last):\n  ...\nRuntimeError: CUDA error: an illegal memory access\n\n"
+    )
+    plan = crash(cluster, T0 + timedelta(seconds=60), output=output)
+    crashed = plan.events[0]
+    assert crashed.reason == "Crashed"
+    assert "killed by signal 9: RuntimeError: CUDA error: an illegal memory access" in crashed.message
 
 
 # --------------------------------------------------------------------------------------- render ---

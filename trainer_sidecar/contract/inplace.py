@@ -43,6 +43,7 @@ __all__ = [
     "LAUNCHER_FILE",
     "LAUNCHER_MODULE",
     "LAUNCHER_SCRIPT",
+    "MAX_OUTPUT_TAIL_CHARS",
     "MAX_START_DELAY_SECONDS",
     "ORDERABLE_VARIABLES",
     "ORDER_FILE",
@@ -80,6 +81,7 @@ MAX_GRACE_SECONDS = 3600.0
 #: longest backoff a spec may set.
 MAX_START_DELAY_SECONDS = 86400.0
 MAX_MESSAGE_CHARS = 1024
+MAX_OUTPUT_TAIL_CHARS = 2048
 
 Attempt = Annotated[int, Field(ge=1, le=MAX_ATTEMPT)]
 
@@ -156,6 +158,9 @@ class LauncherState(BaseModel):
     #: When the attempt's worker started (None: not started yet): a worker status older than this is
     #: an earlier attempt's.
     started_at: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    #: Once the worker exited: the end of what it wrote to its standard error (a warm worker: its output),
+    #: what a container's log fallback would have shown of a crash (the exception's last lines).
+    output_tail: str = Field(default="", max_length=MAX_OUTPUT_TAIL_CHARS)
 
 
 def order_token_digest(token: str) -> str:

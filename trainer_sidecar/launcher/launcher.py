@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from trainer_sidecar.contract.handoff import (
 )
 from trainer_sidecar.contract.inplace import (
     FIRST_SIGNAL,
+    MAX_OUTPUT_TAIL_CHARS,
     ORDER_FILE,
     LauncherPhase,
     LauncherState,
@@ -72,6 +74,47 @@ from trainer_sidecar.contract.status import read_status
 POLL_SECONDS = 0.05
 #: The exit codes of a shell that cannot run a command: not found, and found but not executable.
 NOT_FOUND, NOT_EXECUTABLE = 127, 126
+
+
+#: How long an exit waits for the worker's last output to arrive through its pipe (a child that keeps
+#: the pipe open, such as a data loader still dying, must not hold the exit's report up).
+OUTPUT_DRAIN_SECONDS = 0.5
+
+
+class _OutputTee(threading.Thread):
+    """Copies a worker's output pipe to one of the launcher's own descriptors (the container's log) as it
+    arrives, and keeps its last bytes: the reason of a crash, which the container's log fallback would
+    have shown had the container ended."""
+
+    def __init__(self, read_fd: int, target_fd: int) -> None:
+        super().__init__(name="trainguard-launch-output", daemon=True)
+        self._read_fd, self._target_fd = read_fd, target_fd
+        self.tail = b""
+
+    def run(self) -> None:
+        try:
+            while chunk := os.read(self._read_fd, 65536):
+                with contextlib.suppress(OSError):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(self._target_fd, view) :]
+                self.tail = (self.tail + chunk)[-4 * MAX_OUTPUT_TAIL_CHARS :]
+        except OSError:
+            pass
+        finally:
+            os.close(self._read_fd)
+
+    def text(self) -> str:
+        """The kept tail as text, at most ``MAX_OUTPUT_TAIL_CHARS`` characters."""
+        return self.tail.decode("utf-8", errors="replace")[-MAX_OUTPUT_TAIL_CHARS:]
+
+
+def _tee(target_fd: int) -> tuple[int, _OutputTee]:
+    """A pipe whose write end a worker writes to, and the started tee that copies it to ``target_fd``."""
+    read_fd, write_fd = os.pipe()
+    tee = _OutputTee(read_fd, target_fd)
+    tee.start()
+    return write_fd, tee
 
 
 class LaunchError(Exception):
@@ -128,6 +171,8 @@ class Launcher:
     _exit_code: int | None = None
     _since: float = 0.0
     _starts_at: float | None = None
+    _output: _OutputTee | None = None
+    _output_tail: str = ""
 
     def __post_init__(self) -> None:
         self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
@@ -176,6 +221,9 @@ class Launcher:
         if self._exited_at is None:
             self._exited_at = time.monotonic()
             self._since = time.time()
+            if self._output is not None:
+                self._output.join(OUTPUT_DRAIN_SECONDS)
+                self._output_tail = self._output.text()
             self._publish(LauncherPhase.EXITED, exit_code=code)
         if code == 0 or time.monotonic() - self._exited_at >= self.order_wait_seconds:
             return code
@@ -252,22 +300,29 @@ class Launcher:
         spare, self._spare = self._spare, None
         if spare is not None and spare.process.alive and isinstance(self.plan, WarmStart):
             handoff = Handoff.for_command(self.plan, environment=env, cwd=None)
+            write_fd, tee = _tee(self.output_fd)
             try:
-                send_handoff(spare.channel, handoff, self.output_fd)
-                self._worker, self._worker_warm = spare.process, True
+                send_handoff(spare.channel, handoff, write_fd)
+                self._worker, self._worker_warm, self._output = spare.process, True, tee
             except OSError as exc:
                 self._note(f"attempt {self.attempt}: the warm spare could not be told ({exc}); starting cold")
             finally:
+                os.close(write_fd)
                 spare.channel.close()
             if not self._worker_warm:
                 _signal_group(spare.process.proc.pid, signal.SIGKILL)
         elif spare is not None:
             self._discard(spare)
         if not self._worker_warm:
-            self._worker = self._spawn(self.command, env)
+            write_fd, self._output = _tee(2)
+            try:
+                self._worker = self._spawn(self.command, env, stderr=write_fd)
+            finally:
+                os.close(write_fd)
         self._worker_started_at = self._since = time.time()
         self._exited_at = None
         self._starts_at = None
+        self._output_tail = ""
         self._publish(LauncherPhase.RUNNING)
 
     def _restart(self, order: RestartOrder) -> None:
@@ -398,6 +453,7 @@ class Launcher:
             message=self._message[:1024],
             starts_at=self._starts_at if phase is LauncherPhase.STOPPING else None,
             started_at=self._worker_started_at if phase is not LauncherPhase.STOPPING else None,
+            output_tail=self._output_tail if phase is LauncherPhase.EXITED else "",
         )
         try:
             write_launcher_state(self.status_dir, state)
