@@ -31,9 +31,15 @@ its 1 s poll period; the API server's for pods, to the second):
   (the Guardian: the checkpoint agreed on and restored; the script's validation), ``to_step_s`` from
   there to the first step (the operator's clock).
 
+Each kind runs in both ways the operator restarts a gang, side by side in one run (``--ways``): ``new``,
+a new PyTorchJob (the chart installed with ``restartInPlace.maxPerPyTorchJob=0``), with the phases
+above; and ``in-place``, the chart's default, where the same pods run attempt 2 (each launcher ordered
+through its sidecar) and the phases are ``recover_s``, ``recover_log_s``, ``detect_s`` and
+``restart_s`` (the failure to the first step of attempt 2, backoff included: no pod starts).
+
 Run as root, after ``bash scripts/setup.sh``::
 
-    python -m bench.recovery_real [--runs 3] [--kinds hang,crash]
+    python -m bench.recovery_real [--runs 3] [--kinds hang,crash] [--ways in-place,new]
 
 The last line is one JSON object with every run and the medians.
 """
@@ -57,6 +63,11 @@ from tests.support.jobs import FAST_HANG_DETECTION, JOB, JobNamespace, condition
 
 FAULTS = {"hang": "hang@35:1", "crash": "crash@35:0"}
 BACKOFF_SECONDS = 2
+#: How the operator restarts the gang, and the chart values that make it so.
+WAYS: dict[str, list[str]] = {
+    "in-place": [],
+    "new": ["--set=restartInPlace.maxPerPyTorchJob=0"],
+}
 
 
 def measure(job: dict[str, Any], pods: list[dict[str, Any]], logs: LogTail) -> dict[str, float]:
@@ -192,19 +203,47 @@ class LogTail:
                     self._lines.setdefault(pod, []).append((at, message))
 
 
-def run_once(cluster: test_cluster.Cluster, kind: str, index: int, volume: Path) -> dict[str, float]:
-    """One job with one fault of ``kind``; its recovery's phases."""
-    namespace = JobNamespace.create(cluster, f"recovery-{kind}-{index}", volume)
+def measure_in_place(job: dict[str, Any], logs: LogTail) -> dict[str, float]:
+    """The phases of a recovery in place (see the module's docstring): attempt 2 runs in attempt 1's
+    pods, so rank 0's one log holds both attempts' step lines, split at the failure."""
+    status = job["status"]
+    history = {h["attempt"]: h for h in status["stepHistory"]}
+    last_step = timestamp(history[1]["lastStepAt"])
+    failed = timestamp(status["lastFailure"]["time"])
+    first_step = timestamp(history[2]["firstStepAt"])
+    phases = {
+        "recover_s": first_step - last_step,
+        "detect_s": failed - last_step,
+        "restart_s": first_step - failed,
+    }
+    steps = [at for at, text in logs.lines(f"{JOB}-1-worker-0") if STEP_LINE.search(text)]
+    before = [at for at in steps if at <= failed]
+    after = [at for at in steps if at > failed]
+    if before and after:
+        phases["recover_log_s"] = after[0] - before[-1]
+    return phases
+
+
+def run_once(
+    cluster: test_cluster.Cluster, kind: str, way: str, index: int, volume: Path
+) -> dict[str, float]:
+    """One job with one fault of ``kind``, recovered ``way``; its recovery's phases."""
+    namespace = JobNamespace.create(cluster, f"recovery-{kind}-{way}-{index}", volume)
     logs = LogTail(cluster.node.pod_logs_dir, namespace.name)
     try:
         health = FAST_HANG_DETECTION if kind == "hang" else None
         recovery = {"maxRestarts": 2, "backoffSeconds": [BACKOFF_SECONDS]}
         namespace.apply(example(faults=FAULTS[kind], health=health, recovery=recovery, log_every=1))
-        pods = namespace.wait("attempt 2 training", lambda: attempt_running(namespace), timeout=600)
+        pods: list[dict[str, Any]] = []
+        if way == "new":
+            pods = namespace.wait("attempt 2 training", lambda: attempt_running(namespace), timeout=600)
         job = namespace.finished(timeout=600)
         if not condition(job, "Succeeded") or job["status"]["restarts"] != 1:
-            raise RuntimeError(f"{kind} run {index}: {json.dumps(job['status'])[:2000]}")
-        return measure(job, pods, logs)
+            raise RuntimeError(f"{kind} {way} run {index}: {json.dumps(job['status'])[:2000]}")
+        restart = next(e["message"] for e in namespace.events() if e["reason"] == "GangRestart")
+        if ("in place" in restart) != (way == "in-place"):
+            raise RuntimeError(f"{kind} run {index} was to restart {way}, but: {restart}")
+        return measure(job, pods, logs) if way == "new" else measure_in_place(job, logs)
     finally:
         logs.stop()
         namespace.delete()
@@ -231,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=3, help="runs of each kind (default: %(default)s)")
     parser.add_argument("--kinds", default="hang,crash", help="comma-separated: hang, crash")
+    parser.add_argument("--ways", default="in-place,new", help="comma-separated: in-place, new")
     parser.add_argument(
         "--dns-ttl",
         type=int,
@@ -245,24 +285,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(kinds) - set(FAULTS)
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)}")
+    ways = [w for w in args.ways.split(",") if w]
+    if not ways or set(ways) - set(WAYS):
+        parser.error(f"--ways must name some of {', '.join(WAYS)}")
     bin_dir = controlplane.bin_dir_from_script()
     reason = test_cluster.why_not_runnable(bin_dir)
     if reason:
         print(f"recovery_real: {reason}", file=sys.stderr)
         return 1
-    results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    results: dict[str, list[dict[str, float]]] = {f"{kind} {way}": [] for way in ways for kind in kinds}
     with tempfile.TemporaryDirectory(prefix="trainguard-recovery-") as scratch:
         state = Path(scratch)
         plane = controlplane.start(bin_dir, state / "control-plane")
         try:
             cluster = test_cluster.start(plane, state / "cluster", dns_ttl_seconds=args.dns_ttl)
             try:
-                cluster.install_operator()
-                for index in range(args.runs):
-                    for kind in kinds:
-                        phases = run_once(cluster, kind, index, state / f"{kind}-{index}")
-                        results[kind].append(phases)
-                        print(kind, index, " ".join(f"{k}={v:.1f}" for k, v in phases.items()), flush=True)
+                for way in ways:
+                    cluster.install_operator(WAYS[way])
+                    for index in range(args.runs):
+                        for kind in kinds:
+                            phases = run_once(cluster, kind, way, index, state / f"{kind}-{way}-{index}")
+                            results[f"{kind} {way}"].append(phases)
+                            line = " ".join(f"{k}={v:.1f}" for k, v in phases.items())
+                            print(kind, way, index, line, flush=True)
+                    cluster.uninstall_operator()
             finally:
                 cluster.stop()
         finally:
@@ -276,8 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind, runs in results.items()
         if runs
     }
+    ratios = {
+        kind: medians[f"{kind} in-place"]["recover_s"] / medians[f"{kind} new"]["recover_s"]
+        for kind in kinds
+        if f"{kind} in-place" in medians and f"{kind} new" in medians
+    }
+    for kind, ratio in ratios.items():
+        print(f"{kind}: recovered in place in {ratio:.2f} of a new PyTorchJob's time (medians)", flush=True)
     figures = {"job": JOB, "backoff_s": BACKOFF_SECONDS, "dns_ttl_s": args.dns_ttl}
-    print(json.dumps({**figures, "runs": results, "median": medians}))
+    print(json.dumps({**figures, "runs": results, "median": medians, "in_place_over_new": ratios}))
     return 0
 
 

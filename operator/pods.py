@@ -208,7 +208,8 @@ def launcher_process(report: SidecarReport, attempt: int) -> ProcessState | None
             return ProcessState(exit_code=0)
         # Quoted as a container's log fallback would be: the container itself has not ended.
         quoted = last_line(launcher.output_tail)
-        reason = describe_exit(code) + (f": {quoted}" if quoted else "")
+        reason = describe_exit(code) + (" (OOMKilled)" if launcher.oom_killed else "")
+        reason += f": {quoted}" if quoted else ""
         return ProcessState(exit_code=code, exit_reason=reason, ended_at=launcher.since)
     return ProcessState(alive=report.alive, health_reason=report.reason)
 

@@ -266,6 +266,7 @@ def test_a_crash_is_reported_with_the_end_of_its_output_which_still_reaches_the_
     running = wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.RUNNING and s)
     assert isinstance(running, LauncherState)
     assert running.output_tail == ""  # a new attempt starts without the old one's
+    wait_for(lambda: len(launch.starts()) == 2)  # recorded, so the fixture ends it too
     os.killpg(launch.proc.pid, signal.SIGKILL)
     launch.proc.wait()
     assert "ValueError: mat1 and mat2 shapes cannot be multiplied" in launch.stderr()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -114,6 +114,23 @@ def crash(
         attempt, LauncherPhase.EXITED, alive=False, exit_code=137, started=at.timestamp() - 1, output=output
     )
     return cluster.step(at, sidecars)
+
+
+def test_an_oom_kill_under_a_launcher_is_named_as_a_containers() -> None:
+    cluster = running_in_place()
+    failed = T0 + timedelta(seconds=60)
+    sidecars = both(1)
+    report = worker_report(
+        1, LauncherPhase.EXITED, alive=False, exit_code=137, started=failed.timestamp() - 1
+    )
+    assert report.launcher is not None
+    sidecars["tiny-lm-1-worker-1"] = replace(
+        report, launcher=report.launcher.model_copy(update={"oom_killed": True})
+    )
+    plan = cluster.step(failed, sidecars)
+    assert "killed by signal 9 (OOMKilled)" in plan.events[0].message
+    # The pod keeps its memory limit either way: the restart stays in place.
+    assert plan.action is PlanAction.RESTART_IN_PLACE
 
 
 def test_a_crash_under_a_launcher_is_named_with_the_last_line_of_its_output() -> None:

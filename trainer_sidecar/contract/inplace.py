@@ -161,6 +161,9 @@ class LauncherState(BaseModel):
     #: Once the worker exited: the end of what it wrote to its standard error (a warm worker: its output),
     #: what a container's log fallback would have shown of a crash (the exception's last lines).
     output_tail: str = Field(default="", max_length=MAX_OUTPUT_TAIL_CHARS)
+    #: Once the worker exited: whether the kernel's OOM killer killed a process of the container while it
+    #: ran (the container's memory cgroup counted a kill), as a container would show ``OOMKilled``.
+    oom_killed: bool = False
 
 
 def order_token_digest(token: str) -> str:

@@ -109,6 +109,26 @@ class _OutputTee(threading.Thread):
         return self.tail.decode("utf-8", errors="replace")[-MAX_OUTPUT_TAIL_CHARS:]
 
 
+#: Where the container's memory cgroup counts the OOM killer's kills (``oom_kill N``): cgroup v2, then
+#: v1 (a container sees its own cgroup at the root of its cgroup namespace or mount).
+OOM_COUNTERS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
+
+
+def oom_kills(counters: Sequence[Path] = OOM_COUNTERS) -> int | None:
+    """How many processes the OOM killer has killed in this container's memory cgroup (None: no counter
+    to read here)."""
+    for path in counters:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
 def _tee(target_fd: int) -> tuple[int, _OutputTee]:
     """A pipe whose write end a worker writes to, and the started tee that copies it to ``target_fd``."""
     read_fd, write_fd = os.pipe()
@@ -173,6 +193,8 @@ class Launcher:
     _starts_at: float | None = None
     _output: _OutputTee | None = None
     _output_tail: str = ""
+    _oom_kills_at_start: int | None = None
+    _oom_killed: bool = False
 
     def __post_init__(self) -> None:
         self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
@@ -224,6 +246,9 @@ class Launcher:
             if self._output is not None:
                 self._output.join(OUTPUT_DRAIN_SECONDS)
                 self._output_tail = self._output.text()
+            kills = oom_kills()
+            before = self._oom_kills_at_start
+            self._oom_killed = kills is not None and before is not None and kills > before
             self._publish(LauncherPhase.EXITED, exit_code=code)
         if code == 0 or time.monotonic() - self._exited_at >= self.order_wait_seconds:
             return code
@@ -323,6 +348,8 @@ class Launcher:
         self._exited_at = None
         self._starts_at = None
         self._output_tail = ""
+        self._oom_killed = False
+        self._oom_kills_at_start = oom_kills()
         self._publish(LauncherPhase.RUNNING)
 
     def _restart(self, order: RestartOrder) -> None:
@@ -454,6 +481,7 @@ class Launcher:
             starts_at=self._starts_at if phase is LauncherPhase.STOPPING else None,
             started_at=self._worker_started_at if phase is not LauncherPhase.STOPPING else None,
             output_tail=self._output_tail if phase is LauncherPhase.EXITED else "",
+            oom_killed=self._oom_killed and phase is LauncherPhase.EXITED,
         )
         try:
             write_launcher_state(self.status_dir, state)
