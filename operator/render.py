@@ -446,20 +446,14 @@ def _add_rendezvous(template: dict[str, Any], pytorchjob: str, world_size: int) 
     worker["env"] = _replacing_env(worker.get("env"), owned)
 
 
-def _has_memory_limit(container: Mapping[str, Any]) -> bool:
-    resources = container.get("resources")
-    limits = resources.get("limits") if isinstance(resources, Mapping) else None
-    return isinstance(limits, Mapping) and "memory" in limits
-
-
 def _add_launcher(
     template: dict[str, Any], job: GuardedTrainingJob, settings: OperatorSettings, token_digest: str
 ) -> None:
     """Run the worker command under the launcher, and tell the sidecar the order token's digest, so the
     gang can be restarted in place (``inplace``). A container without a command of its own (the image's
-    entrypoint runs) cannot be wrapped: its pods restart as a new PyTorchJob, as before. No warm spare
-    where the container has a memory limit: the spare (about 0.7 GB with torch imported) counts against
-    it, and could get the worker itself killed."""
+    entrypoint runs) cannot be wrapped: its pods restart as a new PyTorchJob, as before. Whether a warm
+    spare fits under the container's memory limit the launcher judges from the container's own memory
+    use (the spare counts against the limit)."""
     pod = template["spec"]
     worker = next(c for c in pod["containers"] if c.get("name") == WORKER_CONTAINER)
     command = [*worker.get("command", []), *worker.get("args", [])]
@@ -468,7 +462,7 @@ def _add_launcher(
     worker["command"] = launcher_command(
         command,
         order_wait_seconds=order_wait_seconds(job.spec.health.probe_period_seconds),
-        warm=settings.warm_spares and not _has_memory_limit(worker),
+        warm=settings.warm_spares,
     )
     worker.pop("args", None)
     sidecar = next(c for c in pod["initContainers"] if c.get("name") == SIDECAR_CONTAINER)

@@ -85,8 +85,8 @@ class OperatorSettings(BaseModel):
     #: How long after an attempt restarted in place is due every pod's launcher must report it before the
     #: gang falls back to a new PyTorchJob.
     order_timeout_seconds: float = Field(60.0, gt=0, le=3600)
-    #: Keep a warm spare (torch imported) beside each worker for a restart in place. It is never kept
-    #: for a worker container with a memory limit, which the spare's memory would count against.
+    #: Keep a warm spare (torch imported) beside each worker for a restart in place, where the worker
+    #: container's memory limit leaves room for it (the launcher looks).
     warm_spares: bool = True
 
     @property

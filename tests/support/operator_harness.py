@@ -11,7 +11,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,10 @@ async def prepare_cluster(
 class Sidecars:
     """Real sidecar servers, one per rank, on 127.0.0.R+1 and one shared port (as in a pod network)."""
 
-    def __init__(self, root: Path, ranks: int, hang_timeout_seconds: float = 30) -> None:
+    def __init__(
+        self, root: Path, ranks: int, hang_timeout_seconds: float = 30, order_digests: Sequence[str] = ()
+    ) -> None:
+        """``order_digests``: each rank's sidecar takes restart orders whose token has that digest."""
         self.files = [root / f"rank-{r}" / "status.json" for r in range(ranks)]
         self.servers: list[SidecarServer] = []
         port = 0
@@ -108,6 +111,7 @@ class Sidecars:
                 startup_grace_seconds=30,
                 job="tiny-lm",
                 namespace=NS,
+                order_token_sha256=order_digests[rank] if order_digests else "",
             )
             port = server.port
             server.start()

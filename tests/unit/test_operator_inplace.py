@@ -167,7 +167,7 @@ def test_the_worker_runs_under_the_launcher_of_its_own_interpreter_and_the_sidec
     assert order_token(KEY, UID, "tiny-lm-2") != token != order_token(KEY, "other-uid", "tiny-lm-1")
 
 
-def test_no_launcher_without_a_key_or_without_a_command_and_no_spare_under_a_memory_limit() -> None:
+def test_no_launcher_without_a_key_or_without_a_command_and_no_spare_when_turned_off() -> None:
     job = parse_job(gtj_manifest(), "research/tiny-lm")
     owner = Owner("tiny-lm", "research", UID)
 
@@ -190,8 +190,9 @@ def test_no_launcher_without_a_key_or_without_a_command_and_no_spare_under_a_mem
     entrypoint = worker(SETTINGS, {"command": None, "args": ["--steps", "5"]})
     assert "command" not in entrypoint
     assert entrypoint["args"] == ["--steps", "5"]
+    # Under a memory limit too: the launcher keeps a spare only while the container has room for it.
     limited = worker(SETTINGS, {"resources": {"limits": {"memory": "8Gi"}}})
-    assert "--no-spare" in limited["command"]
+    assert "--no-spare" not in limited["command"]
     assert "--no-spare" in worker(SETTINGS.model_copy(update={"warm_spares": False}))["command"]
     assert "--no-spare" not in worker(SETTINGS)["command"]
 

@@ -129,6 +129,64 @@ def oom_kills(counters: Sequence[Path] = OOM_COUNTERS) -> int | None:
     return None
 
 
+#: The container's memory use and limit: cgroup v2's files, then v1's.
+MEMORY_FILES = (
+    (Path("/sys/fs/cgroup/memory.current"), Path("/sys/fs/cgroup/memory.max")),
+    (
+        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    ),
+)
+#: A limit above this is no limit (cgroup v1 writes its "unlimited" as a page-rounded 2^63).
+NO_LIMIT_BYTES = 1 << 60
+#: What a warm spare is taken to cost its container (torch imported: 0.7 GB measured, 0.39 GB anonymous).
+SPARE_MEMORY_BYTES = 1 << 30
+#: A spare starts only if the container's use with it stays below this share of its memory limit, and is
+#: dropped once the use passes ``SPARE_DROP_SHARE``: the worker needs the room more than its restart does.
+SPARE_ROOM_SHARE = 0.85
+SPARE_DROP_SHARE = 0.95
+#: How often the container's memory is looked at while a spare is due or kept.
+MEMORY_LOOK_SECONDS = 1.0
+
+
+def memory_use(files: Sequence[tuple[Path, Path]] = MEMORY_FILES) -> tuple[int, int | None] | None:
+    """The container's memory use and limit, in bytes (limit None: unlimited); None when there is no
+    memory cgroup to read here."""
+    for current, maximum in files:
+        try:
+            used = int(current.read_text().strip())
+            text = maximum.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if text == "max":
+            return used, None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        return used, limit if limit < NO_LIMIT_BYTES else None
+    return None
+
+
+def spare_room(use: tuple[int, int | None] | None, keeping: bool) -> str:
+    """Why the container has no room for a warm spare ("" when it has): a spare to start must fit with
+    ``SPARE_MEMORY_BYTES`` under ``SPARE_ROOM_SHARE`` of the limit; a spare kept (``keeping``, its memory
+    already counted) goes once the use passes ``SPARE_DROP_SHARE``."""
+    if use is None:
+        return ""
+    used, limit = use
+    if limit is None:
+        return ""
+    if keeping and used > SPARE_DROP_SHARE * limit:
+        return f"the container uses {used / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB memory limit"
+    if not keeping and used + SPARE_MEMORY_BYTES > SPARE_ROOM_SHARE * limit:
+        return (
+            f"the container uses {used / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB memory limit, "
+            f"too little room for a spare of about {SPARE_MEMORY_BYTES / 2**30:.0f} GiB"
+        )
+    return ""
+
+
 def _tee(target_fd: int) -> tuple[int, _OutputTee]:
     """A pipe whose write end a worker writes to, and the started tee that copies it to ``target_fd``."""
     read_fd, write_fd = os.pipe()
@@ -195,6 +253,8 @@ class Launcher:
     _output_tail: str = ""
     _oom_kills_at_start: int | None = None
     _oom_killed: bool = False
+    _memory_looked_at: float = float("-inf")
+    _no_room: str = ""
 
     def __post_init__(self) -> None:
         self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
@@ -350,6 +410,7 @@ class Launcher:
         self._output_tail = ""
         self._oom_killed = False
         self._oom_kills_at_start = oom_kills()
+        self._no_room = ""
         self._publish(LauncherPhase.RUNNING)
 
     def _restart(self, order: RestartOrder) -> None:
@@ -412,9 +473,21 @@ class Launcher:
                 spare.ready = True
                 if self._phase is not None:
                     self._publish(self._phase, self._exit_code)
+            elif self._memory_due() and (why := spare_room(memory_use(), keeping=True)):
+                # The worker needs the room more than its restart does; no spare again this attempt.
+                self._drop_spare()
+                self._no_room = f"dropped the warm spare: {why}"
+                self._note(self._no_room)
             return
         worker = self._worker
-        if not isinstance(self.plan, WarmStart) or worker is None or not worker.alive or not self._stepped():
+        if not isinstance(self.plan, WarmStart) or worker is None or not worker.alive or self._no_room:
+            return
+        if not self._stepped() or not self._memory_due():
+            return
+        why = spare_room(memory_use(), keeping=False)
+        if why:
+            self._no_room = f"no warm spare for attempt {self.attempt}: {why}"
+            self._note(self._no_room)
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -432,6 +505,15 @@ class Launcher:
         finally:
             theirs.close()
         self._spare = _Spare(process, ours)
+
+    def _memory_due(self) -> bool:
+        """Whether it is time to look at the container's memory again (at most every
+        ``MEMORY_LOOK_SECONDS``)."""
+        now = time.monotonic()
+        if now - self._memory_looked_at < MEMORY_LOOK_SECONDS:
+            return False
+        self._memory_looked_at = now
+        return True
 
     def _stepped(self) -> bool:
         """Whether the running worker has published a step it took (not merely the step it resumed at)."""
