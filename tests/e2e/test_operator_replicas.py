@@ -1,7 +1,9 @@
 """The chart's replicated mode on the real cluster: ``operator.replicas: 2`` is a StatefulSet whose pods
 meet in kopf's ClusterKopfPeering; the highest live ordinal works, the other stands by. Deleting the
 active pod in the middle of a gang restart hands the job to the standby, which carries the recovery on
-from the job's status: one restart, not two.
+from the job's status: one restart, not two. The restart is in place (the chart's default): the active
+replica has ordered the pods' launchers before it goes, and the standby takes the attempt they start
+in the same pods.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ def test_deleting_the_active_operator_in_the_middle_of_a_gang_restart_restarts_t
             lambda: (job := namespace.job()) and job.get("status", {}).get("phase") == "Restarting" and job,
             timeout=400,
         )
-        # Attempt 2 is decided (the status names it) and not created yet: the backoff runs.
+        # Attempt 2 is decided and ordered in attempt 1's pods (the status names both); the backoff runs.
         assert restarting["status"]["attempt"] == 2, restarting["status"]
-        assert restarting["status"]["attemptCreated"] == 1, restarting["status"]
+        assert restarting["status"]["hostAttempt"] == 1, restarting["status"]
         # The active replica is the live peer of the highest priority (its StatefulSet ordinal).
         live = peers(cluster, operator)
         assert set(live) == set(pods), live
@@ -68,8 +70,9 @@ def test_deleting_the_active_operator_in_the_middle_of_a_gang_restart_restarts_t
         assert status["attempt"] == 2, diagnostics
         reasons = namespace.reasons()
         assert reasons.count("GangRestart") == 1, reasons
-        assert reasons.count("AttemptCreated") == 2, reasons
-        assert cluster.get("pytorchjob", f"{JOB}-3", namespace.name) is None
+        assert reasons.count("AttemptCreated") == 1, reasons
+        assert "InPlaceRestartFailed" not in reasons, reasons
+        assert cluster.get("pytorchjob", f"{JOB}-2", namespace.name) is None
         history = {h["attempt"]: h for h in status["stepHistory"]}
         assert 20 <= history[2]["resumedStep"] <= 35, history
         # The deleted replica came back under its name, and both are peers again.
