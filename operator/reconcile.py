@@ -637,7 +637,7 @@ class _Step:
             job_name=self.job_name,
             host_attempt=self.st.host_attempt,
         )
-        fallback = self.in_place_failure()
+        fallback, starting = self.in_place_failure()
         if fallback:
             return self.fall_back(fallback, self.broken_gang_grace(gang))
         recovered = self.track_progress(gang.view)
@@ -676,7 +676,9 @@ class _Step:
                 phase_reason="JobSucceeded",
                 phase_message=f"attempt {self.attempt} succeeded: {decision.reason}",
             )
-        if gang.running:
+        if gang.running and not starting:
+            # (An attempt ordered in place stays Restarting until every launcher runs it: its pods ran
+            # all along.)
             self.st.phase = Phase.RUNNING.value
         return self.plan(
             PlanAction.NOTHING,
@@ -844,15 +846,16 @@ class _Step:
             phase_message=f"{message}; attempt {attempt} starts at {iso(due)}",
         )
 
-    def in_place_failure(self) -> str:
-        """Why the attempt ordered in place will not start in its pods ("" while it may, or once the gang
-        stepped in it): an order refused, a pod that cannot host it, or a launcher that did not take the
-        order within ``order_timeout_seconds`` of the attempt's start."""
+    def in_place_failure(self) -> tuple[str, str]:
+        """For an attempt ordered in place that has not stepped yet: why it will not start in its pods
+        (an order refused, a pod that cannot host it, or a launcher that did not take the order within
+        ``order_timeout_seconds`` of the attempt's start), and which pod's launcher has not started it
+        yet; ("", "") otherwise."""
         if self.st.host_attempt is None or self.st.recovering_since is None:
-            return ""
+            return "", ""
         if self.world.order_refusals:
             pod, why = sorted(self.world.order_refusals.items())[0]
-            return f"pod {pod} did not take the order: {why}"
+            return f"pod {pod} did not take the order: {why}", ""
         broken, pending = in_place_start(
             self.world.pods,
             self.world.sidecars,
@@ -862,11 +865,11 @@ class _Step:
             replicas=self.job.spec.replicas,
         )
         if broken:
-            return broken
+            return broken, ""
         due = parse_time(self.st.next_attempt_at) or self.now
         if pending and self.now >= due + timedelta(seconds=self.settings.order_timeout_seconds):
-            return f"{pending} {self.settings.order_timeout_seconds:g} s after the attempt was due"
-        return ""
+            return f"{pending} {self.settings.order_timeout_seconds:g} s after the attempt was due", ""
+        return "", pending
 
     def fall_back(self, why: str, grace: int) -> Plan:
         """Give up the restart in place of the current attempt: its PyTorchJob goes, and the attempt starts

@@ -264,6 +264,8 @@ def test_a_crash_restarts_the_gang_in_its_pods_with_the_backoff_in_the_order() -
     # During the backoff the launchers hold the stopped workers: nothing to decide, nothing created.
     waiting = both(2, phase=LauncherPhase.STOPPING, alive=False, started=failed.timestamp())
     plan = cluster.step(failed + timedelta(seconds=5), waiting)
+    # Its pods run, but attempt 2 does not yet: the job says Restarting until the launchers start it.
+    assert cluster.status.phase == "Restarting"
     assert plan.action is PlanAction.NOTHING
     assert plan.create is None
     assert plan.delete == ()
@@ -272,6 +274,7 @@ def test_a_crash_restarts_the_gang_in_its_pods_with_the_backoff_in_the_order() -
     stale = both(2, started=began, status_started=began - 50, step=100)
     plan = cluster.step(failed + timedelta(seconds=11), stale)
     assert plan.action is PlanAction.NOTHING
+    assert cluster.status.phase == "Running"
     assert "Recovered" not in reasons(plan)
     plan = cluster.step(failed + timedelta(seconds=13), both(2, started=began, step=101))
     assert plan.action is PlanAction.NOTHING
