@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -53,6 +52,7 @@ import yaml
 from tests.support import images, kubeflow
 from tests.support.paths import REPO_ROOT
 from tests.support.ports import free_ports
+from trainer_sidecar.contract.prctl import PR_SET_PDEATHSIG, load_prctl
 
 CONTROL_PLANE_SCRIPT = REPO_ROOT / "scripts" / "control-plane.sh"
 PYTORCH_INIT_CONTAINER = REPO_ROOT / "examples" / "k8s" / "pytorch-init-container.yaml"
@@ -68,7 +68,6 @@ KUBERNETES_SERVICE_IP = "10.0.0.1"
 NODE_IP = "10.88.0.1"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 START_ATTEMPTS = 3
-PR_SET_PDEATHSIG = 1
 # make_pki's marker: a new name whenever the set of certificates grows, so an older state dir regenerates.
 PKI_MARKER = ".complete-node-ip"
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver")
@@ -225,10 +224,13 @@ def make_pki(pki: Path) -> None:
 # --- processes -----------------------------------------------------------------------------------
 
 
+_PRCTL = load_prctl()  # looked up here, not between fork and exec
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the starting process dies, so nothing outlives a crash."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 @dataclass

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -68,6 +67,7 @@ from trainer_sidecar.contract.inplace import (
     read_order,
     write_launcher_state,
 )
+from trainer_sidecar.contract.prctl import PR_SET_CHILD_SUBREAPER, load_prctl
 from trainer_sidecar.contract.status import read_status
 
 #: How often the launcher looks at its children and the order file.
@@ -591,20 +591,10 @@ def _children_of(parent: int) -> list[int]:
     return found
 
 
-_PR_SET_CHILD_SUBREAPER = 36
-
-
 def become_subreaper() -> bool:
     """Make this process adopt its descendants' orphans (Linux); whether it could."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    prctl = load_prctl()
+    return prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import IO, Any
 
 from trainer_sidecar.contract.exitcodes import describe_exit, with_detail
+from trainer_sidecar.contract.prctl import PR_SET_PDEATHSIG, load_prctl
 from trainer_sidecar.contract.status import parse_status
 
 #: Signals that stop a run like Ctrl-C; the exit code is 128 + the signal's number (130, 143, 129).
@@ -35,7 +36,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _READ_LIMIT = 64 * 1024
 _DETAIL_LIMIT = 600
 _LOG_TAIL_LINES = 3
-_PR_SET_PDEATHSIG = 1
 
 
 class RunRefused(Exception):
@@ -107,23 +107,11 @@ class StopSignals:
         self._armed = False
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
 # Looked up, and its arguments built, once in the parent: between fork and exec the child only makes
 # the call (no import, no allocation that could wait on a lock another thread of the parent held).
-_PRCTL = _load_prctl()
+_PRCTL = load_prctl()
 _PDEATHSIG_KILL = (
-    ctypes.c_int(_PR_SET_PDEATHSIG),
+    ctypes.c_int(PR_SET_PDEATHSIG),
     ctypes.c_ulong(int(signal.SIGKILL)),
     ctypes.c_ulong(0),
     ctypes.c_ulong(0),
