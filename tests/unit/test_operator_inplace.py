@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from trainguard_operator.inplace import launcher_command, order_token, order_wait_seconds
 from trainguard_operator.pods import pods_to_poll
-from trainguard_operator.reconcile import Plan, PlanAction, World, reconcile
+from trainguard_operator.reconcile import Plan, PlanAction
 from trainguard_operator.render import SIDECAR_CONTAINER, Owner, render_pytorchjob
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
@@ -62,43 +62,9 @@ def both(attempt: int, name: str = "tiny-lm-1", **fields: Any) -> dict[str, Side
     return {f"{name}-worker-{rank}": worker_report(attempt, **fields) for rank in range(2)}
 
 
-@dataclass
-class InPlaceCluster(Cluster):
-    """The reconcile tests' cluster, with restarts in place turned on."""
-
-    settings: OperatorSettings = SETTINGS
-
-    def plan(
-        self,
-        now: datetime,
-        sidecars: Mapping[str, SidecarReport] | None = None,
-        refusals: Mapping[str, str] | None = None,
-    ) -> Plan:
-        world = self.world(now, sidecars)
-        world = World(world.body, world.jobs, world.pods, world.sidecars, world.now, dict(refusals or {}))
-        return reconcile(world, self.settings)
-
-    def step(
-        self,
-        now: datetime,
-        sidecars: Mapping[str, SidecarReport] | None = None,
-        refusals: Mapping[str, str] | None = None,
-    ) -> Plan:
-        plan = self.plan(now, sidecars, refusals)
-        if plan.write_status_first:
-            self.write_status(plan)
-        self.effects(plan)
-        if not plan.write_status_first:
-            self.write_status(plan)
-        self.history.append(plan)
-        return plan
-
-
-def running_in_place(settings: OperatorSettings = SETTINGS, **spec: Any) -> InPlaceCluster:
-    cluster = InPlaceCluster(
-        Cluster.of(gtj_manifest(recovery={"backoffSeconds": [10, 30, 90], "maxRestarts": 5}, **spec)).body,
-        settings=settings,
-    )
+def running_in_place(settings: OperatorSettings = SETTINGS, **spec: Any) -> Cluster:
+    cluster = Cluster.of(gtj_manifest(recovery={"backoffSeconds": [10, 30, 90], "maxRestarts": 5}, **spec))
+    cluster.settings = settings
     assert cluster.step(T0).action is PlanAction.CREATE
     cluster.run_pods(1)
     assert cluster.step(T0 + timedelta(seconds=5), both(1)).action is PlanAction.NOTHING
@@ -106,7 +72,7 @@ def running_in_place(settings: OperatorSettings = SETTINGS, **spec: Any) -> InPl
 
 
 def crash(
-    cluster: InPlaceCluster, at: datetime, attempt: int = 1, host: str = "tiny-lm-1", output: str = ""
+    cluster: Cluster, at: datetime, attempt: int = 1, host: str = "tiny-lm-1", output: str = ""
 ) -> Plan:
     """Rank 1's worker exits 137 under its launcher, which holds the container for an order."""
     sidecars = both(attempt, host)
@@ -344,7 +310,7 @@ def test_the_cap_of_restarts_in_place_makes_the_next_restart_a_new_pytorchjob_an
 
 
 # ------------------------------------------------------------------------------------ fallbacks ---
-def fallen_back(plan: Plan, cluster: InPlaceCluster) -> None:
+def fallen_back(plan: Plan, cluster: Cluster) -> None:
     assert plan.action is PlanAction.FALL_BACK
     assert plan.write_status_first
     assert plan.delete == ("tiny-lm-1",)

@@ -144,6 +144,7 @@ class Cluster:
     pods: list[dict[str, Any]] = field(default_factory=list)
     crd: bool = True
     history: list[Plan] = field(default_factory=list)
+    settings: OperatorSettings = SETTINGS
 
     @classmethod
     def of(cls, manifest: dict[str, Any] | None = None) -> Cluster:
@@ -157,18 +158,29 @@ class Cluster:
     def status(self) -> JobStatus:
         return JobStatus.from_body(self.body)
 
-    def world(self, now: datetime, sidecars: Mapping[str, SidecarReport] | None = None) -> World:
+    def world(
+        self,
+        now: datetime,
+        sidecars: Mapping[str, SidecarReport] | None = None,
+        refusals: Mapping[str, str] | None = None,
+    ) -> World:
         return World(
             body=copy.deepcopy(self.body),
             jobs=[copy.deepcopy(j) for j in self.jobs.values()] if self.crd else None,
             pods=copy.deepcopy(self.pods),
             sidecars=dict(sidecars or {}),
             now=now,
+            order_refusals=dict(refusals or {}),
         )
 
-    def plan(self, now: datetime, sidecars: Mapping[str, SidecarReport] | None = None) -> Plan:
-        """A reconcile step from the stored state only."""
-        return reconcile(self.world(now, sidecars), SETTINGS)
+    def plan(
+        self,
+        now: datetime,
+        sidecars: Mapping[str, SidecarReport] | None = None,
+        refusals: Mapping[str, str] | None = None,
+    ) -> Plan:
+        """A reconcile step from the stored state only (``refusals``: the pods that refused an order)."""
+        return reconcile(self.world(now, sidecars, refusals), self.settings)
 
     def write_status(self, plan: Plan) -> None:
         self.body["status"] = apply_merge_patch(self.body.get("status") or {}, plan.patch)
@@ -185,9 +197,14 @@ class Cluster:
         if plan.create is not None:
             self.jobs.setdefault(plan.create["metadata"]["name"], copy.deepcopy(plan.create))
 
-    def step(self, now: datetime, sidecars: Mapping[str, SidecarReport] | None = None) -> Plan:
+    def step(
+        self,
+        now: datetime,
+        sidecars: Mapping[str, SidecarReport] | None = None,
+        refusals: Mapping[str, str] | None = None,
+    ) -> Plan:
         """Reconcile and carry the plan out completely, in the executor's order."""
-        plan = self.plan(now, sidecars)
+        plan = self.plan(now, sidecars, refusals)
         if plan.write_status_first:
             self.write_status(plan)
         self.effects(plan)
