@@ -387,38 +387,27 @@ def pods_to_poll(body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> 
     return result
 
 
-def order_targets(
-    pods: Sequence[Mapping[str, Any]],
-    sidecars: Mapping[str, SidecarReport],
-    *,
-    name: str,
-    host_attempt: int,
-    attempt: int,
-    replicas: int,
-) -> tuple[tuple[OrderTarget, ...], str]:
-    """The pods of ``host_attempt`` of the job ``name`` to order, one per rank, when every rank's pod can
-    take an order now (its launcher runs ``attempt``, or holds its worker's exit); else no target, and
-    why not.
+@dataclass(frozen=True)
+class HostReading:
+    """How the pods of a host attempt stand for running an attempt in place.
 
-    A pod can when it runs (not deleted, disrupted or failed, its worker container not ended and never
-    restarted by the kubelet), has an IP, and its sidecar reports a launcher at ``attempt`` that is not
-    stopping a worker.
+    ``broken``: why the attempt cannot run in them any more (a pod missing, lost, failed, or its worker
+    container ended), else "". ``pending``: the first pod whose launcher is not at the attempt yet (its
+    order not taken, or its old worker still stopping), else "". ``targets``: every rank's pod, in rank
+    order, unless broken.
     """
-    found = _rank_pods(pods, name, host_attempt, replicas)
-    if isinstance(found, str):
-        return (), found
-    targets = []
-    for rank, pod in enumerate(found):
-        pod_name = str(meta(pod).get("name", ""))
-        report = sidecars.get(pod_name)
-        why = pod_cannot_host(pod) or _launcher_not_at(report, attempt)
-        if why:
-            return (), f"pod {pod_name} (rank {rank}) {why}"
-        targets.append(OrderTarget(pod_name, str(status_of(pod).get("podIP"))))
-    return tuple(targets), ""
+
+    targets: tuple[OrderTarget, ...]
+    broken: str = ""
+    pending: str = ""
+
+    @property
+    def orderable(self) -> tuple[OrderTarget, ...]:
+        """Every rank's pod when each can take an order for the next attempt now, else ()."""
+        return () if self.broken or self.pending else self.targets
 
 
-def in_place_start(
+def read_hosts(
     pods: Sequence[Mapping[str, Any]],
     sidecars: Mapping[str, SidecarReport],
     *,
@@ -426,34 +415,41 @@ def in_place_start(
     host_attempt: int,
     attempt: int,
     replicas: int,
-) -> tuple[str, str]:
-    """How the start of ``attempt`` in the pods of ``host_attempt`` is going, as ``(broken, pending)``:
-    why it cannot happen any more (a pod lost, failed, or its container ended), else "", and which pod's
-    launcher has not taken the order yet (not reached, or still stopping the old worker), else ""."""
+) -> HostReading:
+    """The pods of ``host_attempt`` of the job ``name``, read for running ``attempt`` in place (see
+    ``HostReading``). A pod can host it when it runs (not deleted, disrupted or failed, its worker
+    container not ended and never restarted by the kubelet) and has an IP; its launcher is at
+    ``attempt`` when its sidecar reports one running or holding that attempt, not stopping a worker."""
     found = _rank_pods(pods, name, host_attempt, replicas)
     if isinstance(found, str):
-        return found, ""
+        return HostReading((), broken=found)
+    targets = []
     pending = ""
     for rank, pod in enumerate(found):
         pod_name = str(meta(pod).get("name", ""))
+        where = f"pod {pod_name} (rank {rank})"
         broken = pod_cannot_host(pod)
         if broken:
-            return f"pod {pod_name} (rank {rank}) {broken}", ""
+            return HostReading((), broken=f"{where} {broken}")
         waiting = _launcher_not_at(sidecars.get(pod_name), attempt)
         if waiting and not pending:
-            pending = f"pod {pod_name} (rank {rank}) {waiting}"
-    return "", pending
+            pending = f"{where} {waiting}"
+        targets.append(OrderTarget(pod_name, str(status_of(pod).get("podIP"))))
+    return HostReading(tuple(targets), pending=pending)
 
 
 def _rank_pods(
     pods: Sequence[Mapping[str, Any]], name: str, attempt: int, replicas: int
 ) -> list[Mapping[str, Any]] | str:
-    """The pod of each rank of ``attempt``, in rank order, or why there is not exactly one each."""
+    """The pod of each rank of ``attempt``, in rank order, or why there is not exactly one each (a pod
+    of a rank beyond ``replicas`` too: its gang is of another size, and half a gang is never ordered)."""
     by_rank: dict[int, Mapping[str, Any]] = {}
     for pod in attempt_pods(pods, name, attempt):
         rank = pod_rank(pod)
-        if rank is None or not 0 <= rank < replicas:
+        if rank is None:
             continue
+        if not 0 <= rank < replicas:
+            return f"pod {meta(pod).get('name', '')} is of rank {rank}, beyond a gang of {replicas}"
         if rank in by_rank:
             return f"rank {rank} has two pods"
         by_rank[rank] = pod

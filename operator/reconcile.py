@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,12 +37,12 @@ from trainguard_operator.goodput import job_goodput, job_pace, record_progress
 from trainguard_operator.inplace import OrderTarget
 from trainguard_operator.pods import (
     GangReading,
+    HostReading,
     as_int,
-    in_place_start,
     labels,
     meta,
-    order_targets,
     read_gang,
+    read_hosts,
 )
 from trainguard_operator.render import (
     GIVEN_UP_GANG_GRACE_SECONDS,
@@ -795,6 +796,18 @@ class _Step:
         )
 
     # --------------------------------------------------------------------------- in place ---
+    @cached_property
+    def hosts(self) -> HostReading:
+        """The pods of the host attempt, read once per step for running the current attempt in them."""
+        return read_hosts(
+            self.world.pods,
+            self.world.sidecars,
+            name=self.name,
+            host_attempt=self.host,
+            attempt=self.attempt,
+            replicas=self.job.spec.replicas,
+        )
+
     def in_place_orders(self, decision: Decision) -> tuple[OrderTarget, ...]:
         """The pods to order when this restart can keep the gang's pods (``inplace``), else ()."""
         if not self.settings.restarts_in_place or decision.failure is FailureKind.STRAGGLER:
@@ -803,15 +816,7 @@ class _Step:
             return ()  # fresh pods, fresh placement, now and then
         if self.st.pinned is not None and repin_world(self.st.pinned, self.asked.spec)[1]:
             return ()  # a new world size: new pods
-        targets, _ = order_targets(
-            self.world.pods,
-            self.world.sidecars,
-            name=self.name,
-            host_attempt=self.host,
-            attempt=self.attempt,
-            replicas=self.job.spec.replicas,
-        )
-        return targets
+        return self.hosts.orderable
 
     def restart_in_place(
         self, decision: Decision, recovered: float | None, grace: int, targets: tuple[OrderTarget, ...]
@@ -856,14 +861,7 @@ class _Step:
         if self.world.order_refusals:
             pod, why = sorted(self.world.order_refusals.items())[0]
             return f"pod {pod} did not take the order: {why}", ""
-        broken, pending = in_place_start(
-            self.world.pods,
-            self.world.sidecars,
-            name=self.name,
-            host_attempt=self.host,
-            attempt=self.attempt,
-            replicas=self.job.spec.replicas,
-        )
+        broken, pending = self.hosts.broken, self.hosts.pending
         if broken:
             return broken, ""
         due = parse_time(self.st.next_attempt_at) or self.now
