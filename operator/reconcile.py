@@ -53,6 +53,7 @@ from trainguard_operator.render import (
     order_environment,
     pytorchjob_name,
     render_pytorchjob,
+    rendered_world,
     stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
@@ -400,8 +401,10 @@ class _Step:
         if self.st.attempt_created < self.attempt:
             if self.current is None:
                 return self.start_attempt()
-            # Created before a crash of the operator, which did not get to record it: adopt it.
+            # Created before a crash of the operator, or a status write that conflicted, which did not
+            # get to record it: adopt it.
             created = parse_time(meta(self.current).get("creationTimestamp"))
+            self.adopt_world(self.current)
             self.attempt_started(created or self.now)
         return self.observe()
 
@@ -524,6 +527,22 @@ class _Step:
             phase_message=self.pods_running_message(0),
         )
 
+    def adopt_world(self, pytorchjob: Mapping[str, Any]) -> None:
+        """Pin the world size an adopted PyTorchJob was rendered for. The step that created it pinned
+        the spec it read, but its status write was lost; the spec read since may ask for another world
+        size, which this attempt does not run at (it takes effect at the next gang restart)."""
+        world = rendered_world(pytorchjob)
+        if world is None or self.st.pinned is None:
+            return
+        if all(self.st.pinned.get(key) == value for key, value in world.items()):
+            return
+        self.repin({**self.st.pinned, **world})
+
+    def repin(self, pinned: dict[str, Any]) -> None:
+        """Pin ``pinned`` (a world size accepted since the first pin) and act on the spec it makes."""
+        self.st.pinned = pinned
+        self.job = self.asked.model_copy(update={"spec": spec_change(pinned, self.asked.spec)[0]})
+
     def take_world_size_change(self) -> None:
         """A new attempt is where a change of ``replicas`` or ``nprocPerNode`` takes effect: re-pin the
         spec the attempt runs with, and say so in an Event."""
@@ -532,8 +551,7 @@ class _Step:
         repinned, resized = repin_world(self.st.pinned, self.asked.spec)
         if not resized:
             return
-        self.st.pinned = repinned
-        self.job = self.asked.model_copy(update={"spec": spec_change(repinned, self.asked.spec)[0]})
+        self.repin(repinned)
         self.event(
             "Normal",
             "WorldSizeChanged",

@@ -113,6 +113,26 @@ def is_dns1035_label(value: str) -> bool:
     return len(value) <= 63 and bool(_DNS1035.match(value))
 
 
+def rendered_world(pytorchjob: Mapping[str, Any]) -> dict[str, int] | None:
+    """The world size a PyTorchJob was rendered for, as the spec fields that set it (``replicas``: the
+    pods, over every replica type; ``nprocPerNode``), or None when its spec does not say."""
+    spec = pytorchjob.get("spec")
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("pytorchReplicaSpecs"), Mapping):
+        return None
+    try:
+        replicas = sum(
+            int(replica["replicas"])
+            for replica in spec["pytorchReplicaSpecs"].values()
+            if isinstance(replica, Mapping)
+        )
+        nproc = int(spec.get("nprocPerNode") or 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if replicas < 1 or nproc < 1:
+        return None
+    return {"replicas": replicas, "nprocPerNode": nproc}
+
+
 def pytorchjob_name(job_name: str, attempt: int) -> str:
     """The PyTorchJob name of ``attempt`` of ``job_name``: ``<job>-<attempt>`` when that fits.
 

@@ -293,6 +293,47 @@ def test_a_restart_that_cannot_keep_the_pods_makes_a_new_pytorchjob(why: str) ->
     assert cluster.status.host_attempt is None
 
 
+def test_an_attempt_adopted_after_its_status_write_was_lost_keeps_the_world_size_it_runs_at() -> None:
+    """The step that created attempt 1's PyTorchJob (2 replicas) lost its status write to a conflict: the
+    user had just asked for 1 replica. The step that adopts the PyTorchJob pins the 2 replicas it runs
+    with, so the gang is read as two ranks, and the next restart is a new PyTorchJob of one."""
+    cluster = Cluster.of(gtj_manifest(recovery={"backoffSeconds": [10, 30, 90], "maxRestarts": 5}))
+    cluster.settings = SETTINGS
+    created = cluster.plan(T0)
+    assert created.action is PlanAction.CREATE
+    cluster.effects(created)  # the PyTorchJob exists; the status write conflicted and is lost
+    cluster.body["spec"]["replicas"] = 1
+    cluster.run_pods(1)
+    adopted = cluster.step(T0 + timedelta(seconds=5), both(1))
+    assert adopted.action is PlanAction.NOTHING
+    status = cluster.status
+    assert status.pinned is not None
+    assert status.pinned["replicas"] == 2
+    assert status.attempt_created == 1
+    plan = crash(cluster, T0 + timedelta(seconds=60))
+    assert plan.action is PlanAction.RESTART  # the gang of two cannot host a gang of one
+    assert plan.order is None
+    started = cluster.step(T0 + timedelta(seconds=75))
+    assert started.action is PlanAction.CREATE
+    assert started.create is not None
+    assert started.create["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert "WorldSizeChanged" in reasons(started)
+
+
+def test_pods_of_a_larger_gang_are_never_ordered_in_part() -> None:
+    """The status says one rank, but the host attempt runs a pod of rank 1 too (a world size pinned
+    wrong): ordering rank 0 alone would restart half a gang, so the restart is a new PyTorchJob."""
+    cluster = running_in_place(replicas=1)  # which runs the pods of ranks 0 and 1
+    assert len(cluster.pods) == 2
+    sidecars = both(1)
+    sidecars["tiny-lm-1-worker-0"] = worker_report(
+        1, LauncherPhase.EXITED, alive=False, exit_code=137, started=WALL0 + 59
+    )
+    plan = cluster.step(T0 + timedelta(seconds=60), sidecars)
+    assert plan.action is PlanAction.RESTART
+    assert plan.order is None
+
+
 def test_the_cap_of_restarts_in_place_makes_the_next_restart_a_new_pytorchjob_and_resets() -> None:
     cluster = running_in_place(SETTINGS.model_copy(update={"in_place_restarts": 1}))
     failed = T0 + timedelta(seconds=60)

@@ -30,6 +30,7 @@ from trainguard_operator.render import (
     is_dns1035_label,
     pytorchjob_name,
     render_pytorchjob,
+    rendered_world,
     stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
@@ -102,6 +103,24 @@ def test_the_strict_schema_catches_what_the_api_server_would_prune() -> None:
     broken = copy.deepcopy(manifest)
     broken["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "one"
     assert schema_errors(broken)
+
+
+@pytest.mark.parametrize(("replicas", "nproc"), [(1, 1), (3, 1), (2, 4)])
+def test_the_world_a_pytorchjob_was_rendered_for_reads_back_from_it(replicas: int, nproc: int) -> None:
+    job = load(gtj_manifest(replicas=replicas, nprocPerNode=nproc))
+    manifest = render_pytorchjob(job, OWNER, 1, None, SETTINGS)
+    assert rendered_world(manifest) == {"replicas": replicas, "nprocPerNode": nproc}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, "x", {}, {"pytorchReplicaSpecs": []}, {"pytorchReplicaSpecs": {"Worker": {}}},
+     {"pytorchReplicaSpecs": {"Worker": {"replicas": "one"}}},
+     {"pytorchReplicaSpecs": {"Worker": {"replicas": 0}}},
+     {"pytorchReplicaSpecs": {"Worker": {"replicas": 2}}, "nprocPerNode": "auto"}],
+)  # fmt: skip
+def test_a_pytorchjob_whose_spec_does_not_say_its_world_reads_as_none(spec: object) -> None:
+    assert rendered_world({"spec": spec}) is None
 
 
 REMEDIATION = RemediationOrder.introduced_by(3, Remediation(lr_scale=0.25, max_grad_norm=0.2))
