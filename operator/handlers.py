@@ -35,7 +35,7 @@ import urllib3
 from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields, write_still_ahead
 from trainguard_operator.inplace import order_token
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
-from trainguard_operator.metrics import OperatorMetrics
+from trainguard_operator.metrics import IN_PLACE, NEW_PYTORCHJOB, OperatorMetrics
 from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
 from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.poll import SidecarPoller
@@ -313,7 +313,10 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
         kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
         if plan.action in (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE):
             failure = status.last_failure
-            rt.metrics.restarted(name, namespace, kind, failure.time if failure else None)
+            way = IN_PLACE if plan.action is PlanAction.RESTART_IN_PLACE else NEW_PYTORCHJOB
+            rt.metrics.restarted(name, namespace, kind, failure.time if failure else None, way)
+        elif plan.action is PlanAction.FALL_BACK:
+            rt.metrics.in_place_fallbacks.labels(name, namespace).inc()
         elif plan.action is PlanAction.FAIL:
             rt.metrics.gave_up(name, namespace, kind)
         if plan.recovered_seconds is not None:

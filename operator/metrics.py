@@ -1,10 +1,11 @@
 """The operator's Prometheus metrics, on a private registry served over HTTP.
 
 Labels are ``job`` and ``namespace`` only (plus ``phase`` on the phase gauge, ``kind``, one of the
-policy's failure kinds, on the failures counter, and ``rank`` on the straggler score, at most 256 ranks
-a job): cardinality is bounded by the number of GuardedTrainingJobs. Values are in base units (seconds,
-ratios). The gauges mirror the jobs' status; the counters count what this operator process did
-(Prometheus handles the reset when it restarts).
+policy's failure kinds, on the failures counter, ``way``, one of ``RESTART_WAYS``, on the restarts
+counter, and ``rank`` on the straggler score, at most 256 ranks a job): cardinality is bounded by the
+number of GuardedTrainingJobs. Values are in base units (seconds, ratios). The gauges mirror the jobs'
+status; the counters count what this operator process did (Prometheus handles the reset when it
+restarts).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from trainguard_operator.status import JobStatus, Phase, parse_time
 
 LABELS = ("job", "namespace")
+#: How a gang restart was carried out: in the gang's own pods, or as a new PyTorchJob.
+IN_PLACE = "in_place"
+NEW_PYTORCHJOB = "new_pytorchjob"
+RESTART_WAYS = (IN_PLACE, NEW_PYTORCHJOB)
 
 
 class OperatorMetrics:
@@ -26,7 +31,15 @@ class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.restarts = self._counter(
-            "trainguard_job_restarts", "Whole-gang restarts started by this operator."
+            "trainguard_job_restarts",
+            "Whole-gang restarts started by this operator, by way: in_place (the gang's pods kept) or "
+            "new_pytorchjob.",
+            (*LABELS, "way"),
+        )
+        self.in_place_fallbacks = self._counter(
+            "trainguard_job_in_place_fallbacks",
+            "Restarts in place given up for a new PyTorchJob (an order refused, a pod lost, a launcher "
+            "that did not take the order in time); each was counted once as an in_place restart.",
         )
         self.failures = self._counter(
             "trainguard_job_failures",
@@ -141,9 +154,12 @@ class OperatorMetrics:
             for phase in Phase:
                 self.phase.labels(*labels, phase.value).set(float(phase.value == status.phase))
 
-    def restarted(self, job: str, namespace: str, kind: str, when: str | None) -> None:
-        """Count a gang restart decided at ``when`` (RFC 3339) for a failure of ``kind``."""
-        self.restarts.labels(job, namespace).inc()
+    def restarted(self, job: str, namespace: str, kind: str, when: str | None, way: str) -> None:
+        """Count a gang restart decided at ``when`` (RFC 3339) for a failure of ``kind``, carried out
+        ``way`` (one of ``RESTART_WAYS``)."""
+        if way not in RESTART_WAYS:
+            raise ValueError(f"restart way {way!r} is not one of {RESTART_WAYS}")
+        self.restarts.labels(job, namespace, way).inc()
         self.gave_up(job, namespace, kind)
         moment = parse_time(when)
         if moment is not None:
@@ -156,8 +172,11 @@ class OperatorMetrics:
 
     def forget(self, job: str, namespace: str) -> None:
         """Drop every series of a deleted job."""
+        for way in RESTART_WAYS:
+            with contextlib.suppress(KeyError):
+                self.restarts.remove(job, namespace, way)
         for metric in (
-            self.restarts,
+            self.in_place_fallbacks,
             self.reconcile_errors,
             self.attempt,
             self.step,

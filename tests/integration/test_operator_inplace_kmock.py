@@ -4,6 +4,7 @@ state files) and the workers (their status files)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.support.kube_emulator import Emulator
 from tests.support.operator_harness import (
     GTJ_PATH,
     PTJ,
+    Samples,
     Sidecars,
     alive,
     configure_operator,
@@ -27,8 +29,10 @@ from tests.support.operator_harness import (
     gtj,
     operator,
     post,
+    scrape,
     start_pods,
     status,
+    value,
 )
 from trainer_sidecar.contract.env import ATTEMPT_ENV, ORDER_TOKEN_DIGEST_ENV
 from trainer_sidecar.contract.inplace import (
@@ -46,6 +50,20 @@ pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.slow, pytest.mark.asy
 KEY = "0123456789abcdef" * 3
 #: The digest of the token the operator derives for attempt 1's PyTorchJob of ``gtj()`` (its uid).
 DIGEST = order_token_digest(order_token(KEY, "uid-tiny-lm", "tiny-lm-1"))
+
+
+def metrics_port() -> int:
+    """The port the operator serves its metrics on (``configure_operator`` set it)."""
+    return int(os.environ["TRAINGUARD_OPERATOR_METRICS_PORT"])
+
+
+def restarts_by_way(seen: Samples) -> dict[str, float]:
+    """The tiny-lm job's restarts counted, by way."""
+    return {
+        dict(labels)["way"]: count
+        for (name, labels), count in seen.items()
+        if name == "trainguard_job_restarts_total" and dict(labels)["job"] == "tiny-lm"
+    }
 
 
 def launcher(sidecars: Sidecars, rank: int, attempt: int, phase: LauncherPhase, **fields: object) -> None:
@@ -71,7 +89,9 @@ def ordered(
 
 
 async def crash_rank_one(cluster: kmock.KubernetesEmulator, sidecars: Sidecars) -> None:
-    """Attempt 1 runs under launchers and steps; then rank 1's worker exits 137."""
+    """The job is applied (2 s backoff); attempt 1 runs under launchers and steps; then rank 1's worker
+    exits 137."""
+    await post(cluster, GTJ_PATH, gtj(recovery={"maxRestarts": 3, "backoffSeconds": [2]}))
     job = await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"))
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert worker["command"][1:3] == ["-m", LAUNCHER_MODULE]
@@ -90,7 +110,6 @@ async def test_a_crash_is_restarted_in_the_same_pods_by_orders_through_the_sidec
     cluster: kmock.KubernetesEmulator, ordered: Sidecars
 ) -> None:
     async with operator():
-        await post(cluster, GTJ_PATH, gtj(recovery={"maxRestarts": 3, "backoffSeconds": [2]}))
         await crash_rank_one(cluster, ordered)
         orders = await eventually(
             lambda: (
@@ -114,6 +133,9 @@ async def test_a_crash_is_restarted_in_the_same_pods_by_orders_through_the_sidec
         assert creations(cluster, PTJ, "tiny-lm-2") == 0
         assert alive(cluster, PTJ, "tiny-lm-1") is not None
         assert "InPlaceRestartFailed" not in event_reasons(cluster)
+        seen = await scrape(metrics_port())
+        assert restarts_by_way(seen) == {"in_place": 1}
+        assert "trainguard_job_in_place_fallbacks_total" not in {name for name, _ in seen}
 
 
 @pytest.mark.parametrize("ordered", ["0" * 64], indirect=True)  # rank 1's sidecar knows another token
@@ -121,7 +143,6 @@ async def test_an_order_a_sidecar_refuses_falls_back_to_a_new_pytorchjob_at_once
     cluster: kmock.KubernetesEmulator, ordered: Sidecars
 ) -> None:
     async with operator():
-        await post(cluster, GTJ_PATH, gtj(recovery={"maxRestarts": 3, "backoffSeconds": [2]}))
         await crash_rank_one(cluster, ordered)
         await eventually(lambda: alive(cluster, PTJ, "tiny-lm-2"), what="attempt 2 as a new PyTorchJob")
         failed = next(e["message"] for e in events(cluster) if e["reason"] == "InPlaceRestartFailed")
@@ -131,3 +152,6 @@ async def test_an_order_a_sidecar_refuses_falls_back_to_a_new_pytorchjob_at_once
         st = status(cluster)
         assert (st["attempt"], st["restarts"]) == (2, 1)
         assert "hostAttempt" not in st
+        seen = await scrape(metrics_port())
+        assert restarts_by_way(seen) == {"in_place": 1}  # the same restart, counted once
+        assert value(seen, "trainguard_job_in_place_fallbacks_total") == 1

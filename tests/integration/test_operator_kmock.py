@@ -128,7 +128,7 @@ async def test_render_poll_crash_restart_divergence_remediation_success(
         assert warnings[0]["type"] == "Warning"
         assert "restart 1 of 3" in warnings[0]["message"]
         seen = await scrape(operator_env)
-        assert value(seen, "trainguard_job_restarts_total") == 1
+        assert value(seen, "trainguard_job_restarts_total", way="new_pytorchjob") == 1
         assert value(seen, "trainguard_job_failures_total", kind="Crashed") == 1
         assert value(seen, "trainguard_job_attempt") == 2
         assert value(seen, "trainguard_job_last_restart_timestamp_seconds") > 0
@@ -172,7 +172,7 @@ async def test_render_poll_crash_restart_divergence_remediation_success(
         assert creations(cluster, PTJ, "tiny-lm-4") == 0
         seen = await scrape(operator_env)
         assert value(seen, "trainguard_job_phase", phase="Succeeded") == 1
-        assert value(seen, "trainguard_job_restarts_total") == 2
+        assert value(seen, "trainguard_job_restarts_total", way="new_pytorchjob") == 2
 
 
 @pytest.mark.slow
@@ -403,7 +403,7 @@ async def test_a_hang_on_one_rank_restarts_the_gang_once_after_the_backoff_and_i
                     break
                 await asyncio.sleep(0.05)
                 seen, st = await metrics_match_status()
-            assert value(seen, "trainguard_job_restarts_total") == 1
+            assert value(seen, "trainguard_job_restarts_total", way="new_pytorchjob") == 1
             assert value(seen, "trainguard_job_failures_total", kind="Hung") == 1
             assert value(seen, "trainguard_job_time_to_recover_seconds_count") == 1
             assert value(seen, "trainguard_job_time_to_recover_seconds_sum") >= 2
@@ -486,7 +486,7 @@ async def test_repeated_divergence_applies_remediation_each_time_and_fails_at_th
         assert event_reasons(cluster).count("GangRestart") == 2
         seen = await scrape(operator_env)
         assert value(seen, "trainguard_job_phase", phase="Failed") == 1
-        assert value(seen, "trainguard_job_restarts_total") == 2
+        assert value(seen, "trainguard_job_restarts_total", way="new_pytorchjob") == 2
         assert value(seen, "trainguard_job_failures_total", kind="Diverged") == 3
         assert value(seen, "trainguard_job_goodput_ratio") == status(cluster)["goodput"]
 
