@@ -2,7 +2,8 @@
 show: ``reconcile(World, OperatorSettings) -> Plan``. No I/O, no clock (``World.now``), no memory.
 
 The plan says what to do (create attempt N's PyTorchJob now; delete attempt N's PyTorchJob and schedule
-attempt N+1 at a time, with a remediation; mark the job Succeeded; mark it Failed; wait; nothing), the
+attempt N+1 at a time, with a remediation; order attempt N+1 into attempt N's pods; fall back from that
+to a new PyTorchJob; mark the job Succeeded; mark it Failed; wait; nothing), the
 whole new status, and the Events to post. Restarts are decided only by ``trainguard.core.policy.decide``.
 This module is the state machine; ``pods`` reads the attempt's pods and sidecars into the gang view of
 ``trainguard.core.observation`` (the same view ``trainguard run`` decides from).
@@ -12,14 +13,21 @@ operator restart, from the status read back, takes the same decision, and never 
 same failure: a failure is acted on once, by recording ``handledAttempt`` and moving ``attempt`` on in the
 same status write, *before* the old attempt is deleted (``Plan.write_status_first``).
 
-Restart approach: a gang restart deletes the attempt's PyTorchJob and creates a new one for the next
-attempt, rather than deleting the pods under the same PyTorchJob. A new PyTorchJob gets a fresh rendezvous
-(new master service and pod names, so no rank can reach a leftover peer of the old gang), a fresh
-environment carrying the new ``TRAINGUARD_ATTEMPT`` and ``TRAINGUARD_REMEDIATION``, and its own history
-(conditions, events, pods) per attempt; deleting pods under a live PyTorchJob would race the training
-operator, which recreates them with the old environment. The old pods go with their PyTorchJob through
-garbage collection (owner references); the next attempt waits, bounded, until the old PyTorchJob is gone,
-so two gangs never write to the checkpoint volume at once.
+Two ways to restart the whole gang. In place, the default with an order key (``restart_in_place``):
+the attempt's pods are kept, and every rank's launcher is ordered, through its sidecar, to stop its
+worker now and to start the next attempt's after the backoff with that attempt's environment (never
+before the old worker is gone, so no two gangs write the checkpoint volume at once); the
+PyTorchJob stays, and ``hostAttempt`` names the attempt whose pods run the gang. This needs every rank's
+pod running and reachable, its launcher at the failed attempt, no straggler to move off its node, no new
+world size, and fewer than ``in_place_restarts`` restarts in place in a row; an attempt that cannot start
+in its pods (an order refused, a pod lost, a launcher silent past ``order_timeout_seconds``) falls back
+(``fall_back``). Otherwise, as a new PyTorchJob (``restart``): the attempt's PyTorchJob is deleted and one
+is created for the next attempt, with a fresh rendezvous (new master service and pod names, so no rank
+can reach a leftover peer of the old gang), a fresh environment, and its own history (conditions,
+events, pods). Deleting pods under a live PyTorchJob instead would race the training operator, which
+recreates them with the old environment. The old pods go with their PyTorchJob through garbage collection
+(owner references); the next attempt waits, bounded, until the old PyTorchJob is gone, so two gangs never
+write to the checkpoint volume at once.
 """
 
 from __future__ import annotations

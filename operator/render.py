@@ -1,11 +1,13 @@
 """GuardedTrainingJob -> Kubeflow PyTorchJob (``kubeflow.org/v1``), one per gang attempt. Pure.
 
-Each attempt of a job is its own PyTorchJob, named after the job and the attempt, owned by the
-GuardedTrainingJob, with ``replicas`` Workers and no Master: Worker ``i`` is node rank ``i``, and Worker 0
-is the rendezvous host. Every replica's pod is the user's template with trainguard's pieces added: the
-``trainguard-sidecar`` native sidecar, the status volume, the checkpoint claim, the guardian's
+An attempt that starts in new pods gets its own PyTorchJob, named after the job and the attempt, owned
+by the GuardedTrainingJob, with ``replicas`` Workers and no Master: Worker ``i`` is node rank ``i``, and
+Worker 0 is the rendezvous host. Every replica's pod is the user's template with trainguard's pieces
+added: the ``trainguard-sidecar`` native sidecar, the status volume, the checkpoint claim, the guardian's
 environment, torch.distributed's rendezvous variables, NCCL fail-fast settings, and a liveness probe on
-the training container that asks the sidecar.
+the training container that asks the sidecar. With an order key (restarts in place), the training
+container's command also runs under trainguard's launcher, and the sidecar knows the digest of the
+PyTorchJob's order token: a later attempt can then start in these same pods (see ``reconcile``).
 
 Workers only, deliberately: with a Master replica the training operator (1.9) gives every Worker an init
 container that polls the Master's Service name every 2 s until cluster DNS publishes it, which it does
@@ -20,7 +22,8 @@ Restart policy ``Never`` on every replica, deliberately: a rank restarted alone 
 the training operator's OnFailure/ExitCode policies) cannot rejoin a running collective -- its peers are
 blocked in an all-reduce with the old process, or have already torn the communicator down -- so a
 single-rank restart only turns a crash into a hang. The trainguard operator owns restarts and always
-restarts the whole gang, as a fresh PyTorchJob (see ``reconcile``).
+restarts the whole gang: in its pods, through every rank's launcher at once, or as a fresh PyTorchJob
+(see ``reconcile``).
 """
 
 from __future__ import annotations
