@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -563,29 +564,85 @@ def report_recovery(what: str, namespace: JobNamespace, status: dict[str, Any]) 
         else "not seen (the operator saw no step of attempt 1)"
     )
     pod_starts = []
-    for pod in namespace.cluster.items("pods", namespace.name, "trainguard.dev/attempt=2"):
+    new_pods = namespace.cluster.items("pods", namespace.name, "trainguard.dev/attempt=2")
+    for pod in new_pods:
         running = next(s for s in pod["status"]["containerStatuses"] if s["name"] == "pytorch")
         started = (running["state"].get("running") or running["state"].get("terminated") or {}).get(
             "startedAt"
         )
         if started:
             pod_starts.append(timestamp(started) - timestamp(pod["metadata"]["creationTimestamp"]))
+    if not new_pods and status.get("hostAttempt") == 1:
+        starts = "none (restarted in the pods of attempt 1)"
+    else:
+        starts = ", ".join(f"{s:.0f} s" for s in pod_starts) or "not seen"
     print(
         f"{what}: time to recover {total} (last step before the fault to the first step after); "
-        f"pod start (created to the pytorch container running) "
-        f"{', '.join(f'{s:.0f} s' for s in pod_starts) or 'not seen'}",
+        f"pod start (created to the pytorch container running) {starts}",
         file=sys.stderr,
     )
 
 
 # ------------------------------------------------------------------------------------- in place ---
+def final_state(namespace: JobNamespace, step: int) -> dict[str, Any]:
+    """The model and optimizer state of the gang's newest clean checkpoint, asserted to be of ``step``."""
+    store = CheckpointStore(namespace.volume)
+    newest = store.newest_valid_id()
+    assert newest is not None
+    assert newest.step == step, newest
+    state = store.load(step)
+    return {"model": state["model"], "optimizer": state["optimizer"]}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``, flat."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bit_identical(got: Any, want: Any, where: str = "state") -> None:
+    """``got`` equals ``want`` exactly: every tensor bit for bit (NaNs in the same places), every other
+    value by ``==``, recursively through dicts and lists."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert got.dtype == want.dtype, where
+        assert got.shape == want.shape, where
+        assert torch.equal(bits(got), bits(want)), f"{where} differs"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict), where
+        assert set(got) == set(want), where
+        for key in want:
+            assert_bit_identical(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple), where
+        assert len(got) == len(want), where
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_bit_identical(a, b, f"{where}[{index}]")
+    else:
+        assert got == want, where
+
+
+def rerun_from_scratch(namespace: JobNamespace, documents: list[dict[str, Any]]) -> None:
+    """Delete the job and its gang, empty the shared volume, and run ``documents`` to success with no
+    restart."""
+    cluster = namespace.cluster
+    cluster.kubectl("delete", "gtj", JOB, "-n", namespace.name, "--wait=true", "--timeout=120s")
+    namespace.wait("the gang's pods to go", lambda: not cluster.items("pods", namespace.name), timeout=120)
+    for entry in namespace.volume.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    namespace.apply(documents)
+    namespace.succeeded(timeout=400, restarts=0)
+
+
 def pod_uids(namespace: JobNamespace, attempt: int) -> dict[str, str]:
     """The pods of ``attempt``'s PyTorchJob by name, with their uids."""
     pods = namespace.cluster.items("pods", namespace.name, f"trainguard.dev/attempt={attempt}")
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_hang_restarts_the_gang_in_its_own_pods_and_resumes_from_the_checkpoint(
     e2e_cluster: Cluster, namespace: JobNamespace
 ) -> None:
@@ -617,6 +674,12 @@ def test_a_hang_restarts_the_gang_in_its_own_pods_and_resumes_from_the_checkpoin
     assert history[2]["lastStep"] == 60, history
     report_recovery("hang restarted in place", namespace, status)
 
+    # Bit-identical: the same job without the fault, in the same namespace and volume, ends with the same
+    # weights and optimizer state, though attempt 2 redid the steps from its checkpoint in the old pods.
+    resumed = final_state(namespace, 60)
+    rerun_from_scratch(namespace, example(health=FAST_HANG_DETECTION))
+    assert_bit_identical(resumed, final_state(namespace, 60))
+
 
 @pytest.mark.timeout(600)
 def test_a_pod_deleted_while_the_gang_waits_to_restart_in_place_falls_back_to_a_new_pytorchjob(
@@ -638,4 +701,35 @@ def test_a_pod_deleted_while_the_gang_waits_to_restart_in_place_falls_back_to_a_
     assert f"{JOB}-1-worker-0" in failed, failed
     assert cluster.get("pytorchjob", f"{JOB}-2", namespace.name) is not None, diagnostics
     history = {h["attempt"]: h for h in status["stepHistory"]}
+    assert history[2]["lastStep"] == 60, history
+
+
+@pytest.mark.timeout(600)
+def test_a_world_size_changed_before_a_crash_restarts_the_gang_as_a_new_pytorchjob_of_that_size(
+    e2e_cluster: Cluster, namespace: JobNamespace
+) -> None:
+    """The other fallback: ``replicas`` goes from 2 to 1 while attempt 1 runs, and rank 1 crashes. The
+    pods of two ranks cannot host a gang of one, so attempt 2 is a new PyTorchJob of one pod, which
+    resumes the two ranks' checkpoint and trains to the end."""
+    cluster = e2e_cluster
+    namespace.apply(example(faults="crash@30:1"))
+    namespace.wait(
+        "attempt 1's PyTorchJob",
+        lambda: cluster.get("pytorchjob", f"{JOB}-1", namespace.name),
+        timeout=120,
+    )
+    cluster.kubectl(
+        "patch", "gtj", JOB, "-n", namespace.name, "--type=merge", "-p", '{"spec": {"replicas": 1}}'
+    )
+
+    status, diagnostics = namespace.succeeded(timeout=400, restarts=1)
+    assert status["lastFailure"]["reason"] == "Crashed", status["lastFailure"]
+    assert list(pod_uids(namespace, 2)) == [f"{JOB}-2-worker-0"], diagnostics
+    reasons = namespace.reasons()
+    assert "WorldSizeChanged" in reasons, reasons
+    assert reasons.count("AttemptCreated") == 2, reasons
+    restart = next(e["message"] for e in namespace.events() if e["reason"] == "GangRestart")
+    assert "as a new PyTorchJob" in restart, restart
+    history = {h["attempt"]: h for h in status["stepHistory"]}
+    assert 20 <= history[2]["resumedStep"] <= 30, history
     assert history[2]["lastStep"] == 60, history
