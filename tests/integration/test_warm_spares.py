@@ -226,18 +226,23 @@ def spare_processes(marker: str) -> list[int]:
     return found
 
 
-def test_a_crash_recovered_in_warm_spares_resumes_bit_identically_and_leaves_nothing_running(
-    tmp_path: Path,
+@pytest.mark.parametrize("fault", ["crash@25:1", "hang@25:1"])
+def test_a_failure_recovered_in_warm_spares_resumes_bit_identically_and_leaves_nothing_running(
+    tmp_path: Path, fault: str
 ) -> None:
+    """Rank 1 crashes, or hangs in its own work (rank 0 then waits in the collective); either way every
+    rank's worker is replaced by a spare, and the run ends with the uninterrupted run's weights."""
     command = ["python", str(procs.WORKER)]
     code, summary, output = run(tmp_path / "reference", job(tmp_path / "reference", command, faults=""))
     assert code == 0, output
     reference = final_report(tmp_path / "reference", 1)
 
     crashed = tmp_path / "crashed"
-    code, summary, output = run(crashed, job(crashed, command, faults="crash@25:1"))
+    code, summary, output = run(crashed, job(crashed, command, faults=fault))
     assert code == 0, output
     assert summary["attempts"] == 2, summary["timeline"]
+    failure = next(event for event in summary["timeline"] if event["kind"] == "failure")
+    assert ("hung" if fault.startswith("hang") else "crashed") in failure["message"], failure
     assert starts(summary)[1] == "started 2 worker(s) in warm spares", summary["timeline"]
     resumed = final_report(crashed, 2)
     assert resumed["step"] == 40
