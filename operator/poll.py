@@ -14,6 +14,9 @@ from trainguard.core.observation import SidecarReport
 
 #: The sidecar's answer when it wrote an order for its launcher.
 ORDER_ACCEPTED = 202
+#: Tries of an order whose connection could not be made (so nothing was sent), and the pause after each.
+ORDER_CONNECT_TRIES = 3
+ORDER_RETRY_SECONDS = 0.2
 
 
 class SidecarPoller:
@@ -28,17 +31,29 @@ class SidecarPoller:
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._semaphore = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
+        self._order_session: aiohttp.ClientSession | None = None
 
     async def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
+    async def _order_client(self) -> aiohttp.ClientSession:
+        # Every order on a connection of its own: a pooled one may be closed by the sidecar (it drops a
+        # connection idle for its handler timeout) just as the order goes out, and an order that fails
+        # for that makes a restart in place fall back to a new PyTorchJob for nothing. (A poll's GET on
+        # such a connection is repeated on a new one by aiohttp itself; a POST never is.)
+        if self._order_session is None or self._order_session.closed:
+            connector = aiohttp.TCPConnector(force_close=True)
+            self._order_session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
+        return self._order_session
+
     async def close(self) -> None:
-        """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the HTTP sessions."""
+        for session in (self._session, self._order_session):
+            if session is not None:
+                await session.close()
+        self._session = self._order_session = None
 
     def url(self, ip: str, path: str = "/status") -> str:
         """The URL of ``path`` on the sidecar of the pod at ``ip``."""
@@ -47,19 +62,30 @@ class SidecarPoller:
 
     async def order(self, ip: str, token: str, order: RestartOrder) -> str:
         """Give the sidecar of the pod at ``ip`` a restart order: "" once it took it, else why not (its
-        answer, or why it could not be reached). Never raises for what the network or a sidecar does."""
+        answer, or why it could not be reached). Never raises for what the network or a sidecar does.
+
+        The order goes on a new connection. A connection that could not be made is tried again, up to
+        ``ORDER_CONNECT_TRIES`` times in all: nothing was sent. Any other failure is final, because the
+        sidecar may have taken the order (a repeat would then be refused as not newer)."""
         body = order.model_dump_json()
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         async with self._semaphore:
-            session = await self._client()
-            try:
-                async with session.post(self.url(ip, ORDER_PATH), data=body, headers=headers) as response:
-                    if response.status == ORDER_ACCEPTED:
-                        return ""
-                    text = (await response.text())[:300]
-                    return f"{ORDER_PATH} answered {response.status}: {text.strip()}"
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                return f"{type(exc).__name__}: {exc}"
+            session = await self._order_client()
+            why = ""
+            for tried in range(1, ORDER_CONNECT_TRIES + 1):
+                try:
+                    async with session.post(self.url(ip, ORDER_PATH), data=body, headers=headers) as answer:
+                        if answer.status == ORDER_ACCEPTED:
+                            return ""
+                        text = (await answer.text())[:300]
+                        return f"{ORDER_PATH} answered {answer.status}: {text.strip()}"
+                except aiohttp.ClientConnectorError as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    return f"{type(exc).__name__}: {exc}"
+                if tried < ORDER_CONNECT_TRIES:
+                    await asyncio.sleep(ORDER_RETRY_SECONDS)
+        return f"{why} (tried {ORDER_CONNECT_TRIES} times)"
 
     async def report(self, ip: str) -> SidecarReport:
         """One sidecar's report."""
