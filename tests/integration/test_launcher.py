@@ -304,6 +304,20 @@ def test_a_stop_signal_during_a_delayed_start_ends_the_launcher_without_the_atte
     assert len(launch.starts()) == 1
 
 
+def test_a_stop_signal_while_the_old_worker_stops_ends_the_launcher_without_the_attempt(
+    launches: Callable[..., Launch],
+) -> None:
+    """No delay to wait: the kubelet's SIGTERM came during the old worker's grace, so the attempt the
+    order asked for is never started (a worker started only to be stopped at once)."""
+    launch = launches("hang", "hang")
+    wait_for(lambda: launch.starts())
+    launch.order(2, StopMode.GRACEFUL, grace=2.0)  # the hung worker ignores SIGTERM: it is killed at 2 s
+    wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.STOPPING)
+    launch.proc.send_signal(signal.SIGTERM)
+    assert launch.proc.wait(timeout=10) == 128 + signal.SIGKILL  # as the stopped worker ended
+    assert len(launch.starts()) == 1
+
+
 def test_a_failed_worker_waits_for_an_order_then_restarts_in_place(launches: Callable[..., Launch]) -> None:
     launch = launches("exit1", "hang", order_wait=60)
     wait_for(lambda: (s := launch.current()) and s.phase is LauncherPhase.EXITED)

@@ -432,11 +432,13 @@ class Launcher:
                 self._wait_gone(worker, float("inf"))
             _signal_group(worker.proc.pid, signal.SIGKILL)  # what it left in its group (data loaders)
             self._sweep()
-        while time.monotonic() < due:
-            if self._stop_signal is not None:
-                return
+        # Looked at once more after the wait: a stop signal that came while the old worker stopped, with
+        # no delay left to wait, must not start the attempt either.
+        while self._stop_signal is None and time.monotonic() < due:
             self._reap()
             time.sleep(POLL_SECONDS)
+        if self._stop_signal is not None:
+            return
         env = {**os.environ, **order.environment, ATTEMPT_ENV: str(order.attempt)}
         self._start(env)
 
