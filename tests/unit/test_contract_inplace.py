@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,38 @@ def test_every_exit_code_fits_a_state(returncode: int) -> None:
     code = container_exit_code(returncode)
     LauncherState(attempt=1, phase=LauncherPhase.EXITED, since=0.0, exit_code=code, updated_at=0.0)
     assert (code == 0) == (returncode in (0, 256, 512) or (returncode % 256 == 0 and returncode >= 0))
+
+
+def test_orders_written_at_once_by_many_threads_leave_one_whole_order_and_no_error(tmp_path: Path) -> None:
+    """The sidecar's request handlers are threads of one process: each write has a temporary file of its
+    own (a name per process made one thread's rename take another's file away)."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(16)
+
+    def write(attempt: int) -> None:
+        start.wait()
+        for _ in range(20):
+            try:
+                write_order(tmp_path, RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL))
+            except OSError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(a,)) for a in range(2, 18)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    order, reason = read_order(tmp_path)
+    assert order is not None, reason
+    assert 2 <= order.attempt < 18
+    assert [p.name for p in tmp_path.iterdir()] == [ORDER_FILE]  # no temporary file left
+
+
+def test_an_order_and_a_state_are_readable_by_the_other_containers_user(tmp_path: Path) -> None:
+    write_order(tmp_path, RestartOrder(attempt=2, environment={}, stop=StopMode.KILL))
+    write_launcher_state(
+        tmp_path, LauncherState(attempt=1, phase=LauncherPhase.RUNNING, since=0, updated_at=0)
+    )
+    for name in (ORDER_FILE, LAUNCHER_FILE):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) & 0o044 == 0o044

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import signal
+import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
@@ -180,12 +181,21 @@ def container_exit_code(returncode: int) -> int:
     return returncode & 0xFF
 
 
+#: A written order or state: read by the other container's user (the worker's, the sidecar's).
+FILE_MODE = 0o644
+
+
 def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A temporary file of its own for every write (not one per process): threads of one process, the
+    # sidecar's request handlers, write the same file at once.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        tmp.write_text(json.dumps(payload, separators=(",", ":")))
+        with os.fdopen(fd, "w") as handle:
+            os.fchmod(handle.fileno(), FILE_MODE)
+            handle.write(json.dumps(payload, separators=(",", ":")))
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
