@@ -33,7 +33,7 @@ import kopf
 import kubernetes
 import urllib3
 from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields, write_still_ahead
-from trainguard_operator.inplace import order_token
+from trainguard_operator.inplace import order_signer
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
 from trainguard_operator.metrics import IN_PLACE, NEW_PYTORCHJOB, OperatorMetrics
 from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
@@ -368,8 +368,8 @@ async def _give_orders(rt: Runtime, state: JobState, body: Mapping[str, Any], pl
     assert plan.order is not None
     meta = body["metadata"]
     key = rt.settings.order_key.get_secret_value()
-    token = order_token(key, str(meta.get("uid", "")), str(plan.status.pytorch_job))
-    answers = await asyncio.gather(*(rt.poller.order(t.ip, token, plan.order) for t in plan.orders))
+    signer = order_signer(key, str(meta.get("uid", "")), str(meta["namespace"]), str(plan.status.pytorch_job))
+    answers = await asyncio.gather(*(rt.poller.order(t.ip, t.pod, signer, plan.order) for t in plan.orders))
     refused = {t.pod: why for t, why in zip(plan.orders, answers, strict=True) if why}
     state.refused_attempt, state.refusals = plan.order.attempt, refused
     log.info(

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 
 import aiohttp
+from trainguard_operator.inplace import OrderSigner
 
 from trainer_sidecar.contract.inplace import ORDER_PATH, RestartOrder
 from trainguard.core.observation import SidecarReport
 
-#: The sidecar's answer when it wrote an order for its launcher.
+#: The sidecar's answers when it wrote an order for its launcher, and when its attempt already runs or
+#: was ordered there (an order sent again, by an operator that restarted before it knew the answer).
 ORDER_ACCEPTED = 202
+ORDER_ALREADY_TAKEN = 200
 #: Tries of an order whose connection could not be made (so nothing was sent), and the pause after each.
 ORDER_CONNECT_TRIES = 3
 ORDER_RETRY_SECONDS = 0.2
@@ -60,22 +64,23 @@ class SidecarPoller:
         host = f"[{ip}]" if ":" in ip else ip
         return f"http://{host}:{self.port}{path}"
 
-    async def order(self, ip: str, token: str, order: RestartOrder) -> str:
-        """Give the sidecar of the pod at ``ip`` a restart order: "" once it took it, else why not (its
-        answer, or why it could not be reached). Never raises for what the network or a sidecar does.
+    async def order(self, ip: str, pod: str, signer: OrderSigner, order: RestartOrder) -> str:
+        """Give the sidecar of the pod ``pod`` at ``ip`` a restart order, signed for it by ``signer``: ""
+        once it took it (or its attempt already runs or was ordered there), else why not (its answer, or
+        why it could not be reached). Never raises for what the network or a sidecar does.
 
-        The order goes on a new connection. A connection that could not be made is tried again, up to
-        ``ORDER_CONNECT_TRIES`` times in all: nothing was sent. Any other failure is final, because the
-        sidecar may have taken the order (a repeat would then be refused as not newer)."""
-        body = order.model_dump_json()
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        The order goes on a new connection, signed when its turn comes (it is good for a minute). A
+        connection that could not be made is tried again, up to ``ORDER_CONNECT_TRIES`` times in all:
+        nothing was sent. Any other failure is final: the sidecar may have taken the order."""
+        headers = {"Authorization": f"Bearer {signer.token}", "Content-Type": "application/json"}
         async with self._semaphore:
+            body = signer.body(pod, order, time.time())
             session = await self._order_client()
             why = ""
             for tried in range(1, ORDER_CONNECT_TRIES + 1):
                 try:
                     async with session.post(self.url(ip, ORDER_PATH), data=body, headers=headers) as answer:
-                        if answer.status == ORDER_ACCEPTED:
+                        if answer.status in (ORDER_ACCEPTED, ORDER_ALREADY_TAKEN):
                             return ""
                         text = (await answer.text())[:300]
                         return f"{ORDER_PATH} answered {answer.status}: {text.strip()}"

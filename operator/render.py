@@ -7,7 +7,8 @@ added: the ``trainguard-sidecar`` native sidecar, the status volume, the checkpo
 environment, torch.distributed's rendezvous variables, NCCL fail-fast settings, and a liveness probe on
 the training container that asks the sidecar. With an order key (restarts in place), the training
 container's command also runs under trainguard's launcher, and the sidecar knows the digest of the
-PyTorchJob's order token: a later attempt can then start in these same pods (see ``reconcile``).
+PyTorchJob's order token and its signing key: a later attempt can then start in these same pods (see
+``reconcile``).
 
 Workers only, deliberately: with a Master replica the training operator (1.9) gives every Worker an init
 container that polls the Master's Service name every 2 s until cluster DNS publishes it, which it does
@@ -36,10 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard_operator.inplace import launcher_command, order_token, order_wait_seconds
+from trainguard_operator.inplace import OrderSigner, launcher_command, order_signer, order_wait_seconds
 from trainguard_operator.settings import OperatorSettings
 
-from trainer_sidecar.contract.env import ORDER_TOKEN_DIGEST_ENV
+from trainer_sidecar.contract.env import ORDER_SIGNING_KEY_ENV, ORDER_TOKEN_DIGEST_ENV, POD_NAME_ENV
 from trainer_sidecar.contract.inplace import ORDERABLE_VARIABLES, order_token_digest
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.stopping import BROKEN_GANG_GRACE_SECONDS
@@ -470,13 +471,13 @@ def _add_rendezvous(template: dict[str, Any], pytorchjob: str, world_size: int) 
 
 
 def _add_launcher(
-    template: dict[str, Any], job: GuardedTrainingJob, settings: OperatorSettings, token_digest: str
+    template: dict[str, Any], job: GuardedTrainingJob, settings: OperatorSettings, signer: OrderSigner
 ) -> None:
-    """Run the worker command under the launcher, and tell the sidecar the order token's digest, so the
-    gang can be restarted in place (``inplace``). A container without a command of its own (the image's
-    entrypoint runs) cannot be wrapped: its pods restart as a new PyTorchJob, as before. Whether a warm
-    spare fits under the container's memory limit the launcher judges from the container's own memory
-    use (the spare counts against the limit)."""
+    """Run the worker command under the launcher, and tell the sidecar the order token's digest, the key
+    orders are signed with and its pod's name, so the gang can be restarted in place (``inplace``). A
+    container without a command of its own (the image's entrypoint runs) cannot be wrapped: its pods
+    restart as a new PyTorchJob, as before. Whether a warm spare fits under the container's memory limit
+    the launcher judges from the container's own memory use (the spare counts against the limit)."""
     pod = template["spec"]
     worker = next(c for c in pod["containers"] if c.get("name") == WORKER_CONTAINER)
     command = [*worker.get("command", []), *worker.get("args", [])]
@@ -489,7 +490,11 @@ def _add_launcher(
     )
     worker.pop("args", None)
     sidecar = next(c for c in pod["initContainers"] if c.get("name") == SIDECAR_CONTAINER)
-    sidecar["env"].append({"name": ORDER_TOKEN_DIGEST_ENV, "value": token_digest})
+    sidecar["env"] += [
+        {"name": ORDER_TOKEN_DIGEST_ENV, "value": order_token_digest(signer.token)},
+        {"name": ORDER_SIGNING_KEY_ENV, "value": signer.signing_key},
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+    ]
     # The sidecar writes the launcher's order into the status directory.
     for mount in sidecar["volumeMounts"]:
         if mount["name"] == STATUS_VOLUME:
@@ -529,8 +534,8 @@ def render_pytorchjob(
 
     _add_rendezvous(template, name, job.spec.replicas * job.spec.nproc_per_node)
     if settings.restarts_in_place:
-        token = order_token(settings.order_key.get_secret_value(), owner.uid, name)
-        _add_launcher(template, job, settings, order_token_digest(token))
+        signer = order_signer(settings.order_key.get_secret_value(), owner.uid, owner.namespace, name)
+        _add_launcher(template, job, settings, signer)
     replicas = {REPLICA_TYPE: {"replicas": job.spec.replicas, "restartPolicy": "Never", "template": template}}
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +24,13 @@ import yaml
 
 from tests.support.cluster import Cluster, wait_for
 from tests.support.controlplane import PYTORCH_INIT_CONTAINER
-from trainer_sidecar.contract.inplace import RestartOrder, StopMode, order_token_digest
+from trainer_sidecar.contract.inplace import (
+    RestartOrder,
+    StopMode,
+    order_token_digest,
+    pod_identity,
+    sign_order,
+)
 
 TIMEOUT = 120.0  # for anything that involves scheduling and starting a pod on a busy 2-core machine
 
@@ -379,12 +386,14 @@ def test_the_training_operators_init_container_finds_a_headless_service_by_its_s
 # --- the worker container's launcher (trainguard-launch) on a real kubelet ----------------------------------
 
 ORDER_TOKEN = "e2e-order-token"
+ORDER_SIGNING_KEY = "e2" * 32
 
 
 def launched_pod(name: str, image: str, worker_script: str, order_wait: int) -> dict[str, Any]:
     """A pod whose worker container runs ``worker_script`` under the launcher (PID 1, user 1000), beside
-    a sidecar (the image's user) that takes restart orders with ``ORDER_TOKEN``; the two share the status
-    directory."""
+    a sidecar (the image's user) that takes restart orders with ``ORDER_TOKEN``, signed with
+    ``ORDER_SIGNING_KEY`` for the pod (its name and namespace by the downward API, as the operator
+    renders them); the two share the status directory."""
     status = {"name": "status", "mountPath": "/status"}
     launcher = [
         "python3", "-m", "trainer_sidecar.launcher.launcher", "--status-dir", "/status",
@@ -408,15 +417,20 @@ def launched_pod(name: str, image: str, worker_script: str, order_wait: int) -> 
             {"name": "TRAINGUARD_SIDECAR_HOST", "value": "0.0.0.0"},
             {"name": "TRAINGUARD_SIDECAR_PORT", "value": "8080"},
             {"name": "TRAINGUARD_ORDER_TOKEN_SHA256", "value": order_token_digest(ORDER_TOKEN)},
+            {"name": "TRAINGUARD_ORDER_SIGNING_KEY", "value": ORDER_SIGNING_KEY},
+            {"name": "TRAINGUARD_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "TRAINGUARD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         ],
         volumeMounts=[status],
     )
     return pod(name, worker, sidecar, volumes=[{"name": "status", "emptyDir": {}}])
 
 
-def post_order(pod_ip: str, attempt: int, token: str) -> int:
-    """POST a kill order for ``attempt`` to the pod's sidecar; the HTTP status."""
-    body = RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL).model_dump_json().encode()
+def post_order(pod_ip: str, pod: str, attempt: int, token: str) -> int:
+    """POST a kill order for ``attempt``, signed for ``pod`` (``namespace/name``), to the pod's sidecar;
+    the HTTP status."""
+    order = RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL)
+    body = sign_order(ORDER_SIGNING_KEY, pod, order, time.time())
     request = urllib.request.Request(
         f"http://{pod_ip}:8080/restart",
         data=body,
@@ -443,8 +457,10 @@ def test_an_order_restarts_the_worker_inside_its_running_container(ns: Namespace
     running = ns.running("inplace")
     pod_ip, uid = running["status"]["podIP"], running["metadata"]["uid"]
     ns.wait("attempt 1", lambda: "attempt 1" in ns.logs("inplace", "-c", "worker"))
-    assert post_order(pod_ip, 2, "not-the-token") == 401
-    assert post_order(pod_ip, 2, ORDER_TOKEN) == 202
+    pod_name = pod_identity(running["metadata"]["namespace"], "inplace")
+    assert post_order(pod_ip, pod_name, 2, "not-the-token") == 401
+    assert post_order(pod_ip, pod_identity(running["metadata"]["namespace"], "other"), 2, ORDER_TOKEN) == 403
+    assert post_order(pod_ip, pod_name, 2, ORDER_TOKEN) == 202
     state = ns.terminated("inplace", "worker")
     assert (state["exitCode"], state["reason"]) == (0, "Completed"), state  # attempt 2's own exit
     lines = ns.logs("inplace", "-c", "worker").splitlines()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import kmock
 import pytest
-from trainguard_operator.inplace import order_token
+from trainguard_operator.inplace import order_signing_key, order_token
 from trainguard_operator.render import SIDECAR_CONTAINER
 
 from tests.support.kube_emulator import Emulator
@@ -34,7 +34,7 @@ from tests.support.operator_harness import (
     status,
     value,
 )
-from trainer_sidecar.contract.env import ATTEMPT_ENV, ORDER_TOKEN_DIGEST_ENV
+from trainer_sidecar.contract.env import ATTEMPT_ENV, ORDER_SIGNING_KEY_ENV, ORDER_TOKEN_DIGEST_ENV
 from trainer_sidecar.contract.inplace import (
     LAUNCHER_MODULE,
     LauncherPhase,
@@ -50,6 +50,7 @@ pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.slow, pytest.mark.asy
 KEY = "0123456789abcdef" * 3
 #: The digest of the token the operator derives for attempt 1's PyTorchJob of ``gtj()`` (its uid).
 DIGEST = order_token_digest(order_token(KEY, "uid-tiny-lm", "tiny-lm-1"))
+SIGNING_KEY = order_signing_key(KEY, "uid-tiny-lm", "tiny-lm-1")
 
 
 def metrics_port() -> int:
@@ -82,7 +83,9 @@ def ordered(
     """Two ranks' sidecars that take orders (rank 1's with the digest the parameter gives), and the
     operator configured with the key."""
     digests = (DIGEST, getattr(request, "param", DIGEST))
-    found = Sidecars(tmp_path / "sidecars", 2, order_digests=digests)
+    found = Sidecars(
+        tmp_path / "sidecars", 2, order_digests=digests, signing_key=SIGNING_KEY, pytorchjob="tiny-lm-1"
+    )
     configure_operator(monkeypatch, found.port, order_key=KEY)
     yield found
     found.stop()
@@ -97,7 +100,8 @@ async def crash_rank_one(cluster: kmock.KubernetesEmulator, sidecars: Sidecars) 
     assert worker["command"][1:3] == ["-m", LAUNCHER_MODULE]
     init = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["initContainers"]
     sidecar = next(c for c in init if c["name"] == SIDECAR_CONTAINER)
-    assert {e["name"]: e["value"] for e in sidecar["env"]}[ORDER_TOKEN_DIGEST_ENV] == DIGEST
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert (env[ORDER_TOKEN_DIGEST_ENV], env[ORDER_SIGNING_KEY_ENV]) == (DIGEST, SIGNING_KEY)
     for rank in (0, 1):
         launcher(sidecars, rank, 1, LauncherPhase.RUNNING)
         sidecars.write(rank, step=20, started_at=time.time())

@@ -5,19 +5,34 @@ never do twice."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from trainguard_operator.inplace import order_signer
 from trainguard_operator.poll import ORDER_CONNECT_TRIES, ORDER_RETRY_SECONDS, SidecarPoller
 
 from tests.support.ports import free_ports
-from trainer_sidecar.contract.inplace import ORDER_PATH, RestartOrder, StopMode
+from trainer_sidecar.contract.inplace import (
+    ORDER_PATH,
+    LauncherPhase,
+    LauncherState,
+    RestartOrder,
+    StopMode,
+    order_token_digest,
+    read_order,
+    write_launcher_state,
+)
+from trainer_sidecar.sidecar.server import SidecarServer
 
 pytestmark = pytest.mark.asyncio
 
 ORDER = RestartOrder(attempt=2, environment={}, stop=StopMode.KILL, start_delay_seconds=2.0)
+SIGNER = order_signer("k" * 40, "uid-tiny-lm", "default", "tiny-lm-1")
+POD = "tiny-lm-1-worker-0"
 
 
 @dataclass
@@ -69,7 +84,7 @@ async def test_an_order_after_a_poll_goes_on_a_connection_of_its_own(poller: Sid
     sidecar = Sidecar()
     async with await listen(sidecar, poller.port):
         await poller.report("127.0.0.1")  # its body is no status: only its connection matters here
-        assert await poller.order("127.0.0.1", "token", ORDER) == ""
+        assert await poller.order("127.0.0.1", POD, SIGNER, ORDER) == ""
     assert sidecar.requests == ["GET /status HTTP/1.1", f"POST {ORDER_PATH} HTTP/1.1"]
     assert sidecar.connections == 2
 
@@ -82,14 +97,14 @@ async def test_an_order_to_a_sidecar_that_listens_a_moment_late_is_tried_again(p
         return await listen(sidecar, poller.port)
 
     starting = asyncio.create_task(late())
-    why = await poller.order("127.0.0.1", "token", ORDER)
+    why = await poller.order("127.0.0.1", POD, SIGNER, ORDER)
     async with await starting:
         assert why == ""
     assert sidecar.requests == [f"POST {ORDER_PATH} HTTP/1.1"]
 
 
 async def test_an_order_nobody_listens_for_fails_after_every_try_and_says_so(poller: SidecarPoller) -> None:
-    why = await poller.order("127.0.0.1", "token", ORDER)
+    why = await poller.order("127.0.0.1", POD, SIGNER, ORDER)
     assert "ClientConnectorError" in why, why
     assert f"tried {ORDER_CONNECT_TRIES} times" in why, why
 
@@ -99,6 +114,31 @@ async def test_an_order_sent_but_not_answered_is_never_sent_again(poller: Sideca
     repeated (a repeat of a taken order is refused as not newer, which would fail the restart)."""
     sidecar = Sidecar(answer_orders=False)
     async with await listen(sidecar, poller.port):
-        why = await poller.order("127.0.0.1", "token", ORDER)
+        why = await poller.order("127.0.0.1", POD, SIGNER, ORDER)
     assert why, "an unanswered order was reported as taken"
     assert sidecar.requests == [f"POST {ORDER_PATH} HTTP/1.1"]
+
+
+async def test_an_order_to_a_real_sidecar_is_taken_once_and_sent_again_is_still_taken(
+    poller: SidecarPoller, tmp_path: Path
+) -> None:
+    """Against the sidecar itself: the operator's signed order is taken (202); sent again, as by an
+    operator restarted before it knew the answer, it is answered "already ordered" (200), which counts
+    as taken; an order signed for another pod is refused."""
+    now = time.time()
+    state = LauncherState(attempt=1, phase=LauncherPhase.RUNNING, since=now, updated_at=now)
+    write_launcher_state(tmp_path, state)
+    sidecar = SidecarServer(
+        tmp_path / "status.json",
+        host="127.0.0.1",
+        port=poller.port,
+        order_token_sha256=order_token_digest(SIGNER.token),
+        order_signing_key=SIGNER.signing_key,
+        pod_name=POD,
+    )
+    with sidecar:
+        assert await poller.order("127.0.0.1", POD, SIGNER, ORDER) == ""
+        assert await poller.order("127.0.0.1", POD, SIGNER, ORDER) == ""
+        why = await poller.order("127.0.0.1", "tiny-lm-1-worker-1", SIGNER, ORDER)
+    assert why.startswith(f"{ORDER_PATH} answered 403: the order is for pod default/tiny-lm-1-worker-1"), why
+    assert read_order(tmp_path).order == ORDER

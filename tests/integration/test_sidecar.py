@@ -24,17 +24,28 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests.support.paths import REPO_ROOT
-from trainer_sidecar.contract.env import STATUS_FILE_ENV
+from trainer_sidecar.contract.env import (
+    ORDER_SIGNING_KEY_ENV,
+    ORDER_TOKEN_DIGEST_ENV,
+    POD_NAME_ENV,
+    STATUS_FILE_ENV,
+)
 from trainer_sidecar.contract.inplace import (
     MAX_FILE_BYTES,
+    ORDER_CLOCK_SKEW_SECONDS,
+    ORDER_LIFETIME_SECONDS,
     LauncherPhase,
     LauncherState,
     RestartOrder,
+    SignedOrder,
     StopMode,
     order_token_digest,
+    pod_identity,
     read_order,
+    sign_order,
     write_launcher_state,
 )
+from trainer_sidecar.contract.settings import SETTINGS_ENV
 from trainer_sidecar.contract.status import (
     CheckpointRef,
     Phase,
@@ -606,21 +617,37 @@ def test_cli_port_in_use_exits_2(
 # --- restart orders (POST /restart) ----------------------------------------------------------------------
 
 TOKEN = "s3cret-token-of-the-job"
+SIGNING_KEY = "5e" * 32
+POD_NAME = "tiny-lm-1-worker-1"
+#: The sidecars of these tests run in the default namespace.
+POD = pod_identity("default", POD_NAME)
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
     """POST ``body`` to ``url``; (status code, body) for error statuses too."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             return int(response.status), response.read().decode()
     except urllib.error.HTTPError as error:
         with error:
             return error.code, error.read().decode()
 
 
-def an_order(attempt: int = 2) -> bytes:
-    return RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL).model_dump_json().encode()
+def an_order(attempt: int = 2, pod: str = POD, at: float | None = None, **fields: Any) -> bytes:
+    """A kill order for ``attempt``, signed for ``pod`` at ``at`` (now) as the operator signs it."""
+    order = RestartOrder(attempt=attempt, environment={}, stop=StopMode.KILL, **fields)
+    return sign_order(SIGNING_KEY, pod, order, time.time() if at is None else at)
+
+
+def altered(body: bytes, **fields: Any) -> bytes:
+    """``body`` with its order's ``fields`` changed, and its signature kept: what a captured order
+    replayed with another body is."""
+    envelope = SignedOrder.model_validate_json(body)
+    claims = json.loads(envelope.claims)
+    claims["order"] |= fields
+    return SignedOrder(claims=json.dumps(claims), signature=envelope.signature).model_dump_json().encode()
 
 
 def with_launcher(status_file: Path, attempt: int = 1) -> LauncherState:
@@ -631,49 +658,170 @@ def with_launcher(status_file: Path, attempt: int = 1) -> LauncherState:
     return state
 
 
-def test_an_order_with_the_token_is_written_for_the_launcher(serve: Serve, status_file: Path) -> None:
-    server = serve(order_token_sha256=order_token_digest(TOKEN))
+@pytest.fixture
+def ordering(serve: Serve, status_file: Path) -> SidecarServer:
+    """A sidecar of pod ``POD`` that takes signed orders, beside a launcher that runs attempt 1."""
     with_launcher(status_file)
-    code, body = post(f"{server.url}/restart", an_order(), {"Authorization": f"Bearer {TOKEN}"})
+    return serve(
+        order_token_sha256=order_token_digest(TOKEN), order_signing_key=SIGNING_KEY, pod_name=POD_NAME
+    )
+
+
+def test_an_order_with_the_token_and_signed_for_the_pod_is_written_for_the_launcher(
+    ordering: SidecarServer, status_file: Path
+) -> None:
+    code, body = post(f"{ordering.url}/restart", an_order(start_delay_seconds=2.0), BEARER)
     assert (code, body.strip()) == (202, "attempt 2 ordered")
     order, reason = read_order(status_file.parent)
     assert order is not None, reason
-    assert (order.attempt, order.stop) == (2, StopMode.KILL)
+    assert (order.attempt, order.stop, order.start_delay_seconds) == (2, StopMode.KILL, 2.0)
+
+
+UNSIGNED = RestartOrder(attempt=2, environment={}, stop=StopMode.KILL)
 
 
 @pytest.mark.parametrize(
     ("headers", "body", "expected", "said"),
     [
-        ({}, an_order(), 401, "token"),
-        ({"Authorization": "Bearer not-the-token"}, an_order(), 401, "token"),
-        ({"Authorization": f"Basic {TOKEN}"}, an_order(), 401, "token"),
-        ({"Authorization": f"Bearer {TOKEN}"}, b"{}", 400, "attempt"),
-        ({"Authorization": f"Bearer {TOKEN}"}, b"\xff" * 10, 400, "not a restart order"),
-        (
-            {"Authorization": f"Bearer {TOKEN}"},
-            b'{"attempt": 2, "stop": "kill", "environment": {"LD_PRELOAD": "/x.so"}}',
-            400,
-            "LD_PRELOAD",
-        ),
-        ({"Authorization": f"Bearer {TOKEN}"}, an_order(attempt=1), 409, "attempt 1 already runs"),
+        ({}, an_order, 401, "token"),
+        ({"Authorization": "Bearer not-the-token"}, an_order, 401, "token"),
+        ({"Authorization": f"Basic {TOKEN}"}, an_order, 401, "token"),
+        (BEARER, lambda: b"{}", 400, "not a signed restart order"),
+        (BEARER, lambda: b"\xff" * 10, 400, "not a signed restart order"),
+        (BEARER, lambda: UNSIGNED.model_dump_json().encode(), 400, "unsigned"),  # an older operator's
+        (BEARER, lambda: sign_order("00" * 32, POD, UNSIGNED, time.time()), 401, "signature"),
+        (BEARER, lambda: an_order(attempt=1), 200, "attempt 1 already runs"),
     ],
 )
 def test_an_order_that_is_not_the_jobs_or_not_an_order_is_refused_and_nothing_written(
-    serve: Serve, status_file: Path, headers: dict[str, str], body: bytes, expected: int, said: str
+    ordering: SidecarServer,
+    status_file: Path,
+    headers: dict[str, str],
+    body: Callable[[], bytes],
+    expected: int,
+    said: str,
 ) -> None:
-    server = serve(order_token_sha256=order_token_digest(TOKEN))
-    with_launcher(status_file)
-    code, answer = post(f"{server.url}/restart", body, headers)
+    code, answer = post(f"{ordering.url}/restart", body(), headers)
     assert code == expected
     assert said in answer
     assert read_order(status_file.parent) == (None, "")
 
 
-def test_an_oversized_order_is_refused_before_it_is_read(serve: Serve, status_file: Path) -> None:
-    server = serve(order_token_sha256=order_token_digest(TOKEN))
-    with_launcher(status_file)
+def test_a_replayed_order_is_refused_as_is_or_with_another_body(
+    ordering: SidecarServer, status_file: Path
+) -> None:
+    """One order seen on the pod network is good for its own pod, once: sent again it is refused, and with
+    another body (a day's start delay, the last attempt there is, looser settings) its signature fails."""
+    captured = an_order(attempt=2)
+    assert post(f"{ordering.url}/restart", captured, BEARER)[0] == 202
+    code, answer = post(f"{ordering.url}/restart", captured, BEARER)
+    assert (code, "replay" in answer) == (409, True)
+    for fields in (
+        {"start_delay_seconds": 86400.0},
+        {"attempt": 2**31 - 1},
+        {"environment": {SETTINGS_ENV: '{"guard": {"enabled": false}}'}},
+    ):
+        code, answer = post(f"{ordering.url}/restart", altered(captured, **fields), BEARER)
+        assert (code, "signature does not verify" in answer) == (401, True), fields
+    order = read_order(status_file.parent).order
+    assert order is not None
+    assert (order.attempt, order.start_delay_seconds, order.environment) == (2, 0.0, {})
+
+
+def test_an_expired_order_is_refused(ordering: SidecarServer, status_file: Path) -> None:
+    late = time.time() - ORDER_LIFETIME_SECONDS - ORDER_CLOCK_SKEW_SECONDS - 60
+    code, answer = post(f"{ordering.url}/restart", an_order(at=late), BEARER)
+    assert (code, "expired" in answer) == (403, True)
+    early = time.time() + ORDER_CLOCK_SKEW_SECONDS + 60
+    code, answer = post(f"{ordering.url}/restart", an_order(at=early), BEARER)
+    assert (code, "ahead of this clock" in answer) == (403, True)
+    assert read_order(status_file.parent) == (None, "")
+
+
+def test_an_order_for_another_pod_of_the_job_is_refused(ordering: SidecarServer, status_file: Path) -> None:
+    code, answer = post(f"{ordering.url}/restart", an_order(pod="default/tiny-lm-1-worker-0"), BEARER)
+    assert (code, "is for pod default/tiny-lm-1-worker-0" in answer) == (403, True)
+    assert read_order(status_file.parent) == (None, "")
+
+
+def test_an_order_sent_again_for_the_attempt_taken_is_answered_taken_and_changes_nothing(
+    ordering: SidecarServer, status_file: Path
+) -> None:
+    """An operator that restarted between its status write and its orders signs them again: the attempt
+    already ordered is answered 200 and the order written first stays (its start delay too)."""
+    assert post(f"{ordering.url}/restart", an_order(attempt=2, start_delay_seconds=5.0), BEARER)[0] == 202
+    code, answer = post(f"{ordering.url}/restart", an_order(attempt=2, start_delay_seconds=1.0), BEARER)
+    assert (code, answer.strip()) == (200, "attempt 2 was already ordered in this pod")
+    with_launcher(status_file, attempt=2)  # the launcher started it
+    code, answer = post(f"{ordering.url}/restart", an_order(attempt=2), BEARER)
+    assert (code, answer.strip()) == (200, "attempt 2 already runs in this pod")
+    order = read_order(status_file.parent).order
+    assert order is not None
+    assert order.start_delay_seconds == 5.0
+
+
+def concurrently(url: str, bodies: list[bytes]) -> list[tuple[int, str]]:
+    """POST every body at once, each from a thread of its own released together; the answers in order."""
+    answers: list[tuple[int, str]] = [(0, "")] * len(bodies)
+    start = threading.Barrier(len(bodies))
+
+    def send(i: int) -> None:
+        start.wait()
+        answers[i] = post(url, bodies[i], BEARER)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def test_sixteen_orders_at_once_are_each_taken_or_refused_whole_and_one_attempt_wins(
+    ordering: SidecarServer, status_file: Path
+) -> None:
+    """Sixteen competing attempts at once: exactly one is taken, every other refused saying why (none
+    lost to a race in the order's own temporary file), and the file holds the one taken, whole. Five
+    rounds, the launcher taking each round's order before the next."""
+    runs = 1
+    for _ in range(5):
+        attempts = range(runs + 1, runs + 17)
+        answers = concurrently(f"{ordering.url}/restart", [an_order(attempt=a) for a in attempts])
+        taken = [a for a, (code, _) in zip(attempts, answers, strict=True) if code == 202]
+        assert len(taken) == 1, answers
+        refused = [answer for code, answer in answers if code != 202]
+        assert {code for code, _ in answers if code != 202} == {409}, answers
+        assert all(f"attempt {taken[0]}" in answer for answer in refused), refused
+        order, reason = read_order(status_file.parent)
+        assert order is not None, reason
+        assert order.attempt == taken[0]
+        assert [p.name for p in status_file.parent.iterdir() if p.name.endswith(".tmp")] == []
+        runs = max(attempts)  # the launcher takes the order; the next round's attempts are newer
+        with_launcher(status_file, attempt=runs)
+
+
+def test_sixteen_orders_at_once_for_one_attempt_write_it_once(
+    ordering: SidecarServer, status_file: Path
+) -> None:
+    answers = concurrently(f"{ordering.url}/restart", [an_order(attempt=3) for _ in range(16)])
+    assert sorted(code for code, _ in answers) == [200] * 15 + [202], answers
+    order = read_order(status_file.parent).order
+    assert order is not None
+    assert order.attempt == 3
+
+
+def test_status_and_metrics_tell_no_token_digest_or_key(ordering: SidecarServer, status_file: Path) -> None:
+    assert post(f"{ordering.url}/restart", an_order(), BEARER)[0] == 202
+    write_status(status_file, worker_status())
+    for path in ("/status", "/metrics", "/healthz", "/readyz"):
+        _, body = get(f"{ordering.url}{path}")
+        for secret in (TOKEN, order_token_digest(TOKEN), SIGNING_KEY):
+            assert secret not in body, path
+
+
+def test_an_oversized_order_is_refused_before_it_is_read(ordering: SidecarServer, status_file: Path) -> None:
     # Only the headers are sent: the sidecar must answer from the length alone, without waiting for a body.
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    connection = http.client.HTTPConnection("127.0.0.1", ordering.port, timeout=5)
     connection.putrequest("POST", "/restart")
     connection.putheader("Authorization", f"Bearer {TOKEN}")
     connection.putheader("Content-Length", str(MAX_FILE_BYTES + 1))
@@ -685,14 +833,31 @@ def test_an_oversized_order_is_refused_before_it_is_read(serve: Serve, status_fi
 
 
 def test_without_a_launcher_or_a_token_setting_no_order_is_taken(serve: Serve, status_file: Path) -> None:
-    ordering = serve(order_token_sha256=order_token_digest(TOKEN))
-    code, answer = post(f"{ordering.url}/restart", an_order(), {"Authorization": f"Bearer {TOKEN}"})
+    ordering = serve(
+        order_token_sha256=order_token_digest(TOKEN), order_signing_key=SIGNING_KEY, pod_name=POD_NAME
+    )
+    code, answer = post(f"{ordering.url}/restart", an_order(), BEARER)
     assert (code, "no launcher" in answer) == (409, True)
     with_launcher(status_file)
     closed = serve()
-    code, answer = post(f"{closed.url}/restart", an_order(), {"Authorization": f"Bearer {TOKEN}"})
+    code, answer = post(f"{closed.url}/restart", an_order(), BEARER)
     assert (code, "takes no restart orders" in answer) == (404, True)
     assert read_order(status_file.parent) == (None, "")
+
+
+def test_an_order_token_digest_without_a_signing_key_or_a_pod_name_is_a_settings_error() -> None:
+    environ = {STATUS_FILE_ENV: "/tmp/status.json", ORDER_TOKEN_DIGEST_ENV: order_token_digest(TOKEN)}
+    with pytest.raises(SettingsError, match="--order-signing-key"):
+        load_settings({"pod_name": POD_NAME}, environ)
+    with pytest.raises(SettingsError, match="--pod-name"):
+        load_settings({"order_signing_key": SIGNING_KEY}, environ)
+    # A bad key is not repeated in the error.
+    with pytest.raises(SettingsError, match="64 hex digits") as raised:
+        load_settings({"order_signing_key": "Z" + SIGNING_KEY[1:], "pod_name": POD_NAME}, environ)
+    assert SIGNING_KEY[1:] not in str(raised.value)
+    settings = load_settings({}, environ | {ORDER_SIGNING_KEY_ENV: SIGNING_KEY, POD_NAME_ENV: POD_NAME})
+    assert (settings.order_signing_key.get_secret_value(), settings.pod_name) == (SIGNING_KEY, POD_NAME)
+    assert SIGNING_KEY not in repr(settings)
 
 
 def test_an_order_token_digest_that_is_not_one_is_a_settings_error_naming_the_flag() -> None:

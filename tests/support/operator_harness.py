@@ -95,9 +95,17 @@ class Sidecars:
     """Real sidecar servers, one per rank, on 127.0.0.R+1 and one shared port (as in a pod network)."""
 
     def __init__(
-        self, root: Path, ranks: int, hang_timeout_seconds: float = 30, order_digests: Sequence[str] = ()
+        self,
+        root: Path,
+        ranks: int,
+        hang_timeout_seconds: float = 30,
+        order_digests: Sequence[str] = (),
+        signing_key: str = "",
+        pytorchjob: str = "",
     ) -> None:
-        """``order_digests``: each rank's sidecar takes restart orders whose token has that digest."""
+        """``order_digests``: each rank's sidecar takes restart orders whose token has that digest, signed
+        with ``signing_key`` for its pod (rank R's: ``<pytorchjob>-worker-R``, as ``start_pods`` names
+        it)."""
         self.files = [root / f"rank-{r}" / "status.json" for r in range(ranks)]
         self.servers: list[SidecarServer] = []
         port = 0
@@ -112,6 +120,8 @@ class Sidecars:
                 job="tiny-lm",
                 namespace=NS,
                 order_token_sha256=order_digests[rank] if order_digests else "",
+                order_signing_key=signing_key if order_digests else "",
+                pod_name=f"{pytorchjob}-worker-{rank}" if order_digests else "",
             )
             port = server.port
             server.start()

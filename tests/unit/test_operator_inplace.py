@@ -11,7 +11,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from trainguard_operator.inplace import launcher_command, order_token, order_wait_seconds
+from trainguard_operator.inplace import (
+    launcher_command,
+    order_signer,
+    order_signing_key,
+    order_token,
+    order_wait_seconds,
+)
 from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.reconcile import Plan, PlanAction
 from trainguard_operator.render import SIDECAR_CONTAINER, Owner, render_pytorchjob
@@ -19,8 +25,22 @@ from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
 from tests.support.manifests import gtj_manifest
 from tests.unit.test_operator_reconcile import T0, UID, Cluster, pod, reasons
-from trainer_sidecar.contract.env import ATTEMPT_ENV, ORDER_TOKEN_DIGEST_ENV, RESTARTS_ENV
-from trainer_sidecar.contract.inplace import LAUNCHER_MODULE, LauncherPhase, LauncherState, StopMode
+from trainer_sidecar.contract.env import (
+    ATTEMPT_ENV,
+    ORDER_SIGNING_KEY_ENV,
+    ORDER_TOKEN_DIGEST_ENV,
+    POD_NAME_ENV,
+    RESTARTS_ENV,
+)
+from trainer_sidecar.contract.inplace import (
+    LAUNCHER_MODULE,
+    LauncherPhase,
+    LauncherState,
+    Refusal,
+    RestartOrder,
+    StopMode,
+    check_order,
+)
 from trainer_sidecar.contract.status import WorkerStatus
 from trainguard.core.observation import SidecarReport
 from trainguard.core.spec import parse_job
@@ -122,15 +142,38 @@ def test_the_worker_runs_under_the_launcher_of_its_own_interpreter_and_the_sidec
     assert worker["command"] == [user[0], "-m", LAUNCHER_MODULE, "--order-wait-seconds", wait, "--", *user]
     assert "args" not in worker
     sidecar = next(c for c in pod_spec["initContainers"] if c["name"] == SIDECAR_CONTAINER)
-    digest = {e["name"]: e["value"] for e in sidecar["env"]}[ORDER_TOKEN_DIGEST_ENV]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in sidecar["env"]}
     # The sidecar writes the order into the status directory, so it mounts it writable.
     assert [m["readOnly"] for m in sidecar["volumeMounts"] if m["name"] == "trainguard-status"] == [False]
     token = order_token(KEY, UID, "tiny-lm-1")
-    assert digest == hashlib.sha256(token.encode()).hexdigest()
+    assert env[ORDER_TOKEN_DIGEST_ENV] == hashlib.sha256(token.encode()).hexdigest()
+    assert env[ORDER_SIGNING_KEY_ENV] == order_signing_key(KEY, UID, "tiny-lm-1")
+    # Each pod's sidecar knows its own name: an order names the pod it is for.
+    assert env[POD_NAME_ENV] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
     assert KEY not in str(manifest)
     assert token not in str(manifest)
-    # Another PyTorchJob of the job, or another job, takes another token.
+    # Another PyTorchJob of the job, or another job, takes another token and another signing key.
     assert order_token(KEY, UID, "tiny-lm-2") != token != order_token(KEY, "other-uid", "tiny-lm-1")
+    signing = {order_signing_key(KEY, UID, "tiny-lm-2"), order_signing_key(KEY, "other-uid", "tiny-lm-1")}
+    assert len(signing | {env[ORDER_SIGNING_KEY_ENV], token}) == 4
+
+
+def test_the_operator_signs_an_order_for_one_pod_of_one_pytorchjob() -> None:
+    signer = order_signer(KEY, UID, "research", "tiny-lm-1")
+    order = RestartOrder(attempt=2, environment={ATTEMPT_ENV: "2"}, stop=StopMode.GRACEFUL)
+    body = signer.body("tiny-lm-1-worker-1", order, WALL0)
+    key = order_signing_key(KEY, UID, "tiny-lm-1")
+    claims, refusal, reason = check_order(key, body, "research/tiny-lm-1-worker-1", WALL0 + 1)
+    assert (refusal, reason) == (None, "")
+    assert claims is not None
+    assert claims.order == order
+    assert check_order(key, body, "research/tiny-lm-1-worker-0", WALL0 + 1).refusal is Refusal.MISDIRECTED
+    other = order_signing_key(KEY, UID, "tiny-lm-2")  # the next PyTorchJob's pods
+    assert check_order(other, body, "research/tiny-lm-1-worker-1", WALL0 + 1).refusal is Refusal.FORGED
+    assert signer.token.encode() not in body
+    assert signer.signing_key.encode() not in body
+    assert signer.token not in repr(signer)
+    assert signer.signing_key not in repr(signer)
 
 
 def test_no_launcher_without_a_key_or_without_a_command_and_no_spare_when_turned_off() -> None:

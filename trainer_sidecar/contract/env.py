@@ -47,6 +47,10 @@ STARTUP_GRACE_ENV = "TRAINGUARD_STARTUP_GRACE_SECONDS"
 LOCAL_RANKS_ENV = "TRAINGUARD_LOCAL_RANKS"
 #: The SHA-256 (hex) of the token a restart order to the sidecar must carry (unset: no orders taken).
 ORDER_TOKEN_DIGEST_ENV = "TRAINGUARD_ORDER_TOKEN_SHA256"
+#: The key (hex) a restart order's signature is checked with (``contract.inplace``: the PyTorchJob's).
+ORDER_SIGNING_KEY_ENV = "TRAINGUARD_ORDER_SIGNING_KEY"
+#: The pod's own name (the downward API's ``metadata.name``): an order names the pod it is for.
+POD_NAME_ENV = "TRAINGUARD_POD_NAME"
 
 # Set by ``trainguard run`` on every process it starts.
 GANG_ENV = "TRAINGUARD_GANG_ID"
@@ -62,7 +66,9 @@ __all__ = [
     "JOB_NAME_ENV",
     "LOCAL_RANKS_ENV",
     "NAMESPACE_ENV",
+    "ORDER_SIGNING_KEY_ENV",
     "ORDER_TOKEN_DIGEST_ENV",
+    "POD_NAME_ENV",
     "PREFIX",
     "REMEDIATION_ENV",
     "RESTARTS_ENV",

@@ -15,8 +15,14 @@ the sidecar already share:
   The launcher writes it at every change; the sidecar reports it.
 
 The runner that decides a restart reaches a pod through its sidecar: ``POST /restart`` (``ORDER_PATH``)
-with the order as its body and ``Authorization: Bearer TOKEN``; the sidecar knows only the token's
-SHA-256 (``order_token_digest``), from its environment, and writes the order file for the launcher.
+with a signed order as its body (``SignedOrder``, made by ``sign_order``) and ``Authorization: Bearer
+TOKEN``. The signature (HMAC-SHA256 under the PyTorchJob's signing key) covers the whole order, the pod it
+is for (``namespace/name``), when it was issued, when it expires (``ORDER_LIFETIME_SECONDS`` later) and a
+nonce; the sidecar checks it (``check_order``), takes an order only for an attempt newer than any its pod
+runs or was ordered (``order_verdict``), and never one nonce twice. It knows the token's SHA-256 only
+(``order_token_digest``): the token goes over the wire, the signing key never does, so forging an order
+takes both what the pod network shows and what the pod's spec shows. It writes the order file for the
+launcher.
 
 Both are written atomically and read bounded (``contract.files``): each side trusts nothing of the other.
 An order may set only the worker variables an attempt changes (``ORDERABLE_VARIABLES``): the rest of
@@ -26,14 +32,17 @@ the worker's environment is the pod's, fixed for the pod's life.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import signal
+import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer_sidecar.contract.env import ATTEMPT_ENV, REMEDIATION_ENV, RESTARTS_ENV, RUN_SECONDS_ENV
 from trainer_sidecar.contract.files import FileRefused, read_small_file
@@ -46,18 +55,30 @@ __all__ = [
     "MAX_OUTPUT_TAIL_CHARS",
     "MAX_START_DELAY_SECONDS",
     "ORDERABLE_VARIABLES",
+    "ORDER_CLOCK_SKEW_SECONDS",
     "ORDER_FILE",
+    "ORDER_LIFETIME_SECONDS",
     "ORDER_PATH",
+    "SIGNING_KEY_PATTERN",
     "LauncherPhase",
     "LauncherState",
+    "OrderCheck",
+    "OrderClaims",
     "OrderRead",
+    "Refusal",
     "RestartOrder",
+    "SignedOrder",
     "StateRead",
     "StopMode",
+    "Verdict",
+    "check_order",
     "container_exit_code",
     "order_token_digest",
+    "order_verdict",
+    "pod_identity",
     "read_launcher_state",
     "read_order",
+    "sign_order",
     "write_launcher_state",
     "write_order",
 ]
@@ -172,6 +193,167 @@ def order_token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+#: How long a signed order is good for after it was issued (the operator sends it at once), and how far
+#: apart a sidecar allows its wall clock and the operator's to be, either way (NTP keeps nodes well within).
+ORDER_LIFETIME_SECONDS = 60.0
+ORDER_CLOCK_SKEW_SECONDS = 30.0
+#: A signing key: 32 bytes, in hex.
+SIGNING_KEY_PATTERN = r"^[0-9a-f]{64}$"
+#: The longest pod identity: a namespace (63), "/", a pod name (253).
+MAX_POD_IDENTITY_CHARS = 317
+
+
+def pod_identity(namespace: str, name: str) -> str:
+    """The pod an order is for, as its claims name it: ``namespace/name``."""
+    return f"{namespace}/{name}"
+
+
+class OrderClaims(BaseModel):
+    """What a signed order says: start ``order`` in the pod ``pod`` (``pod_identity``); issued at
+    ``issued_at`` and good until ``expires_at`` (the issuer's wall clock, unix seconds; at most
+    ``ORDER_LIFETIME_SECONDS`` apart); ``nonce``: 16 random bytes in hex, so that no two orders are alike
+    and a sidecar takes each one once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pod: str = Field(min_length=3, max_length=MAX_POD_IDENTITY_CHARS)
+    issued_at: float = Field(ge=0.0, allow_inf_nan=False)
+    expires_at: float = Field(ge=0.0, allow_inf_nan=False)
+    nonce: str = Field(pattern=r"^[0-9a-f]{32}$")
+    order: RestartOrder
+
+    @model_validator(mode="after")
+    def _lifetime(self) -> OrderClaims:
+        if not 0.0 < self.expires_at - self.issued_at <= ORDER_LIFETIME_SECONDS:
+            raise ValueError(f"expires_at is not within {ORDER_LIFETIME_SECONDS:g} s after issued_at")
+        return self
+
+
+class SignedOrder(BaseModel):
+    """The body of ``POST /restart``: ``claims``, an ``OrderClaims`` as JSON text, and ``signature``, the
+    HMAC-SHA256 of exactly the UTF-8 bytes of ``claims`` under the PyTorchJob's signing key (hex). What is
+    signed is the text sent, so no canonical form has to be agreed on: the signature is checked first,
+    then the text parsed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    claims: str = Field(max_length=MAX_FILE_BYTES)
+    signature: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def _signature(key: str, claims: str) -> str:
+    return hmac.new(bytes.fromhex(key), claims.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_order(key: str, pod: str, order: RestartOrder, now: float, nonce: str | None = None) -> bytes:
+    """The body of an order for ``pod`` (``pod_identity``), issued at ``now`` (unix seconds), good for
+    ``ORDER_LIFETIME_SECONDS``, signed with ``key`` (``SIGNING_KEY_PATTERN``); a fresh random nonce unless
+    ``nonce`` is given."""
+    claims = OrderClaims(
+        pod=pod,
+        issued_at=now,
+        expires_at=now + ORDER_LIFETIME_SECONDS,
+        nonce=secrets.token_hex(16) if nonce is None else nonce,
+        order=order,
+    ).model_dump_json()
+    return SignedOrder(claims=claims, signature=_signature(key, claims)).model_dump_json().encode()
+
+
+class Refusal(StrEnum):
+    """Why ``check_order`` refuses an order."""
+
+    #: Not a signed order: garbage, an unsigned order of an older operator, or claims that do not parse.
+    MALFORMED = "malformed"
+    #: The signature does not verify under the pod's key: altered, or not the operator's.
+    FORGED = "forged"
+    #: Signed, but for another pod.
+    MISDIRECTED = "misdirected"
+    #: Signed for this pod, but expired, or issued further ahead than the clocks' skew allows.
+    EXPIRED = "expired"
+
+
+class OrderCheck(NamedTuple):
+    """``(claims, None, "")`` for an order that verifies, else ``(None, refusal, why)``."""
+
+    claims: OrderClaims | None
+    refusal: Refusal | None
+    reason: str
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    return f"{'.'.join(str(p) for p in first['loc']) or '(body)'}: {first['msg']}"
+
+
+def _unsigned(body: bytes) -> bool:
+    """Whether ``body`` looks like an order of the old, unsigned format (a bare ``RestartOrder``)."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(document, dict) and "attempt" in document
+
+
+def check_order(
+    key: str, body: bytes, pod: str, now: float, skew_seconds: float = ORDER_CLOCK_SKEW_SECONDS
+) -> OrderCheck:
+    """Verify the order ``body`` for the pod ``pod`` at ``now`` (this side's wall clock): the signature
+    under ``key`` (compared in constant time) before anything of the claims is read, then the pod, then
+    the time (``skew_seconds`` allowed either way). Says nothing of the attempt or the nonce: whether a
+    verified order is new is the taker's to judge (``order_verdict``). Never raises."""
+    try:
+        envelope = SignedOrder.model_validate_json(body)
+    except ValidationError as exc:
+        if _unsigned(body):
+            return OrderCheck(
+                None, Refusal.MALFORMED, "an unsigned restart order (an older operator's) is refused"
+            )
+        return OrderCheck(None, Refusal.MALFORMED, f"not a signed restart order ({_first_error(exc)})")
+    if not hmac.compare_digest(_signature(key, envelope.claims), envelope.signature):
+        return OrderCheck(None, Refusal.FORGED, "the order's signature does not verify")
+    try:
+        claims = OrderClaims.model_validate_json(envelope.claims)
+    except ValidationError as exc:
+        return OrderCheck(None, Refusal.MALFORMED, f"not a restart order ({_first_error(exc)})")
+    if claims.pod != pod:
+        return OrderCheck(None, Refusal.MISDIRECTED, f"the order is for pod {claims.pod}, this is {pod}")
+    if now > claims.expires_at + skew_seconds:
+        return OrderCheck(None, Refusal.EXPIRED, f"the order expired {now - claims.expires_at:.0f} s ago")
+    if claims.issued_at > now + skew_seconds:
+        ahead = claims.issued_at - now
+        return OrderCheck(None, Refusal.EXPIRED, f"the order was issued {ahead:.0f} s ahead of this clock")
+    return OrderCheck(claims, None, "")
+
+
+class Verdict(StrEnum):
+    """What a pod does with a verified order (``order_verdict``)."""
+
+    #: Write it for the launcher.
+    TAKE = "take"
+    #: Its attempt is the one the pod runs, or was ordered already: nothing to do, and nothing done.
+    TAKEN = "taken"
+    #: Its attempt is older than the pod's, or another attempt's order waits for the launcher.
+    REFUSE = "refuse"
+
+
+def order_verdict(attempt: int, running: LauncherState, pending: RestartOrder | None) -> tuple[Verdict, str]:
+    """What a pod whose launcher runs ``running`` and whose order file holds ``pending`` (None: none, or
+    unreadable) does with a verified order for ``attempt``, and why. An order waits (``pending``) from
+    its write until the launcher acts on it; while one waits, no other attempt is taken, so that of two
+    orders at once exactly one is, and an answer "taken" stays true."""
+    waiting = pending.attempt if pending is not None and pending.attempt > running.attempt else None
+    current = running.attempt if waiting is None else waiting
+    if attempt == current:
+        how = "already runs" if waiting is None else "was already ordered"
+        return Verdict.TAKEN, f"attempt {attempt} {how} in this pod"
+    if attempt < current:
+        how = "runs" if waiting is None else "was ordered"
+        return Verdict.REFUSE, f"attempt {attempt} is older than attempt {current}, which {how} in this pod"
+    if waiting is not None:
+        return Verdict.REFUSE, f"attempt {attempt} not taken: attempt {waiting} was ordered, not started yet"
+    return Verdict.TAKE, f"attempt {attempt} ordered"
+
+
 def container_exit_code(returncode: int) -> int:
     """``returncode`` as a container running the process as its entrypoint would have exited: a process
     killed by signal N shows 128 + N, as a shell and the kubelet show it."""
@@ -180,12 +362,21 @@ def container_exit_code(returncode: int) -> int:
     return returncode & 0xFF
 
 
+#: A written order or state: read by the other container's user (the worker's, the sidecar's).
+FILE_MODE = 0o644
+
+
 def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A temporary file of its own for every write (not one per process): threads of one process, the
+    # sidecar's request handlers, write the same file at once.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        tmp.write_text(json.dumps(payload, separators=(",", ":")))
+        with os.fdopen(fd, "w") as handle:
+            os.fchmod(handle.fileno(), FILE_MODE)
+            handle.write(json.dumps(payload, separators=(",", ":")))
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 

@@ -12,8 +12,15 @@ Endpoints (one port):
   200, also when the status file is missing or unreadable (then ``"status": null`` and the reason).
 * ``GET /metrics`` - Prometheus text exposition from a private registry.
 * ``POST /restart`` - a restart order for the pod's launcher (``trainguard-launch``), taken only with the
-  token whose SHA-256 the sidecar was given (``--order-token-sha256``), written into the status directory
-  for the launcher (``trainer_sidecar.contract.inplace``); 202, or the refusal and why.
+  token whose SHA-256 the sidecar was given (``--order-token-sha256``) and a signature that verifies under
+  its signing key (``--order-signing-key``), for this pod (``--pod-name``), unexpired and never seen
+  before (``OrderDesk``); written into the status directory for the launcher
+  (``trainer_sidecar.contract.inplace``). 202 when taken, 200 when its attempt already runs or was
+  ordered (nothing done), else the refusal and why.
+
+``/healthz``, ``/readyz``, ``/status`` and ``/metrics`` change nothing and tell nothing secret: no token,
+digest or key is in any answer (the pod's network should still reach the sidecar only from the operator,
+the kubelet and Prometheus: a NetworkPolicy).
 
 The status file is re-read on every request (it is a few hundred bytes; only a regular file of at most
 ``MAX_STATUS_BYTES`` is read). A missing, half-written, oversized, special or garbage file is a reason in the
@@ -31,6 +38,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -48,7 +56,7 @@ from urllib.parse import urlsplit
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 
 from trainer_sidecar.contract.env import (
     HANG_TIMEOUT_ENV,
@@ -56,7 +64,9 @@ from trainer_sidecar.contract.env import (
     JOB_NAME_ENV,
     LOCAL_RANKS_ENV,
     NAMESPACE_ENV,
+    ORDER_SIGNING_KEY_ENV,
     ORDER_TOKEN_DIGEST_ENV,
+    POD_NAME_ENV,
     SIDECAR_HOST_ENV,
     SIDECAR_PORT_ENV,
     STARTUP_GRACE_ENV,
@@ -68,11 +78,19 @@ from trainer_sidecar.contract.inplace import (
     MAX_FILE_BYTES as MAX_ORDER_BYTES,
 )
 from trainer_sidecar.contract.inplace import (
+    ORDER_CLOCK_SKEW_SECONDS,
     ORDER_PATH,
+    SIGNING_KEY_PATTERN,
     LauncherState,
-    RestartOrder,
+    OrderClaims,
+    Refusal,
+    Verdict,
+    check_order,
     order_token_digest,
+    order_verdict,
+    pod_identity,
     read_launcher_state,
+    read_order,
     write_order,
 )
 from trainer_sidecar.contract.status import (
@@ -567,6 +585,84 @@ def _counter_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
         yield counter
 
 
+#: At most this many nonces of unexpired orders are remembered; only signed orders are, so an order
+#: beyond it is refused (503) rather than a nonce forgotten early.
+MAX_REMEMBERED_NONCES = 1024
+
+#: The HTTP answer to each refusal of ``check_order``.
+REFUSAL_STATUS: Mapping[Refusal, HTTPStatus] = {
+    Refusal.MALFORMED: HTTPStatus.BAD_REQUEST,
+    Refusal.FORGED: HTTPStatus.UNAUTHORIZED,
+    Refusal.MISDIRECTED: HTTPStatus.FORBIDDEN,
+    Refusal.EXPIRED: HTTPStatus.FORBIDDEN,
+}
+
+
+class OrderDesk:
+    """Takes the restart orders of one pod (``pod``, ``contract.inplace.pod_identity``) for its launcher,
+    whose files are in ``status_dir``, one order at a time: of orders that arrive together, each is taken
+    or refused whole, and exactly one of competing attempts is taken (``order_verdict``).
+
+    An order is taken with the token whose SHA-256 is ``token_sha256``, a signature that verifies under
+    ``signing_key``, claims for this pod that have not expired (``check_order``), a nonce not seen before
+    (remembered until the order expires) and an attempt newer than any the pod runs or was ordered. An
+    order that verifies, for the attempt the pod runs or was ordered already, is answered 200 and changes
+    nothing: an operator that restarted between its status write and its orders may send it again."""
+
+    def __init__(
+        self,
+        status_dir: Path,
+        token_sha256: str,
+        signing_key: str,
+        pod: str,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.status_dir = status_dir
+        self.pod = pod
+        self._digest = token_sha256
+        self._key = signing_key
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._nonces: dict[str, float] = {}  # nonce -> when it may be forgotten (it has expired by then)
+
+    def take(self, authorization: str, body: bytes) -> tuple[HTTPStatus, str]:
+        """The answer to one order: ``authorization`` its header, ``body`` its body. Never raises for
+        what a client sends."""
+        scheme, _, token = authorization.partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(order_token_digest(token.strip()), self._digest):
+            return HTTPStatus.UNAUTHORIZED, "a restart order needs the job's token (Authorization: Bearer)"
+        claims, refusal, reason = check_order(self._key, body, self.pod, self._wall())
+        if claims is None:
+            assert refusal is not None
+            return REFUSAL_STATUS[refusal], reason
+        with self._lock:  # check-newer-than-current and the write are one step
+            return self._take(claims)
+
+    def _take(self, claims: OrderClaims) -> tuple[HTTPStatus, str]:
+        now = self._wall()
+        self._nonces = {nonce: until for nonce, until in self._nonces.items() if until >= now}
+        if claims.nonce in self._nonces:
+            return HTTPStatus.CONFLICT, "this order was taken before (a replay)"
+        if len(self._nonces) >= MAX_REMEMBERED_NONCES:
+            return HTTPStatus.SERVICE_UNAVAILABLE, "too many orders at once: try again once they expire"
+        self._nonces[claims.nonce] = claims.expires_at + ORDER_CLOCK_SKEW_SECONDS
+        state, reason = read_launcher_state(self.status_dir)
+        if state is None:
+            return HTTPStatus.CONFLICT, f"no launcher runs in this pod{': ' + reason if reason else ''}"
+        order = claims.order
+        verdict, why = order_verdict(order.attempt, state, read_order(self.status_dir).order)
+        if verdict is Verdict.TAKEN:
+            return HTTPStatus.OK, why
+        if verdict is Verdict.REFUSE:
+            return HTTPStatus.CONFLICT, why
+        try:
+            write_order(self.status_dir, order)
+        except OSError as exc:
+            return HTTPStatus.SERVICE_UNAVAILABLE, f"cannot write the order into {self.status_dir}: {exc}"
+        logger.info("restart order for attempt %d (stop: %s) written", order.attempt, order.stop.value)
+        return HTTPStatus.ACCEPTED, why
+
+
 class _Handler(BaseHTTPRequestHandler):
     """Serves the four endpoints from the server's collector; logs access at debug level only."""
 
@@ -627,41 +723,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n", "text/plain; charset=utf-8")
 
     def _take_order(self) -> tuple[HTTPStatus, str]:
-        """Check a restart order's token, body and attempt, and write it for the launcher
-        (``trainer_sidecar.contract.inplace``). 202 when written; otherwise the refusal and why: 404 when
-        this sidecar takes no orders, 401 for a missing or wrong token, 400/413 for a body that is not an
-        order, 409 when no launcher runs in the pod or the attempt is not newer than the one it runs."""
-        digest = self._sidecar().order_token_sha256
-        if not digest:
+        """Read a restart order's body, bounded, and hand it to the server's ``OrderDesk``: 404 when this
+        sidecar takes no orders, 411/413 for a body without a length or too large (not read), else the
+        desk's answer."""
+        desk = self._sidecar().orders
+        if desk is None:
             return HTTPStatus.NOT_FOUND, "this sidecar takes no restart orders (no order token is set)"
-        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-        if scheme != "Bearer" or not hmac.compare_digest(order_token_digest(token.strip()), digest):
-            return HTTPStatus.UNAUTHORIZED, "a restart order needs the job's token (Authorization: Bearer)"
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
             return HTTPStatus.LENGTH_REQUIRED, "a restart order needs a Content-Length"
         if not 0 < length <= MAX_ORDER_BYTES:
             return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a restart order is 1 to {MAX_ORDER_BYTES} bytes"
-        body = self.rfile.read(length)
-        try:
-            order = RestartOrder.model_validate_json(body)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False, include_input=False)[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(body)"
-            return HTTPStatus.BAD_REQUEST, f"not a restart order ({where}: {first['msg']})"
-        status_dir = self._sidecar().collector.status_file.parent
-        state, reason = read_launcher_state(status_dir)
-        if state is None:
-            return HTTPStatus.CONFLICT, f"no launcher runs in this pod{': ' + reason if reason else ''}"
-        if order.attempt <= state.attempt:
-            return HTTPStatus.CONFLICT, f"attempt {state.attempt} already runs in this pod"
-        try:
-            write_order(status_dir, order)
-        except OSError as exc:
-            return HTTPStatus.SERVICE_UNAVAILABLE, f"cannot write the order into {status_dir}: {exc}"
-        logger.info("restart order for attempt %d (stop: %s) written", order.attempt, order.stop.value)
-        return HTTPStatus.ACCEPTED, f"attempt {order.attempt} ordered"
+        return desk.take(self.headers.get("Authorization", ""), self.rfile.read(length))
 
     def _send_verdict(self, good: bool, reason: str) -> None:
         if good:
@@ -692,8 +766,11 @@ class _SidecarHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
-    #: The digest of the token a restart order must carry ("" : no orders taken).
-    order_token_sha256 = ""
+    #: Connections waiting to be accepted (socketserver's default is 5): the kubelet's probes, Prometheus,
+    #: the operator's polls and orders may come at once; beyond the backlog a connection is reset.
+    request_queue_size = 64
+    #: Where restart orders are taken (None: no orders taken).
+    orders: OrderDesk | None = None
 
     def __init__(
         self,
@@ -728,6 +805,8 @@ class SidecarServer:
         local_ranks: int = 1,
         hang_timeout_floor_seconds: float = DEFAULT_FLOOR_SECONDS,
         order_token_sha256: str = "",
+        order_signing_key: str = "",
+        pod_name: str = "",
     ) -> None:
         settings = SidecarSettings(
             status_file=Path(status_file),
@@ -740,6 +819,8 @@ class SidecarServer:
             local_ranks=local_ranks,
             hang_timeout_floor_seconds=hang_timeout_floor_seconds,
             order_token_sha256=order_token_sha256,
+            order_signing_key=SecretStr(order_signing_key),
+            pod_name=pod_name,
         )
         self.host = settings.host
         self.collector = WorkerStatusCollector(
@@ -755,13 +836,21 @@ class SidecarServer:
         self.registry.register(self.collector)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._httpd = _SidecarHTTPServer((self.host, settings.port), self.collector, self.registry, family)
-        self._httpd.order_token_sha256 = settings.order_token_sha256
+        if settings.order_token_sha256:
+            self._httpd.orders = OrderDesk(
+                settings.status_file.parent,
+                settings.order_token_sha256,
+                settings.order_signing_key.get_secret_value(),
+                pod_identity(settings.namespace, settings.pod_name),
+            )
         self._thread: threading.Thread | None = None
 
     @classmethod
     def from_settings(cls, settings: SidecarSettings) -> SidecarServer:
         """A server configured by validated ``settings`` (bound, not yet serving)."""
-        return cls(**settings.model_dump())
+        values = settings.model_dump()
+        values["order_signing_key"] = settings.order_signing_key.get_secret_value()
+        return cls(**values)
 
     @property
     def port(self) -> int:
@@ -856,6 +945,37 @@ class SidecarSettings(BaseModel):
         "takes no restart orders.",
     )
 
+    order_signing_key: SecretStr = Field(
+        SecretStr(""),
+        validate_default=True,
+        description="The key (64 hex digits) a restart order's signature is checked with; required with "
+        "an order token digest.",
+    )
+    pod_name: str = Field(
+        "",
+        max_length=253,
+        validate_default=True,
+        description="The pod's own name (an order names the pod it is for); required with an order token "
+        "digest.",
+    )
+
+    @field_validator("order_signing_key")
+    @classmethod
+    def _signing_key(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        key = value.get_secret_value()
+        if key and not re.fullmatch(SIGNING_KEY_PATTERN, key):
+            raise ValueError("must be 64 hex digits (lower case)")
+        if info.data.get("order_token_sha256") and not key:
+            raise ValueError("is required to take restart orders (an order token digest is set)")
+        return value
+
+    @field_validator("pod_name")
+    @classmethod
+    def _pod_name(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("order_token_sha256") and not value:
+            raise ValueError("is required to take restart orders (an order token digest is set)")
+        return value
+
     @field_validator("status_file", mode="before")
     @classmethod
     def _required_path(cls, value: object) -> object:
@@ -876,7 +996,12 @@ SETTING_SOURCES: Mapping[str, tuple[str, str]] = {
     "namespace": ("--namespace", NAMESPACE_ENV),
     "local_ranks": ("--local-ranks", LOCAL_RANKS_ENV),
     "order_token_sha256": ("--order-token-sha256", ORDER_TOKEN_DIGEST_ENV),
+    "order_signing_key": ("--order-signing-key", ORDER_SIGNING_KEY_ENV),
+    "pod_name": ("--pod-name", POD_NAME_ENV),
 }
+
+#: Settings whose value an error message never shows.
+SECRET_SETTINGS = frozenset({"order_signing_key"})
 
 
 class SettingsError(ValueError):
@@ -899,7 +1024,7 @@ def load_settings(flags: Mapping[str, str | None], environ: Mapping[str, str]) -
         error = exc.errors(include_url=False, include_input=False)[0]
         name = str(error["loc"][0]) if error["loc"] else ""
         flag, env = SETTING_SOURCES.get(name, ("--status-file", STATUS_FILE_ENV))
-        given = f", got {raw[name]!r}" if name in raw else ""
+        given = f", got {raw[name]!r}" if name in raw and name not in SECRET_SETTINGS else ""
         problem = "is required" if error["type"] == "missing" else error["msg"]
         raise SettingsError(f"{flag} (or ${env}): {problem}{given}") from None
 
