@@ -161,8 +161,17 @@ def _report(args: argparse.Namespace) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+    from trainer_sidecar.checkpoint.layout import EPOCH_LIMIT
     from trainer_sidecar.guardian.dcp import export_dcp, read_dcp, write_imported
 
+    # A checkpoint's id packs its step with an epoch below EPOCH_LIMIT into one int64 (CheckpointId).
+    most = ((1 << 63) - 1) // EPOCH_LIMIT
+    if args.step is not None and not 0 <= args.step <= most:
+        print(
+            f"trainguard: --step {args.step}: must be from 0 to {most:,} (a checkpoint's step)",
+            file=sys.stderr,
+        )
+        return 2
     source = args.checkpoint_dir if args.action == "export-dcp" else args.dcp_dir
     if not source.is_dir():  # a read must not create the folder it reads
         print(f"trainguard: {source}: no such directory", file=sys.stderr)
