@@ -161,8 +161,17 @@ def _report(args: argparse.Namespace) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from trainer_sidecar.checkpoint import CheckpointError, CheckpointStore
+    from trainer_sidecar.checkpoint.layout import EPOCH_LIMIT
     from trainer_sidecar.guardian.dcp import export_dcp, read_dcp, write_imported
 
+    # A checkpoint's id packs its step with an epoch below EPOCH_LIMIT into one int64 (CheckpointId).
+    most = ((1 << 63) - 1) // EPOCH_LIMIT
+    if args.step is not None and not 0 <= args.step <= most:
+        print(
+            f"trainguard: --step {args.step}: must be from 0 to {most:,} (a checkpoint's step)",
+            file=sys.stderr,
+        )
+        return 2
     source = args.checkpoint_dir if args.action == "export-dcp" else args.dcp_dir
     if not source.is_dir():  # a read must not create the folder it reads
         print(f"trainguard: {source}: no such directory", file=sys.stderr)
@@ -218,27 +227,25 @@ def _simulate(args: argparse.Namespace) -> int:
         simulate,
         sweep,
     )
+    from trainguard.core.simulate_inputs import InputRefused, check_failure_rate, with_max_restarts
 
     try:
         job = load_job(args.job)
     except SpecError as exc:
         print(f"trainguard: invalid job: {exc}", file=sys.stderr)
         return 2
-    spec = job.spec
-    if args.max_restarts is not None:
-        spec = spec.model_copy(
-            update={"recovery": spec.recovery.model_copy(update={"max_restarts": args.max_restarts})}
-        )
     model = MODELS[args.failure_model]
     given = {name for name in COST_FLAGS if getattr(args, name) is not None}
     costs = replace(Costs(), **{name: getattr(args, name) for name in given})
     given |= {name for name in ("gpus", "days") if getattr(args, name) is not None}
     gpus = args.gpus if args.gpus is not None else model.gpus
     days = args.days if args.days is not None else model.seconds / 86_400
-    scenario = Scenario(spec, model, gpus, days, costs, args.failure_scale, args.seed)
     try:
+        spec = job.spec if args.max_restarts is None else with_max_restarts(job.spec, args.max_restarts)
+        check_failure_rate(model, gpus, days, args.failure_scale)
+        scenario = Scenario(spec, model, gpus, days, costs, args.failure_scale, args.seed)
         outcome = simulate(scenario)
-    except ScenarioTooLarge as exc:
+    except (InputRefused, ScenarioTooLarge) as exc:
         print(f"trainguard simulate: {exc}", file=sys.stderr)
         return 2
     points = sweep(scenario, SWEEP_STEPS)
@@ -247,8 +254,10 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse type: a finite number above zero (argparse exits 2 naming the flag otherwise)."""
+def _bounded(flag: str, kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` within ``flag``'s range (``core.simulate_inputs.RANGES``);
+    argparse exits 2 naming the flag otherwise."""
+    from trainguard.core.simulate_inputs import flag_problem
 
     def parse(text: str) -> float:
         try:
@@ -257,11 +266,20 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not {'a whole number' if kind is int else 'a number'}"
             ) from None
-        if not (value > 0 and value < float("inf")):
-            raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+        problem = flag_problem(flag, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r} {problem}")
         return value
 
     return parse
+
+
+def _whole(text: str) -> int:
+    """An argparse type: a whole number (its range is the spec field's, checked with the job)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
 
 def _add_simulate_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -272,34 +290,38 @@ def _add_simulate_command(commands: argparse._SubParsersAction[argparse.Argument
         help="goodput and ETTR of a job's settings at scale, against a published failure model",
         description="Play the job's checkpoint cadence and recovery policy against a failure model "
         "(default: Llama 3's 419 interruptions in 54 days on 16,384 GPUs) and print goodput, ETTR, the "
-        "inputs and where each came from, and a plot. Deterministic for a --seed.",
+        "inputs and where each came from, and a plot. Deterministic for a --seed. Durations are from "
+        "0.001 s to a day; at most 10 years are simulated.",
     )
     simulate.add_argument("job", type=Path, help="the GuardedTrainingJob YAML whose settings are simulated")
-    simulate.add_argument("--gpus", type=_positive(int), help="GPUs of the job (default: the model's run)")
-    simulate.add_argument("--days", type=_positive(float), help="days simulated (default: the model's run)")
+    simulate.add_argument(
+        "--gpus", type=_bounded("--gpus", int), help="GPUs of the job (default: the model's run)"
+    )
+    simulate.add_argument(
+        "--days", type=_bounded("--days", float), help="days simulated (default: the model's run)"
+    )
     simulate.add_argument("--failure-model", choices=sorted(MODELS), default="llama3")
     simulate.add_argument(
-        "--failure-scale", type=_positive(float), default=1.0, help="multiply the failure rate (what-if)"
+        "--failure-scale",
+        type=_bounded("--failure-scale", float),
+        default=1.0,
+        help="multiply the failure rate (what-if; the failures expected must stay playable)",
     )
-    simulate.add_argument("--step-seconds", type=_positive(float), help="one training step (default 10 s)")
+    costs = {
+        "--step-seconds": "one training step (default 10 s)",
+        "--save-stall-seconds": "a checkpoint's stall of training (default 5 s)",
+        "--restart-seconds": "restart to first step, after the backoff (default 300 s)",
+        "--crash-detection-seconds": "until a crash is seen (default 10 s)",
+        "--lost-detection-seconds": "until a lost node is seen (default 60 s)",
+    }
+    for flag, text in costs.items():
+        simulate.add_argument(flag, type=_bounded(flag, float), help=text)
     simulate.add_argument(
-        "--save-stall-seconds", type=_positive(float), help="a checkpoint's stall of training (default 5 s)"
+        "--max-restarts", type=_whole, help="override the job's recovery.maxRestarts (checked as that field)"
     )
     simulate.add_argument(
-        "--restart-seconds",
-        type=_positive(float),
-        help="restart to first step, after the backoff (default 300 s)",
+        "--seed", type=_bounded("--seed", int), default=0, help="the failure draws' seed (default 0)"
     )
-    simulate.add_argument(
-        "--crash-detection-seconds", type=_positive(float), help="until a crash is seen (default 10 s)"
-    )
-    simulate.add_argument(
-        "--lost-detection-seconds", type=_positive(float), help="until a lost node is seen (default 60 s)"
-    )
-    simulate.add_argument(
-        "--max-restarts", type=_positive(int), help="override the job's recovery.maxRestarts"
-    )
-    simulate.add_argument("--seed", type=int, default=0, help="the failure draws' seed (default 0)")
     simulate.set_defaults(handler=_simulate)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer_sidecar.checkpoint.layout import EPOCH_LIMIT
 from trainguard.cli import default_run_root, main
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 
@@ -108,3 +109,21 @@ def test_jobs_whose_namespace_and_name_join_alike_get_run_folders_of_their_own()
     first, second = default_run_root(job("a", "b-c")), default_run_root(job("a-b", "c"))
     assert first == Path("runs/a/b-c")
     assert second == Path("runs/a-b/c")
+
+
+@pytest.mark.parametrize("action", ["export-dcp", "import-dcp"])
+@pytest.mark.parametrize("step", ["-1", str(1 << 39), str(10**30)])
+def test_a_checkpoint_step_no_checkpoint_id_can_hold_is_refused_naming_the_flag(
+    action: str, step: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Any int was taken: import-dcp would write a checkpoint whose id (step and epoch packed in an int64,
+    # what a resume agrees on) overflows, export-dcp looked a negative step up.
+    (tmp_path / "from").mkdir()
+    arguments = ["checkpoint", action, str(tmp_path / "from"), str(tmp_path / "to"), "--step", step]
+    assert main([*arguments, "--i-trust-this-pickle"] if action == "import-dcp" else arguments) == 2
+    most = ((1 << 63) - 1) // EPOCH_LIMIT  # the largest step whose id packs with any epoch
+    assert f"--step {step}: must be from 0 to {most:,}" in capsys.readouterr().err
+    assert not (tmp_path / "to").exists()
+    arguments[-1] = str(most)
+    assert main(arguments) == 2  # the step is taken; no such checkpoint (or no trust) is the refusal
+    assert "must be from 0" not in capsys.readouterr().err

@@ -71,7 +71,7 @@ from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
-from trainer_sidecar.guardian.training import TrainingObjects, caller, check_training_objects
+from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 
 log = logging.getLogger("trainguard")
 
@@ -673,8 +673,13 @@ class Guardian:
         The guardian never rescales a loss: under gradient accumulation, divide by the number of
         micro-batches where the loop already does (or not, as it does not), and the gradients are the
         ones the loop had without the guardian. The loss is scaled by the GradScaler when there is one.
-        Call ``step()`` at the accumulation boundary.
+        Call ``step()`` at the accumulation boundary. A loss of one element in any shape and floating
+        dtype is taken as its scalar; anything else ``loss.backward()`` would refuse (more elements, an
+        integer tensor, one that does not require grad, no tensor) is a configuration error (exit code 2)
+        naming the loop's line and the reason.
         """
+        with self._adoption():
+            check_loss(loss)
         if self._micro == 0 and self._faults.active:
             # An injected hang or crash stands for one in the loop's forward pass: before the backward.
             loss = self._faults.loss_hook(loss, self.counters.step)
@@ -682,7 +687,9 @@ class Guardian:
         with self._adoption():
             self.training.backward(loss)
         self._mark_grads()
-        detached = loss.detach().float()
+        # A one-element loss of any shape ([1] from a loop's own reduction) is its scalar: the step's
+        # measures are stacked with 0-dim tensors.
+        detached = loss.detach().float().reshape(())
         self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
         if self._current_batch is not None:
             self._step_batches.append(self._current_batch)

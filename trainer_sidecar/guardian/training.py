@@ -102,6 +102,28 @@ def caller() -> str:
     return "unknown line"
 
 
+def check_loss(loss: object) -> None:
+    """Raise ConfigError, naming the loop's line and the reason, unless ``loss`` is what a plain
+    ``loss.backward()`` takes as a loss: a tensor of one element (of any shape: ``[]``, ``[1]``,
+    ``[1, 1]``), of a floating dtype, computed by autograd (it has a ``grad_fn``)."""
+    if not isinstance(loss, torch.Tensor):
+        reason = f"must be a torch.Tensor (the output of the forward pass), got {type(loss).__name__}"
+    elif loss.numel() != 1:
+        reason = f"must be one value (reduce it, e.g. .mean()), got shape {tuple(loss.shape)}"
+    elif not loss.dtype.is_floating_point:
+        reason = f"must be of a floating dtype (autograd backwards no other), got {loss.dtype}"
+    elif not loss.requires_grad:
+        reason = (
+            "does not require grad: it was computed under torch.no_grad(), detached, or from no "
+            "trainable parameter"
+        )
+    elif loss.grad_fn is None:
+        reason = "is a leaf tensor (no grad_fn): it was not computed from the model's parameters"
+    else:
+        return
+    raise ConfigError(f"the loss given to the guardian ({caller()}) {reason}")
+
+
 def _is_scheduler(obj: object) -> bool:
     return isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -293,20 +315,8 @@ class TrainingObjects:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward ``loss`` (scaled by the GradScaler when there is one). Raises ConfigError when ``loss``
-        is not a one-element tensor that autograd can backward."""
-        if not isinstance(loss, torch.Tensor):
-            raise ConfigError(
-                f"the loss must be a torch.Tensor (the output of the forward pass), got {type(loss).__name__}"
-            )
-        if loss.numel() != 1:
-            raise ConfigError(
-                f"the loss must be one value (reduce it, e.g. .mean()), got shape {tuple(loss.shape)}"
-            )
-        if not loss.requires_grad:
-            raise ConfigError(
-                "the loss does not require grad: it was computed under torch.no_grad(), detached, or from no "
-                "trainable parameter"
-            )
+        is not a loss autograd can backward (``check_loss``)."""
+        check_loss(loss)
         torch.autograd.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale(self) -> None:

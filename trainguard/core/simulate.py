@@ -80,6 +80,8 @@ class Outcome:
     last_interval_steps: int | None = None
     #: Each checkpoint interval the job used, with how many checkpoints used it.
     intervals: Counter[int] = field(default_factory=Counter)
+    #: Checkpoints and failures played (the simulation's work, at most its ``max_events``).
+    events: int = 0
 
     def useful_seconds(self, step_seconds: float) -> float:
         """Time spent on steps that were kept."""
@@ -164,8 +166,9 @@ class _Cadence:
             ).steps
 
 
-#: The most checkpoints and failures one simulation plays (a few seconds of work): beyond it a scenario
-#: is refused rather than run for hours (Llama 3's 54 days at a checkpoint a step is about 470,000).
+#: The most checkpoints and failures one simulation plays (seconds of work): beyond it a scenario is
+#: refused rather than run for hours (Llama 3's 54 days at a checkpoint a step is about 470,000). The
+#: sweep's points share one more such budget, so ``trainguard simulate`` plays at most twice this.
 MAX_EVENTS = 2_000_000
 
 
@@ -173,9 +176,10 @@ class ScenarioTooLarge(ValueError):
     """A scenario needs more than ``MAX_EVENTS`` checkpoints and failures."""
 
 
-def simulate(scenario: Scenario) -> Outcome:
+def simulate(scenario: Scenario, max_events: int | None = None) -> Outcome:
     """Play the scenario (see the module docstring); the same scenario and seed give the same outcome.
-    Raises ``ScenarioTooLarge`` (naming what to change) past ``MAX_EVENTS`` events."""
+    Raises ``ScenarioTooLarge`` (naming what to change) past ``max_events`` events (``MAX_EVENTS``)."""
+    limit = MAX_EVENTS if max_events is None else max_events
     spec, costs = scenario.spec, scenario.costs
     rng = random.Random(scenario.seed)
     end = scenario.days * DAY
@@ -205,9 +209,9 @@ def simulate(scenario: Scenario) -> Outcome:
     events = 0
     while t < end:
         events += 1
-        if events > MAX_EVENTS:
+        if events > limit:
             raise ScenarioTooLarge(
-                f"more than {MAX_EVENTS:,} checkpoints and failures to play: shorten --days, lower --gpus "
+                f"more than {limit:,} checkpoints and failures to play: shorten --days, lower --gpus "
                 "or --failure-scale, or lengthen --step-seconds or the checkpoint interval"
             )
         steps = cadence.steps_to_next(kept)
@@ -258,22 +262,30 @@ def simulate(scenario: Scenario) -> Outcome:
     out.kept_steps = kept
     out.restarts = restarts
     out.last_interval_steps = cadence.interval
+    out.events = events
     return out
 
 
-def sweep(scenario: Scenario, intervals: list[int]) -> list[tuple[int, float]]:
+def sweep(scenario: Scenario, intervals: list[int], budget: int | None = None) -> list[tuple[int, float]]:
     """Goodput for each fixed ``everySteps`` in ``intervals`` (the rest of the scenario alike, the time
-    cadence off so that the steps alone decide): where the chosen setting lies among the others. An
-    interval too costly to play (``ScenarioTooLarge``) is left out."""
+    cadence off so that the steps alone decide): where the chosen setting lies among the others. The
+    points share ``budget`` events (``MAX_EVENTS``), in order; a point whose checkpoints alone (those of
+    its interval without a failure) exceed what is left, or that plays past it, is left out."""
+    left = MAX_EVENTS if budget is None else budget
+    costs = scenario.costs
     results = []
     for every in intervals:
+        if scenario.days * DAY / (every * costs.step_seconds + costs.save_stall_seconds) > left:
+            continue  # too costly to play: left off the plot, without spending the budget on it
         checkpoint = scenario.spec.checkpoint.model_copy(update={"every_steps": every, "every_seconds": None})
         spec = scenario.spec.model_copy(update={"checkpoint": checkpoint})
         try:
-            outcome = simulate(replace(scenario, spec=spec))
+            outcome = simulate(replace(scenario, spec=spec), max_events=left)
         except ScenarioTooLarge:
-            continue  # a point too costly to play is left off the plot
-        results.append((every, outcome.goodput(scenario.costs.step_seconds)))
+            left = 0  # it played all that was left
+            continue
+        left -= outcome.events
+        results.append((every, outcome.goodput(costs.step_seconds)))
     return results
 
 
