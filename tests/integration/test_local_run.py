@@ -480,3 +480,34 @@ def test_a_command_that_runs_torchrun_itself_is_not_declared_hung_and_finishes(t
     assert newest is not None
     manifests = sorted(p.name for p in (store.root / newest.dir_name).glob("rank-*.json"))
     assert manifests == ["rank-0.json", "rank-1.json"]  # both processes of the one pod wrote their part
+
+
+def test_a_dataloader_worker_that_segfaults_at_the_same_batch_every_attempt_is_deterministic(
+    tmp_path: Path,
+) -> None:
+    # A corrupt sample kills the DataLoader worker that loads it by SIGSEGV, in every attempt: the loop
+    # fails with "DataLoader worker (pid N) is killed by signal: Segmentation fault.", each time with
+    # another pid. The verdict comes at attempt 2, not after maxRestarts + 1 = 4 attempts.
+    code, summary, output = run(
+        tmp_path,
+        job(
+            tmp_path,
+            replicas=1,
+            step_sleep=0.0,
+            extra_args=("--num-workers", "1", "--segfault-at-batch", "12"),
+            recovery={"maxRestarts": 3, "backoffSeconds": [1]},
+        ),
+    )
+    assert code == 1, output
+    assert summary["attempts"] == 2, output
+    reason = summary["reason"]
+    assert reason.startswith("deterministic failure: attempts 1 and 2 failed alike at step 12 ("), reason
+    # PyTorch names the dead worker from its SIGCHLD handler ("is killed by signal: Segmentation fault.")
+    # or, when the loop sees it first, while waiting for its batch ("exited unexpectedly").
+    dead = r"DataLoader worker \(pid(\(s\))? {}\) (is killed|exited)"
+    assert re.search(r"\(exited with code 1: RuntimeError: " + dead.format("<pid>"), reason), reason
+    # The verdict's last failure is in the worker's own words, its pid as it was.
+    assert re.search(r"last: rank 0 crashed at step 12: .*" + dead.format(r"\d+"), reason), reason
+    [restart] = summary["restarts"]
+    assert re.search(r"DataLoader worker \(pid(\(s\))? \d+\)", restart["reason"]), restart
+    assert restart["resumed_step"] == 10

@@ -843,6 +843,43 @@ def test_a_last_failure_recorded_before_signatures_counts_as_none() -> None:
     assert cluster.step(T0 + timedelta(seconds=120)).action is PlanAction.RESTART
 
 
+DATALOADER_CRASH = (
+    "RuntimeError: DataLoader worker (pid {}) is killed by signal: Segmentation fault. "
+    "(at signal_handling.py:73)"
+)
+
+
+def test_a_dataloader_worker_named_by_another_pid_in_the_next_attempt_fails_as_deterministic() -> None:
+    # Issue 42: a corrupt sample kills the loader's worker at step 49 in every attempt, each time another pid.
+    cluster = started_cluster()  # maxRestarts 3
+    cluster.set_pod(crashed_pod(1, 49, DATALOADER_CRASH.format(21248)))
+    assert cluster.step(T0 + timedelta(seconds=60)).action is PlanAction.RESTART
+    failure = cluster.status.last_failure
+    assert failure is not None
+    assert failure.cause == "exited with code 1: " + DATALOADER_CRASH.format("<pid>")  # what is compared
+    assert failure.message.endswith(DATALOADER_CRASH.format(21248))  # what happened, as it was said
+    assert cluster.step(T0 + timedelta(seconds=71)).action is PlanAction.CREATE
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 49, DATALOADER_CRASH.format(21367)))
+    plan = cluster.step(T0 + timedelta(seconds=120))
+    assert plan.action is PlanAction.FAIL
+    assert condition(cluster.status, "Failed") == ("True", "DeterministicFailure")
+    assert cluster.status.last_failure is not None
+    assert cluster.status.last_failure.message.endswith(DATALOADER_CRASH.format(21367))
+
+
+def test_a_cause_an_older_operator_recorded_raw_is_compared_as_a_stable_one() -> None:
+    cluster = started_cluster()
+    cluster.set_pod(crashed_pod(1, 49, DATALOADER_CRASH.format(21248)))
+    cluster.step(T0 + timedelta(seconds=60))
+    cluster.body["status"]["lastFailure"]["cause"] = "exited with code 1: " + DATALOADER_CRASH.format(21248)
+    cluster.step(T0 + timedelta(seconds=71))
+    cluster.run_pods(2)
+    cluster.set_pod(crashed_pod(2, 49, DATALOADER_CRASH.format(21367)))
+    assert cluster.step(T0 + timedelta(seconds=120)).action is PlanAction.FAIL
+    assert condition(cluster.status, "Failed") == ("True", "DeterministicFailure")
+
+
 def test_a_configuration_error_fails_at_once() -> None:
     cluster = started_cluster()
     cluster.set_pod(pod(1, 0, exit_code=2))

@@ -7,8 +7,9 @@ from dataclasses import replace
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.support import causes
 from trainer_sidecar.contract.exitcodes import ExitCode
-from trainer_sidecar.contract.status import Activity
+from trainer_sidecar.contract.status import Activity, WorkerStatus
 from trainguard.core.policy import (
     PEER_FAILURE_GRACE_SECONDS,
     Action,
@@ -22,6 +23,7 @@ from trainguard.core.policy import (
     decide,
     killed_by_signal,
     lost_a_peer,
+    same_cause,
     waiting_order,
 )
 from trainguard.core.spec import RecoverySpec
@@ -714,3 +716,84 @@ def test_of_crashed_ranks_that_ended_together_one_killed_by_a_signal_is_the_caus
         ),
     )
     assert decision.rank == 1
+
+
+# --- The cause compared without what differs between two runs of one failure (issue 42) ---
+
+DATALOADER_CRASH = (
+    "RuntimeError: DataLoader worker (pid {}) is killed by signal: Segmentation fault. "
+    "(at signal_handling.py:73)"
+)
+
+
+def test_a_dataloader_worker_named_by_another_pid_each_attempt_is_the_same_failure() -> None:
+    failures = [crashed_at(49, attempt=0, why=DATALOADER_CRASH.format(pid)) for pid in (21248, 21367, 21502)]
+    decisions, _ = run_of_failures(RecoverySpec(max_restarts=3), failures)
+    assert [d.action for d in decisions] == [Action.RESTART, Action.FAIL]
+    assert decisions[-1].failure is FailureKind.DETERMINISTIC
+    assert decisions[0].signature is not None
+    assert decisions[0].signature.cause == "exited: " + DATALOADER_CRASH.format("<pid>")
+    last = "last: rank 0 crashed at step 49: exited: " + DATALOADER_CRASH.format(21367)
+    assert decisions[-1].reason.endswith(last)
+
+
+def test_a_cause_recorded_raw_by_an_older_version_compares_with_a_stable_one() -> None:
+    old = FailureSignature(FailureKind.CRASH, 49, 1, "exited: " + DATALOADER_CRASH.format(21248), attempt=1)
+    observation = crashed_at(49, attempt=2, why=DATALOADER_CRASH.format(21367))
+    decision = decide(RECOVERY, replace(observation, restarts=1, handled_attempt=1, previous_failure=old))
+    assert decision.failure is FailureKind.DETERMINISTIC
+
+
+def run_of_two(first: str, second: str, steps: tuple[int, int] = (49, 49)) -> list[Decision]:
+    failures = [crashed_at(steps[0], attempt=0, why=first), crashed_at(steps[1], attempt=0, why=second)]
+    decisions, _ = run_of_failures(RecoverySpec(max_restarts=3), failures)
+    return decisions
+
+
+@settings(max_examples=200)
+@given(data=st.data(), message=causes.messages)
+def test_two_runs_of_one_crash_are_deterministic_at_the_second_whatever_their_pids_times_or_ports(
+    data: st.DataObject, message: causes.Message
+) -> None:
+    first, second = data.draw(causes.two_runs(message))
+    assert [d.failure for d in run_of_two(first, second)] == [FailureKind.CRASH, FailureKind.DETERMINISTIC]
+
+
+@settings(max_examples=200)
+@given(data=st.data(), message=causes.messages, step=st.integers(0, 10**6))
+def test_a_crash_with_another_word_or_at_another_step_is_a_new_failure(
+    data: st.DataObject, message: causes.Message, step: int
+) -> None:
+    first, second = data.draw(causes.two_runs(message))
+    kept = [i for i, part in enumerate(message.parts) if isinstance(part, str)]
+    where = data.draw(st.sampled_from(kept))
+    word = data.draw(st.sampled_from(causes.WORDS).filter(lambda w: w != message.parts[where]))
+    changed = causes.Message((*message.parts[:where], word, *message.parts[where + 1 :]))
+    other = changed.render([data.draw(slot.values) for slot in changed.slots])
+    for decisions in (run_of_two(first, other), run_of_two(first, second, steps=(step, step + 1))):
+        assert [d.action for d in decisions] == [Action.RESTART, Action.RESTART]
+        assert decisions[-1].signature is not None
+        assert decisions[-1].signature.repeats == 1
+
+
+@settings(max_examples=200)
+@given(data=st.data(), message=causes.messages, filler=st.integers(1100, 3000))
+def test_a_long_message_cut_by_the_status_is_compared_as_far_as_both_runs_are_whole(
+    data: st.DataObject, message: causes.Message, filler: int
+) -> None:
+    # The status cuts a worker's message at 1024 characters; two runs whose pids (or times) differ in
+    # length are cut at different points of the same text.
+    long = causes.Message((*message.parts, "x" * 10, *(["corrupt sample"] * (filler // 15))))
+    runs = data.draw(causes.two_runs(long))
+    first, second = (WorkerStatus(started_at=1.0, message=text).message for text in runs)
+    assert [d.failure for d in run_of_two(first, second)] == [FailureKind.CRASH, FailureKind.DETERMINISTIC]
+
+
+def test_a_cut_cause_is_the_same_only_as_far_as_it_is_whole_and_long_enough() -> None:
+    text = " ".join(f"word{i}" for i in range(300))
+    assert same_cause(text[:1000] + "...", text[:1100] + "...")
+    assert same_cause(text[:1000] + "...", text)  # the whole text goes on as the cut one does
+    assert not same_cause(text[:1000] + "...", "other " + text)
+    assert not same_cause(text[:1000], text[:1100])  # neither was cut: two texts
+    assert not same_cause(text[:150] + "...", text[:160] + "...")  # too little to tell
+    assert not same_cause(text[:900], text[:1000] + "...")  # whole, and shorter than the cut one

@@ -59,7 +59,10 @@ replaying the same steps from the same checkpoint, will crash there again. Only 
 process's own exit code counts: a hang, a lost pod or node, a kill by a signal (the OOM killer, a
 liveness kill, a preemption: the cause is outside the process and usually passes) and a divergence (the
 restart changes the run with a remediation) always get the full policy, and a crash at another step
-(progress was made, or lost) or with another reason is a new failure.
+(progress was made, or lost) or with another reason is a new failure. The reason is compared without
+what varies between two runs of the same code (``trainguard.core.cause.stable_cause``: pids, memory
+addresses, times, durations, temporary paths, IP addresses, ports, thread ids): a DataLoader worker a
+corrupt sample kills is named by its pid, a new one every attempt.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from enum import StrEnum
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit
 from trainer_sidecar.contract.settings import Remediation
 from trainer_sidecar.contract.status import Activity
+from trainguard.core.cause import stable_cause
 from trainguard.core.spec import RecoverySpec, StragglerSpec
 
 
@@ -140,6 +144,47 @@ class StragglerObservation:
 #: A signature's cause is cut to this many characters, so that it is stored whole (the status caps
 #: messages at 1024) and compares equal when read back.
 MAX_CAUSE_CHARS = 1000
+#: What ends a text cut short: by a signature (and a worker's status), or by the operator's status.
+_CUT_MARKS = ("...", "…")
+#: The fewest characters two causes, one of them cut short, must agree on to count as the same.
+MIN_CUT_CAUSE_CHARS = 200
+
+
+def signature_cause(reason: str) -> str:
+    """The cause a signature keeps of a failing rank's ``reason``: made stable (``stable_cause``: no pid,
+    memory address, time, temporary path, IP address or port in it) and cut to ``MAX_CAUSE_CHARS``
+    (marked "...")."""
+    cause = stable_cause(reason)
+    return cause if len(cause) <= MAX_CAUSE_CHARS else cause[: MAX_CAUSE_CHARS - 3] + "..."
+
+
+def _whole_part(cause: str) -> str | None:
+    """What of a cause cut short is whole: without its mark and its last two words (the cut may have split
+    a volatile token, a time or a duration of two words, so that it no longer reads as one). None: not cut."""
+    for mark in _CUT_MARKS:
+        if cause.endswith(mark):
+            return cause[: -len(mark)].rsplit(" ", 2)[0]
+    return None
+
+
+def same_cause(first: str, second: str) -> bool:
+    """Whether two failures' causes are the same: alike once made stable (``stable_cause``, so that a raw
+    cause recorded by an older version compares too), or, when either was cut short (a status message,
+    the termination message, a signature: each at its own length), alike as far as both are whole, over
+    at least ``MIN_CUT_CAUSE_CHARS`` characters."""
+    first, second = stable_cause(first), stable_cause(second)
+    if first == second:
+        return True
+    cut_first, cut_second = _whole_part(first), _whole_part(second)
+    if cut_first is not None and cut_second is not None:
+        whole, other = sorted((cut_first, cut_second), key=len)
+    elif cut_first is not None:
+        whole, other = cut_first, second
+    elif cut_second is not None:
+        whole, other = cut_second, first
+    else:
+        return False
+    return len(whole) >= MIN_CUT_CAUSE_CHARS and other.startswith(whole)
 
 
 @dataclass(frozen=True)
@@ -148,9 +193,10 @@ class FailureSignature:
     store (the operator in ``status.lastFailure``, the local runner in memory).
 
     ``kind``, ``step`` (the step the failure's reason names; None: not known), ``exit_code`` and
-    ``cause`` (the failing rank's own reason: its exit described, with the worker's message or log line)
-    are compared; ``attempt`` is the attempt that failed and ``repeats`` how many attempts in a row, up
-    to it, failed with this signature (1: the first).
+    ``cause`` (the failing rank's own reason: its exit described, with the worker's message or log line,
+    made stable by ``signature_cause``) are compared (the cause by ``same_cause``); ``attempt`` is the
+    attempt that failed and ``repeats`` how many attempts in a row, up to it, failed with this signature
+    (1: the first).
     """
 
     kind: FailureKind
@@ -167,12 +213,10 @@ class FailureSignature:
         return self.kind is FailureKind.CRASH and not killed_by_signal(self.exit_code)
 
     def same_as(self, other: FailureSignature) -> bool:
-        """Whether ``other`` is the same failure: same kind, step, exit code and cause."""
-        return (self.kind, self.step, self.exit_code, self.cause) == (
-            other.kind,
-            other.step,
-            other.exit_code,
-            other.cause,
+        """Whether ``other`` is the same failure: same kind, step and exit code, and the same cause by
+        ``same_cause`` (whatever pids, addresses, times or ports its text names)."""
+        return (self.kind, self.step, self.exit_code) == (other.kind, other.step, other.exit_code) and (
+            same_cause(self.cause, other.cause)
         )
 
     def following(self, previous: FailureSignature | None) -> FailureSignature:
@@ -560,7 +604,7 @@ def decide(
         step=observation.step,
     )
     signature = FailureSignature(
-        kind, observation.step, rank.exit_code, what[:MAX_CAUSE_CHARS], observation.attempt
+        kind, observation.step, rank.exit_code, signature_cause(what), observation.attempt
     ).following(observation.previous_failure)
     failed = replace(failed, signature=signature)
     if kind in (FailureKind.CONFIG, FailureKind.FENCED):  # the exit code's description says permanent

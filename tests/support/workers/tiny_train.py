@@ -10,7 +10,11 @@ batches, counted by ``guardian.steps``), ``own`` (a counter of its own, ``while 
 ``dowhile`` (nanoGPT's ``iter_num += 1; if iter_num > steps: break``); the last two never call
 ``guardian.finish()``, as a loop that forgot it. ``--declare-max`` gives ``Guardian(max_steps=...)``;
 ``--raise-after-loop`` ends in an unhandled exception after the loop; ``--raise-at STEP`` raises one (the
-same every time: a deterministic bug) once the guardian's step count reaches STEP.
+same every time: a deterministic bug) once the guardian's step count reaches STEP. ``--num-workers N``
+loads the data in N DataLoader worker processes; ``--segfault-at-batch B`` makes the worker that loads
+this rank's batch B of the first epoch die by SIGSEGV at its last sample (a corrupt sample crashing a
+native decoder), every time it is loaded, and every sample take ``--sample-seconds`` to load in a worker
+(the data is what the loop waits for, so the crash reaches it at step B).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +44,24 @@ def make_dataset(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     xs = torch.randn(n, 16, generator=generator)
     ys = xs @ weight + 0.1 * torch.randn(n, generator=generator)
     return [(xs[i], ys[i : i + 1]) for i in range(n)]
+
+
+class SegfaultingDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``samples``, slow to load in a DataLoader worker (``seconds`` each), and sample ``poisoned`` kills
+    the worker that loads it by SIGSEGV (-1: none)."""
+
+    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]], seconds: float) -> None:
+        self.samples, self.seconds, self.poisoned = samples, seconds, -1
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(self.seconds)
+            if index == self.poisoned:
+                os.kill(os.getpid(), signal.SIGSEGV)
+        return self.samples[index]
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -115,6 +138,9 @@ def main() -> int:
     parser.add_argument("--declare-max", action="store_true", help="Guardian(..., max_steps=--steps)")
     parser.add_argument("--raise-after-loop", action="store_true")
     parser.add_argument("--raise-at", type=int, default=-1, help="raise an exception at this step")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--segfault-at-batch", type=int, default=-1, help="its loader worker dies (SIGSEGV)")
+    parser.add_argument("--sample-seconds", type=float, default=0.02, help="per sample, with the above")
     parser.add_argument("--statuses", type=Path, help="write the status after every step to DIR/rank<R>.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -134,9 +160,14 @@ def main() -> int:
     guardian = Guardian(
         model, optimizer, scheduler=scheduler, max_steps=args.steps if args.declare_max else None
     )
+    samples = make_dataset(args.samples, args.seed)
+    poisoned = SegfaultingDataset(samples, args.sample_seconds)
+    dataset = poisoned if args.segfault_at_batch >= 0 else samples
     loader = guardian.loader(
-        make_dataset(args.samples, args.seed), batch_size=args.batch_size, seed=args.seed
+        dataset, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers
     )
+    if args.segfault_at_batch >= 0:  # set before the workers start (they fork at the first batch)
+        poisoned.poisoned = loader.batch_indices(0, args.segfault_at_batch)[-1]
     if args.loop != "run":
         own_loop(guardian, model, iter(loader_batches(loader)), args.loop, args.steps)
         if args.raise_after_loop:
