@@ -49,6 +49,8 @@ with record.open("a") as out:
                           "remediation": os.environ.get("TRAINGUARD_REMEDIATION"),
                           "kept": os.environ.get("KEPT")}) + "\\n")
 mode = sys.argv[1] if int(os.environ.get("TRAINGUARD_ATTEMPT", "1")) == 1 else sys.argv[2]
+print("out of attempt", os.environ.get("TRAINGUARD_ATTEMPT"), flush=True)
+print("err of attempt", os.environ.get("TRAINGUARD_ATTEMPT"), file=sys.stderr, flush=True)
 if mode == "sleep2exit1":
     time.sleep(2)
     sys.exit(1)
@@ -99,22 +101,18 @@ class Launch:
             ATTEMPT_ENV: "1",
         }
         flags = ["--order-wait-seconds", str(order_wait), *([] if spare else ["--no-spare"])]
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainer_sidecar.launcher.launcher",
-                *flags,
-                "--",
-                sys.executable,
-                str(script),
-                *modes,
-            ],
-            env=env,
-            cwd=tmp,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        # Files, not pipes: what the worker started may hold them open after the launcher's end.
+        self.stdout_file, self.stderr_file = tmp / "launcher.out", tmp / "launcher.err"
+        command = [sys.executable, "-m", "trainer_sidecar.launcher.launcher", *flags, "--"]
+        with self.stdout_file.open("wb") as out, self.stderr_file.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [*command, sys.executable, str(script), *modes],
+                env=env,
+                cwd=tmp,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def starts(self) -> list[dict[str, object]]:
         """The starts the worker recorded, oldest first."""
@@ -156,8 +154,10 @@ class Launch:
         )
 
     def stderr(self) -> str:
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read().decode()
+        return self.stderr_file.read_text()
+
+    def stdout(self) -> str:
+        return self.stdout_file.read_text()
 
 
 def wait_for(what: Callable[[], object], timeout: float = 60.0) -> object:
@@ -455,6 +455,15 @@ def test_an_attempt_after_the_worker_stepped_starts_in_a_warm_spare(launches: Ca
     assert isinstance(starts, list)
     assert starts[1]["pid"] == spares[0]  # the spare, started before the order, became attempt 2
     assert launch.state().warm
+    # Its standard output and error reach the launcher's own, apart, as the cold attempt 1's did.
+    wait_for(lambda: "err of attempt 2" in launch.stderr())
+    os.killpg(launch.proc.pid, signal.SIGKILL)
+    launch.proc.wait()
+    assert launch.stdout().splitlines() == ["out of attempt 1", "out of attempt 2"]
+    assert [line for line in launch.stderr().splitlines() if "attempt" in line] == [
+        "err of attempt 1",
+        "err of attempt 2",
+    ]
 
 
 def _spares_of(launcher: int) -> list[int]:

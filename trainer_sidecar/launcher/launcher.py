@@ -225,15 +225,15 @@ class Launcher:
     """Runs ``command`` and restarts it in place on orders found in ``status_dir`` (module docstring).
 
     ``order_wait_seconds``: how long a failed worker's exit waits for an order before the launcher exits
-    with it (0: at once). ``warm``: keep a warm spare where the command allows one. ``output_fd``: where a
-    spare's script writes (a cold worker inherits the launcher's own standard output and error).
+    with it (0: at once). ``warm``: keep a warm spare where the command allows one. A worker, cold or in
+    the spare, writes its standard output to the launcher's own and its standard error through a pipe
+    the launcher copies to its own (keeping the end: the reason of a crash).
     """
 
     command: list[str]
     status_dir: Path
     order_wait_seconds: float = 0.0
     warm: bool = True
-    output_fd: int = 1
     executable: str = sys.executable
     attempt: int = 1
     _worker: _Process | None = None
@@ -385,9 +385,9 @@ class Launcher:
         spare, self._spare = self._spare, None
         if spare is not None and spare.process.alive and isinstance(self.plan, WarmStart):
             handoff = Handoff.for_command(self.plan, environment=env, cwd=None)
-            write_fd, tee = _tee(self.output_fd)
-            try:
-                send_handoff(spare.channel, handoff, write_fd)
+            write_fd, tee = _tee(2)
+            try:  # standard output and error as a cold worker has them (below)
+                send_handoff(spare.channel, handoff, 1, write_fd)
                 self._worker, self._worker_warm, self._output = spare.process, True, tee
             except OSError as exc:
                 self._note(f"attempt {self.attempt}: the warm spare could not be told ({exc}); starting cold")
