@@ -49,6 +49,8 @@ with record.open("a") as out:
                           "remediation": os.environ.get("TRAINGUARD_REMEDIATION"),
                           "kept": os.environ.get("KEPT")}) + "\\n")
 mode = sys.argv[1] if int(os.environ.get("TRAINGUARD_ATTEMPT", "1")) == 1 else sys.argv[2]
+print("out of attempt", os.environ.get("TRAINGUARD_ATTEMPT"), flush=True)
+print("err of attempt", os.environ.get("TRAINGUARD_ATTEMPT"), file=sys.stderr, flush=True)
 if mode == "sleep2exit1":
     time.sleep(2)
     sys.exit(1)
@@ -99,22 +101,18 @@ class Launch:
             ATTEMPT_ENV: "1",
         }
         flags = ["--order-wait-seconds", str(order_wait), *([] if spare else ["--no-spare"])]
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainer_sidecar.launcher.launcher",
-                *flags,
-                "--",
-                sys.executable,
-                str(script),
-                *modes,
-            ],
-            env=env,
-            cwd=tmp,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        # Files, not pipes: what the worker started may hold them open after the launcher's end.
+        self.stdout_file, self.stderr_file = tmp / "launcher.out", tmp / "launcher.err"
+        command = [sys.executable, "-m", "trainer_sidecar.launcher.launcher", *flags, "--"]
+        with self.stdout_file.open("wb") as out, self.stderr_file.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [*command, sys.executable, str(script), *modes],
+                env=env,
+                cwd=tmp,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def starts(self) -> list[dict[str, object]]:
         """The starts the worker recorded, oldest first."""
@@ -156,8 +154,10 @@ class Launch:
         )
 
     def stderr(self) -> str:
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read().decode()
+        return self.stderr_file.read_text()
+
+    def stdout(self) -> str:
+        return self.stdout_file.read_text()
 
 
 def wait_for(what: Callable[[], object], timeout: float = 60.0) -> object:
@@ -455,9 +455,23 @@ def test_an_attempt_after_the_worker_stepped_starts_in_a_warm_spare(launches: Ca
     assert isinstance(starts, list)
     assert starts[1]["pid"] == spares[0]  # the spare, started before the order, became attempt 2
     assert launch.state().warm
+    # Its standard output and error reach the launcher's own, apart, as the cold attempt 1's did.
+    wait_for(lambda: "err of attempt 2" in launch.stderr())
+    os.killpg(launch.proc.pid, signal.SIGKILL)
+    launch.proc.wait()
+    assert launch.stdout().splitlines() == ["out of attempt 1", "out of attempt 2"]
+    assert [line for line in launch.stderr().splitlines() if "attempt" in line] == [
+        "err of attempt 1",
+        "err of attempt 2",
+    ]
 
 
 def _spares_of(launcher: int) -> list[int]:
+    return _children_running(launcher, b"trainer_sidecar.guardian.spare")
+
+
+def _children_running(launcher: int, module: bytes) -> list[int]:
+    """The launcher's children whose command line names ``module``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -467,9 +481,68 @@ def _spares_of(launcher: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(stat.split(") ")[1].split()[1]) == launcher and b"trainer_sidecar.guardian.spare" in cmdline:
+        if int(stat.split(") ")[1].split()[1]) == launcher and module in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def _tree(launch: Launch) -> list[int]:
+    """Every process the worker's starts recorded: the worker, its child in its process group, and its
+    child in a session of its own."""
+    pids = [start[key] for start in launch.starts() for key in ("pid", "child", "escaped")]
+    assert all(isinstance(pid, int) for pid in pids)
+    return [int(str(pid)) for pid in pids]
+
+
+def _survivors(pids: list[int], timeout: float = 60.0) -> list[int]:
+    """``pids`` still alive after up to ``timeout`` seconds ([] as soon as none is)."""
+    deadline = time.monotonic() + timeout
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_a_launcher_killed_leaves_nothing_of_what_it_started_running(launches: Callable[..., Launch]) -> None:
+    """Outside a PID namespace (as here), SIGKILL of the launcher: its worker, the worker's child in its
+    process group and the one in a session of its own (as torchrun's workers) all end, and so does the
+    launcher's watchdog."""
+    launch = launches("hang", "unused")
+    wait_for(lambda: launch.starts())
+    watchdogs = _children_running(launch.proc.pid, b"trainer_sidecar.launcher.watchdog")
+    tree = _tree(launch)
+    assert [pid for pid in tree if alive(pid)] == tree
+    os.kill(launch.proc.pid, signal.SIGKILL)
+    assert launch.proc.wait(timeout=60) == -signal.SIGKILL
+    assert _survivors(tree) == []
+    assert len(watchdogs) == 1
+    assert _survivors(watchdogs) == []
+
+
+def test_a_hangup_stops_the_worker_as_sigterm_does_and_leaves_nothing_running(
+    launches: Callable[..., Launch],
+) -> None:
+    """SIGHUP (the launcher's terminal or session ended): the worker gets SIGTERM, its own stop runs,
+    the launcher exits with the worker's code, and nothing the worker started is left."""
+    launch = launches("graceful", "unused")
+    wait_for(lambda: launch.starts())
+    tree = _tree(launch)
+    os.kill(launch.proc.pid, signal.SIGHUP)
+    assert launch.proc.wait(timeout=60) == 0
+    assert launch.stops() == [tree[0]]  # the worker's SIGTERM handler ran
+    assert _survivors(tree) == []
+
+
+def test_a_launcher_killed_while_it_keeps_a_warm_spare_leaves_neither_running(
+    launches: Callable[..., Launch],
+) -> None:
+    launch = launches("step", "hang", spare=True)
+    wait_for(lambda: launch.starts())
+    wait_for(lambda: (s := launch.current()) and s.spare_ready, timeout=120)
+    spares = _spares_of(launch.proc.pid)
+    assert len(spares) == 1
+    os.kill(launch.proc.pid, signal.SIGKILL)
+    launch.proc.wait(timeout=60)
+    assert _survivors([*_tree(launch), *spares]) == []
 
 
 def test_a_spare_ready_after_the_worker_died_keeps_the_exit_reported_and_takes_the_order(

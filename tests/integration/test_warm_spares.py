@@ -79,7 +79,7 @@ def test_a_script_in_a_spare_sees_and_exits_exactly_as_a_cold_interpreter(tmp_pa
         given = Handoff.for_command(plan, environment=env, cwd=work)
         handoff = Handoff(given.environment, given.cwd, given.mode, given.target, (*given.argv, mode))
         with open(tmp_path / f"{mode}.warm.log", "wb") as out:
-            send_handoff(channel, handoff, out.fileno())
+            send_handoff(channel, handoff, out.fileno(), out.fileno())
         channel.close()
     for mode in MODES:
         with open(tmp_path / f"{mode}.cold.log", "wb") as out:
@@ -117,7 +117,7 @@ def test_a_spare_hands_over_with_the_import_graph_out_of_the_collectors_way(tmp_
         WarmStart(RunMode.PATH, "probe.py", ()), environment=dict(os.environ), cwd=tmp_path
     )
     with open(tmp_path / "warm.log", "wb") as out:
-        send_handoff(channel, handoff, out.fileno())
+        send_handoff(channel, handoff, out.fileno(), out.fileno())
     channel.close()
     assert proc.wait(timeout=120) == 0, (tmp_path / "spare.log").read_text()
     cold = subprocess.run(
@@ -149,7 +149,12 @@ def test_an_unhandled_exception_in_a_spare_is_a_crash_to_the_guardian_as_when_co
             proc, channel = start_spare(tmp_path, env, tmp_path / how / "spare.log")
             plan = WarmStart(RunMode.PATH, args[0], tuple(args[1:]))
             with open(log, "wb") as out:
-                send_handoff(channel, Handoff.for_command(plan, environment=env, cwd=tmp_path), out.fileno())
+                send_handoff(
+                    channel,
+                    Handoff.for_command(plan, environment=env, cwd=tmp_path),
+                    out.fileno(),
+                    out.fileno(),
+                )
             channel.close()
             exit_code = proc.wait(timeout=120)
         status = json.loads(status_file.read_text())
@@ -158,6 +163,117 @@ def test_an_unhandled_exception_in_a_spare_is_a_crash_to_the_guardian_as_when_co
     assert outcomes["cold"] == (1, outcomes["cold"][1], 8, True)
     assert outcomes["cold"][1] != "finished"
     assert outcomes["warm"] == outcomes["cold"]
+
+
+# A module (run as ``-m pkg.probe`` and as the script ``pkg/probe.py``) that says what a cold interpreter
+# sets up for its __main__, writes to both streams, and ends as its first argument says; its exit hook
+# pickles a class of __main__ and says what it finds then.
+MAIN_PROBE = """\
+import atexit, json, os, pickle, signal, sys, time
+
+class Thing:
+    pass
+
+def frames(tb):
+    found = []
+    while tb is not None:
+        found.append([os.path.basename(tb.tb_frame.f_code.co_filename), tb.tb_frame.f_code.co_name])
+        tb = tb.tb_next
+    return found
+
+def at_exit():
+    try:
+        pickled = type(pickle.loads(pickle.dumps(Thing()))).__qualname__
+    except Exception as exc:
+        pickled = repr(exc)
+    print(json.dumps({"pickled": pickled, "main_is_ours": sys.modules["__main__"].__dict__ is globals(),
+                      "last": type(getattr(sys, "last_value", None)).__name__,
+                      "last_frames": frames(getattr(sys, "last_traceback", None)),
+                      "hook_is_default": sys.excepthook is sys.__excepthook__}), flush=True)
+
+atexit.register(at_exit)
+main = sys.modules["__main__"]
+spec = main.__spec__
+print(json.dumps({"globals": sorted(globals()), "main_is_ours": main.__dict__ is globals(),
+                  "spec": spec and [spec.name, spec.origin, spec.parent], "file": __file__,
+                  "package": __package__, "loader": type(__loader__).__name__,
+                  "builtins": type(__builtins__).__name__, "argv": sys.argv, "orig_argv": sys.orig_argv[1:],
+                  "path0": sys.path[0], "cwd": os.getcwd()}), flush=True)
+print("to standard error", file=sys.stderr, flush=True)
+mode = sys.argv[1]
+if mode == "sigint":
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+if mode == "raise":
+    raise ValueError("boom")
+if mode == "exit3":
+    sys.exit(3)
+"""
+PACKAGE_INIT = """\
+import json, sys
+print(json.dumps({"package_argv": sys.argv, "main_then": sorted(vars(sys.modules["__main__"]))}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["module", "script"])
+@pytest.mark.parametrize("mode", ["ok", "sigint", "raise", "exit3"])
+def test_a_spare_is_a_cold_interpreter_to_main_both_streams_and_the_exit(
+    tmp_path: Path, how: str, mode: str
+) -> None:
+    """``python -m pkg.probe MODE`` and ``python pkg/probe.py MODE``, cold and in a spare: the same
+    standard output and, apart, the same standard error (tracebacks included, a KeyboardInterrupt's too),
+    the same exit (killed by SIGINT after the exit hooks for an interrupt), the same ``__main__`` (its
+    ``__spec__``, ``__file__``, globals, ``sys.argv``, ``sys.path[0]``), and an exit hook that pickles a
+    class of ``__main__`` finds it there."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    (work / "pkg").mkdir(parents=True)
+    elsewhere.mkdir()
+    (work / "pkg" / "__init__.py").write_text(PACKAGE_INIT)
+    (work / "pkg" / "probe.py").write_text(MAIN_PROBE)
+    plan = (
+        WarmStart(RunMode.MODULE, "pkg.probe", (mode,))
+        if how == "module"
+        else WarmStart(RunMode.PATH, "pkg/probe.py", (mode,))
+    )
+    command = [sys.executable, "-m", "pkg.probe", mode] if how == "module" else [
+        sys.executable, "pkg/probe.py", mode
+    ]  # fmt: skip
+    env = dict(os.environ)
+    spare, channel = start_spare(elsewhere, env, tmp_path / "spare.log")
+    outputs: dict[str, tuple[int, str, str]] = {}
+    for start in ("warm", "cold"):
+        out_path, err_path = tmp_path / f"{start}.out", tmp_path / f"{start}.err"
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            if start == "warm":
+                send_handoff(
+                    channel, Handoff.for_command(plan, environment=env, cwd=work), out.fileno(), err.fileno()
+                )
+                channel.close()
+                code = spare.wait(timeout=120)
+            else:
+                code = subprocess.run(
+                    command, cwd=work, env=env, stdout=out, stderr=err, timeout=120
+                ).returncode
+        outputs[start] = (code, out_path.read_text(), err_path.read_text())
+    spare_log = (tmp_path / "spare.log").read_text()
+    assert outputs["warm"] == outputs["cold"], spare_log
+    code, stdout, stderr = outputs["cold"]
+    expected = {"ok": 0, "sigint": -signal.SIGINT, "raise": 1, "exit3": 3}
+    assert code == expected[mode]
+    assert "to standard error" in stderr
+    assert "to standard error" not in stdout
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    seen, at_exit = lines[-2], lines[-1]
+    assert seen["main_is_ours"], seen
+    assert at_exit["main_is_ours"], at_exit
+    assert at_exit["pickled"] == "Thing", at_exit
+    if how == "module":
+        assert seen["spec"] == ["pkg.probe", str(work / "pkg" / "probe.py"), "pkg"]
+        assert lines[0]["package_argv"][0] == "-m"
+    if mode in ("sigint", "raise"):
+        assert "Traceback" in stderr
+        assert "trainer_sidecar" not in stderr, stderr  # none of the spare's frames
+        assert at_exit["last"] == ("ValueError" if mode == "raise" else "KeyboardInterrupt")
 
 
 # ------------------------------------------------------------------------------- trainguard run ---

@@ -76,24 +76,42 @@ def test_a_link_to_the_interpreter_is_the_same_interpreter(tmp_path: Path) -> No
     assert isinstance(plan_warm_start([str(link), "train.py"], PYTHON), WarmStart)
 
 
-def test_a_handoff_arrives_whole_with_its_descriptor(tmp_path: Path) -> None:
-    """An environment far larger than one read (a long PATH, settings JSON) still arrives whole."""
+def test_a_handoff_arrives_whole_with_its_two_descriptors(tmp_path: Path) -> None:
+    """An environment far larger than one read (a long PATH, settings JSON) still arrives whole, with
+    standard output and standard error as the two descriptors they were sent as."""
     handoff = Handoff(
         {"BIG": "x" * 300_000, "EMPTY": "", "ÜNICODE": "ü"}, "/w", RunMode.PATH, "t.py", ("t.py", "-a", "")
     )
     ours, theirs = socket.socketpair()
-    log = tmp_path / "log"
-    with ours, theirs, open(log, "wb") as out:
-        sender = threading.Thread(target=send_handoff, args=(ours, handoff, out.fileno()))
+    out_log, err_log = tmp_path / "out", tmp_path / "err"
+    with ours, theirs, open(out_log, "wb") as out, open(err_log, "wb") as err:
+        sender = threading.Thread(target=send_handoff, args=(ours, handoff, out.fileno(), err.fileno()))
         sender.start()  # more than the socket's buffer: the sender waits for the reader
         received = receive_handoff(theirs)
         sender.join()
     assert received is not None
-    got, fd = received
+    got, stdout_fd, stderr_fd = received
     assert got == handoff
-    os.write(fd, b"through the descriptor")
-    os.close(fd)
-    assert log.read_bytes() == b"through the descriptor"
+    os.write(stdout_fd, b"to standard output")
+    os.write(stderr_fd, b"to standard error")
+    os.close(stdout_fd)
+    os.close(stderr_fd)
+    assert (out_log.read_bytes(), err_log.read_bytes()) == (b"to standard output", b"to standard error")
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_handoff_without_exactly_two_descriptors_is_refused_and_closes_them(
+    tmp_path: Path, count: int
+) -> None:
+    ours, theirs = socket.socketpair()
+    body = Handoff({}, "/", RunMode.PATH, "t.py", ("t.py",)).to_bytes()
+    with open(tmp_path / "log", "wb") as out:
+        socket.send_fds(ours, [struct.pack("!I", len(body)) + body], [out.fileno()] * count)
+    ours.close()
+    before = len(os.listdir("/proc/self/fd"))
+    with theirs, pytest.raises(HandoffError, match="two descriptors"):
+        receive_handoff(theirs)
+    assert len(os.listdir("/proc/self/fd")) == before - 1  # the socket's own: none leaked
 
 
 def test_a_closed_channel_is_no_handoff() -> None:
@@ -106,7 +124,7 @@ def test_a_closed_channel_is_no_handoff() -> None:
 def test_a_message_cut_short_is_an_error_and_its_descriptor_is_closed(tmp_path: Path) -> None:
     ours, theirs = socket.socketpair()
     with open(tmp_path / "log", "wb") as out:
-        socket.send_fds(ours, [struct.pack("!I", 1000) + b"{"], [out.fileno()])
+        socket.send_fds(ours, [struct.pack("!I", 1000) + b"{"], [out.fileno(), out.fileno()])
     ours.close()
     before = len(os.listdir("/proc/self/fd"))
     with theirs, pytest.raises(HandoffError, match="cut short"):

@@ -8,7 +8,9 @@ Who sets what, and who reads it:
 * a sidecar's variables (``SidecarEnvironment``) are set by both runners from one builder and read by the
   sidecar (``trainer_sidecar.sidecar.server.load_settings``, where each also has a flag);
 * ``GANG_ENV`` and ``RUN_ENV`` mark the processes of a ``trainguard run`` so that it can find what a run
-  of the same checkpoint directory left behind (a kubelet has the pod's cgroup for that);
+  of the same checkpoint directory left behind (a kubelet has the pod's cgroup for that), and
+  ``LAUNCH_TREE_ENV`` the processes of a ``trainguard-launch``, so that its watchdog can end them if the
+  launcher is killed;
 * ``FAULTS_ENV`` is the user's own: fault injection for tests and drills (``guardian.faults``).
 
 A runner's variables replace any of the same name in the user's environment: the status path and the
@@ -55,6 +57,8 @@ POD_NAME_ENV = "TRAINGUARD_POD_NAME"
 # Set by ``trainguard run`` on every process it starts.
 GANG_ENV = "TRAINGUARD_GANG_ID"
 RUN_ENV = "TRAINGUARD_RUN_OF"
+# Set by ``trainguard-launch`` on every process it starts (random per launcher): what its watchdog ends.
+LAUNCH_TREE_ENV = "TRAINGUARD_LAUNCH_TREE"
 
 __all__ = [
     "ATTEMPT_ENV",
@@ -64,6 +68,7 @@ __all__ = [
     "HANG_TIMEOUT_ENV",
     "HANG_TIMEOUT_FLOOR_ENV",
     "JOB_NAME_ENV",
+    "LAUNCH_TREE_ENV",
     "LOCAL_RANKS_ENV",
     "NAMESPACE_ENV",
     "ORDER_SIGNING_KEY_ENV",

@@ -3,14 +3,15 @@
 ``trainguard run`` may keep, while an attempt trains, one pre-started interpreter per rank that has
 already imported torch (``trainer_sidecar.guardian.spare``). On a restart it hands each spare what a cold
 ``python script.py`` would have had: the attempt's environment, argv and working directory, and the
-attempt's log file as a descriptor (``SCM_RIGHTS``), in one message over a Unix socket. This module is
-both sides' agreement; it is torch-free, so the local runner can use it.
+descriptors a cold worker's standard output and error would have been (``SCM_RIGHTS``: two, even where
+both are the same file, as the local runner's log is), in one message over a Unix socket. This module
+is both sides' agreement; it is torch-free, so the local runner and the launcher can use it.
 
 - ``plan_warm_start`` says whether a worker command can run in a spare: only a plain ``python SCRIPT
   ...`` or ``python -m MODULE ...`` of the very interpreter the spare runs (no interpreter options, no
   ``-c``, no launcher, no shell script); otherwise it says why not, and the runner starts cold.
 - ``send_handoff`` / ``receive_handoff`` carry a ``Handoff``: a length-prefixed JSON object and, with its
-  first bytes, the descriptor that becomes the script's standard output and error.
+  first bytes, the two descriptors that become the script's standard output and standard error.
 - ``READY`` is the one byte a spare writes once its imports are done (so the runner can tell a warm
   spare from one still importing; a handoff to the latter still works, it only waits).
 """
@@ -154,26 +155,27 @@ class Handoff:
         return cls(dict(environment), directory, plan.mode, plan.target, (plan.target, *plan.args))
 
 
-def send_handoff(sock: socket.socket, handoff: Handoff, output_fd: int) -> None:
-    """Send ``handoff`` with ``output_fd`` (the script's stdout and stderr) over ``sock``; OSError if the
-    spare is gone."""
+def send_handoff(sock: socket.socket, handoff: Handoff, stdout_fd: int, stderr_fd: int) -> None:
+    """Send ``handoff`` with ``stdout_fd`` and ``stderr_fd`` (the script's standard output and error; the
+    same descriptor twice for one file) over ``sock``; OSError if the spare is gone."""
     body = handoff.to_bytes()
     data = _LENGTH.pack(len(body)) + body
-    sent = socket.send_fds(sock, [data], [output_fd])
+    sent = socket.send_fds(sock, [data], [stdout_fd, stderr_fd])
     if sent < len(data):
         sock.sendall(data[sent:])
 
 
-def receive_handoff(sock: socket.socket) -> tuple[Handoff, int] | None:
-    """The handoff and the output descriptor it carried; None when the runner closed the socket without
-    one (the spare is not needed). HandoffError for anything else than a whole message with one fd."""
+def receive_handoff(sock: socket.socket) -> tuple[Handoff, int, int] | None:
+    """The handoff and the standard output and error descriptors it carried; None when the runner closed
+    the socket without one (the spare is not needed). HandoffError for anything else than a whole message
+    with two descriptors (those that came are closed)."""
     data, fds, _, _ = socket.recv_fds(sock, 64 * 1024, 4)
     if not data and not fds:
         return None
-    if len(fds) != 1:
+    if len(fds) != 2:
         for fd in fds:
             os.close(fd)
-        raise HandoffError(f"handoff: expected one descriptor, got {len(fds)}")
+        raise HandoffError(f"handoff: expected two descriptors (standard output and error), got {len(fds)}")
     try:
         while len(data) < _LENGTH.size:
             data += _recv_some(sock)
@@ -183,9 +185,10 @@ def receive_handoff(sock: socket.socket) -> tuple[Handoff, int] | None:
         body = data[_LENGTH.size :]
         while len(body) < length:
             body += _recv_some(sock)
-        return Handoff.from_bytes(body[:length]), fds[0]
+        return Handoff.from_bytes(body[:length]), fds[0], fds[1]
     except BaseException:
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         raise
 
 

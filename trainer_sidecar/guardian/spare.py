@@ -9,18 +9,23 @@ writes ``READY`` and blocks on the channel. End of file means it is not needed: 
 that arrives broken exits 1 (a rank that never ran must not pass for one that finished).
 
 Given a ``Handoff`` (``trainer_sidecar.contract.handoff``) it becomes what a cold ``python SCRIPT ARGS``
-or ``python -m MODULE ARGS`` would have been: the descriptor it received becomes its standard output and
-error (the attempt's log), ``os.environ`` is replaced by the attempt's environment, it changes into the
-working directory, sets ``sys.argv`` and ``sys.path[0]`` as the interpreter does, and runs the script as
-``__main__``. Exits match a cold interpreter's: the ``SystemExit`` code, or 1 with the traceback (the
-spare's own frames left out) for an unhandled exception, with ``sys.last_value`` set first, as the
-guardian's exit hook expects (``guardian.ending``). Signals keep the interpreter's defaults (the guardian
-installs its SIGTERM handler over them as in a cold worker).
+or ``python -m MODULE ARGS`` would have been: the two descriptors it received become its standard output
+and standard error (what a cold worker's would have been: the runner's log for both, the launcher's own
+standard output and its standard error's pipe), ``os.environ`` is replaced by the attempt's environment,
+it changes into the working directory, sets ``sys.argv``, ``sys.orig_argv`` and ``sys.path[0]`` as the
+interpreter does, and runs the script as ``__main__``. Exits match a cold interpreter's: the
+``SystemExit`` code, or 1 with the traceback (the spare's own frames left out) for an unhandled
+exception, with ``sys.last_value`` set first, as the guardian's exit hook expects (``guardian.ending``);
+an unhandled KeyboardInterrupt is printed the same way and ends the interpreter by SIGINT after its exit
+hooks, as a cold one does. Signals keep the interpreter's defaults (the guardian installs its SIGTERM
+handler over them as in a cold worker).
 
-A script runs from its compiled source in a fresh ``__main__`` module that stays ``sys.modules
-["__main__"]`` to the end, as the interpreter runs it (``runpy.run_path`` would set ``sys.argv[0]`` to
-the absolute path and put the spare's module back as ``__main__`` before the interpreter's exit hooks);
-a module runs through ``runpy.run_module(..., alter_sys=True)``.
+Either way the script runs in a fresh ``__main__`` module that stays ``sys.modules["__main__"]`` to the
+end, exit hooks included (an ``atexit`` handler may pickle the script's classes by ``__main__``):
+``runpy.run_path`` and ``runpy.run_module(..., alter_sys=True)`` would put the spare's own module back
+when the script returns. A script runs from its compiled source, as the interpreter runs it; a module
+through ``runpy._run_module_as_main``, the function the interpreter's own ``-m`` calls (the traceback of
+an exception starts in its frames, as a cold ``-m`` run's does).
 """
 
 from __future__ import annotations
@@ -66,7 +71,6 @@ _MAX_SCRIPT_BYTES = 4 << 20
 # exits, as a cold interpreter keeps __main__ and the exception: the guardian's exit hook runs after the
 # script and must find the objects it holds weakly.
 _KEPT: list[object] = []
-_OWN_FILES = frozenset({__file__, runpy.run_module.__code__.co_filename})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     if received is None:  # closed without a handoff: not needed
         print("trainguard spare: not needed", file=sys.stderr, flush=True)
         sys.exit(0)
-    handoff, output = received
+    handoff, stdout_fd, stderr_fd = received
     channel.close()
-    become(handoff, output)
+    become(handoff, stdout_fd, stderr_fd)
     run(handoff)
 
 
@@ -175,38 +179,74 @@ def _installed(spec: importlib.machinery.ModuleSpec, own: list[Path]) -> bool:
     return bool(locations)
 
 
-def become(handoff: Handoff, output: int) -> None:
+def become(handoff: Handoff, stdout_fd: int, stderr_fd: int) -> None:
     """Take on the attempt's standard output and error, environment, working directory and argv."""
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    if output > 2:
-        os.close(output)
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    for fd in {stdout_fd, stderr_fd} - {1, 2}:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(handoff.environment)
     os.chdir(handoff.cwd)
-    sys.argv = list(handoff.argv)
+    args = list(handoff.argv[1:])
+    if handoff.mode is RunMode.MODULE:
+        # As the interpreter runs -m: "-m" while the module is found, its file once it runs (runpy).
+        sys.argv = ["-m", *args]
+        sys.orig_argv = [sys.orig_argv[0], "-m", handoff.target, *args]
+    else:
+        sys.argv = list(handoff.argv)
+        sys.orig_argv = [sys.orig_argv[0], *handoff.argv]
 
 
 def run(handoff: Handoff) -> None:
-    """Run the handed-off script or module as ``__main__``; exit as a cold interpreter would."""
+    """Run the handed-off script or module as ``__main__``; end as a cold interpreter would."""
     try:
         if handoff.mode is RunMode.MODULE:
-            sys.path[0] = os.getcwd()
-            _KEPT.append(runpy.run_module(handoff.target, run_name="__main__", alter_sys=True))
+            run_module(handoff.target)
         else:
             run_script(handoff.target)
     except SystemExit as exc:
         _KEPT.append(exc)
         raise
-    except KeyboardInterrupt:
-        raise  # the interpreter prints it and ends by SIGINT, as for a cold worker
+    except KeyboardInterrupt as exc:
+        _KEPT.append(exc)
+        interrupted(exc)
+        raise  # the interpreter ends by SIGINT after its exit hooks, as for a cold worker
     except BaseException as exc:
         _KEPT.append(exc)
         report_unhandled(exc)
         raise SystemExit(1) from None
+
+
+def _fresh_main() -> types.ModuleType:
+    """A new ``__main__`` module as the interpreter makes one, made ``sys.modules["__main__"]`` for good
+    (the spare's own module must not come back before the exit hooks, which may pickle the script's
+    classes by ``__main__``)."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = module
+    _KEPT.append(module)
+    return module
+
+
+def _set_path0(directory: str) -> None:
+    """``sys.path[0]`` as the interpreter sets it, where it sets one (not under ``-P``/``PYTHONSAFEPATH``,
+    which the spare, started with the attempt's environment, shares)."""
+    if not sys.flags.safe_path:
+        sys.path[0] = directory
+
+
+def run_module(target: str) -> None:
+    """Run the module ``target`` as ``python -m target`` does: through the very function the interpreter
+    calls (``runpy._run_module_as_main``: ``__spec__``, ``__file__``, ``sys.argv[0]`` the module's file,
+    the package imported first), in a fresh ``__main__``, with the working directory as ``sys.path[0]``."""
+    _set_path0(os.getcwd())
+    _fresh_main()
+    run_as_main = getattr(runpy, "_run_module_as_main")  # noqa: B009 - private, but what -m itself runs
+    run_as_main(target, alter_argv=True)
 
 
 def run_script(target: str) -> None:
@@ -220,32 +260,59 @@ def run_script(target: str) -> None:
         reason = f"[Errno {exc.errno}] {exc.strerror}"
         print(f"{sys.executable}: can't open file {path!r}: {reason}", file=sys.stderr)
         raise SystemExit(2) from None
-    sys.path[0] = os.path.dirname(os.path.realpath(path))
-    module = types.ModuleType("__main__")
-    namespace: dict[str, Any] = module.__dict__
+    _set_path0(os.path.dirname(os.path.realpath(path)))
+    namespace: dict[str, Any] = _fresh_main().__dict__
     namespace.update(
         __file__=path,
         __cached__=None,
-        __builtins__=builtins,
         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
     )
-    sys.modules["__main__"] = module
-    _KEPT.append(module)
     code = compile(source, path, "exec", dont_inherit=True)
     exec(code, namespace)
+
+
+def _without_own_frames(exc: BaseException) -> types.TracebackType | None:
+    """``exc``'s traceback from its first frame that is not the spare's (a cold ``-m`` run's traceback
+    starts in runpy, a script's in the script: what is left after the spare's frames, either way)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
+
+
+def _set_last(exc: BaseException, tb: types.TracebackType | None) -> None:
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
 
 
 def report_unhandled(exc: BaseException) -> None:
     """Print ``exc`` as the interpreter prints an unhandled exception, the spare's own frames left out,
     after setting ``sys.last_*`` as it does."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
-        tb = tb.tb_next
+    tb = _without_own_frames(exc)
     exc = exc.with_traceback(tb)
-    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
-    if sys.version_info >= (3, 12):
-        sys.last_exc = exc
+    _set_last(exc, tb)
     sys.excepthook(type(exc), exc, tb)
+
+
+def interrupted(exc: KeyboardInterrupt) -> None:
+    """Print a KeyboardInterrupt that ends the script as the interpreter would, then let it go on out.
+
+    A cold interpreter prints it through ``sys.excepthook`` (``sys.last_*`` set), runs its exit hooks,
+    and kills itself with SIGINT; the spare lets the interpreter do the last two by raising it again.
+    The interpreter prints it once more, with the spare's frames added back on the way out: the hook it
+    calls for that is swapped for one that prints nothing and puts ``sys.last_*``, the exception's
+    traceback and ``sys.excepthook`` back as they were after the first print.
+    """
+    report_unhandled(exc)
+    tb, hook = sys.last_traceback, sys.excepthook
+
+    def restore(kind: type[BaseException], value: BaseException, _: types.TracebackType | None) -> None:
+        value.with_traceback(tb)
+        _set_last(value, tb)
+        sys.excepthook = hook
+
+    sys.excepthook = restore
 
 
 if __name__ == "__main__":

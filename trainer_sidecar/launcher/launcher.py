@@ -18,7 +18,16 @@ stays for the container's life. What a restart in place needs from it:
   exits with the worker's code (128 + N for a signal, as a container shows it), so the pod fails as it
   would have without the launcher. A success is passed on at once.
 - **A stop is passed on.** SIGTERM or SIGINT to the launcher (the kubelet stopping the pod) is sent to
-  the worker's process group; the launcher exits with the worker's code once it has exited.
+  the worker's process group; the launcher exits with the worker's code once it has exited. SIGHUP (the
+  terminal or session the launcher was started from ending) stops the worker as SIGTERM does, SIGTERM
+  sent: a hangup asks the job to stop, and SIGTERM is what the guardian stops on at a step boundary,
+  where a hangup's default would kill the worker mid-step (as it would kill the launcher, the worker
+  left running).
+- **Its tree dies with it.** Every process it starts (the worker, the spare) is SIGKILLed by the kernel
+  when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``), and where the launcher is not PID 1
+  (outside a PID namespace of its own, whose end would end them all) a watchdog of its own session
+  (``trainer_sidecar.launcher.watchdog``) SIGKILLs what they started in turn, found by a marker in
+  their environment (``LAUNCH_TREE_ENV``).
 - **It is a good PID 1.** It reaps every child, the orphans the kernel gives it included. It is also a
   child subreaper (Linux's ``PR_SET_CHILD_SUBREAPER``) where it is not PID 1, so what a worker leaves
   behind becomes its child there too: a stopped attempt leaves nothing running, not even processes that
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -46,7 +56,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from trainer_sidecar.contract.env import ATTEMPT_ENV, STATUS_FILE_ENV
+from trainer_sidecar.contract.env import ATTEMPT_ENV, LAUNCH_TREE_ENV, STATUS_FILE_ENV
 from trainer_sidecar.contract.handoff import (
     Handoff,
     WarmStart,
@@ -67,11 +77,15 @@ from trainer_sidecar.contract.inplace import (
     read_order,
     write_launcher_state,
 )
-from trainer_sidecar.contract.prctl import PR_SET_CHILD_SUBREAPER, load_prctl
+from trainer_sidecar.contract.prctl import PR_SET_CHILD_SUBREAPER, die_with_parent, load_prctl
 from trainer_sidecar.contract.status import read_status
+from trainer_sidecar.launcher.watchdog import start_watchdog
 
 #: How often the launcher looks at its children and the order file.
 POLL_SECONDS = 0.05
+#: The signals that stop the launcher, and the one each is passed on to the worker as (module docstring).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORWARDED: dict[int, int] = {signal.SIGHUP: signal.SIGTERM}
 #: The exit codes of a shell that cannot run a command: not found, and found but not executable.
 NOT_FOUND, NOT_EXECUTABLE = 127, 126
 
@@ -225,15 +239,15 @@ class Launcher:
     """Runs ``command`` and restarts it in place on orders found in ``status_dir`` (module docstring).
 
     ``order_wait_seconds``: how long a failed worker's exit waits for an order before the launcher exits
-    with it (0: at once). ``warm``: keep a warm spare where the command allows one. ``output_fd``: where a
-    spare's script writes (a cold worker inherits the launcher's own standard output and error).
+    with it (0: at once). ``warm``: keep a warm spare where the command allows one. A worker, cold or in
+    the spare, writes its standard output to the launcher's own and its standard error through a pipe
+    the launcher copies to its own (keeping the end: the reason of a crash).
     """
 
     command: list[str]
     status_dir: Path
     order_wait_seconds: float = 0.0
     warm: bool = True
-    output_fd: int = 1
     executable: str = sys.executable
     attempt: int = 1
     _worker: _Process | None = None
@@ -255,6 +269,9 @@ class Launcher:
     _oom_killed: bool = False
     _memory_looked_at: float = float("-inf")
     _no_room: str = ""
+    _tree: str = field(default_factory=lambda: secrets.token_hex(8))
+    _watchdog_pid: int | None = None
+    _watchdog_fd: int = -1
 
     def __post_init__(self) -> None:
         self.plan: WarmStart | str = plan_warm_start(self.command, self.executable)
@@ -264,12 +281,14 @@ class Launcher:
     # ------------------------------------------------------------------------------- the loop ---
     def run(self) -> int:
         """Run the worker and every ordered restart until the launcher is done; its exit code."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
-        if os.getpid() != 1 and not become_subreaper():
-            self._note("not a child subreaper: what a stopped worker leaves outside its group may survive it")
-        self._start(dict(os.environ))
+        if os.getpid() != 1:
+            if not become_subreaper():
+                self._note("not a child subreaper: what a stopped worker leaves outside its group may go on")
+            self._start_watchdog()
         try:
+            self._start(dict(os.environ))
             while True:
                 self._reap()
                 if self._stop_signal is not None:
@@ -289,6 +308,18 @@ class Launcher:
                 # What the worker left ends with the launcher, as with a container.
                 _signal_group(self._worker.proc.pid, signal.SIGKILL)
                 self._sweep(timeout=2.0)
+            if self._watchdog_fd >= 0:  # its end of file: the watchdog sweeps what may be left, and exits
+                os.close(self._watchdog_fd)
+                self._watchdog_fd = -1
+
+    def _start_watchdog(self) -> None:
+        """Start the watchdog that ends this launcher's tree if the launcher is killed (module docstring)."""
+        try:
+            proc, self._watchdog_fd = start_watchdog(self._tree, self.executable)
+        except OSError as exc:
+            self._note(f"no watchdog ({exc}): what the worker starts may outlive a killed launcher")
+            return
+        self._watchdog_pid = proc.pid
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop_signal = signum
@@ -321,7 +352,7 @@ class Launcher:
         self._drop_spare()
         worker = self._worker
         if worker is not None and worker.alive:
-            _signal_group(worker.proc.pid, self._stop_signal)
+            _signal_group(worker.proc.pid, FORWARDED.get(self._stop_signal, self._stop_signal))
             while worker.alive:
                 time.sleep(POLL_SECONDS)
                 self._reap()
@@ -332,7 +363,15 @@ class Launcher:
 
     # ------------------------------------------------------------------------------- children ---
     def _spawn(self, argv: Sequence[str], env: dict[str, str], **options: Any) -> _Process:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, **options)
+        """Start a child in a session of its own that dies with the launcher (always spawned from the main
+        thread: the parent-death signal follows the thread that forked), marked as of its tree."""
+        proc = subprocess.Popen(
+            argv,
+            env={**env, LAUNCH_TREE_ENV: self._tree},
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+            **options,
+        )
         child = _Process(proc)
         self._children[proc.pid] = child
         return child
@@ -356,6 +395,8 @@ class Launcher:
         other sessions) but the spare, until none is left or ``timeout`` passed; a process killed here
         may leave orphans of its own, which become the launcher's next."""
         keep = {os.getpid()}
+        if self._watchdog_pid is not None:
+            keep.add(self._watchdog_pid)
         if self._spare is not None:
             keep.add(self._spare.process.proc.pid)
         deadline = time.monotonic() + timeout
@@ -385,9 +426,9 @@ class Launcher:
         spare, self._spare = self._spare, None
         if spare is not None and spare.process.alive and isinstance(self.plan, WarmStart):
             handoff = Handoff.for_command(self.plan, environment=env, cwd=None)
-            write_fd, tee = _tee(self.output_fd)
-            try:
-                send_handoff(spare.channel, handoff, write_fd)
+            write_fd, tee = _tee(2)
+            try:  # standard output and error as a cold worker has them (below)
+                send_handoff(spare.channel, handoff, 1, write_fd)
                 self._worker, self._worker_warm, self._output = spare.process, True, tee
             except OSError as exc:
                 self._note(f"attempt {self.attempt}: the warm spare could not be told ({exc}); starting cold")
@@ -543,7 +584,8 @@ class Launcher:
     # -------------------------------------------------------------------------------- the state ---
     def _note(self, message: str) -> None:
         """Say ``message`` on standard error and in the state file (republished as it is)."""
-        print(f"trainguard-launch: {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a standard error gone with its terminal (SIGHUP)
+            print(f"trainguard-launch: {message}", file=sys.stderr, flush=True)
         self._message = message
         if self._phase is not None:
             self._publish(self._phase, self._exit_code)

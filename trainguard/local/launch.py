@@ -14,20 +14,21 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
 from trainer_sidecar.contract.exitcodes import describe_exit, with_detail
-from trainer_sidecar.contract.prctl import PR_SET_PDEATHSIG, load_prctl
+from trainer_sidecar.contract.prctl import die_with_parent
+from trainer_sidecar.contract.procs import kill_marked as kill_marked
+from trainer_sidecar.contract.procs import marked_processes as marked_processes
 from trainer_sidecar.contract.status import parse_status
 
 #: Signals that stop a run like Ctrl-C; the exit code is 128 + the signal's number (130, 143, 129).
@@ -107,28 +108,6 @@ class StopSignals:
         self._armed = False
 
 
-# Looked up, and its arguments built, once in the parent: between fork and exec the child only makes
-# the call (no import, no allocation that could wait on a lock another thread of the parent held).
-_PRCTL = load_prctl()
-_PDEATHSIG_KILL = (
-    ctypes.c_int(PR_SET_PDEATHSIG),
-    ctypes.c_ulong(int(signal.SIGKILL)),
-    ctypes.c_ulong(0),
-    ctypes.c_ulong(0),
-    ctypes.c_ulong(0),
-)
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    def child_setup() -> None:
-        if _PRCTL is not None:
-            _PRCTL(*_PDEATHSIG_KILL)
-        if os.getppid() != parent:  # the parent died before the death signal was armed
-            os._exit(1)
-
-    return child_setup
-
-
 def spawn(
     argv: Sequence[str],
     *,
@@ -149,7 +128,7 @@ def spawn(
         pass_fds=tuple(pass_fds),
         text=text,
         start_new_session=True,
-        preexec_fn=_die_with(os.getpid()),
+        preexec_fn=die_with_parent(),
     )
 
 
@@ -157,45 +136,6 @@ def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
     """Send ``sig`` to the process group ``proc`` leads (its session: see ``spawn``); gone is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-"""Carried by every process of one attempt's gang, and inherited by their children."""
-
-"""Carried by every worker process ``trainguard run`` starts for one checkpoint directory, and inherited
-by their children: what finds the processes a runner killed with SIGKILL left behind."""
-
-
-def marked_processes(name: str, value: str) -> list[int]:
-    """The live processes (this one excepted) whose environment holds ``name=value``.
-
-    A launcher between the runner and the workers (torchrun) starts each worker in a session of its own,
-    so signalling the launcher's process group misses them, and the runner's parent-death signal reaches
-    only its own children. The environment a process was started with is inherited by everything it
-    starts, whatever session it is in."""
-    if not value:
-        return []
-    marker = f"{name}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = handle.read()
-        except OSError:  # gone, or not ours to read
-            continue
-        if marker in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
-
-
-def kill_marked(name: str, value: str) -> list[int]:
-    """SIGKILL every process ``marked_processes`` finds; the PIDs signalled."""
-    pids = marked_processes(name, value)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
 
 
 def resolve_command(command: Sequence[str], *, field: str, cwd: Path | None, path: str | None) -> list[str]:

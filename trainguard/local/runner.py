@@ -544,7 +544,8 @@ class LocalRunner(GangSupervisor):
         if not spare.is_warm():
             self.unready_handoffs += 1
         try:
-            send_handoff(spare.channel, handoff, log_file.fileno())
+            # Both to the log, as a cold worker's (its stderr=STDOUT): one file, two descriptors.
+            send_handoff(spare.channel, handoff, log_file.fileno(), log_file.fileno())
         except OSError as exc:
             log.warning("attempt %d: rank %d's spare could not be told (%s)", self.attempt, spare.rank, exc)
             return None

@@ -28,17 +28,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV
-from trainguard.local.launch import STOP_SIGNALS, kill_marked
+from trainer_sidecar.contract.procs import sweep_marked
+from trainguard.local.launch import STOP_SIGNALS
 
 #: How long the watchdog keeps sweeping for processes of a dead runner's gangs.
 SWEEP_SECONDS = 10.0
-_SWEEP_PAUSE = 0.05
-#: Sweeps in a row that found nothing before the watchdog believes the gangs are gone.
-_QUIET_SWEEPS = 3
 _DONE = "done"
 _GANG = "gang "
 
@@ -46,15 +43,7 @@ _GANG = "gang "
 def sweep(gangs: set[str], *, seconds: float = SWEEP_SECONDS) -> list[int]:
     """SIGKILL every process carrying one of the ``gangs`` markers until several sweeps in a row find none
     (or ``seconds`` passed); the PIDs killed."""
-    killed: list[int] = []
-    quiet = 0
-    deadline = time.monotonic() + seconds
-    while quiet < _QUIET_SWEEPS and time.monotonic() < deadline:
-        found = [pid for gang in sorted(gangs) for pid in kill_marked(GANG_ENV, gang)]
-        killed.extend(pid for pid in found if pid not in killed)
-        quiet = 0 if found else quiet + 1
-        time.sleep(_SWEEP_PAUSE)
-    return killed
+    return sweep_marked(GANG_ENV, gangs, seconds=seconds)
 
 
 def watch(stream: IO[bytes]) -> list[int]:
