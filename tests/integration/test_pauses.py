@@ -24,8 +24,11 @@ from tests.support import procs
 pytestmark = pytest.mark.slow
 
 
-def default_health_job(tmp_path: Path, args: list[str], *, faults: str = "", replicas: int = 2) -> Path:
-    """A job of ``replicas`` tiny_train workers with ``args``, with no health settings: the defaults."""
+def default_health_job(
+    tmp_path: Path, args: list[str], *, faults: str = "", replicas: int = 2, every_steps: int = 25
+) -> Path:
+    """A job of ``replicas`` tiny_train workers with ``args`` and a checkpoint every ``every_steps``, with
+    no health settings: the defaults."""
     document: dict[str, Any] = {
         "apiVersion": "trainguard.dev/v1alpha1",
         "kind": "GuardedTrainingJob",
@@ -44,7 +47,7 @@ def default_health_job(tmp_path: Path, args: list[str], *, faults: str = "", rep
                     ]
                 }
             },
-            "checkpoint": {"claimName": "ckpt", "everySteps": 25, "snapshotEverySteps": 25},
+            "checkpoint": {"claimName": "ckpt", "everySteps": every_steps, "snapshotEverySteps": 25},
             "recovery": {"maxRestarts": 2, "backoffSeconds": [1]},
         },
     }
@@ -78,18 +81,21 @@ def test_a_20_s_epoch_start_at_every_epoch_trains_to_success(tmp_path: Path) -> 
 def test_steps_grown_300x_train_to_success_and_a_hang_after_them_is_caught_within_30_s(
     tmp_path: Path,
 ) -> None:
-    """Steps of 0.05 s for 200 steps (the warm-up), then two steps of 15 s of compute in the forward pass
-    (300x), then fast steps again until rank 1 hangs in its forward pass (the ``hang`` fault sleeps):
-    the long steps cost nothing, the hang is caught within 30 s of its last step, and the job ends."""
-    args = ["--steps", "300", "--step-sleep", "0.05", "--long-steps-from", "200", "--long-steps", "2",
+    """Steps of 0.05 s, then from step 290 two steps of 15 s of compute in the forward pass (300x), then
+    fast steps again until rank 1 hangs in its forward pass at step 340 (the ``hang`` fault sleeps). The
+    checkpoint at step 200 is far enough before the switch that a run resumed from it has learned its
+    pace again when it comes (as on main, where every attempt was killed there). The long steps cost
+    nothing, and the hang is caught at the learned timeout, within 30 s of its last step."""
+    args = ["--steps", "380", "--step-sleep", "0.05", "--long-steps-from", "290", "--long-steps", "2",
             "--long-step-seconds", "15"]  # fmt: skip
-    code, summary, output = run(tmp_path, default_health_job(tmp_path, args, faults="hang@260:1"))
+    job_file = default_health_job(tmp_path, args, faults="hang@340:1", every_steps=100)
+    code, summary, output = run(tmp_path, job_file)
     assert code == 0, output
     assert summary["result"] == "succeeded", summary
     (restart,) = summary["restarts"]
     assert "rank 1 hung" in restart["reason"], restart
     assert "learned from its pace, at most 300 s" in restart["reason"], restart  # not the ceiling
     assert restart["last_step"] is not None, restart
-    assert restart["last_step"] > 201, restart
+    assert restart["last_step"] > 291, restart
     assert restart["detect_seconds"] <= 30, restart
-    assert summary["final_step"] == 300
+    assert summary["final_step"] == 380
