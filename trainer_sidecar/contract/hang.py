@@ -14,6 +14,10 @@ A gap counts only when it began while the worker was running: a busy section (de
 evaluation the guardian inferred from the model's eval mode), a rollback and the start are declared
 pauses with their own allowance (the startup grace, a section's own bound) and are never step gaps; their
 end is progress, so the next gap starts there.
+A pause longer than anything seen before is, to this rule, a hang. So what the guardian can see for what
+it is, a long fetch from its loader or a long step whose thread keeps computing, is declared as such a
+pause as well, long before the deadline (``trainer_sidecar.guardian.pauses``): the rule only judges the
+pauses no one can tell from a hang.
 
 The worker's numbers only ever make the sidecar's verdict **stricter**, never looser (the sidecar
 distrusts what a worker writes; see ``trainer_sidecar.sidecar.health``): the deadline is at most the

@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,6 +69,14 @@ from trainer_sidecar.guardian.judge import (
     judge_step,
 )
 from trainer_sidecar.guardian.localize import NaNLocator
+from trainer_sidecar.guardian.pauses import (
+    PauseChange,
+    PauseKind,
+    PauseLook,
+    ThreadClock,
+    pause_change,
+    pause_threshold,
+)
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
@@ -302,6 +311,10 @@ class Guardian:
         self._evaluation: tuple[object, StepProgress] | None = None
         self._trains_in_eval_mode = False
         self._train_mode_seen = time.time()  # the watch's last look that found the model in train mode
+        # A pause the watch sees (``guardian.pauses``): its section's token, the progress it began at and
+        # its kind; and the training thread's CPU clock (set when the loop begins).
+        self._pause: tuple[object, StepProgress, PauseKind] | None = None
+        self._thread_clock: ThreadClock | None = None
         self._stop = STOP
         self._holding_stop = False
         self.checkpoint_dir = config.checkpoint_dir
@@ -334,7 +347,8 @@ class Guardian:
         self.phase = Phase.RUNNING
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
-        self._reporter.watch_activity(lambda: self.phase, look=self._watch_evaluation)
+        self._thread_clock = ThreadClock(threading.get_ident())  # the training thread calls _begin
+        self._reporter.watch_activity(lambda: self.phase, look=self._watch_training_thread)
         arm_at_exit(self._at_exit)
 
     # ---------------------------------------------------------------------------------------- busy ---
@@ -365,6 +379,50 @@ class Guardian:
 
     def _step_progress(self) -> StepProgress:
         return (self.counters.step, self.counters.iterations)
+
+    def _watch_training_thread(self, period: float) -> float | None:
+        """The activity watch's look (every ``period``, from its own thread): an evaluation inferred from
+        the model's eval mode (``_watch_evaluation``), else a pause the guardian can see
+        (``_watch_pause``); one implicit section at a time. Returns when the status changed, or None."""
+        share = None if self._thread_clock is None else self._thread_clock.share()  # sampled every look
+        if self._pause is None:
+            changed = self._watch_evaluation(period)
+            if changed is not None or self._evaluation is not None:
+                return changed
+        return self._watch_pause(share)
+
+    def _watch_pause(self, cpu_share: float | None) -> float | None:
+        """Open or close the section of a pause the guardian can see (``guardian.pauses``: a long fetch
+        from its loader, a long step computing): the pause is no hang and no step gap. Returns when the
+        status changed (unix seconds: a section opens as of the pause's start, so the gap it ends is not
+        the watch's delay), or None."""
+        progress = self._step_progress()  # first: a step after this makes the section stale, not missed
+        activity, since = self._activity.current
+        now, age = time.time(), time.monotonic() - self._busy.last_progress
+        look = PauseLook(self.phase, activity, now - since, age, cpu_share)
+        opened = self._pause
+        change = pause_change(
+            None if opened is None else opened[2],
+            opened is not None and progress != opened[1],
+            look,
+            pause_threshold(self._reporter.pace.longest),
+        )
+        if change in (PauseChange.BEGIN_DATA, PauseChange.BEGIN_COMPUTING):
+            kind = PauseKind.DATA if change is PauseChange.BEGIN_DATA else PauseKind.COMPUTING
+            self._pause = (self._busy.enter_implicit(kind.value, progress), progress, kind)
+            return since if kind is PauseKind.DATA else now - age
+        if opened is None or change is PauseChange.NONE:
+            return None
+        self._pause = None
+        self._busy.leave(opened[0])
+        if (
+            change is PauseChange.END
+            and self.phase is Phase.RUNNING
+            and self._busy.since is None
+            and self.last_step_time is not None
+        ):
+            self.last_step_time = now  # the end of the pause is progress (see ``busy``)
+        return now
 
     def _watch_evaluation(self, period: float) -> float | None:
         """Open or close the implicit evaluation section (``busy.evaluation_change``); called by the
@@ -650,6 +708,7 @@ class Guardian:
         mark = self._mark
         while self.counters.step < max_steps:
             yielded = False
+            mark(Activity.DATA)  # an epoch's start (a shuffle, the loader's workers) is the loader's too
             batches = iter(loader)
             while True:
                 mark(Activity.DATA)

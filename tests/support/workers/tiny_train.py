@@ -20,6 +20,7 @@ native decoder), every time it is loaded, and every sample take ``--sample-secon
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -115,6 +116,19 @@ def pause(seconds: float, until: Path | None) -> None:
         time.sleep(0.05)
 
 
+def slow_start(seconds: float, worker_id: int) -> None:
+    """A loader worker's ``worker_init_fn`` that takes ``seconds`` (an epoch's slow start)."""
+    time.sleep(seconds)
+
+
+def compute_for(seconds: float) -> None:
+    """Keep the CPU busy for ``seconds`` with real tensor work (a forward pass grown long)."""
+    ends = time.monotonic() + seconds
+    a = torch.full((64, 64), 0.01)
+    while time.monotonic() < ends:
+        a = torch.tanh(a @ a + 0.01)
+
+
 def main() -> int:
     """Train for --steps steps under the guardian and report."""
     parser = argparse.ArgumentParser()
@@ -134,6 +148,16 @@ def main() -> int:
         help="the busy pause is an evaluation as real loops write it: model.eval() ... model.train(), no "
         "guardian.busy",
     )
+    parser.add_argument(
+        "--epoch-start-seconds",
+        type=float,
+        default=0.0,
+        help="guardian.run gets a torch DataLoader with one worker whose worker_init_fn takes this long: "
+        "every epoch starts this much later",
+    )
+    parser.add_argument("--long-steps-from", type=int, default=-1, help="steps from here compute long")
+    parser.add_argument("--long-steps", type=int, default=1, help="how many steps compute long")
+    parser.add_argument("--long-step-seconds", type=float, default=0.0, help="their forward's compute")
     parser.add_argument("--loop", choices=("run", "steps", "own", "dowhile"), default="run")
     parser.add_argument("--declare-max", action="store_true", help="Guardian(..., max_steps=--steps)")
     parser.add_argument("--raise-after-loop", action="store_true")
@@ -161,13 +185,25 @@ def main() -> int:
         model, optimizer, scheduler=scheduler, max_steps=args.steps if args.declare_max else None
     )
     samples = make_dataset(args.samples, args.seed)
-    poisoned = SegfaultingDataset(samples, args.sample_seconds)
-    dataset = poisoned if args.segfault_at_batch >= 0 else samples
-    loader = guardian.loader(
-        dataset, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers
-    )
-    if args.segfault_at_batch >= 0:  # set before the workers start (they fork at the first batch)
-        poisoned.poisoned = loader.batch_indices(0, args.segfault_at_batch)[-1]
+    if args.epoch_start_seconds:
+        slow: torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor]] = torch.utils.data.DataLoader(
+            samples,  # type: ignore[arg-type]  # a list of samples is a map-style dataset
+            batch_size=args.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=1,
+            worker_init_fn=functools.partial(slow_start, args.epoch_start_seconds),
+        )
+        loader = guardian.loader(slow, seed=args.seed)
+    else:
+        poisoned = SegfaultingDataset(samples, args.sample_seconds)
+        dataset = poisoned if args.segfault_at_batch >= 0 else samples
+        loader = guardian.loader(
+            dataset, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers
+        )
+        if args.segfault_at_batch >= 0:  # set before the workers start (they fork at the first batch)
+            poisoned.poisoned = loader.batch_indices(0, args.segfault_at_batch)[-1]
+    long_steps = range(args.long_steps_from, args.long_steps_from + args.long_steps)
     if args.loop != "run":
         own_loop(guardian, model, iter(loader_batches(loader)), args.loop, args.steps)
         if args.raise_after_loop:
@@ -180,6 +216,8 @@ def main() -> int:
         return 0
     statuses: list[dict[str, object]] = []
     for x, y in guardian.run(loader, max_steps=args.steps):
+        if guardian.step_count in long_steps:
+            compute_for(args.long_step_seconds)
         loss = torch.nn.functional.mse_loss(model(x), y)
         guardian.step(loss)
         if args.statuses is not None:
