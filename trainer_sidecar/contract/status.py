@@ -119,6 +119,10 @@ class Activity(StrEnum):
     #: In a collective of the guardian's (the step's all-reduce, an agreement, a barrier): it returns
     #: only once every rank has entered it.
     COLLECTIVE = "collective"
+    #: Waiting for a collective the guardian did not issue: the loop's own ``torch.distributed`` call
+    #: (an all-reduce of its metrics, its model's or optimizer's), seen where the host blocks, in its
+    #: work's ``wait()`` (``trainer_sidecar.guardian.collectives``).
+    LOOP_COLLECTIVE = "loop_collective"
     #: Opening, loading or saving a checkpoint.
     CHECKPOINT = "checkpoint"
     #: Inside ``Guardian.busy`` (an evaluation, a save of the loop's own).
