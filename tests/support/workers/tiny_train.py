@@ -10,7 +10,10 @@ batches, counted by ``guardian.steps``), ``own`` (a counter of its own, ``while 
 ``dowhile`` (nanoGPT's ``iter_num += 1; if iter_num > steps: break``); the last two never call
 ``guardian.finish()``, as a loop that forgot it. ``--declare-max`` gives ``Guardian(max_steps=...)``;
 ``--raise-after-loop`` ends in an unhandled exception after the loop; ``--raise-at STEP`` raises one (the
-same every time: a deterministic bug) once the guardian's step count reaches STEP.
+same every time: a deterministic bug) once the guardian's step count reaches STEP. ``--count-samples``
+all-reduces each batch's sample count before its forward pass (a collective of the loop's own, as loops
+that weigh their loss by the gang's samples do); ``--stall-at STEP`` makes rank ``--stall-rank`` stop in
+its own loop code at that step, before that all-reduce, for an hour (a hang that is not the guardian's).
 """
 
 from __future__ import annotations
@@ -116,6 +119,11 @@ def main() -> int:
     parser.add_argument("--raise-after-loop", action="store_true")
     parser.add_argument("--raise-at", type=int, default=-1, help="raise an exception at this step")
     parser.add_argument("--statuses", type=Path, help="write the status after every step to DIR/rank<R>.json")
+    parser.add_argument("--count-samples", action="store_true", help="all-reduce each batch's sample count")
+    parser.add_argument(
+        "--stall-at", type=int, default=-1, help="at this step, --stall-rank stops in the loop"
+    )
+    parser.add_argument("--stall-rank", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -149,6 +157,11 @@ def main() -> int:
         return 0
     statuses: list[dict[str, object]] = []
     for x, y in guardian.run(loader, max_steps=args.steps):
+        if guardian.step_count == args.stall_at and guardian.rank == args.stall_rank:
+            time.sleep(3600)  # stuck in the loop's own code, before its collective
+        if args.count_samples and distributed:
+            samples = torch.tensor([len(x)])
+            dist.all_reduce(samples)  # the loop's own collective: the gang's samples of this step
         loss = torch.nn.functional.mse_loss(model(x), y)
         guardian.step(loss)
         if args.statuses is not None:
