@@ -177,6 +177,20 @@ def test_a_hang_names_the_rank_stuck_in_its_own_work_not_the_rank_that_waited_fo
     assert "ranks 0, 1 hung" not in reason, reason
 
 
+def test_a_hang_beside_the_loops_own_collective_names_the_rank_in_its_own_work(tmp_path: Path) -> None:
+    """Issue 42: the loop all-reduces its sample count before each forward pass; rank 1 stops in its own
+    loop code before it, and rank 0 waits for it in that all-reduce, not in any collective of the
+    guardian's. The guardian sees the loop's collective wait: rank 1 is named, rank 0 as waiting."""
+    extra = ("--count-samples", "--stall-at", "12", "--stall-rank", "1")
+    recovery = {"maxRestarts": 0, "backoffSeconds": [1]}
+    code, summary, output = run(tmp_path, job(tmp_path, steps=30, recovery=recovery, extra_args=extra))
+    assert code == 1, output
+    reason = summary["reason"]
+    assert re.search(r"last: rank 1 hung at step \d+ in its own work \(the loop", reason), reason
+    assert "rank 0 waited for it in a collective of the loop's (torch.distributed)" in reason, reason
+    assert "rank 0 hung" not in reason, reason
+
+
 def test_a_hang_is_caught_at_the_learned_timeout_far_below_hang_timeout_seconds(tmp_path: Path) -> None:
     """hangTimeoutSeconds at its default (300 s), steps of 0.1 s with a checkpoint every 5: once the warm-up
     has passed (20 published gaps, about 10 s), a hung rank is caught at the learned timeout (the 5 s

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -611,9 +613,9 @@ def test_a_running_rank_in_its_own_work_is_the_likely_cause_of_peers_waiting_for
         ),
     )
     assert (decision.failure, decision.rank) == (FailureKind.HANG, 1)
-    assert "rank 0 hung waiting in a collective" in decision.reason
-    assert "the likely cause is rank 1 (pod w-1 on node n7), in its own work (fetching the next batch)" in (
-        decision.reason
+    assert decision.reason == (
+        "rank 1 (pod w-1 on node n7) hung in its own work (fetching the next batch): its own liveness had "
+        "not failed yet, rank 0's had (no step for 31 s); rank 0 waited for it in a collective"
     )
 
 
@@ -632,9 +634,10 @@ def test_under_ddp_a_running_rank_in_its_forward_is_the_likely_cause_of_a_peer_h
         ),
     )
     assert (decision.failure, decision.rank) == (FailureKind.HANG, 1)
-    assert decision.reason.startswith(
-        "rank 0 hung at step 40 in the backward pass, waiting for its peers: no step for 6.1 s; the likely "
-        "cause is rank 1 (pod w-1 on node n7), in its own work (the loop: next batch or forward pass)"
+    assert decision.reason == (
+        "rank 1 (pod w-1 on node n7) hung at step 40 in its own work (the loop: next batch or forward pass): "
+        "its own liveness had not failed yet, rank 0's had (no step for 6.1 s); rank 0 waited for it in the "
+        "backward pass"
     ), decision.reason
 
 
@@ -797,3 +800,247 @@ def test_a_cut_cause_is_the_same_only_as_far_as_it_is_whole_and_long_enough() ->
     assert not same_cause(text[:1000], text[:1100])  # neither was cut: two texts
     assert not same_cause(text[:150] + "...", text[:160] + "...")  # too little to tell
     assert not same_cause(text[:900], text[:1000] + "...")  # whole, and shorter than the cut one
+
+
+# --- The culprit is named first, whichever rank's verdict or exit reached the executor first ---
+
+#: The first rank a reason names: "rank 3 hung ...", "ranks 0, 1 hung ...".
+FIRST_NAMED = re.compile(r"^ranks? (\d+)")
+#: The ranks a reason names as waiting for the culprit: "ranks 0, 2 waited for it in a collective".
+WAITED = re.compile(r"(ranks? (?:\d+, )*\d+) waited for it")
+OWN_WORK_ACTIVITIES = [Activity.LOOP, Activity.DATA, Activity.STEP, Activity.CHECKPOINT, Activity.BUSY]
+WAITING_ACTIVITIES = [Activity.COLLECTIVE, Activity.LOOP_COLLECTIVE]
+
+
+def first_named(reason: str) -> int:
+    found = FIRST_NAMED.match(reason)
+    assert found is not None, reason
+    return int(found.group(1))
+
+
+def named_waiting(reason: str) -> set[int]:
+    return {int(n) for group in WAITED.findall(reason) for n in re.findall(r"\d+", group)}
+
+
+def test_a_hang_whose_waiting_ranks_verdict_fired_first_names_the_culprit_first() -> None:
+    # Issue 40: hang@290:0 of the demo model, 2 ranks, DDP. Rank 0 hangs in its forward pass; rank 1 waits
+    # for its gradients in the backward pass, and rank 1's sidecar fires first.
+    decision = decide(
+        RECOVERY,
+        Observation(
+            attempt=1,
+            step=290,
+            ranks=[
+                running(0, alive=True, step=290, activity=Activity.LOOP, place="pod w-0 on node n1"),
+                running(1, alive=False, reason="no step for 6.1 s", step=290, activity=Activity.BACKWARD),
+            ],
+        ),
+    )
+    assert (decision.failure, decision.rank) == (FailureKind.HANG, 0)
+    assert decision.reason == (
+        "rank 0 (pod w-0 on node n1) hung at step 290 in its own work (the loop: next batch or forward "
+        "pass): its own liveness had not failed yet, rank 1's had (no step for 6.1 s); rank 1 waited for it "
+        "in the backward pass"
+    )
+
+
+def test_a_hang_whose_culprits_verdict_fired_first_names_the_ranks_still_waiting_after_it() -> None:
+    decision = decide(
+        RECOVERY,
+        Observation(
+            attempt=1,
+            step=290,
+            ranks=[
+                running(0, alive=False, reason="no step for 6.3 s", step=290, activity=Activity.LOOP),
+                running(1, alive=True, step=290, activity=Activity.BACKWARD),
+                running(2, alive=True, step=290, activity=Activity.LOOP_COLLECTIVE),
+                running(3, alive=True, step=290, activity=Activity.LOOP),  # neither hung nor waiting
+            ],
+        ),
+    )
+    assert decision.rank == 0
+    assert decision.reason == (
+        "rank 0 hung at step 290 in its own work (the loop: next batch or forward pass): no step for 6.3 s; "
+        "rank 1 waited for it in the backward pass; rank 2 waited for it in a collective of the loop's "
+        "(torch.distributed)"
+    )
+
+
+def test_a_rank_in_its_own_work_beside_ranks_in_the_loops_own_collective_is_the_culprit() -> None:
+    # Issue 42: the loop all-reduces its sample count before each forward; rank 1 hangs in its own work,
+    # rank 0 waits in that all-reduce. Both verdicts fired.
+    decision = decide(
+        RECOVERY,
+        Observation(
+            attempt=1,
+            step=60,
+            ranks=[
+                running(
+                    0, alive=False, reason="no step for 5.2 s", step=60, activity=Activity.LOOP_COLLECTIVE
+                ),
+                running(1, alive=False, reason="no step for 5.0 s", step=60, activity=Activity.LOOP),
+            ],
+        ),
+    )
+    assert decision.rank == 1
+    assert decision.reason == (
+        "rank 1 hung at step 60 in its own work (the loop: next batch or forward pass): no step for 5.0 s; "
+        "rank 0 waited for it in a collective of the loop's (torch.distributed)"
+    )
+
+
+def test_every_rank_in_a_collective_names_the_one_chosen_first_and_the_others_after() -> None:
+    decision = decide(
+        RECOVERY,
+        gang(
+            running(0, alive=False, reason="no step for 31 s", step=12, activity=Activity.COLLECTIVE),
+            running(1, alive=False, reason="no step for 30 s", step=11, activity=Activity.LOOP_COLLECTIVE),
+        ),
+    )
+    assert decision.rank == 1  # the lowest step
+    assert decision.reason == (
+        "rank 1 hung waiting in a collective of the loop's (torch.distributed): no step for 30 s; rank 0 "
+        "too, every one waiting in a collective (for a peer that is gone, or the network)"
+    )
+
+
+def test_a_peer_lost_or_hung_is_named_before_the_rank_whose_collective_broke_for_losing_it() -> None:
+    gone = running(0, exit_code=1, ended_at=10.0, reason=GLOO_PEER_GONE)
+    lost = decide(RECOVERY, gang(gone, running(1, alive=None, lost=True, reason="node n2 lost")))
+    assert (lost.failure, lost.rank) == (FailureKind.LOST, 1)
+    assert lost.reason == "rank 1 lost: node n2 lost; rank 0 crashed after losing it as a peer"
+    hung = decide(
+        RECOVERY, gang(gone, running(1, alive=False, reason="no step for 31 s", activity=Activity.DATA))
+    )
+    assert (hung.failure, hung.rank) == (FailureKind.HANG, 1)
+    assert hung.reason == (
+        "rank 1 hung in its own work (fetching the next batch): no step for 31 s; rank 0 crashed after "
+        "losing it as a peer"
+    )
+
+
+def test_crashes_told_apart_by_a_signal_alone_name_the_killed_rank_first() -> None:
+    # No ending times: the kill by a signal is what tells them apart, and the killed rank is named first.
+    decision = decide(RECOVERY, gang(running(0, exit_code=1), running(1, exit_code=137)))
+    assert decision.rank == 1
+    assert decision.reason == "rank 1 crashed: killed by signal 9; rank 0 too"
+
+
+def test_crashes_nothing_tells_apart_name_every_rank_lowest_first() -> None:
+    decision = decide(RECOVERY, gang(running(0, exit_code=1), running(1, exit_code=1)))
+    assert decision.rank == 0
+    assert decision.reason == "ranks 0, 1 crashed: exited with code 1"
+
+
+@st.composite
+def hang_shapes(draw: st.DrawFn) -> tuple[list[RankObservation], int]:
+    """A gang of 2 to 6 where one rank stopped in its own work (or its backward pass) and the others wait
+    for it (in a collective, or in the backward pass when the culprit is in its own work); any non-empty
+    set of them has been judged hung by its sidecar (the rest: alive, or not judged yet)."""
+    size = draw(st.integers(2, 6))
+    culprit = draw(st.integers(0, size - 1))
+    own = draw(st.sampled_from([*OWN_WORK_ACTIVITIES, Activity.BACKWARD]))
+    waits = WAITING_ACTIVITIES + ([Activity.BACKWARD] if own is not Activity.BACKWARD else [])
+    fired = draw(st.sets(st.integers(0, size - 1), min_size=1))
+    step = draw(st.integers(0, 400))
+    ranks = [
+        RankObservation(
+            rank=r,
+            alive=False if r in fired else draw(st.sampled_from([True, None])),
+            reason=f"no step for {5 + r} s" if r in fired else "",
+            step=step,
+            activity=own if r == culprit else draw(st.sampled_from(waits)),
+            activity_since=draw(st.floats(0, 10)),
+            place=draw(st.sampled_from(["", f"pod w-{r} on node n{r}"])),
+        )
+        for r in range(size)
+    ]
+    return draw(st.permutations(ranks)), culprit
+
+
+@settings(max_examples=400)
+@given(shape=hang_shapes())
+def test_a_hangs_culprit_is_named_first_whichever_sidecars_fired_and_every_waiter_after_it(
+    shape: tuple[list[RankObservation], int],
+) -> None:
+    ranks, culprit = shape
+    decision = decide(RECOVERY, Observation(attempt=1, ranks=ranks, step=7))
+    assert (decision.failure, decision.rank) == (FailureKind.HANG, culprit), decision.reason
+    assert decision.reason.startswith(f"rank {culprit} "), decision.reason
+    assert " hung at step 7 " in decision.reason.split(";")[0], decision.reason
+    assert named_waiting(decision.reason) == {r.rank for r in ranks if r.rank != culprit}, decision.reason
+
+
+@st.composite
+def crash_shapes(draw: st.DrawFn) -> tuple[list[RankObservation], int]:
+    """A gang of 2 to 6 where one rank crashed (raised, or was killed) and each other rank either crashed
+    for losing it as a peer (before or after the culprit's end reached the executor), was judged hung in a
+    collective, or still runs waiting in one."""
+    size = draw(st.integers(2, 6))
+    culprit = draw(st.integers(0, size - 1))
+    ended = draw(st.floats(0, 10))
+    ranks = []
+    for r in range(size):
+        if r == culprit:
+            code = draw(st.sampled_from([1, 137, -9]))
+            ranks.append(RankObservation(rank=r, exit_code=code, alive=None, reason="", ended_at=ended))
+            continue
+        shape = draw(st.sampled_from(["lost it", "hung", "waiting"]))
+        activity = draw(st.sampled_from([*WAITING_ACTIVITIES, None]))
+        if shape == "lost it":
+            at = draw(st.one_of(st.none(), st.floats(0, 10)))
+            ranks.append(
+                RankObservation(
+                    rank=r, exit_code=1, alive=None, reason=GLOO_PEER_GONE, ended_at=at, activity=activity
+                )
+            )
+        else:
+            alive = shape != "hung"
+            ranks.append(RankObservation(rank=r, alive=alive, reason="no step for 9 s", activity=activity))
+    return draw(st.permutations(ranks)), culprit
+
+
+@settings(max_examples=300)
+@given(shape=crash_shapes())
+def test_a_crashs_culprit_is_named_first_whatever_its_peers_reported_first(
+    shape: tuple[list[RankObservation], int],
+) -> None:
+    ranks, culprit = shape
+    decision = decide(RECOVERY, gang(*ranks))
+    assert (decision.failure, decision.rank) == (FailureKind.CRASH, culprit), decision.reason
+    assert decision.reason.startswith(f"rank {culprit} crashed"), decision.reason
+    if any(r.exit_code == 1 and r.rank != culprit for r in ranks):
+        assert "too (after losing it as a peer)" in decision.reason, decision.reason
+
+
+gang_states = st.builds(
+    RankObservation,
+    rank=st.integers(0, 7),
+    exit_code=st.one_of(st.none(), st.sampled_from([0, 1, 2, 3, 137, -9])),
+    alive=st.one_of(st.none(), st.booleans()),
+    reason=st.sampled_from(["", "no step for 31 s", GLOO_PEER_GONE]),
+    diverged=st.booleans(),
+    lost=st.booleans(),
+    ended_at=st.one_of(st.none(), st.integers(0, 3).map(float)),
+    step=st.one_of(st.none(), st.integers(10, 13)),
+    activity=activities,
+    activity_since=st.one_of(st.none(), st.integers(0, 3).map(float)),
+)
+
+
+@settings(max_examples=500)
+@given(
+    ranks=st.lists(gang_states, min_size=1, max_size=6, unique_by=lambda r: r.rank),
+    order=st.randoms(use_true_random=False),
+)
+def test_the_first_rank_any_failures_reason_names_is_the_rank_the_decision_blames(
+    ranks: list[RankObservation], order: Any
+) -> None:
+    decision = decide(RECOVERY, gang(*ranks))
+    shuffled = list(ranks)
+    order.shuffle(shuffled)
+    assert decide(RECOVERY, gang(*shuffled)) == decision  # the order ranks are listed in changes nothing
+    if decision.failure is None or decision.action is Action.WAIT:
+        return
+    assert decision.rank is not None
+    assert first_named(decision.reason) == decision.rank, decision.reason

@@ -103,9 +103,11 @@ class Activity(StrEnum):
 
     What a hang of the gang is read from: among ranks that stopped stepping, one in its own work is the
     cause and those in a collective wait for it (``trainguard.core.policy``). The guardian knows its own
-    calls only: under DistributedDataParallel the gradient all-reduce runs inside ``backward`` (a rank in
-    backward may be waiting for a peer's gradients), and under FSDP the forward pass all-gathers
-    parameters (a rank in ``loop`` may be waiting for a peer that never started its forward).
+    calls, and the waits of the collectives the loop calls through torch.distributed on its thread where
+    the host blocks in them (``LOOP_COLLECTIVE``): under DistributedDataParallel the gradient all-reduce
+    runs inside ``backward``, in C++ (a rank in backward may be waiting for a peer's gradients), and under
+    NCCL a collective's wait returns before the GPU is done, so a rank in ``loop`` may be waiting at the
+    loop's next host sync (FSDP's forward all-gather, the loop's own all-reduce).
     """
 
     #: The training loop's own code between the guardian's calls: the next batch, the forward pass.
@@ -119,6 +121,10 @@ class Activity(StrEnum):
     #: In a collective of the guardian's (the step's all-reduce, an agreement, a barrier): it returns
     #: only once every rank has entered it.
     COLLECTIVE = "collective"
+    #: Waiting for a collective the guardian did not issue: the loop's own ``torch.distributed`` call
+    #: (an all-reduce of its metrics, its model's or optimizer's), seen where the host blocks, in its
+    #: work's ``wait()`` (``trainer_sidecar.guardian.collectives``).
+    LOOP_COLLECTIVE = "loop_collective"
     #: Opening, loading or saving a checkpoint.
     CHECKPOINT = "checkpoint"
     #: Inside ``Guardian.busy`` (an evaluation, a save of the loop's own).

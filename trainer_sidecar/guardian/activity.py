@@ -3,9 +3,11 @@
 The guardian marks an ``Activity`` at its own calls (the backward pass, the step's collective, a
 checkpoint, a busy section, the loop's code in between); what is marked is published with the status
 (``StatusReporter``), so that a rank waiting in a collective is told apart from one stuck in its own work
-(``trainguard.core.policy``). The same marks sum the time spent in the rank's own work (``own``), from
-which a step's compute is read (``trainer_sidecar.contract.compute``). Marking must cost nothing a step
-can measure: a comparison, and on a change a clock reading, an addition and two stores.
+(``trainguard.core.policy``); the waits of the loop's own torch.distributed collectives are marked too
+(``trainer_sidecar.guardian.collectives``). The same marks sum the time spent in the rank's own work
+(``own``), from which a step's compute is read (``trainer_sidecar.contract.compute``). Marking must
+cost nothing a step can measure: a comparison, and on a change a clock reading, an addition and two
+stores.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ OWN_WORK = frozenset({Activity.LOOP, Activity.DATA, Activity.BACKWARD, Activity.
 class ActivityTracker:
     """Where the training thread is, and since when (unix seconds): ``current`` is one tuple, replaced
     whole, so another thread reads a consistent pair. ``mark`` costs a comparison, and a clock reading
-    when the activity changes. ``own`` is the seconds spent in ``OWN_WORK`` up to the last change
-    (written by the training thread alone)."""
+    when the activity changes. ``own`` is the seconds spent in ``OWN_WORK`` before the current activity
+    began, less the waits inside it since (``resume``); written by the training thread alone."""
 
     __slots__ = ("current", "own")
 
@@ -46,3 +48,17 @@ class ActivityTracker:
                 self.own += now - since
             self.current = (activity, now)
         return previous
+
+    def resume(self, entry: tuple[Activity, float]) -> None:
+        """Go back to ``entry`` (``current`` as read before a wait inside it: the activity and its start
+        as they were), the time since it was left not counted as its own work: the activity goes on from
+        its old start (a loop's code that waited in a collective of its own), and ``mark`` counts from
+        that start again when it leaves it, less the wait."""
+        activity, since = entry
+        left, left_since = self.current
+        now = time.time()
+        if left in OWN_WORK:
+            self.own += now - left_since
+        if activity in OWN_WORK:
+            self.own -= now - since
+        self.current = entry

@@ -51,6 +51,8 @@ from trainer_sidecar.guardian.busy import (
     evaluation_change,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
+from trainer_sidecar.guardian.collectives import unwatch as unwatch_collectives
+from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
@@ -256,6 +258,7 @@ class Guardian:
         # Where the training thread is: marked at the guardian's calls, published with the status.
         self._activity = ActivityTracker(Activity.CHECKPOINT)
         self._mark = self._activity.mark
+        self._collectives: object = None  # the watch of the loop's collectives (``_begin``)
         # Each step's own compute (the marks' sum of own work between boundaries), kept in memory.
         self._compute = ComputeWindow(config.settings.compute_window_steps)
         self.gang = replace(Gang.current(), tracker=self._activity)
@@ -345,6 +348,8 @@ class Guardian:
         if self.gang.distributed:
             self._busy.watch_peers(self.rank, self._peer_changed)
         self.phase = Phase.RUNNING
+        # The loop's own torch.distributed collectives, from here on, mark their waits on this thread.
+        self._collectives = watch_collectives(self._activity)
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
         self._thread_clock = ThreadClock(threading.get_ident())  # the training thread calls _begin
@@ -1596,6 +1601,7 @@ class Guardian:
         """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
         evaluation the watch inferred and still holds open (the peers would read this rank busy on)."""
         disarm_at_exit(self._at_exit)
+        unwatch_collectives(self._collectives)
         if self._holding_stop:
             self._holding_stop = False
             self._stop.release()

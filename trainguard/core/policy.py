@@ -8,14 +8,17 @@ Idempotence: an observation names the attempt it was made in and the last attemp
 already acted on. A failure of an attempt that was already handled yields WAIT, so an operator that
 restarts in the middle of a recovery does not restart the gang twice.
 
-Attribution: when several ranks have failed by the time the executor looks, the decision names one. A
-misconfigured, fenced or diverged rank comes before a crashed one, a crash before a lost or hung rank;
-among ranks failing alike, the one that ended first (then one killed by a signal; then, by their
-activity, one that was in its own work before one in a collective; then the lowest rank), since a rank
-whose peer died usually exits 1 from the collective a moment later.
+Attribution: when several ranks have failed by the time the executor looks, the decision names one, and
+its reason names that rank first ("rank C ..."; "ranks A, B ..." only when nothing tells them apart, the
+lowest blamed), the ranks that waited for it or failed with it after. A misconfigured, fenced or diverged
+rank comes before a crashed one, a crash before a lost or hung rank; among ranks failing alike, the one
+that ended first (then one killed by a signal; then, by their activity, one that was in its own work
+before one in a collective; then the lowest rank), since a rank whose peer died usually exits 1 from the
+collective a moment later.
 
 A crash whose reason says a peer's connection went away (gloo's "Connection closed by peer", NCCL's
-remote error: ``lost_a_peer``) is an effect, named only when no rank failed otherwise. Each pod's end
+remote error: ``lost_a_peer``) is an effect, named only when no rank failed otherwise (a peer lost or
+hung is named first, and the crash after it: "rank 0 crashed after losing it as a peer"). Each pod's end
 reaches the executor on its own, so the effect is often seen before its cause: while every failure seen
 is such an effect and another rank still runs, the decision is WAIT for up to
 ``PEER_FAILURE_GRACE_SECONDS`` after the effect ended (``Observation.now``, on the clock of
@@ -26,23 +29,28 @@ Hangs are read from where each rank's guardian last said its training thread was
 (``RankObservation.activity``, the status contract's ``Activity``). A gang steps in lockstep: when one
 rank stops, the others stop in their next collective and look hung too. Among hung ranks the cause is
 one in its own work (the loop's code, the data, the guardian's step, a checkpoint, a busy section), then
-one in its backward pass, then one that reported nothing, and last one waiting in a collective; among
-equals the lowest step, then the one that entered its activity first, then the lowest rank. The reason
-names it, its place when the executor knows it (pod, node), and the ranks that waited for it ("rank 1
-hung at step 15 in its own work (the loop: next batch or forward pass): ...; rank 0 waited for it in a
-collective"). When every hung rank is waiting in a collective, a running rank that reports its own work
-(or its backward pass) is what they wait for (its liveness may merely not have failed yet): it is named
-the likely cause; so is a running rank in its own work when the hung ranks are in their backward pass
-(under DDP they wait there for its gradients). When
-they all wait and no such rank exists, the lowest step (then the earliest, then the lowest rank) is
-named, and the reason says they were all waiting. A gang that reports no activity (workers older than
-the field) is named as before: every hung rank, lowest first.
+one in its backward pass, then one that reported nothing, and last one waiting in a collective (the
+guardian's, or one the loop called through torch.distributed); among equals the lowest step, then the
+one that entered its activity first, then the lowest rank. The reason names it first, its place when the
+executor knows it (pod, node), then the ranks that waited for it ("rank 1 hung at step 15 in its own
+work (the loop: next batch or forward pass): ...; rank 0 waited for it in a collective"), hung or still
+running. When every hung rank is waiting in a collective, a running rank that reports its own work (or
+its backward pass) is what they wait for (its liveness may merely not have failed yet: each sidecar
+times its own rank, so the waiting rank's verdict often fires first); so is a running rank in its own
+work when the hung ranks are in their backward pass (under DDP they wait there for its gradients). It is
+named first all the same ("rank 1 hung at step 40 in its own work (...): its own liveness had not failed
+yet, rank 0's had (...); rank 0 waited for it in the backward pass"). When they all wait and no such rank
+exists, the lowest step (then the earliest, then the lowest rank) is named, and the reason says they
+were all waiting. A gang that reports no activity (workers older than the field) is named as before:
+every hung rank, lowest first.
 
-What the guardian can and cannot tell apart: it marks its own calls only. Under DistributedDataParallel
-the gradient all-reduce runs inside the backward pass, so a rank in backward may be computing or waiting
-for a peer's gradients: a rank stuck in its own forward pass never reaches backward and is told apart
-(loop before backward), but two ranks both in backward are not (the step, the time, the rank decide).
-Under FSDP the forward pass all-gathers parameters: a rank waiting there reads as the loop's own work.
+What the guardian can and cannot tell apart: it marks its own calls, and the waits of the collectives
+the loop calls through torch.distributed where the host blocks in them (gloo; a barrier). Under
+DistributedDataParallel the gradient all-reduce runs inside the backward pass (in C++), so a rank in
+backward may be computing or waiting for a peer's gradients: a rank stuck in its own forward pass never
+reaches backward and is told apart (loop before backward), but two ranks both in backward are not (the
+step, the time, the rank decide). Under NCCL a collective's wait returns before the GPU finished it, and
+the host waits at the loop's next host sync: a rank waiting so reads as its own work.
 
 Stragglers: a running gang whose view names a straggler (``Observation.straggler``, from
 ``trainguard.core.straggler``) is restarted only under ``health.straggler.action: restart`` and while
@@ -326,12 +334,16 @@ def killed_by_signal(exit_code: int | None) -> bool:
 
 _NEVER = float("inf")
 
+#: The activities in which a rank waits for its peers in a collective: the guardian's own, and one the
+#: loop (its model, its optimizer) called through torch.distributed.
+WAITING = frozenset({Activity.COLLECTIVE, Activity.LOOP_COLLECTIVE})
+
 
 def waiting_order(activity: Activity | None) -> int:
     """How much an activity says a rank waits for its peers (0: its own work; 1: the backward pass, which
     under DDP holds the gradient all-reduce; 2: not reported; 3: a collective): the lower, the likelier
     the rank is a hang's cause."""
-    if activity is Activity.COLLECTIVE:
+    if activity in WAITING:
         return 3
     if activity is None:
         return 2
@@ -382,20 +394,21 @@ def _awaiting_the_cause(
     return abs(observation.now - min(ended)) < PEER_FAILURE_GRACE_SECONDS
 
 
-def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[int, bool, float, bool, int, int]:
-    # A rank that says it lost a peer comes after one that does not, whenever each ended.
+def _root_cause_order(kind: FailureKind, rank: RankObservation) -> tuple[bool, int, float, bool, int, int]:
+    # A rank that says it lost a peer comes after every rank that failed otherwise (a peer lost, hung,
+    # diverged: that is what it lost), whenever each ended.
     # Among ranks failing alike, the one that ended first is the cause, its peers' failures the effect
     # (a rank whose peer vanished exits 1 from the collective). Ending times may tie (a container's is
     # in whole seconds): then a rank killed by a signal (OOM, a liveness kill) is the likelier cause than
     # one that exited by itself; then one that was in its own work than one in a collective; then the
     # lowest rank. The signal comes first: a killed rank could not publish where it was (its activity is
-    # stale), and a peer waiting in a collective the guardian does not see (FSDP's all-gather in the
-    # forward pass) reads as its own work.
+    # stale), and a peer waiting in a collective the guardian does not see (under NCCL the host waits at
+    # the loop's next host sync, not in the collective) reads as its own work.
     ended = rank.ended_at if rank.ended_at is not None else _NEVER
     evidence = waiting_order(rank.activity)
     return (
-        _PRIORITY.index(kind),
         lost_a_peer(rank.reason),
+        _PRIORITY.index(kind),
         ended,
         not killed_by_signal(rank.exit_code),
         evidence,
@@ -417,6 +430,7 @@ _DOING = {
     Activity.BACKWARD: "the backward pass",
     Activity.STEP: "the guardian's step",
     Activity.COLLECTIVE: "a collective",
+    Activity.LOOP_COLLECTIVE: "a collective of the loop's (torch.distributed)",
     Activity.CHECKPOINT: "a checkpoint",
     Activity.BUSY: "a busy section",
 }
@@ -445,16 +459,21 @@ def _where(rank: RankObservation) -> str:
         return ""
     if rank.activity is Activity.BACKWARD:
         return " in its backward pass"
-    if rank.activity is Activity.COLLECTIVE:
-        return " waiting in a collective"
+    if rank.activity in WAITING:
+        return f" waiting in {_DOING[rank.activity]}"
     return f" in its own work ({_DOING[rank.activity]})"
 
 
+def _named(rank: RankObservation) -> str:
+    """ "rank N", with its place when the executor knows it."""
+    return f"rank {rank.rank} ({rank.place})" if rank.place else f"rank {rank.rank}"
+
+
 def _waited(culprit: RankObservation, others: Sequence[RankObservation]) -> str:
-    """The other hung ranks, by what they were doing: waiting for ``culprit``, or hung too."""
+    """The other ranks, by what they were doing: waiting for ``culprit``, or hung too."""
     groups: dict[str, list[int]] = {}
     for other in others:
-        if other.activity is Activity.COLLECTIVE or (
+        if other.activity in WAITING or (
             other.activity is Activity.BACKWARD and waiting_order(culprit.activity) == 0
         ):
             words = f"waited for it in {_DOING[other.activity]}"
@@ -466,45 +485,96 @@ def _waited(culprit: RankObservation, others: Sequence[RankObservation]) -> str:
     return "; ".join(f"{_ranks(sorted(ranks))} {words}" for words, ranks in groups.items())
 
 
+def _running_cause(first: RankObservation, ranks: Sequence[RankObservation]) -> RankObservation | None:
+    """A rank still running that the hung ranks wait for, when the first of them (``first``) waits: one
+    further from a collective than it is, whose liveness may merely not have failed yet (each sidecar times
+    its own rank). Waiting in a collective: a peer in its own work or its backward pass; in the backward
+    pass (under DDP the gradient all-reduce): a peer in its own work, which never reached its own."""
+    if not (first.activity in WAITING or first.activity is Activity.BACKWARD):
+        return None
+    closer = min(2, waiting_order(first.activity))
+    running = [
+        r for r in ranks if classify(r) is None and r.exit_code is None and waiting_order(r.activity) < closer
+    ]
+    return min(running, key=_hang_order) if running else None
+
+
+def _waiting_for(
+    culprit: RankObservation, hung: Sequence[RankObservation], ranks: Sequence[RankObservation]
+) -> list[RankObservation]:
+    """The ranks a hang's reason names after its culprit: the other hung ranks, and the ranks still running
+    that already wait for it (in a collective; in the backward pass, for a culprit in its own work)."""
+    waits = waiting_order(culprit.activity) == 0
+    running = [
+        r
+        for r in ranks
+        if r.rank != culprit.rank
+        and classify(r) is None
+        and r.exit_code is None
+        and (r.activity in WAITING or (waits and r.activity is Activity.BACKWARD))
+    ]
+    return [r for r in hung if r.rank != culprit.rank] + running
+
+
 def _hang_reason(
-    culprit: RankObservation,
-    hung: Sequence[RankObservation],
-    ranks: Sequence[RankObservation],
-    at: str,
-    what: str,
+    hung: Sequence[RankObservation], ranks: Sequence[RankObservation], at: str
 ) -> tuple[RankObservation, str]:
-    """The rank a hang is blamed on and the reason, when some hung rank reported its activity."""
-    others = [r for r in hung if r is not culprit]
-    if culprit.activity in (Activity.COLLECTIVE, Activity.BACKWARD):
-        # A peer still running is what the hung ranks wait for when it is further from a collective
-        # than they are: its liveness may merely not have failed yet (each sidecar times its own rank).
-        # Waiting in a collective: a peer in its own work or its backward pass; in the backward pass
-        # (under DDP the gradient all-reduce): a peer in its own work, which never reached its own.
-        closer = min(2, waiting_order(culprit.activity))
-        running = [
-            r
-            for r in ranks
-            if classify(r) is None and r.exit_code is None and waiting_order(r.activity) < closer
-        ]
-        if running:
-            cause = min(running, key=_hang_order)
-            place = f" ({cause.place})" if cause.place else ""
-            waiting = _ranks(sorted(r.rank for r in hung))
-            where = (
-                "waiting in a collective" if closer == 2 else "in the backward pass, waiting for its peers"
-            )
-            return cause, (
-                f"{waiting} hung{at} {where}: {what}; the likely cause is rank "
-                f"{cause.rank}{place},{_where(cause)} and not stepping"
-            )
-    if culprit.activity is Activity.COLLECTIVE:
-        return culprit, (
-            f"{_ranks(sorted(r.rank for r in hung))} hung{at}, every one waiting in a collective (for a "
-            f"peer that is gone, or the network): {what}"
-        )
-    place = f" ({culprit.place})" if culprit.place else ""
-    reason = f"rank {culprit.rank}{place} hung{at}{_where(culprit)}: {what}"
-    return culprit, reason + (f"; {_waited(culprit, others)}" if others else "")
+    """The rank a hang is blamed on and the reason, when some hung rank reported its activity: the culprit
+    first ("rank C hung at step S in ..."), then the ranks that waited for it."""
+    first = min(hung, key=_hang_order)
+    what = first.reason or "hung"
+    culprit = _running_cause(first, ranks) or first
+    if culprit is first and first.activity in WAITING:
+        every = "every one waiting in a collective (for a peer that is gone, or the network)"
+        others = [r for r in hung if r is not first]
+        if not others:
+            return first, f"{_named(first)} hung{at}{_where(first)}, {every}: {what}"
+        too = _ranks(sorted(r.rank for r in others))
+        return first, f"{_named(first)} hung{at}{_where(first)}: {what}; {too} too, {every}"
+    if culprit is not first:
+        # Named first all the same; the verdict that fired first is a waiting rank's, and said so.
+        what = f"its own liveness had not failed yet, rank {first.rank}'s had ({what})"
+    reason = f"{_named(culprit)} hung{at}{_where(culprit)}: {what}"
+    waiting = _waiting_for(culprit, hung, ranks)
+    return culprit, reason + (f"; {_waited(culprit, waiting)}" if waiting else "")
+
+
+def _failure_reason(
+    kind: FailureKind, rank: RankObservation, failures: Sequence[tuple[FailureKind, RankObservation]], at: str
+) -> str:
+    """The reason of a failure other than a hang read from activities: the rank blamed first ("rank C
+    crashed first at step S: ..."), then the ranks that failed alike; "ranks A, B ..." (lowest first, the
+    one blamed) only when nothing tells them apart."""
+    what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
+    waited = [r for k, r in failures if k is kind and r is not rank]
+    if not waited:
+        return f"rank {rank.rank} {_VERBS[kind]}{at}: {what}"
+    key = _root_cause_order(kind, rank)[:-1]
+    peers_lost = not lost_a_peer(rank.reason) and any(lost_a_peer(r.reason) for r in waited)
+    if rank.ended_at is None and all(_root_cause_order(kind, r)[:-1] == key for r in waited):
+        return f"{_ranks(sorted([rank.rank, *(r.rank for r in waited)]))} {_VERBS[kind]}{at}: {what}"
+    ended = rank.ended_at
+    first = ended is not None and all(r.ended_at is None or ended <= r.ended_at for r in waited)
+    note = ""
+    if peers_lost:
+        note = " (after losing it as a peer)"
+    elif all(r.activity in WAITING for r in waited):
+        note = " (in a collective its exit broke)"
+    verb = _VERBS[kind] + (" first" if first else "")
+    return f"rank {rank.rank} {verb}{at}: {what}; {_ranks(sorted(r.rank for r in waited))} too{note}"
+
+
+def _lost_it(
+    kind: FailureKind, rank: RankObservation, failures: Sequence[tuple[FailureKind, RankObservation]]
+) -> str:
+    """The ranks that crashed for losing the blamed rank as a peer, when it failed otherwise (a crash's
+    reason names its own alike)."""
+    if kind is FailureKind.CRASH:
+        return ""
+    lost = sorted(
+        r.rank for k, r in failures if k is FailureKind.CRASH and r is not rank and lost_a_peer(r.reason)
+    )
+    return f"; {_ranks(lost)} crashed after losing it as a peer" if lost else ""
 
 
 def _straggler_decision(
@@ -569,31 +639,15 @@ def decide(
 
     kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
     hung = [r for k, r in failures if k is FailureKind.HANG]
-    if kind is FailureKind.HANG and any(r.activity is not None for r in hung):
-        rank = min(hung, key=_hang_order)
-    what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
-    alike = sorted(r.rank for k, r in failures if k is kind)
-    others = [r for r in alike if r != rank.rank]
     at = f" at step {observation.step}" if observation.step is not None else ""
     if kind is FailureKind.HANG and any(r.activity is not None for r in hung):
-        rank, reason = _hang_reason(rank, hung, observation.ranks, at, what)
-    elif not others:
-        reason = f"rank {rank.rank} {_VERBS[kind]}{at}: {what}"
+        first = min(hung, key=_hang_order)
+        what = first.reason or _VERBS[kind]
+        rank, reason = _hang_reason(hung, observation.ranks, at)
     else:
-        waited = [r for k, r in failures if k is kind and r is not rank]
-        peers_lost = not lost_a_peer(rank.reason) and any(lost_a_peer(r.reason) for r in waited)
-        if rank.ended_at is None and not peers_lost:
-            reason = f"{_ranks(alike)} {_VERBS[kind]}{at}: {what}"  # nothing tells them apart
-        else:
-            ended = rank.ended_at
-            first = ended is not None and all(r.ended_at is None or ended <= r.ended_at for r in waited)
-            note = ""
-            if peers_lost:
-                note = " (after losing it as a peer)"
-            elif all(r.activity is Activity.COLLECTIVE for r in waited):
-                note = " (in a collective its exit broke)"
-            verb = _VERBS[kind] + (" first" if first else "")
-            reason = f"rank {rank.rank} {verb}{at}: {what}; {_ranks(others)} too{note}"
+        what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
+        reason = _failure_reason(kind, rank, failures, at)
+    reason += _lost_it(kind, rank, failures)
     failed = Decision(
         Action.FAIL,
         reason,

@@ -14,7 +14,10 @@ same every time: a deterministic bug) once the guardian's step count reaches STE
 loads the data in N DataLoader worker processes; ``--segfault-at-batch B`` makes the worker that loads
 this rank's batch B of the first epoch die by SIGSEGV at its last sample (a corrupt sample crashing a
 native decoder), every time it is loaded, and every sample take ``--sample-seconds`` to load in a worker
-(the data is what the loop waits for, so the crash reaches it at step B).
+(the data is what the loop waits for, so the crash reaches it at step B). ``--count-samples``
+all-reduces each batch's sample count before its forward pass (a collective of the loop's own, as loops
+that weigh their loss by the gang's samples do); ``--stall-at STEP`` makes rank ``--stall-rank`` stop in
+its own loop code at that step, before that all-reduce, for an hour (a hang that is not the guardian's).
 """
 
 from __future__ import annotations
@@ -166,6 +169,11 @@ def main() -> int:
     parser.add_argument("--segfault-at-batch", type=int, default=-1, help="its loader worker dies (SIGSEGV)")
     parser.add_argument("--sample-seconds", type=float, default=0.02, help="per sample, with the above")
     parser.add_argument("--statuses", type=Path, help="write the status after every step to DIR/rank<R>.json")
+    parser.add_argument("--count-samples", action="store_true", help="all-reduce each batch's sample count")
+    parser.add_argument(
+        "--stall-at", type=int, default=-1, help="at this step, --stall-rank stops in the loop"
+    )
+    parser.add_argument("--stall-rank", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
@@ -218,6 +226,11 @@ def main() -> int:
     for x, y in guardian.run(loader, max_steps=args.steps):
         if guardian.step_count in long_steps:
             compute_for(args.long_step_seconds)
+        if guardian.step_count == args.stall_at and guardian.rank == args.stall_rank:
+            time.sleep(3600)  # stuck in the loop's own code, before its collective
+        if args.count_samples and distributed:
+            gang_samples = torch.tensor([len(x)])
+            dist.all_reduce(gang_samples)  # the loop's own collective: the gang's samples of this step
         loss = torch.nn.functional.mse_loss(model(x), y)
         guardian.step(loss)
         if args.statuses is not None:
