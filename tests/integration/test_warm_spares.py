@@ -239,6 +239,12 @@ def test_a_spare_is_a_cold_interpreter_to_main_both_streams_and_the_exit(
         sys.executable, "pkg/probe.py", mode
     ]  # fmt: skip
     env = dict(os.environ)
+    # A shell that starts a job in the background without job control (`cmd &` in a script, nohup) makes
+    # it ignore SIGINT, and an ignored signal stays ignored across exec: then neither a cold interpreter
+    # nor a spare sees a KeyboardInterrupt. Catching it here makes the children start with its default,
+    # as they do under a terminal or CI.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     spare, channel = start_spare(elsewhere, env, tmp_path / "spare.log")
     outputs: dict[str, tuple[int, str, str]] = {}
     for start in ("warm", "cold"):
