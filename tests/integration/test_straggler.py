@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_local_run import job, run
+from tests.support.local_jobs import job, run
 from tests.support.procs import run_gang, successful_reports
 from trainer_sidecar.contract.status import parse_status
 from trainguard.core.observation import observe_gang

@@ -24,7 +24,7 @@ from trainguard_operator.render import SIDECAR_CONTAINER, Owner, render_pytorchj
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
 from tests.support.manifests import gtj_manifest
-from tests.unit.test_operator_reconcile import T0, UID, Cluster, pod, reasons
+from tests.support.operator_world import T0, UID, Cluster, pod, reasons
 from trainer_sidecar.contract.env import (
     ATTEMPT_ENV,
     ORDER_SIGNING_KEY_ENV,
