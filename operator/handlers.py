@@ -273,6 +273,10 @@ async def _reconcile(
     return Outcome(plan.requeue_seconds, plan.done, plan.clock)
 
 
+#: A failure's restart or give-up is the goodput at stake: its calls do not queue behind admissions.
+URGENT_ACTIONS = (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE, PlanAction.FALL_BACK, PlanAction.FAIL)
+
+
 async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: Plan) -> None:
     """Carry out a plan in the order ``Plan`` documents.
 
@@ -280,86 +284,106 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
     the creation of an attempt), so a step retried after a failed write neither loses nor repeats them;
     the metrics follow the status write.
     """
-    meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    version = meta.get("resourceVersion")
-    posted = False
-    # A failure's restart or give-up is the goodput at stake: its calls do not queue behind admissions.
-    urgent = (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE, PlanAction.FALL_BACK, PlanAction.FAIL)
-    api = rt.api.urgent() if plan.action in urgent else rt.api
-
-    async def post_events() -> None:
-        # Posted and stored before the step goes on (not queued to kopf's poster, which loses what it
-        # has not sent when the operator stops: a replica deleted right after a restart's status write
-        # took its GangRestart Event with it). An Event refused is logged; the step goes on.
-        nonlocal posted
-        if posted:
-            return
-        posted = True
-        for note in plan.events:
-            # The module's logger, not kopf's per-object one: kopf posts the latter's INFO records as
-            # Events too, which would post every one of these twice.
-            log_at = logging.WARNING if note.type == "Warning" else logging.INFO
-            log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
-            try:
-                await api.post_event(body, note.type, note.reason, note.message)
-            except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
-                log.warning("%s/%s: the %s Event was not posted: %s", namespace, name, note.reason, exc)
-
-    def record_metrics() -> None:
-        status = plan.status
-        rt.metrics.observe_status(name, namespace, status)
-        decision = plan.decision
-        kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
-        if plan.action in (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE):
-            failure = status.last_failure
-            way = IN_PLACE if plan.action is PlanAction.RESTART_IN_PLACE else NEW_PYTORCHJOB
-            rt.metrics.restarted(name, namespace, kind, failure.time if failure else None, way)
-        elif plan.action is PlanAction.FALL_BACK:
-            rt.metrics.in_place_fallbacks.labels(name, namespace).inc()
-        elif plan.action is PlanAction.FAIL:
-            rt.metrics.gave_up(name, namespace, kind)
-        if plan.recovered_seconds is not None:
-            rt.metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
-
-    async def write_status() -> None:
-        if plan.patch:
-            state.written = without_managed_fields(
-                await api.patch_status(namespace, name, plan.patch, version)
-            )
-        await post_events()
-        # With the status write, as the events: a restart or a give-up is counted once it is recorded,
-        # not after the stopping of the old gang that follows it (which a retry does not repeat).
-        record_metrics()
-
+    api = rt.api.urgent() if plan.action in URGENT_ACTIONS else rt.api
     if plan.write_status_first:
-        await write_status()
+        await _write_status(rt, state, api, body, plan, post_events=True)
     if plan.order is not None:
         await _give_orders(rt, state, body, plan)
     for old in plan.delete:
-        if plan.stop_pods_within_seconds is not None:
-            grace = plan.stop_pods_within_seconds
-            # The PyTorchJob's pods as the watch shows them: the restart asks the API server nothing.
-            pods = [
-                str(pod["metadata"]["name"])
-                for pod in rt.watches.pods.of_job(namespace, name)
-                if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
-            ]
-            if stopped := await api.stop_pods(namespace, pods, grace):
-                log.info("%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, grace)
-        if await api.delete_pytorchjob(namespace, old):
-            log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
-    if plan.create is not None:
-        created = await api.create_pytorchjob(plan.create)
-        verb = "created" if created is not None else "found"
-        log.info("%s/%s: %s PyTorchJob %s", namespace, name, verb, plan.create["metadata"]["name"])
-        if created is not None:
-            # Into the cache at once: the next step must see the attempt its status now records, even
-            # before the watch reports it.
-            rt.watches.pytorchjobs.created(created)
-            await post_events()
+        await _delete_attempt(rt, api, body, old, plan.stop_pods_within_seconds)
+    created = plan.create is not None and await _create_attempt(rt, api, body, plan.create)
+    if created and not plan.write_status_first:
+        await _post_events(api, body, plan)
     if not plan.write_status_first:
-        await write_status()
+        await _write_status(rt, state, api, body, plan, post_events=not created)
+
+
+async def _write_status(
+    rt: Runtime, state: JobState, api: KubeApi, body: Mapping[str, Any], plan: Plan, *, post_events: bool
+) -> None:
+    """Write the plan's status patch (remembering the job as written), then post its events when
+    ``post_events`` (not yet posted) and record its metrics."""
+    meta = body["metadata"]
+    if plan.patch:
+        state.written = without_managed_fields(
+            await api.patch_status(meta["namespace"], meta["name"], plan.patch, meta.get("resourceVersion"))
+        )
+    if post_events:
+        await _post_events(api, body, plan)
+    # With the status write, as the events: a restart or a give-up is counted once it is recorded,
+    # not after the stopping of the old gang that follows it (which a retry does not repeat).
+    _record_metrics(rt.metrics, meta["name"], meta["namespace"], plan)
+
+
+async def _post_events(api: KubeApi, body: Mapping[str, Any], plan: Plan) -> None:
+    """Post the plan's events and log each; an Event refused is logged and the step goes on."""
+    # Posted and stored before the step goes on (not queued to kopf's poster, which loses what it
+    # has not sent when the operator stops: a replica deleted right after a restart's status write
+    # took its GangRestart Event with it).
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    for note in plan.events:
+        # The module's logger, not kopf's per-object one: kopf posts the latter's INFO records as
+        # Events too, which would post every one of these twice.
+        log_at = logging.WARNING if note.type == "Warning" else logging.INFO
+        log.log(log_at, "%s/%s %s: %s", namespace, name, note.reason, note.message)
+        try:
+            await api.post_event(body, note.type, note.reason, note.message)
+        except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            log.warning("%s/%s: the %s Event was not posted: %s", namespace, name, note.reason, exc)
+
+
+def _record_metrics(metrics: OperatorMetrics, name: str, namespace: str, plan: Plan) -> None:
+    """The job's status series, and the restart, fallback, give-up and recovery the plan records."""
+    status = plan.status
+    metrics.observe_status(name, namespace, status)
+    decision = plan.decision
+    kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
+    if plan.action in (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE):
+        failure = status.last_failure
+        way = IN_PLACE if plan.action is PlanAction.RESTART_IN_PLACE else NEW_PYTORCHJOB
+        metrics.restarted(name, namespace, kind, failure.time if failure else None, way)
+    elif plan.action is PlanAction.FALL_BACK:
+        metrics.in_place_fallbacks.labels(name, namespace).inc()
+    elif plan.action is PlanAction.FAIL:
+        metrics.gave_up(name, namespace, kind)
+    if plan.recovered_seconds is not None:
+        metrics.time_to_recover.labels(name, namespace).observe(plan.recovered_seconds)
+
+
+async def _delete_attempt(
+    rt: Runtime, api: KubeApi, body: Mapping[str, Any], old: str, stop_within: int | None
+) -> None:
+    """Delete the PyTorchJob ``old``; first stop its pods within ``stop_within`` seconds when set."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    if stop_within is not None:
+        # The PyTorchJob's pods as the watch shows them: the restart asks the API server nothing.
+        pods = [
+            str(pod["metadata"]["name"])
+            for pod in rt.watches.pods.of_job(namespace, name)
+            if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
+        ]
+        if stopped := await api.stop_pods(namespace, pods, stop_within):
+            log.info(
+                "%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, stop_within
+            )
+    if await api.delete_pytorchjob(namespace, old):
+        log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
+
+
+async def _create_attempt(
+    rt: Runtime, api: KubeApi, body: Mapping[str, Any], manifest: dict[str, Any]
+) -> bool:
+    """Create the attempt's PyTorchJob; whether this call created it (False: it existed already)."""
+    created = await api.create_pytorchjob(manifest)
+    verb = "created" if created is not None else "found"
+    meta = body["metadata"]
+    log.info("%s/%s: %s PyTorchJob %s", meta["namespace"], meta["name"], verb, manifest["metadata"]["name"])
+    if created is None:
+        return False
+    # Into the cache at once: the next step must see the attempt its status now records, even before
+    # the watch reports it.
+    rt.watches.pytorchjobs.created(created)
+    return True
 
 
 async def _give_orders(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: Plan) -> None:
