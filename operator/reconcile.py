@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 from functools import cached_property
@@ -80,14 +80,14 @@ from trainguard_operator.status import (
     phase_conditions,
     set_condition,
 )
-from trainguard_operator.trackers import Trackers, _rounded
+from trainguard_operator.trackers import Trackers, rounded
 
 from trainer_sidecar.contract.inplace import RestartOrder, StopMode
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.stopping import broken_gang_grace_seconds
 from trainguard.core.observation import SidecarReport
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
-from trainguard.core.spec import GuardedTrainingJobSpec, SpecError, parse_job
+from trainguard.core.spec import GuardedTrainingJob, GuardedTrainingJobSpec, SpecError, parse_job
 from trainguard.core.summary import duration_text
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
@@ -253,9 +253,12 @@ def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
 
 
-# ----------------------------------------------------------------------------------------- the step ---
-class _Step(Trackers):
-    """The state of one reconcile step while it is worked out; ``reconcile`` is the public entry."""
+# ---------------------------------------------------------------------------------------- the draft ---
+class _Draft:
+    """What one reconcile step writes while it is worked out: the new status (from the one read back),
+    the Events to post, and the plan they end in. The step's opening (``_open``: a final job, an invalid
+    spec, a missing CRD, refused changes) works on it alone; the step proper (``_Step``) on it and on the
+    ``StepContext`` the opening builds."""
 
     def __init__(self, world: World, settings: OperatorSettings) -> None:
         self.world = world
@@ -273,8 +276,6 @@ class _Step(Trackers):
         self.st = self.old.model_copy(deep=True)
         self.st.observed_generation = generation
         self.events: list[EventNote] = []
-        #: Whether this step updates ``status.goodput`` (not for a final or blocked job: it stays put).
-        self.measuring = False
 
     # ------------------------------------------------------------------------------------ helpers ---
     def owns(self, obj: Mapping[str, Any]) -> bool:
@@ -285,11 +286,13 @@ class _Step(Trackers):
         return any(isinstance(r, Mapping) and r.get("uid") == self.uid for r in refs)
 
     def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
+        """Set a condition of the new status (its transition time moves only when its status does)."""
         self.st.conditions = set_condition(
             self.st.conditions, type_, status, reason, message, self.now, self.generation
         )
 
     def event(self, type_: str, reason: str, message: str) -> None:
+        """Add an Event to the plan's."""
         self.events.append(EventNote(type_, reason, message))
 
     def became_true(self, type_: str, message: str) -> bool:
@@ -297,14 +300,16 @@ class _Step(Trackers):
         before = self.old.condition(type_)
         return before is None or before.status != "True" or before.message != clip(message)
 
-    def plan(self, action: PlanAction, requeue: float, **extra: Any) -> Plan:
+    def plan(self, action: PlanAction, requeue: float, *, measuring: bool = False, **extra: Any) -> Plan:
+        """The plan of this step: the phase and its conditions set, the goodput and pace updated when
+        ``measuring`` (not for a final or blocked job: they stay put), the status patch and the events."""
         phase = Phase(self.st.phase) if self.st.phase else Phase.PENDING
         self.st.phase = phase.value
         reason, message = extra.pop("phase_reason", phase.value), extra.pop("phase_message", "")
         self.st.conditions = phase_conditions(
             self.st.conditions, phase, reason, message, self.now, self.generation
         )
-        if self.measuring:
+        if measuring:
             self.measure_goodput()
         patch = merge_patch(self.raw_status, self.st.to_wire())
         return Plan(
@@ -317,6 +322,7 @@ class _Step(Trackers):
         )
 
     def measure_goodput(self) -> None:
+        """Update the job's goodput, pace, ETA and lost time from its step history, as of now."""
         st = self.st
         if st.job_started_at is None and st.attempt_created >= 1:
             # A job whose first attempt predates the field: its creation stands for the start.
@@ -334,82 +340,15 @@ class _Step(Trackers):
             self.now,
         )
         if found is not None:
-            st.steps_per_second = _rounded(found.steps_per_second, 4)
+            st.steps_per_second = rounded(found.steps_per_second, 4)
             st.eta_seconds = round(found.eta_seconds) if found.eta_seconds is not None else None
-            st.lost_seconds = _rounded(found.lost_seconds, 3)
+            st.lost_seconds = rounded(found.lost_seconds, 3)
             st.eta = duration_text(found.eta_seconds) if found.eta_seconds is not None else None
             st.lost = duration_text(found.lost_seconds) if found.lost_seconds is not None else None
 
-    def failure_history(self) -> FailureHistory:
-        """The job's restarts so far and its run time until now, for the next attempt's workers."""
-        started = parse_time(self.st.job_started_at)
-        run = (self.now - started).total_seconds() if started is not None else 0.0
-        return FailureHistory(self.restarts, max(0.0, run))
-
-    def attempt_started(self, at: datetime) -> None:
-        """Record that the current attempt's PyTorchJob exists since ``at``."""
-        self.st.attempt_created = self.attempt
-        self.st.attempt_started_at = iso_precise(at)
-        if self.attempt == 1 and self.st.job_started_at is None:
-            self.st.job_started_at = self.st.attempt_started_at
-        self.st.pytorch_job = self.job_name
-        self.st.next_attempt_at = None
-        self.st.host_attempt = None
-        self.st.in_place_restarts = 0
-
-    # ------------------------------------------------------------------------------------ phases ---
-    def run(self) -> Plan:
-        if self.st.phase in TERMINAL_PHASES:
-            return self.terminal()
-        try:
-            job = parse_job(_manifest(self.world.body), f"{self.namespace}/{self.name}")
-        except SpecError as exc:
-            return self.blocked_spec(str(exc))
-        self.condition(ConditionType.SPEC_INVALID, False, "SpecValid")
-        if self.st.pinned is None:
-            self.st.pinned = pin(job.spec)
-        try:
-            effective, refused = spec_change(self.st.pinned, job.spec)
-        except ValidationError as exc:
-            return self.blocked_spec(f"{self.namespace}/{self.name}: {exc}")
-        self.job = job.model_copy(update={"spec": effective})
-        self.asked = job
-        self.period = float(effective.health.probe_period_seconds)
-        self.refusals(refused)
-        if self.world.jobs is None:
-            return self.blocked_crd()
-        self.condition(ConditionType.CRD_MISSING, False, "PyTorchJobCRDFound")
-        if self.st.attempt is None:
-            self.st.attempt, self.st.restarts, self.st.handled_attempt = 1, 0, 0
-            self.st.phase = Phase.PENDING.value
-            # Due now; recorded so that the wait for a leftover PyTorchJob is bounded for attempt 1 too.
-            self.st.next_attempt_at = iso_precise(self.now)
-        self.attempt = self.st.attempt
-        self.restarts = self.st.restarts or 0
-        self.measuring = True
-        self.host = self.st.host_attempt or self.attempt
-        self.job_name = pytorchjob_name(self.name, self.host)
-        labelled = [j for j in self.world.jobs if labels(j).get(JOB_LABEL) == self.name]
-        # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
-        self.current = next(
-            (j for j in labelled if meta(j).get("name") == self.job_name and self.owns(j)), None
-        )
-        stale = [j for j in labelled if j is not self.current]
-        self.stale_present = bool(stale)
-        self.stale_delete = tuple(
-            str(meta(j).get("name")) for j in stale if not meta(j).get("deletionTimestamp")
-        )
-        if self.st.attempt_created < self.attempt:
-            if self.current is None:
-                return self.start_attempt()
-            # Created before a crash of the operator, or a status write that conflicted, which did not
-            # get to record it: adopt it.
-            created = parse_time(meta(self.current).get("creationTimestamp"))
-            self.adopt_world(self.current)
-            self.attempt_started(created or self.now)
-        return self.observe()
-
+    # ------------------------------------------------------------------------- the opening plans ---
     def terminal(self) -> Plan:
+        """A final job stays put; a failed one's gang is stopped if it still runs (operator restarted)."""
         phase = Phase(self.st.phase or Phase.FAILED.value)
         delete: tuple[str, ...] = ()
         if phase is Phase.FAILED and self.world.jobs is not None:
@@ -433,18 +372,21 @@ class _Step(Trackers):
             phase_message=message,
         )
 
-    def blocked_spec(self, message: str) -> Plan:
+    def blocked_spec(self, message: str, *, measuring: bool = False) -> Plan:
+        """BLOCKED on an invalid spec or template, with the SpecInvalid condition (and Event, once)."""
         if self.became_true(ConditionType.SPEC_INVALID, message):
             self.event("Warning", "SpecInvalid", message)
         self.condition(ConditionType.SPEC_INVALID, True, "InvalidSpec", message)
         return self.plan(
             PlanAction.BLOCKED,
             self.settings.crd_retry_seconds,
+            measuring=measuring,
             phase_reason="SpecInvalid",
             phase_message=message,
         )
 
     def blocked_crd(self) -> Plan:
+        """BLOCKED while the cluster has no PyTorchJob CRD, with the PyTorchJobCRDMissing condition."""
         message = (
             "the cluster has no PyTorchJob CRD (kubeflow.org/v1 pytorchjobs): install the Kubeflow "
             f"training operator; retrying every {self.settings.crd_retry_seconds:g} s"
@@ -455,6 +397,7 @@ class _Step(Trackers):
         return self.plan(PlanAction.BLOCKED, self.settings.crd_retry_seconds, phase_message=message)
 
     def refusals(self, refused: list[str]) -> None:
+        """The SpecChangeRefused condition (and Event, once) for changes refused while the job runs."""
         if not refused:
             self.condition(ConditionType.SPEC_CHANGE_REFUSED, False, "SpecMatchesRunningJob")
             return
@@ -468,9 +411,227 @@ class _Step(Trackers):
             self.event("Warning", "SpecChangeRefused", message)
         self.condition(ConditionType.SPEC_CHANGE_REFUSED, True, "ImmutableFieldChanged", message)
 
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the step proper acts on, worked out once by the opening (``_open``) before it runs.
+
+    A step that must act on another spec (a world size adopted or taken at a new attempt) goes on as a
+    new ``_Step`` with a new context (``dataclasses.replace``), never by changing this one.
+    """
+
+    #: The job with the spec acted on: the current spec with the pinned fields.
+    job: GuardedTrainingJob
+    #: The job as its spec asks now (a new world size in it takes effect at the next gang restart).
+    asked: GuardedTrainingJob
+    #: How often the sidecars are polled (``health.probePeriodSeconds``): the step's usual requeue.
+    period: float
+    attempt: int
+    restarts: int
+    #: The attempt whose pods run the gang (another than ``attempt`` after a restart in place).
+    host: int
+    #: The host attempt's PyTorchJob, and that object when it exists and this job owns it.
+    job_name: str
+    current: Mapping[str, Any] | None
+    #: Whether this job's other PyTorchJobs are still there, and those of them to delete.
+    stale_present: bool
+    stale_delete: tuple[str, ...]
+
+
+def _open(draft: _Draft) -> Plan | StepContext:
+    """The opening of a step: the plan for a final job, an invalid spec or a missing CRD; otherwise the
+    spec pinned, refused changes said, attempt 1 recorded for a new job, and the step's context."""
+    st = draft.st
+    if st.phase in TERMINAL_PHASES:
+        return draft.terminal()
+    try:
+        job = parse_job(_manifest(draft.world.body), f"{draft.namespace}/{draft.name}")
+    except SpecError as exc:
+        return draft.blocked_spec(str(exc))
+    draft.condition(ConditionType.SPEC_INVALID, False, "SpecValid")
+    if st.pinned is None:
+        st.pinned = pin(job.spec)
+    try:
+        effective, refused = spec_change(st.pinned, job.spec)
+    except ValidationError as exc:
+        return draft.blocked_spec(f"{draft.namespace}/{draft.name}: {exc}")
+    draft.refusals(refused)
+    if draft.world.jobs is None:
+        return draft.blocked_crd()
+    draft.condition(ConditionType.CRD_MISSING, False, "PyTorchJobCRDFound")
+    if st.attempt is None:
+        st.attempt, st.restarts, st.handled_attempt = 1, 0, 0
+        st.phase = Phase.PENDING.value
+        # Due now; recorded so that the wait for a leftover PyTorchJob is bounded for attempt 1 too.
+        st.next_attempt_at = iso_precise(draft.now)
+    return _context(draft, job.model_copy(update={"spec": effective}), job, draft.world.jobs)
+
+
+def _context(
+    draft: _Draft, job: GuardedTrainingJob, asked: GuardedTrainingJob, jobs: Sequence[Mapping[str, Any]]
+) -> StepContext:
+    """The context of a step on ``job`` (the spec acted on), the attempt recorded, and ``jobs``."""
+    attempt = draft.st.attempt
+    assert attempt is not None  # recorded by the opening
+    host = draft.st.host_attempt or attempt
+    job_name = pytorchjob_name(draft.name, host)
+    labelled = [j for j in jobs if labels(j).get(JOB_LABEL) == draft.name]
+    # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
+    current = next((j for j in labelled if meta(j).get("name") == job_name and draft.owns(j)), None)
+    stale = [j for j in labelled if j is not current]
+    return StepContext(
+        job=job,
+        asked=asked,
+        period=float(job.spec.health.probe_period_seconds),
+        attempt=attempt,
+        restarts=draft.st.restarts or 0,
+        host=host,
+        job_name=job_name,
+        current=current,
+        stale_present=bool(stale),
+        stale_delete=tuple(str(meta(j).get("name")) for j in stale if not meta(j).get("deletionTimestamp")),
+    )
+
+
+# ----------------------------------------------------------------------------------------- the step ---
+class _Step(Trackers):
+    """One reconcile step proper, on the ``_Draft`` it writes and the ``StepContext`` it acts on; it
+    sets no attribute of its own after ``__init__``. ``reconcile`` is the public entry."""
+
+    def __init__(self, draft: _Draft, context: StepContext) -> None:
+        self.draft = draft
+        self.context = context
+
+    # ------------------------------------------------------------- the draft and the context, read ---
+    @property
+    def world(self) -> World:
+        return self.draft.world
+
+    @property
+    def settings(self) -> OperatorSettings:
+        return self.draft.settings
+
+    @property
+    def now(self) -> datetime:
+        return self.draft.now
+
+    @property
+    def name(self) -> str:
+        return self.draft.name
+
+    @property
+    def namespace(self) -> str:
+        return self.draft.namespace
+
+    @property
+    def uid(self) -> str:
+        return self.draft.uid
+
+    @property
+    def st(self) -> JobStatus:
+        return self.draft.st
+
+    @property
+    def old(self) -> JobStatus:
+        return self.draft.old
+
+    @property
+    def job(self) -> GuardedTrainingJob:
+        return self.context.job
+
+    @property
+    def asked(self) -> GuardedTrainingJob:
+        return self.context.asked
+
+    @property
+    def period(self) -> float:
+        return self.context.period
+
+    @property
+    def attempt(self) -> int:
+        return self.context.attempt
+
+    @property
+    def restarts(self) -> int:
+        return self.context.restarts
+
+    @property
+    def host(self) -> int:
+        return self.context.host
+
+    @property
+    def job_name(self) -> str:
+        return self.context.job_name
+
+    @property
+    def current(self) -> Mapping[str, Any] | None:
+        return self.context.current
+
+    @property
+    def stale_present(self) -> bool:
+        return self.context.stale_present
+
+    @property
+    def stale_delete(self) -> tuple[str, ...]:
+        return self.context.stale_delete
+
+    # ------------------------------------------------------------------------------------ helpers ---
+    def condition(self, type_: str, status: bool | None, reason: str, message: str = "") -> None:
+        """Set a condition of the new status (``_Draft.condition``)."""
+        self.draft.condition(type_, status, reason, message)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Add an Event to the plan's."""
+        self.draft.event(type_, reason, message)
+
+    def plan(self, action: PlanAction, requeue: float, **extra: Any) -> Plan:
+        """The plan of this step, its goodput and pace measured (``_Draft.plan``)."""
+        return self.draft.plan(action, requeue, measuring=True, **extra)
+
+    def blocked_spec(self, message: str) -> Plan:
+        """BLOCKED on a template that does not render (``_Draft.blocked_spec``), goodput measured."""
+        return self.draft.blocked_spec(message, measuring=True)
+
+    def with_job(self, job: GuardedTrainingJob) -> _Step:
+        """This step going on with ``job`` as the spec it acts on (the draft shared)."""
+        return _Step(self.draft, replace(self.context, job=job))
+
+    def failure_history(self) -> FailureHistory:
+        """The job's restarts so far and its run time until now, for the next attempt's workers."""
+        started = parse_time(self.st.job_started_at)
+        run = (self.now - started).total_seconds() if started is not None else 0.0
+        return FailureHistory(self.restarts, max(0.0, run))
+
+    def attempt_started(self, at: datetime) -> None:
+        """Record that the current attempt's PyTorchJob exists since ``at``."""
+        self.st.attempt_created = self.attempt
+        self.st.attempt_started_at = iso_precise(at)
+        if self.attempt == 1 and self.st.job_started_at is None:
+            self.st.job_started_at = self.st.attempt_started_at
+        self.st.pytorch_job = self.job_name
+        self.st.next_attempt_at = None
+        self.st.host_attempt = None
+        self.st.in_place_restarts = 0
+
+    # ------------------------------------------------------------------------------------ phases ---
+    def run(self) -> Plan:
+        """Start the attempt the status records when it has no PyTorchJob yet, adopt one that exists
+        unrecorded, and observe the gang."""
+        if self.st.attempt_created >= self.attempt:
+            return self.observe()
+        if self.current is None:
+            return self.start_attempt()
+        # Created before a crash of the operator, or a status write that conflicted, which did not
+        # get to record it: adopt it.
+        created = parse_time(meta(self.current).get("creationTimestamp"))
+        adopted = self.adopt_world(self.current)
+        adopted.attempt_started(created or self.now)
+        return adopted.observe()
+
     def start_attempt(self) -> Plan:
+        """Wait for the attempt's backoff and for the previous attempt to go; then create its PyTorchJob,
+        at the world size asked for now."""
         due = parse_time(self.st.next_attempt_at)
-        restarting = self.restarts > 0
         if due is not None and self.now < due:
             return self.plan(
                 PlanAction.WAIT,
@@ -488,7 +649,11 @@ class _Step(Trackers):
                 phase_reason="WaitingForPreviousAttempt",
                 phase_message=f"attempt {self.attempt} waits for the previous attempt's PyTorchJob to go",
             )
-        self.take_world_size_change()
+        return self.take_world_size_change().create_attempt()
+
+    def create_attempt(self) -> Plan:
+        """Render the attempt's PyTorchJob and plan its creation (BLOCKED when it does not render)."""
+        restarting = self.restarts > 0
         try:
             manifest = render_pytorchjob(
                 self.job,
@@ -528,39 +693,43 @@ class _Step(Trackers):
             phase_message=self.pods_running_message(0),
         )
 
-    def adopt_world(self, pytorchjob: Mapping[str, Any]) -> None:
-        """Pin the world size an adopted PyTorchJob was rendered for. The step that created it pinned
-        the spec it read, but its status write was lost; the spec read since may ask for another world
-        size, which this attempt does not run at (it takes effect at the next gang restart)."""
+    def adopt_world(self, pytorchjob: Mapping[str, Any]) -> _Step:
+        """Pin the world size an adopted PyTorchJob was rendered for, and go on with the spec it makes.
+        The step that created it pinned the spec it read, but its status write was lost; the spec read
+        since may ask for another world size, which this attempt does not run at (it takes effect at
+        the next gang restart)."""
         world = rendered_world(pytorchjob)
         if world is None or self.st.pinned is None:
-            return
+            return self
         if all(self.st.pinned.get(key) == value for key, value in world.items()):
-            return
-        self.repin({**self.st.pinned, **world})
+            return self
+        return self.repin({**self.st.pinned, **world})
 
-    def repin(self, pinned: dict[str, Any]) -> None:
-        """Pin ``pinned`` (a world size accepted since the first pin) and act on the spec it makes."""
+    def repin(self, pinned: dict[str, Any]) -> _Step:
+        """Pin ``pinned`` (a world size accepted since the first pin); this step going on with the spec
+        it makes."""
         self.st.pinned = pinned
-        self.job = self.asked.model_copy(update={"spec": spec_change(pinned, self.asked.spec)[0]})
+        return self.with_job(self.asked.model_copy(update={"spec": spec_change(pinned, self.asked.spec)[0]}))
 
-    def take_world_size_change(self) -> None:
+    def take_world_size_change(self) -> _Step:
         """A new attempt is where a change of ``replicas`` or ``nprocPerNode`` takes effect: re-pin the
-        spec the attempt runs with, and say so in an Event."""
+        spec the attempt runs with, and say so in an Event; this step going on with that spec."""
         if self.st.pinned is None:
-            return
+            return self
         repinned, resized = repin_world(self.st.pinned, self.asked.spec)
         if not resized:
-            return
-        self.repin(repinned)
+            return self
+        step = self.repin(repinned)
         self.event(
             "Normal",
             "WorldSizeChanged",
             f"attempt {self.attempt} runs with {', '.join(resized)}: it resumes the last clean "
             "checkpoint under the new world size",
         )
+        return step
 
     def pods_running_message(self, running: int) -> str:
+        """How many of the attempt's pods run, and its step."""
         step = f", step {self.st.step}" if self.st.step is not None else ""
         return f"attempt {self.attempt}: {running} of {self.job.spec.replicas} pod(s) running{step}"
 
@@ -826,4 +995,8 @@ def reconcile(world: World, settings: OperatorSettings) -> Plan:
     BLOCKED plan with the SpecInvalid condition. The plan's ``requeue_seconds`` is at least
     ``MIN_REQUEUE_SECONDS``, so no input makes the caller loop hot.
     """
-    return _Step(world, settings).run()
+    draft = _Draft(world, settings)
+    opened = _open(draft)
+    if isinstance(opened, Plan):
+        return opened
+    return _Step(draft, opened).run()

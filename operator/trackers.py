@@ -27,7 +27,8 @@ from trainguard.core.spec import GuardedTrainingJob, StragglerStatus
 MAX_SCORED_RANKS = 256
 
 
-def _rounded(value: float | None, digits: int) -> float | None:
+def rounded(value: float | None, digits: int) -> float | None:
+    """``value`` rounded to ``digits`` (None stays None)."""
     return round(value, digits) if value is not None else None
 
 
@@ -143,7 +144,7 @@ class Trackers:
         scores = {s.rank: s.score for s in view.straggler_scores(threshold)}
         replicas = self.job.spec.replicas
         self.st.straggler_scores = (
-            [_rounded(scores.get(r), 3) for r in range(replicas)]
+            [rounded(scores.get(r), 3) for r in range(replicas)]
             if scores and replicas <= MAX_SCORED_RANKS
             else None
         )
@@ -161,7 +162,7 @@ class Trackers:
         self.st.straggler = StragglerStatus(
             rank=found.rank,
             score=round(found.score, 3),
-            own_score=_rounded(found.own_score, 3),
+            own_score=rounded(found.own_score, 3),
             pod=pod,
             node=node,
             step=view.last_step,
