@@ -34,15 +34,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, job_pace
 from trainguard_operator.inplace import OrderTarget
+from trainguard_operator.pinning import (
+    IMMUTABLE_FIELDS,
+    RESIZABLE_FIELDS,
+    changed_paths,
+    pin,
+    repin_world,
+    spec_change,
+    without_nulls,
+)
+from trainguard_operator.plan import (
+    MIN_REQUEUE_SECONDS,
+    STALE_POLL_SECONDS,
+    EventNote,
+    Plan,
+    PlanAction,
+    World,
+)
 from trainguard_operator.pods import (
     GangReading,
     HostReading,
@@ -85,168 +101,28 @@ from trainguard_operator.trackers import Trackers, rounded
 from trainer_sidecar.contract.inplace import RestartOrder, StopMode
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.stopping import broken_gang_grace_seconds
-from trainguard.core.observation import SidecarReport
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
-from trainguard.core.spec import GuardedTrainingJob, GuardedTrainingJobSpec, SpecError, parse_job
+from trainguard.core.spec import GuardedTrainingJob, SpecError, parse_job
 from trainguard.core.summary import duration_text
 
-#: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
-IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
-#: Pinned fields a change of which is accepted and takes effect at the next gang restart (the world
-#: size: checkpoints resume under another one); the others are fixed for the life of the job.
-RESIZABLE_FIELDS = ("replicas", "nprocPerNode")
-#: How soon to look again while waiting for an old attempt's PyTorchJob to go away.
-STALE_POLL_SECONDS = 2.0
-#: The shortest requeue: a wait that is nearly over must not become a hot loop.
-MIN_REQUEUE_SECONDS = 0.2
-
-
-class PlanAction(StrEnum):
-    """What a reconcile step does."""
-
-    CREATE = "create"  # create the current attempt's PyTorchJob now
-    RESTART = "restart"  # delete the current attempt's PyTorchJob; the next attempt starts at nextAttemptAt
-    RESTART_IN_PLACE = (
-        "restart-in-place"  # order every pod's launcher: stop now, next attempt at nextAttemptAt
-    )
-    FALL_BACK = "fall-back"  # an attempt ordered in place did not take: delete its PyTorchJob, start anew
-    SUCCEED = "succeed"  # the job succeeded: final
-    FAIL = "fail"  # the policy gave up: final; the attempt's PyTorchJob is deleted
-    WAIT = "wait"  # a restart is pending: wait for nextAttemptAt (and for the old attempt to be gone)
-    NOTHING = "nothing"  # keep watching
-    BLOCKED = "blocked"  # cannot act: the spec is invalid or the PyTorchJob CRD is missing
-
-
-@dataclass(frozen=True)
-class EventNote:
-    """A Kubernetes Event to post on the GuardedTrainingJob."""
-
-    type: str  # Normal or Warning
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class World:
-    """Everything one reconcile step looks at, as read just before it.
-
-    ``jobs`` are the PyTorchJobs labelled with this GuardedTrainingJob (None: the PyTorchJob CRD is not
-    installed); ``pods`` the pods labelled with it (any attempt); ``sidecars`` the ``/status`` answers of
-    the current attempt's pods, by pod name.
-    """
-
-    body: Mapping[str, Any]
-    jobs: Sequence[Mapping[str, Any]] | None
-    pods: Sequence[Mapping[str, Any]]
-    sidecars: Mapping[str, SidecarReport]
-    now: datetime
-    #: Pods whose sidecar refused or did not take the current attempt's order, with why (the executor's
-    #: memory of its last orders; empty after an operator restart, when the order's timeout decides).
-    order_refusals: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The outcome of a reconcile step; see the module docstring.
-
-    The executor carries it out in this order: the status patch first when ``write_status_first`` (a
-    decision is recorded before it is acted on), the deletions, the creation, then the status patch
-    (otherwise: a creation is recorded only once it happened), then the events.
-    """
-
-    action: PlanAction
-    status: JobStatus
-    patch: dict[str, Any]
-    requeue_seconds: float
-    create: dict[str, Any] | None = None
-    delete: tuple[str, ...] = ()
-    #: When set, the pods of the PyTorchJobs in ``delete`` are deleted first, with this grace. A broken
-    #: gang (a hung rank, ranks waiting on a dead or hung peer) cannot reach a step boundary to
-    #: checkpoint, so the pods' own long grace, meant for evictions in which every rank can, would only
-    #: hold the restart up: a second, or what a checkpoint write in flight needs to finish
-    #: (``contract.stopping``).
-    stop_pods_within_seconds: int | None = None
-    #: RESTART_IN_PLACE: the pods to order (every rank's), and the order, after the status write.
-    orders: tuple[OrderTarget, ...] = ()
-    order: RestartOrder | None = None
-    events: tuple[EventNote, ...] = ()
-    write_status_first: bool = False
-    done: bool = False
-    decision: Decision | None = None
-    recovered_seconds: float | None = None
-    #: Whether the next look is due by the clock (``requeue_seconds``): while pods run (their sidecars
-    #: are polled) or a time is awaited (a backoff, the previous attempt's bounded wait, a retry). False:
-    #: nothing can change but the objects themselves, so only a change of the job, its PyTorchJob or its
-    #: pods calls for the next look.
-    clock: bool = True
-
-
-def without_nulls(value: Any) -> Any:
-    """``value`` without null object members, at any depth (inside lists too), as the API server stores
-    it: a JSON merge patch (how the status is written) drops them everywhere."""
-    if isinstance(value, Mapping):
-        return {key: without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [without_nulls(item) for item in value]
-    return value
-
-
-def pin(spec: GuardedTrainingJobSpec) -> dict[str, Any]:
-    """The immutable part of a spec (``IMMUTABLE_FIELDS``) in its wire form, without nulls (as
-    it reads back from the status it is stored in)."""
-    wire = spec.model_dump(by_alias=True, mode="json")
-    return {key: without_nulls(wire[key]) for key in IMMUTABLE_FIELDS}
-
-
-def changed_paths(old: Any, new: Any, prefix: str) -> list[str]:
-    """Dotted paths where ``new`` differs from ``old``; objects are compared key by key, lists whole."""
-    if isinstance(old, Mapping) and isinstance(new, Mapping):
-        paths: list[str] = []
-        for key in sorted(set(old) | set(new), key=str):
-            paths += changed_paths(old.get(key), new.get(key), f"{prefix}.{key}")
-        return paths
-    return [] if old == new else [prefix]
-
-
-def spec_change(
-    pinned: Mapping[str, Any], spec: GuardedTrainingJobSpec
-) -> tuple[GuardedTrainingJobSpec, list[str]]:
-    """The spec to act on, and the refused changes: the current spec with the pinned immutable fields.
-
-    Accepted while the job runs: ``recovery`` (the next decisions use it), ``dataQuality`` (at once),
-    ``health`` and ``guard`` (the operator's polling at once; the pods at the next attempt, as pods
-    cannot change), ``replicas`` and ``nprocPerNode`` (pinned per attempt: the next gang restart re-pins
-    them, see ``repin_world``; the checkpoint resumes under the new world size, its shards resharded and
-    its data position carried in samples). Refused: ``template`` (a new image or command mid-run would
-    resume checkpoints with different code) and ``checkpoint`` (a new claim or path would start over
-    from nothing while the old checkpoints are orphaned).
-    """
-    # Both sides without nulls: a pin stored before nulls were dropped compares equal to its spec too. A
-    # field pinned by nothing (a job pinned before the field existed) keeps the spec's value.
-    current = pin(spec)
-    pinned = {key: pinned.get(key, current[key]) for key in IMMUTABLE_FIELDS}
-    resizable = tuple(f"spec.{key}" for key in RESIZABLE_FIELDS)
-    refused = [
-        path
-        for path in changed_paths(without_nulls(pinned), current, "spec")
-        if path not in resizable and not path.startswith(tuple(f"{r}." for r in resizable))
-    ]
-    effective = GuardedTrainingJobSpec.model_validate(
-        {**spec.model_dump(by_alias=True, mode="json"), **pinned}
-    )
-    return effective, refused
-
-
-def repin_world(pinned: Mapping[str, Any], spec: GuardedTrainingJobSpec) -> tuple[dict[str, Any], list[str]]:
-    """The pin for a new attempt: ``pinned`` with the spec's ``replicas`` and ``nprocPerNode`` (the next
-    gang runs at the world size asked for now), and the fields that changed, as ``spec.FIELD old -> new``."""
-    current = pin(spec)
-    changes = [
-        f"spec.{key} {pinned.get(key)} -> {current[key]}"
-        for key in RESIZABLE_FIELDS
-        if key in pinned and pinned[key] != current[key]
-    ]
-    return {**pinned, **{key: current[key] for key in RESIZABLE_FIELDS}}, changes
+#: The public face of this module (the plan's types and the pinning are defined beside it).
+__all__ = [
+    "IMMUTABLE_FIELDS",
+    "MIN_REQUEUE_SECONDS",
+    "RESIZABLE_FIELDS",
+    "STALE_POLL_SECONDS",
+    "EventNote",
+    "Plan",
+    "PlanAction",
+    "StepContext",
+    "World",
+    "changed_paths",
+    "pin",
+    "reconcile",
+    "repin_world",
+    "spec_change",
+    "without_nulls",
+]
 
 
 def _manifest(body: Mapping[str, Any]) -> dict[str, Any]:
