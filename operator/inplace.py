@@ -14,7 +14,7 @@ Nothing here needs a feature of Kubernetes or Kubeflow beyond what a new PyTorch
 an emptyDir, a native sidecar, HTTP on the pod network. Whatever a restart in place cannot do (a pod or
 node gone, a container ended, the world size changed, a launcher that does not answer) falls back to
 a new PyTorchJob, as every restart did before. Which pods can take an order is read in ``pods``
-(``read_hosts``); when to restart in place is decided in ``reconcile``.
+(``read_hosts``); when to restart in place is decided in ``inplace_step``, for ``reconcile``.
 """
 
 from __future__ import annotations

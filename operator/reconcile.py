@@ -36,12 +36,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
 from trainguard_operator.goodput import job_goodput, job_pace
-from trainguard_operator.inplace import OrderTarget
+from trainguard_operator.inplace_step import InPlace
 from trainguard_operator.pinning import (
     IMMUTABLE_FIELDS,
     RESIZABLE_FIELDS,
@@ -61,12 +60,10 @@ from trainguard_operator.plan import (
 )
 from trainguard_operator.pods import (
     GangReading,
-    HostReading,
     as_int,
     labels,
     meta,
     read_gang,
-    read_hosts,
 )
 from trainguard_operator.render import (
     GIVEN_UP_GANG_GRACE_SECONDS,
@@ -74,7 +71,6 @@ from trainguard_operator.render import (
     FailureHistory,
     Owner,
     RenderError,
-    order_environment,
     pytorchjob_name,
     render_pytorchjob,
     rendered_world,
@@ -98,7 +94,6 @@ from trainguard_operator.status import (
 )
 from trainguard_operator.trackers import Trackers, rounded
 
-from trainer_sidecar.contract.inplace import RestartOrder, StopMode
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainer_sidecar.contract.stopping import broken_gang_grace_seconds
 from trainguard.core.policy import Action, Decision, FailureKind, Observation, decide
@@ -370,7 +365,7 @@ def _context(
 
 
 # ----------------------------------------------------------------------------------------- the step ---
-class _Step(Trackers):
+class _Step(Trackers, InPlace):
     """One reconcile step proper, on the ``_Draft`` it writes and the ``StepContext`` it acts on; it
     sets no attribute of its own after ``__init__``. ``reconcile`` is the public entry."""
 
@@ -738,104 +733,6 @@ class _Step(Trackers):
             recovered_seconds=recovered,
             phase_reason="GangRestart",
             phase_message=f"{message}; attempt {self.st.attempt} starts at {iso(due)}",
-        )
-
-    # --------------------------------------------------------------------------- in place ---
-    @cached_property
-    def hosts(self) -> HostReading:
-        """The pods of the host attempt, read once per step for running the current attempt in them."""
-        return read_hosts(
-            self.world.pods,
-            self.world.sidecars,
-            name=self.name,
-            host_attempt=self.host,
-            attempt=self.attempt,
-            replicas=self.job.spec.replicas,
-        )
-
-    def in_place_orders(self, decision: Decision) -> tuple[OrderTarget, ...]:
-        """The pods to order when this restart can keep the gang's pods (``inplace``), else ()."""
-        if not self.settings.restarts_in_place or decision.failure is FailureKind.STRAGGLER:
-            return ()  # a straggler's restart wants another node
-        if self.st.in_place_restarts >= self.settings.in_place_restarts:
-            return ()  # fresh pods, fresh placement, now and then
-        if self.st.pinned is not None and repin_world(self.st.pinned, self.asked.spec)[1]:
-            return ()  # a new world size: new pods
-        return self.hosts.orderable
-
-    def restart_in_place(
-        self, decision: Decision, recovered: float | None, grace: int, targets: tuple[OrderTarget, ...]
-    ) -> Plan:
-        """Restart the gang in its pods: every launcher stops its worker now (a SIGTERM, then SIGKILL after
-        ``grace``) and starts the next attempt when the backoff is over."""
-        due, message = self.schedule_next(decision, "in place (pods kept)")
-        st = self.st
-        attempt = self.attempt + 1
-        st.attempt_created = attempt
-        st.attempt_started_at = iso_precise(due)
-        st.host_attempt = self.host
-        st.in_place_restarts += 1
-        history = FailureHistory(decision.restarts, self.failure_history().run_seconds)
-        order = RestartOrder(
-            attempt=attempt,
-            environment=order_environment(self.job, attempt, st.remediation, history),
-            stop=StopMode.GRACEFUL,
-            grace_seconds=grace,
-            start_delay_seconds=decision.delay_seconds,
-        )
-        return self.plan(
-            PlanAction.RESTART_IN_PLACE,
-            min(self.period, decision.delay_seconds),
-            delete=self.stale_delete,
-            orders=targets,
-            order=order,
-            write_status_first=True,
-            decision=decision,
-            recovered_seconds=recovered,
-            phase_reason="GangRestart",
-            phase_message=f"{message}; attempt {attempt} starts at {iso(due)}",
-        )
-
-    def in_place_failure(self) -> tuple[str, str]:
-        """For an attempt ordered in place that has not stepped yet: why it will not start in its pods
-        (an order refused, a pod that cannot host it, or a launcher that did not take the order within
-        ``order_timeout_seconds`` of the attempt's start), and which pod's launcher has not started it
-        yet; ("", "") otherwise."""
-        if self.st.host_attempt is None or self.st.recovering_since is None:
-            return "", ""
-        if self.world.order_refusals:
-            pod, why = sorted(self.world.order_refusals.items())[0]
-            return f"pod {pod} did not take the order: {why}", ""
-        broken, pending = self.hosts.broken, self.hosts.pending
-        if broken:
-            return broken, ""
-        due = parse_time(self.st.next_attempt_at) or self.now
-        if pending and self.now >= due + timedelta(seconds=self.settings.order_timeout_seconds):
-            return f"{pending} {self.settings.order_timeout_seconds:g} s after the attempt was due", ""
-        return "", pending
-
-    def fall_back(self, why: str, grace: int) -> Plan:
-        """Give up the restart in place of the current attempt: its PyTorchJob goes, and the attempt starts
-        as a new one (the restart was counted when it was decided)."""
-        st = self.st
-        self.event(
-            "Warning",
-            "InPlaceRestartFailed",
-            f"attempt {self.attempt} cannot start in the pods of attempt {self.host} ({why}): "
-            "it starts as a new PyTorchJob",
-        )
-        st.host_attempt = None
-        st.in_place_restarts = 0
-        st.attempt_created = self.attempt - 1
-        st.phase = Phase.RESTARTING.value
-        return self.plan(
-            PlanAction.FALL_BACK,
-            STALE_POLL_SECONDS,
-            delete=(*self.stale_delete, self.job_name),
-            stop_pods_within_seconds=grace,
-            write_status_first=True,
-            phase_reason="InPlaceRestartFailed",
-            phase_message=f"attempt {self.attempt} starts as a new PyTorchJob: {why}",
         )
 
     def fail(self, decision: Decision, recovered: float | None, grace: int) -> Plan:

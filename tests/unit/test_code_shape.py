@@ -32,7 +32,11 @@ EXEMPT = frozenset(
     }
 )
 #: The classes of the reconcile step that set their own attributes in ``__init__`` only.
-STEP_CLASSES = {"operator/reconcile.py": ("_Draft", "_Step"), "operator/trackers.py": ("Trackers",)}
+STEP_CLASSES = {
+    "operator/reconcile.py": ("_Draft", "_Step"),
+    "operator/trackers.py": ("Trackers",),
+    "operator/inplace_step.py": ("InPlace",),
+}
 
 
 def function_lengths(source: str) -> Iterator[tuple[str, int]]:
