@@ -18,11 +18,41 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from trainguard_operator.status import JobStatus, Phase, parse_time
 
+from trainer_sidecar.contract.fields import surfaced
+
 LABELS = ("job", "namespace")
 #: How a gang restart was carried out: in the gang's own pods, or as a new PyTorchJob.
 IN_PLACE = "in_place"
 NEW_PYTORCHJOB = "new_pytorchjob"
 RESTART_WAYS = (IN_PLACE, NEW_PYTORCHJOB)
+
+#: The gauges of the operator's own status numbers: status attribute, metric name, help.
+JOB_GAUGES = (
+    ("attempt", "trainguard_job_attempt", "Current gang attempt (1-based)."),
+    (
+        "goodput",
+        "trainguard_job_goodput_ratio",
+        "Share of wall time since the first attempt spent on steps the final model kept (0..1).",
+    ),
+    (
+        "steps_per_second",
+        "trainguard_job_steps_per_second",
+        "Steps per second of the current attempt's progress.",
+    ),
+    ("eta_seconds", "trainguard_job_eta_seconds", "Seconds to the declared max steps at the current rate."),
+    (
+        "lost_seconds",
+        "trainguard_job_lost_seconds",
+        "Wall time since the first attempt not spent on steps the final model kept (recoveries, "
+        "rollbacks, the start).",
+    ),
+)
+
+
+def _status_gauges() -> list[tuple[str, str, str]]:
+    """Every status gauge: the operator's own, then the reported fields' (the registry read now)."""
+    reported = [(f.status, f.metric, f.description) for f in surfaced("metric") if f.status and f.metric]
+    return [*JOB_GAUGES, *reported]
 
 
 class OperatorMetrics:
@@ -50,37 +80,13 @@ class OperatorMetrics:
             "trainguard_job_reconcile_errors",
             "Reconcile steps that failed (API errors, conflicts) and were retried.",
         )
-        self.attempt = self._gauge("trainguard_job_attempt", "Current gang attempt (1-based).")
-        self.step = self._gauge(
-            "trainguard_job_step", "The gang's training step: the slowest rank's (every rank did it)."
-        )
-        self.rollbacks = self._gauge(
-            "trainguard_job_rollbacks", "In-process rollbacks reported by the guardian."
-        )
-        self.skipped_steps = self._gauge("trainguard_job_skipped_steps", "Steps the guardian skipped.")
-        self.dropped_samples = self._gauge(
-            "trainguard_job_dropped_samples", "Samples the data guard dropped, over all ranks."
-        )
-        self.drop_ratio = self._gauge(
-            "trainguard_job_drop_ratio", "Dropped over seen samples, over all ranks."
-        )
+        #: One gauge per number of the job's status, by status attribute: the operator's own
+        #: (``JOB_GAUGES``) and each reported field's with a metric (``trainer_sidecar.contract.fields``).
+        self.status_gauges = {
+            name: self._gauge(metric, documentation) for name, metric, documentation in _status_gauges()
+        }
         self.last_clean_checkpoint_step = self._gauge(
             "trainguard_job_last_clean_checkpoint_step", "Step of the newest clean checkpoint."
-        )
-        self.goodput = self._gauge(
-            "trainguard_job_goodput_ratio",
-            "Share of wall time since the first attempt spent on steps the final model kept (0..1).",
-        )
-        self.steps_per_second = self._gauge(
-            "trainguard_job_steps_per_second", "Steps per second of the current attempt's progress."
-        )
-        self.eta = self._gauge(
-            "trainguard_job_eta_seconds", "Seconds to the declared max steps at the current rate."
-        )
-        self.lost = self._gauge(
-            "trainguard_job_lost_seconds",
-            "Wall time since the first attempt not spent on steps the final model kept (recoveries, "
-            "rollbacks, the start).",
         )
         self.phase = self._gauge(
             "trainguard_job_phase", "1 for the job's current phase, 0 for the others.", (*LABELS, "phase")
@@ -126,16 +132,7 @@ class OperatorMetrics:
         """Set the gauges from a job's status (unknown values are left as they were)."""
         labels = (job, namespace)
         for gauge, value in (
-            (self.attempt, status.attempt),
-            (self.step, status.step),
-            (self.rollbacks, status.rollbacks),
-            (self.skipped_steps, status.skipped_steps),
-            (self.dropped_samples, status.samples_dropped),
-            (self.drop_ratio, status.drop_rate),
-            (self.goodput, status.goodput),
-            (self.steps_per_second, status.steps_per_second),
-            (self.eta, status.eta_seconds),
-            (self.lost, status.lost_seconds),
+            *((gauge, status.reported_value(name)) for name, gauge in self.status_gauges.items()),
             (
                 self.last_clean_checkpoint_step,
                 status.last_clean_checkpoint.step if status.last_clean_checkpoint else None,
@@ -178,16 +175,7 @@ class OperatorMetrics:
         for metric in (
             self.in_place_fallbacks,
             self.reconcile_errors,
-            self.attempt,
-            self.step,
-            self.rollbacks,
-            self.skipped_steps,
-            self.dropped_samples,
-            self.drop_ratio,
-            self.goodput,
-            self.steps_per_second,
-            self.eta,
-            self.lost,
+            *self.status_gauges.values(),
             self.last_clean_checkpoint_step,
             self.last_restart,
             self.time_to_recover,

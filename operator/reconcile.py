@@ -641,19 +641,7 @@ class _Step(Trackers, InPlace):
         if decision.action is Action.FAIL:
             return self.fail(decision, recovered, self.broken_gang_grace(gang))
         if decision.action is Action.SUCCEED:
-            self.st.phase = Phase.SUCCEEDED.value
-            self.st.recovering_since = None
-            self.event("Normal", "Succeeded", f"attempt {self.attempt} succeeded: {decision.reason}")
-            return self.plan(
-                PlanAction.SUCCEED,
-                self.period,
-                delete=self.stale_delete,
-                done=True,
-                decision=decision,
-                recovered_seconds=recovered,
-                phase_reason="JobSucceeded",
-                phase_message=f"attempt {self.attempt} succeeded: {decision.reason}",
-            )
+            return self.succeed(decision, recovered)
         if gang.running and not starting:
             # (An attempt ordered in place stays Restarting until every launcher runs it: its pods ran
             # all along.)
@@ -668,6 +656,22 @@ class _Step(Trackers, InPlace):
             clock=gang.running > 0,
             phase_reason="GangRunning" if gang.running else "WaitingForPods",
             phase_message=self.pods_running_message(gang.running),
+        )
+
+    def succeed(self, decision: Decision, recovered: float | None) -> Plan:
+        """The attempt succeeded: the job is done (the recovery in progress, if any, is over)."""
+        self.st.phase = Phase.SUCCEEDED.value
+        self.st.recovering_since = None
+        self.event("Normal", "Succeeded", f"attempt {self.attempt} succeeded: {decision.reason}")
+        return self.plan(
+            PlanAction.SUCCEED,
+            self.period,
+            delete=self.stale_delete,
+            done=True,
+            decision=decision,
+            recovered_seconds=recovered,
+            phase_reason="JobSucceeded",
+            phase_message=f"attempt {self.attempt} succeeded: {decision.reason}",
         )
 
     def broken_gang_grace(self, gang: GangReading) -> int:

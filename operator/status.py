@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from trainer_sidecar.contract.fields import Value, status_updates, surfaced
 from trainer_sidecar.contract.settings import RemediationOrder
 from trainguard.core.policy import FailureKind, FailureSignature
 from trainguard.core.spec import CheckpointStatus, Condition, GuardedTrainingJobStatus, LastFailure
@@ -167,6 +168,25 @@ class JobStatus(GuardedTrainingJobStatus):
                     continue
                 kept[key] = value
             return cls.model_validate(kept)
+
+    def reported_value(self, name: str) -> Any:
+        """A status value by its snake_case attribute name (a reported field's ``ReportedField.status``):
+        a declared field's, or one the model does not declare, kept as an extra under its camelCase wire
+        name (None: unset)."""
+        if name in type(self).model_fields:
+            return getattr(self, name)
+        return (self.__pydantic_extra__ or {}).get(to_camel(name))
+
+    def set_reported(self, name: str, value: Any) -> None:
+        """Set a reported field's status value (see ``reported_value``)."""
+        setattr(self, name if name in type(self).model_fields else to_camel(name), value)
+
+    def take_reported(self, folded: Mapping[str, Value]) -> None:
+        """Take the gang's folded reported values (``GangView.reported``) as their fields say
+        (``trainer_sidecar.contract.fields.status_updates``)."""
+        current = {f.status: self.reported_value(f.status) for f in surfaced("status") if f.status}
+        for name, value in status_updates(folded, current).items():
+            self.set_reported(name, value)
 
     def to_wire(self) -> dict[str, Any]:
         """The camelCase JSON form, without unset fields."""

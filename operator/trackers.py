@@ -67,21 +67,9 @@ class Trackers:
                 f"the guardian rolled back to its last clean snapshot {new} time(s) "
                 f"(total {view.rollbacks}){at}",
             )
-        if view.progress is not None:
-            st.step = view.progress.step
-        for key in ("rollbacks", "skipped_steps", "samples_seen", "samples_dropped", "drop_rate"):
-            value = getattr(view, key)
-            if value is not None:
-                setattr(st, key, value)
+        st.take_reported(view.reported)
         if view.checkpoint is not None:
             st.last_clean_checkpoint = checkpoint_status(view.checkpoint.as_dict())
-        if view.max_steps is not None:
-            st.max_steps = view.max_steps
-        if view.checkpoint_seconds is not None:
-            st.checkpoint_seconds = round(max(view.checkpoint_seconds, st.checkpoint_seconds or 0.0), 3)
-        if view.checkpoint_cadence:
-            st.checkpoint_every_steps = view.checkpoint_every_steps
-            st.checkpoint_cadence = view.checkpoint_cadence
         if view.hang_timeout_seconds is not None:
             st.hang_timeout_seconds = round(view.hang_timeout_seconds, 3)
         if view.drop_rate is not None:

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic.alias_generators import to_camel
 
+from trainer_sidecar.contract import fields
 from trainguard.core import spec
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -24,16 +26,11 @@ CRD_PATH = _ROOT / "crds" / f"{spec.PLURAL}.{spec.GROUP}.yaml"
 #: The Helm chart renders the CRD from its own files/ copy (a chart cannot reach outside itself).
 CHART_CRD_PATH = _ROOT / "charts" / "trainguard" / "files" / CRD_PATH.name
 
-PRINTER_COLUMNS = [
+#: The columns of the job's own numbers; each reported field's column (``ReportedField.column``) is
+#: placed among them by ``printer_columns``.
+OWN_COLUMNS = [
     {"name": "State", "type": "string", "jsonPath": ".status.phase", "description": "Job phase."},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Newest step kept."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "description": "Gang restarts."},
-    {
-        "name": "Rollbacks",
-        "type": "integer",
-        "jsonPath": ".status.rollbacks",
-        "description": "In-process rollbacks.",
-    },
     {
         "name": "Steps/s",
         "type": "number",
@@ -54,6 +51,46 @@ PRINTER_COLUMNS = [
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
+
+_SCHEMA_TYPES = {int: "integer", float: "number", str: "string"}
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    """The ``kubectl get`` columns: the job's own, with each reported field's after the column it names
+    (before Age when it names none)."""
+    columns = [dict(c) for c in OWN_COLUMNS]
+    for reported in fields.surfaced("column"):
+        if reported.column is None or reported.status is None:
+            continue
+        column = {
+            "name": reported.column.name,
+            "type": _SCHEMA_TYPES[reported.type],
+            "jsonPath": f".status.{to_camel(reported.status)}",
+            "description": reported.column.description,
+        }
+        names = [c["name"] for c in columns]
+        after = reported.column.after
+        columns.insert(names.index(after) + 1 if after in names else len(columns) - 1, column)
+    return columns
+
+
+#: The columns as the registry listed them when this module loaded (``printer_columns`` reads it now).
+PRINTER_COLUMNS = printer_columns()
+
+
+def status_schema() -> dict[str, Any]:
+    """The status's structural schema: the status model's, with every reported field's status value
+    (``ReportedField.status``) as a property, described by its field where the model does not say."""
+    schema = openapi_schema(spec.GuardedTrainingJobStatus)
+    properties = schema["properties"]
+    for reported in fields.surfaced("status"):
+        if reported.status is None:
+            continue
+        prop = properties.setdefault(
+            to_camel(reported.status), structural({"type": _SCHEMA_TYPES[reported.type], "nullable": True})
+        )
+        prop.setdefault("description", reported.description)
+    return schema
 
 
 def _resolve(node: Any, defs: dict[str, Any]) -> Any:
@@ -147,7 +184,7 @@ def build_crd() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": openapi_schema(spec.GuardedTrainingJobSpec),
-            "status": openapi_schema(spec.GuardedTrainingJobStatus),
+            "status": status_schema(),
         },
     }
     return {
@@ -175,7 +212,7 @@ def build_crd() -> dict[str, Any]:
                     "storage": True,
                     "schema": {"openAPIV3Schema": root},
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "additionalPrinterColumns": printer_columns(),
                 }
             ],
         },

@@ -1,7 +1,9 @@
 """One observation of a gang, shared by the operator, ``trainguard run`` and the live view. Pure.
 
 In: each rank's ``WorkerStatus`` as last reported (None: the rank has not reported). Out: an immutable
-``GangView`` with the rules of aggregation written once:
+``GangView`` with the rules of aggregation written once. The reported counters and measures (rollbacks,
+skipped steps, samples, the checkpoint's duration and cadence, the declared last step...) are folded as
+their entry in ``trainer_sidecar.contract.fields.REPORTED`` says, into ``GangView.reported``; the rules:
 
 * progress: the slowest rank's step is the gang's step (a step is done when every rank did it, and a
   checkpoint holds what every rank did); the fastest rank's step beside it, and which ranks are which;
@@ -30,10 +32,11 @@ crash's cause by, rather than the peers that waited for it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainer_sidecar.contract.exitcodes import ExitCode, describe_exit, with_detail
+from trainer_sidecar.contract.fields import Value, fold_ranks, rank_values
 from trainer_sidecar.contract.inplace import LauncherState
 from trainer_sidecar.contract.status import Activity, Phase, WorkerStatus, parse_status_document
 from trainer_sidecar.contract.stopping import WriteInFlight
@@ -115,6 +118,8 @@ class RankState:
     best_compute_seconds: float | None = None
     checkpoint_write_since: float | None = None
     checkpoint_seconds: float | None = None
+    #: Its value of every field of the registry (``trainer_sidecar.contract.fields``), by name.
+    reported: Mapping[str, Value] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rank: int, status: WorkerStatus) -> RankState:
@@ -138,6 +143,7 @@ class RankState:
             best_compute_seconds=status.best_compute_seconds,
             checkpoint_write_since=status.checkpoint_write_since,
             checkpoint_seconds=status.checkpoint_seconds,
+            reported=rank_values(status),
         )
 
 
@@ -181,19 +187,53 @@ class GangView:
     progress: Progress | None
     resumed_step: int | None
     stepped: bool
-    rollbacks: int | None
-    skipped_steps: int | None
-    samples_seen: int | None
-    samples_dropped: int | None
     checkpoint: CleanCheckpoint | None
-    checkpoint_seconds: float | None = None
-    #: The step the loop declared it ends at: the largest any rank declared (None: none did).
-    max_steps: int | None = None
-    #: The checkpoint interval in force and why, as rank 0 (which chooses it under auto) reported it.
-    checkpoint_every_steps: int | None = None
-    checkpoint_cadence: str = ""
+    #: The gang's value of every field of the registry (``trainer_sidecar.contract.fields``), each folded
+    #: across the ranks as its field says, by name (None: not known).
+    reported: Mapping[str, Value] = field(default_factory=dict)
     #: The hang timeout the gang is judged by now: the strictest of its ranks' sidecars (None: not said).
     hang_timeout_seconds: float | None = None
+
+    @property
+    def rollbacks(self) -> int | None:
+        """In-process rollbacks: one collective decision, the largest reported."""
+        return _count(self.reported.get("rollbacks"))
+
+    @property
+    def skipped_steps(self) -> int | None:
+        """Skipped steps: one collective decision, the largest reported."""
+        return _count(self.reported.get("skipped_steps"))
+
+    @property
+    def samples_seen(self) -> int | None:
+        """Samples seen over all ranks (None unless every rank that stepped counted its samples)."""
+        return _count(self.reported.get("samples_seen"))
+
+    @property
+    def samples_dropped(self) -> int | None:
+        """Samples dropped over all ranks (None unless every rank that stepped counted its samples)."""
+        return _count(self.reported.get("samples_dropped"))
+
+    @property
+    def checkpoint_seconds(self) -> float | None:
+        """The slowest rank's last checkpoint write (seconds): what a stop must wait for."""
+        return _measure(self.reported.get("checkpoint_seconds"))
+
+    @property
+    def max_steps(self) -> int | None:
+        """The step the loop declared it ends at: the largest any rank declared (None: none did)."""
+        return _count(self.reported.get("max_steps"))
+
+    @property
+    def checkpoint_every_steps(self) -> int | None:
+        """The checkpoint interval in force, as rank 0 (which chooses it under auto) reported it."""
+        return _count(self.reported.get("checkpoint_every_steps"))
+
+    @property
+    def checkpoint_cadence(self) -> str:
+        """Why that interval, as rank 0 reported it ("": not said)."""
+        cadence = self.reported.get("checkpoint_cadence")
+        return cadence if isinstance(cadence, str) else ""
 
     @property
     def last_step(self) -> int | None:
@@ -225,9 +265,7 @@ class GangView:
     @property
     def drop_rate(self) -> float | None:
         """Dropped over seen samples over all reporting ranks (0 before any sample; None: no report)."""
-        if self.samples_seen is None or self.samples_dropped is None:
-            return None
-        return self.samples_dropped / self.samples_seen if self.samples_seen else 0.0
+        return _measure(self.reported.get("drop_rate"))
 
     def writes_in_flight(self, alive: Iterable[int]) -> tuple[WriteInFlight, ...]:
         """The checkpoint writes the ``alive`` ranks (whose processes still run: a dead rank's write died
@@ -346,6 +384,14 @@ def _evidence(state: RankState | None, process: ProcessState) -> dict[str, Any]:
     }
 
 
+def _count(value: Value) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+def _measure(value: Value) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
 def _collective(values: Iterable[int]) -> int | None:
     found = list(values)
     return max(found) if found else None
@@ -386,10 +432,6 @@ def observe_gang(
         if status is not None and 0 <= rank < world_size
     }
     ranks = tuple(RankState.of(rank, status) for rank, status in reported.items())
-    values = list(reported.values())
-    lead = reported.get(0)
-    # A rank that completed steps without a sample seen did not count them: 0 would read as measured.
-    counted = bool(values) and all(s.samples_seen > 0 or s.step == 0 for s in values)
     return GangView(
         world_size=world_size,
         ranks=ranks,
@@ -397,16 +439,8 @@ def observe_gang(
         # Every rank resumes from the same checkpoint; the largest is taken should they disagree.
         resumed_step=_collective(r.resumed_step for r in ranks if r.resumed_step is not None),
         stepped=any(r.stepped for r in ranks),
-        rollbacks=_collective(s.rollbacks for s in values),
-        skipped_steps=_collective(s.skipped_steps for s in values),
-        samples_seen=sum(s.samples_seen for s in values) if counted else None,
-        samples_dropped=sum(s.samples_dropped for s in values) if counted else None,
-        checkpoint=_newest_checkpoint(values),
-        # The slowest rank's write is what a stop must wait for.
-        checkpoint_seconds=max((s.checkpoint_seconds for s in values if s.checkpoint_seconds), default=None),
-        max_steps=_collective(s.max_steps for s in values if s.max_steps is not None),
-        checkpoint_every_steps=lead.checkpoint_every_steps if lead is not None else None,
-        checkpoint_cadence=lead.checkpoint_cadence if lead is not None else "",
+        checkpoint=_newest_checkpoint(reported.values()),
+        reported=fold_ranks({r.rank: r.reported for r in ranks}),
         hang_timeout_seconds=min(
             (t for r, t in (hang_timeouts or {}).items() if t is not None and 0 <= r < world_size),
             default=None,

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from trainer_sidecar.contract.fields import Value, summary_values
 from trainguard.core.observation import GangView
 from trainguard.core.policy import Decision, FailureKind
 
@@ -391,11 +392,7 @@ class RunRecord:
         return RunFigures(
             final_step=final_step,
             restarts=[_restart(incident) for incident in self.incidents],
-            rollbacks=view.rollbacks if view is not None else None,
-            skipped_steps=view.skipped_steps if view is not None else None,
-            samples_seen=view.samples_seen if view is not None else None,
-            samples_dropped=view.samples_dropped if view is not None else None,
-            drop_rate=view.drop_rate if view is not None else None,
+            reported=summary_values(view.reported if view is not None else None),
             wall_seconds=round(wall_seconds, 3),
             backoff_seconds=backoff_seconds,
             kept_seconds=_round(kept),
@@ -413,20 +410,29 @@ class RunFigures:
 
     final_step: int | None
     restarts: list[dict[str, Any]]
-    rollbacks: int | None
-    skipped_steps: int | None
-    samples_seen: int | None
-    samples_dropped: int | None
-    drop_rate: float | None
+    #: The reported fields' figures by summary key (``trainer_sidecar.contract.fields.summary_values``):
+    #: rollbacks, skipped_steps, samples_seen, samples_dropped, drop_rate.
+    reported: Mapping[str, Value]
     wall_seconds: float
     backoff_seconds: float
     kept_seconds: float | None
     goodput: float | None
     goodput_excluding_backoff: float | None
 
+    def __getattr__(self, name: str) -> Value:
+        """A reported field's figure by its summary key, as an attribute (``figures.rollbacks``)."""
+        reported = self.__dict__.get("reported", {})
+        if name in reported:
+            return reported[name]  # type: ignore[no-any-return]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def as_dict(self) -> dict[str, Any]:
-        """The figures as the summary's JSON keys, in the summary's order."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """The figures as the summary's JSON keys, in the summary's order (the reported fields' in
+        place of ``reported``)."""
+        figures: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            figures.update(self.reported if name == "reported" else {name: getattr(self, name)})
+        return figures
 
 
 def _count_note(key: str, value: int, previous: int, step: int) -> Note:

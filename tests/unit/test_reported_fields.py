@@ -1,0 +1,247 @@
+"""The registry of reported fields (``trainer_sidecar.contract.fields``): its folds, its status updates,
+and that a field added to it alone reaches the gang view, the operator's status, the CRD, the metrics
+and the run summary."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+from trainguard_operator.metrics import OperatorMetrics
+from trainguard_operator.reconcile import PlanAction, World, reconcile
+from trainguard_operator.render import (
+    ATTEMPT_LABEL,
+    JOB_LABEL,
+    RANK_LAYOUT_LABEL,
+    RANKS_BY_WORKER_INDEX,
+    REPLICA_INDEX_LABEL,
+    REPLICA_TYPE_LABEL,
+    pytorchjob_name,
+)
+from trainguard_operator.settings import OperatorSettings
+from trainguard_operator.status import JobStatus
+
+from tests.support.manifests import gtj_manifest
+from trainer_sidecar.contract import fields
+from trainer_sidecar.contract.fields import REPORTED, Fold, Keep, PrinterColumn, ReportedField
+from trainer_sidecar.contract.status import WorkerStatus
+from trainguard.core import crd
+from trainguard.core.observation import SidecarReport, observe_gang
+from trainguard.core.summary import RunRecord
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+
+#: A field the registry does not list today: what a contributor adding one would write.
+BAD_STEPS = ReportedField(
+    "consecutive_bad_steps",
+    int,
+    Fold.MAX,
+    "Bad steps in a row, at the worst rank.",
+    status="consecutive_bad_steps",
+    metric="trainguard_job_consecutive_bad_steps",
+    summary="consecutive_bad_steps",
+    column=PrinterColumn("Bad", "Bad steps in a row.", after="Rollbacks"),
+)
+
+
+def worker(rank: int, **values: Any) -> WorkerStatus:
+    """A running rank of a two-rank gang that has stepped."""
+    fields_ = {"phase": "running", "step": 100, "started_at": 1.0, "last_step_time": 2.0, **values}
+    return WorkerStatus.model_validate({"rank": rank, "world_size": 2, **fields_})
+
+
+# ------------------------------------------------------------------------------- the registry ---
+def test_the_registry_names_fields_the_models_have_once_each() -> None:
+    names = [f.name for f in REPORTED]
+    assert len(names) == len(set(names))
+    metrics = [f.metric for f in REPORTED if f.metric]
+    assert len(metrics) == len(set(metrics))
+    for spec in REPORTED:
+        if spec.reported_by_ranks:
+            assert spec.name in WorkerStatus.model_fields, spec.name
+        if spec.status is not None:
+            assert spec.status in JobStatus.model_fields, spec.status
+        if spec.ratio_of is not None:
+            assert all(names.index(part) < names.index(spec.name) for part in spec.ratio_of)
+        if spec.written_with is not None:
+            assert spec.written_with in names
+
+
+def test_a_field_with_a_surface_but_no_status_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs a status field"):
+        ReportedField("spikes", int, Fold.MAX, "Spikes.", metric="trainguard_job_spikes")
+    with pytest.raises(ValueError, match="ratio_of"):
+        ReportedField("spike_rate", float, Fold.RATIO, "Spikes per step.")
+
+
+def test_each_fold_takes_the_ranks_values_as_its_rule_says() -> None:
+    ranks = {
+        0: fields.rank_values(worker(0, step=90, rollbacks=1, samples_seen=10, checkpoint_cadence="")),
+        1: fields.rank_values(
+            worker(1, step=95, rollbacks=2, samples_seen=30, samples_dropped=3, checkpoint_every_steps=50)
+        ),
+    }
+    folded = fields.fold_ranks(ranks)
+    assert folded["step"] == 90  # the slowest
+    assert folded["rollbacks"] == 2  # the largest
+    assert (folded["samples_seen"], folded["samples_dropped"]) == (40, 3)  # summed
+    assert folded["drop_rate"] == pytest.approx(3 / 40)
+    assert folded["checkpoint_every_steps"] is None  # rank 0's own, and rank 0 said none
+    assert folded["checkpoint_cadence"] is None  # "" reads as unknown
+    assert folded["checkpoint_seconds"] is None  # no rank measured one
+    # A rank that stepped without counting a sample makes the sums unknown, not 0.
+    uncounted = fields.fold_ranks({**ranks, 1: fields.rank_values(worker(1, step=95))})
+    assert (uncounted["samples_seen"], uncounted["drop_rate"]) == (None, None)
+    assert fields.fold_ranks({})["step"] is None
+
+
+def test_the_status_takes_known_values_keeps_the_highest_and_writes_fields_together() -> None:
+    folded: dict[str, fields.Value] = {
+        "step": 7,
+        "checkpoint_seconds": 1.23456,
+        "checkpoint_cadence": "auto",
+        "max_steps": None,
+    }
+    updates = fields.status_updates(folded, {"checkpoint_seconds": 2.0})
+    assert updates["step"] == 7
+    assert updates["checkpoint_seconds"] == 2.0  # the highest seen stays
+    assert updates["checkpoint_cadence"] == "auto"
+    assert "checkpoint_every_steps" in updates  # written with the cadence, even unset
+    assert updates["checkpoint_every_steps"] is None
+    assert "max_steps" not in updates  # unknown: left as it was
+    assert fields.status_updates({"checkpoint_seconds": 3.00049}, {})["checkpoint_seconds"] == 3.0
+    assert fields.reported_field("checkpoint_seconds").keep is Keep.HIGHEST
+
+
+def test_the_summary_figures_follow_the_registry_in_order() -> None:
+    assert list(fields.summary_values(None)) == [
+        "rollbacks",
+        "skipped_steps",
+        "samples_seen",
+        "samples_dropped",
+        "drop_rate",
+    ]
+    assert set(fields.summary_values(None).values()) == {None}
+
+
+# --------------------------------------------------------------------------- adding a field ---
+def pod(attempt: int, rank: int) -> dict[str, Any]:
+    """A running pod of ``attempt`` as the training operator labels it."""
+    return {
+        "metadata": {
+            "name": f"{pytorchjob_name('tiny-lm', attempt)}-worker-{rank}",
+            "namespace": "research",
+            "labels": {
+                JOB_LABEL: "tiny-lm",
+                ATTEMPT_LABEL: str(attempt),
+                REPLICA_TYPE_LABEL: "worker",
+                REPLICA_INDEX_LABEL: str(rank),
+                RANK_LAYOUT_LABEL: RANKS_BY_WORKER_INDEX,
+            },
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": f"10.0.0.{rank + 1}",
+            "containerStatuses": [
+                {
+                    "name": "pytorch",
+                    "restartCount": 0,
+                    "state": {"running": {"startedAt": "2030-01-01T00:00:00Z"}},
+                }
+            ],
+        },
+    }
+
+
+class OneJob:
+    """The API server's state of one GuardedTrainingJob, its PyTorchJob and its pods: each step is a
+    fresh reconcile of what is stored, and its status patch is written back."""
+
+    def __init__(self) -> None:
+        self.body = copy.deepcopy(gtj_manifest())
+        self.body["metadata"] |= {"uid": "6f1c2d3e-0000-4000-8000-000000000002", "generation": 1}
+        self.jobs: list[dict[str, Any]] = []
+        self.pods: list[dict[str, Any]] = []
+
+    def step(self, now: datetime, sidecars: dict[str, SidecarReport] | None = None) -> PlanAction:
+        world = World(
+            copy.deepcopy(self.body), copy.deepcopy(self.jobs), copy.deepcopy(self.pods), sidecars or {}, now
+        )
+        plan = reconcile(world, OperatorSettings(stale_attempt_grace_seconds=60, crd_retry_seconds=60))
+        status = {**(self.body.get("status") or {}), **plan.patch}
+        self.body["status"] = {k: v for k, v in status.items() if v is not None}
+        if plan.create is not None:
+            self.jobs.append(copy.deepcopy(plan.create))
+        return plan.action
+
+
+def reports(*values: int) -> dict[str, SidecarReport]:
+    """Both ranks' sidecars, each rank reporting its own count of bad steps in a row."""
+    return {
+        f"tiny-lm-1-worker-{rank}": SidecarReport(
+            reachable=True, alive=True, reason="running", status=worker(rank, consecutive_bad_steps=count)
+        )
+        for rank, count in enumerate(values)
+    }
+
+
+def test_a_field_added_to_the_registry_alone_reaches_the_status_the_crd_the_metrics_and_summary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fields, "REPORTED", (*REPORTED, BAD_STEPS))
+    # The gang view folds it (the largest of the ranks').
+    view = observe_gang({0: worker(0, consecutive_bad_steps=2), 1: worker(1, consecutive_bad_steps=5)}, 2)
+    assert view.reported["consecutive_bad_steps"] == 5
+
+    # The operator's status takes it, under its camelCase name, and reads it back after a restart.
+    job = OneJob()
+    assert job.step(T0) is PlanAction.CREATE
+    job.pods = [pod(1, 0), pod(1, 1)]
+    job.step(T0 + timedelta(seconds=5))
+    job.step(T0 + timedelta(seconds=10), reports(2, 5))
+    assert job.body["status"]["consecutiveBadSteps"] == 5
+    assert job.body["status"]["step"] == 100
+    status = JobStatus.from_body(job.body)
+    assert status.reported_value("consecutive_bad_steps") == 5
+    job.step(T0 + timedelta(seconds=20), reports(0, 1))  # the newest value replaces the old one
+    assert JobStatus.from_body(job.body).reported_value("consecutive_bad_steps") == 1
+
+    # The CRD lists it in the status schema (which accepts the status written) and as a column.
+    document = crd.build_crd()
+    version = document["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert schema["properties"]["consecutiveBadSteps"]["type"] == "integer"
+    assert list(jsonschema.Draft7Validator(schema).iter_errors(job.body["status"])) == []
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns[columns.index("Rollbacks") + 1] == "Bad"
+    assert {"name": "Bad", "type": "integer", "jsonPath": ".status.consecutiveBadSteps"}.items() <= next(
+        c for c in version["additionalPrinterColumns"] if c["name"] == "Bad"
+    ).items()
+
+    # The metrics have its gauge, set from the status, and drop it with the job.
+    metrics = OperatorMetrics()
+    metrics.observe_status("tiny-lm", "research", JobStatus.from_body(job.body))
+    labels = {"job": "tiny-lm", "namespace": "research"}
+    assert metrics.registry.get_sample_value("trainguard_job_consecutive_bad_steps", labels) == 1
+    assert metrics.registry.get_sample_value("trainguard_job_step", labels) == 100
+    metrics.forget("tiny-lm", "research")
+    assert metrics.registry.get_sample_value("trainguard_job_consecutive_bad_steps", labels) is None
+
+    # The run summary has its figure, after the registry's others.
+    record = RunRecord(started=0.0)
+    record.see(1, 0.0, view, now=10.0)
+    figures = record.figures(wall_seconds=10.0, backoff_seconds=0.0)
+    assert figures.as_dict()["consecutive_bad_steps"] == 5
+    keys = list(figures.as_dict())
+    assert keys.index("consecutive_bad_steps") == keys.index("drop_rate") + 1
+
+
+def test_without_the_added_field_nothing_of_it_surfaces() -> None:
+    view = observe_gang({0: worker(0, consecutive_bad_steps=2)}, 2)
+    assert "consecutive_bad_steps" not in view.reported
+    schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert "consecutiveBadSteps" not in schema["properties"]
+    assert OperatorMetrics().registry.get_sample_value("trainguard_job_consecutive_bad_steps", {}) is None
