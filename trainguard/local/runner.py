@@ -38,14 +38,7 @@ from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
 from trainer_sidecar.contract.files import read_small_file
-from trainer_sidecar.contract.handoff import (
-    Handoff,
-    WarmStart,
-    plan_warm_start,
-    said_ready,
-    send_handoff,
-    spare_argv,
-)
+from trainer_sidecar.contract.handoff import Handoff, WarmStart, plan_warm_start
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.status import (
     MAX_STATUS_BYTES,
@@ -55,6 +48,7 @@ from trainer_sidecar.contract.status import (
     parse_status,
     read_status,
 )
+from trainer_sidecar.contract.warmspare import SpareSpawner, WarmSpare
 from trainguard.core.environment import sidecar_environment, worker_environment
 from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
 from trainguard.core.policy import Action, Observation
@@ -128,21 +122,6 @@ class RankProcesses:
         return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
-@dataclass
-class Spare:
-    """A warm spare for one rank of the next attempt: its process and the runner's end of its channel."""
-
-    rank: int
-    proc: subprocess.Popen[bytes]
-    channel: socket.socket
-    warm: bool = False
-
-    def is_warm(self) -> bool:
-        """Whether the spare has said it finished its imports (without waiting for it)."""
-        self.warm = self.warm or said_ready(self.channel)
-        return self.warm
-
-
 class LocalRunner(GangSupervisor):
     """Runs one GuardedTrainingJob to success or failure on this machine. See the module docstring."""
 
@@ -190,8 +169,8 @@ class LocalRunner(GangSupervisor):
         self._next_probe = 0.0  # when the sidecars are probed next (time.monotonic())
         #: How a restart can run in warm spares, or (a str) why every attempt starts cold.
         self.warm_plan: WarmStart | str = self._warm_plan(warm_spares)
-        # The spares of the next attempt (``_spare_attempt``), all carrying its gang marker.
-        self._spares: list[Spare] = []
+        # The spares of the next attempt (``_spare_attempt``) by rank, all carrying its gang marker.
+        self._spares: dict[int, WarmSpare] = {}
         self._spare_attempt = 0
         self._spare_gang = ""
         # Every spare process, registered the moment it exists (as _workers), until handed off or stopped.
@@ -427,7 +406,7 @@ class LocalRunner(GangSupervisor):
             log_file = open(log_path, "xb")  # noqa: SIM115 - closed by _stop_workers
             self._files.append(log_file)
             env = self.worker_env(rank, port, status_file)
-            worker = self._hand_off(spares[rank], env, log_file) if rank in spares else None
+            worker = self._hand_off(rank, spares[rank], env, log_file) if rank in spares else None
             if worker is None:
                 worker = self._spawn(
                     self._pod_command(rank, port),
@@ -503,68 +482,70 @@ class LocalRunner(GangSupervisor):
         for rank in range(self.spec.replicas):
             status_file = self.run_folder / f"attempt-{attempt}" / f"rank-{rank}" / "status.json"
             env = self.worker_env(rank, 0, status_file, attempt=attempt, gang_id=gang)
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            argv = spare_argv(sys.executable, theirs.fileno(), plan)
             try:
                 with open(logs / f"attempt-{attempt}-rank-{rank}.spare.log", "ab") as spare_log:
-                    proc = self._spawn(
-                        argv,
-                        worker=False,
-                        spare=True,
-                        env=env,
-                        cwd=self.working_dir,
-                        stdout=spare_log,
-                        stderr=subprocess.STDOUT,
-                        pass_fds=(self.lock.fd, theirs.fileno()),
-                    )
+                    spare = WarmSpare.start(plan, sys.executable, self._spare_spawner(env, spare_log))
             except (RunRefused, OSError) as exc:
-                ours.close()
                 log.warning("attempt %d: no warm spares (%s); it will start cold", attempt, exc)
                 self._stop_spares()
                 return
-            finally:
-                theirs.close()
-            self._spares.append(Spare(rank, proc, ours))
+            self._spares[rank] = spare
 
-    def _take_spares(self) -> dict[int, Spare]:
+    def _spare_spawner(self, env: dict[str, str], spare_log: IO[bytes]) -> SpareSpawner:
+        """How one rank's spare is started: registered as a spare, with ``env`` in the working directory,
+        writing to ``spare_log``, holding the checkpoint lock as a worker does."""
+
+        def spawn_spare(argv: list[str], channel_fd: int) -> subprocess.Popen[Any]:
+            return self._spawn(
+                argv,
+                worker=False,
+                spare=True,
+                env=env,
+                cwd=self.working_dir,
+                stdout=spare_log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(self.lock.fd, channel_fd),
+            )
+
+        return spawn_spare
+
+    def _take_spares(self) -> dict[int, WarmSpare]:
         """The spares made for the attempt starting now, by rank ({}: none)."""
         if self._spare_attempt != self.attempt:
             return {}
-        return {spare.rank: spare for spare in self._spares}
+        return dict(self._spares)
 
     def _hand_off(
-        self, spare: Spare, env: dict[str, str], log_file: IO[bytes]
+        self, rank: int, spare: WarmSpare, env: dict[str, str], log_file: IO[bytes]
     ) -> subprocess.Popen[Any] | None:
-        """Make ``spare`` this attempt's worker (see ``trainer_sidecar.contract.handoff``); None if it has
-        exited or cannot be told (the rank then starts cold)."""
+        """Make ``spare`` this attempt's worker of ``rank`` (see ``trainer_sidecar.contract.handoff``);
+        None if it has exited or cannot be told (the rank then starts cold)."""
         assert isinstance(self.warm_plan, WarmStart)
         handoff = Handoff.for_command(self.warm_plan, environment=env, cwd=self.working_dir)
-        if spare.proc.poll() is not None:
+        if not spare.alive():
             return None
         if not spare.is_warm():
             self.unready_handoffs += 1
         try:
             # Both to the log, as a cold worker's (its stderr=STDOUT): one file, two descriptors.
-            send_handoff(spare.channel, handoff, log_file.fileno(), log_file.fileno())
+            spare.hand_off(handoff, log_file.fileno(), log_file.fileno())
         except OSError as exc:
-            log.warning("attempt %d: rank %d's spare could not be told (%s)", self.attempt, spare.rank, exc)
+            log.warning("attempt %d: rank %d's spare could not be told (%s)", self.attempt, rank, exc)
             return None
-        finally:
-            spare.channel.close()
         signals = self.signals if self.signals is not None else StopSignals()
         with signals.deferred():  # from a spare to a worker without a moment in neither list
             self._workers.append(spare.proc)
             self._spare_procs.remove(spare.proc)
-        self._spares.remove(spare)
+        del self._spares[rank]
         return spare.proc
 
     def _stop_spares(self) -> None:
         """SIGKILL every spare not handed off (they hold nothing: no checkpoint, no peer) and reap it."""
         spares, procs = self._spares, self._spare_procs
-        self._spares, self._spare_procs = [], []
-        for spare in spares:
-            spare.channel.close()
-        for proc in procs:
+        self._spares, self._spare_procs = {}, []
+        for spare in spares.values():
+            spare.drop()
+        for proc in procs:  # also one registered by _spawn that never became a WarmSpare (a stop signal)
             if proc.poll() is None:  # not reaped yet: its pid cannot have been reused
                 signal_group(proc, signal.SIGKILL)
         for proc in procs:
