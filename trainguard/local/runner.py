@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,18 +41,18 @@ from trainer_sidecar.contract.handoff import Handoff, WarmStart, plan_warm_start
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.status import (
     MAX_STATUS_BYTES,
-    Phase,
     WorkerStatus,
     local_status_file,
     parse_status,
     read_status,
 )
 from trainer_sidecar.contract.warmspare import SpareSpawner, WarmSpare
-from trainguard.core.environment import sidecar_environment, worker_environment
-from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
+from trainguard.core.environment import worker_environment
+from trainguard.core.observation import GangView, ProcessState, observe_gang
 from trainguard.core.policy import Action, Observation
 from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
+from trainguard.local import sidecars
 from trainguard.local.launch import (
     RunRefused,
     Stopped,
@@ -63,20 +62,18 @@ from trainguard.local.launch import (
     kill_marked,
     marked_processes,
     omp_threads,
-    printable,
     resolve_command,
     signal_group,
     spawn,
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
-from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
+from trainguard.local.sidecars import TERMINATION_MESSAGE_FILE, RankProcesses, SidecarProcess
 from trainguard.local.supervisor import FinalCheckpoint, GangSupervisor, Look, RunResult
 from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
 
 _CONTAINER = f"spec.template.spec.containers[{WORKER_CONTAINER}]"
-TERMINATION_MESSAGE_FILE = "termination-log"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,41 +82,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-@dataclass
-class RankProcesses:
-    """One rank of one attempt: the worker, its sidecar, and where their files are."""
-
-    rank: int
-    worker: subprocess.Popen[bytes]
-    sidecar: SidecarProcess
-    status_file: Path
-    log_path: Path
-    alive: bool | None = None
-    health_reason: str = ""
-    probe_failures: int = 0
-    failed_since: float | None = None
-    exit_reason: str | None = None
-    #: When the runner first saw the worker ended (``time.monotonic()``; None while it runs).
-    ended_at: float | None = None
-    #: The worker's status as its sidecar last served it (None: not read yet).
-    status: WorkerStatus | None = None
-    #: The hang timeout its sidecar last said it judges the worker by (None: not said yet).
-    hang_timeout_seconds: float | None = None
-    #: Its sidecar's own verdict in its last ``/status`` (None: not read yet), and the reason it gave.
-    verdict_alive: bool | None = None
-    verdict_reason: str = ""
-
-    @property
-    def sidecar_url(self) -> str:
-        """Where the rank's sidecar answers ("" while it is down)."""
-        return self.sidecar.url
-
-    @property
-    def termination_file(self) -> Path:
-        """The worker's termination-message file (``TRAINGUARD_TERMINATION_MESSAGE_PATH``)."""
-        return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
 
 
 class LocalRunner(GangSupervisor):
@@ -327,11 +289,7 @@ class LocalRunner(GangSupervisor):
 
     def sidecar_env(self, status_file: Path) -> dict[str, str]:
         """The environment of one rank's sidecar: the job's, as the operator renders it, on loopback."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
-        env.update(
-            sidecar_environment(self.job, status_file=str(status_file), host="127.0.0.1", port=0).variables()
-        )
-        return env
+        return sidecars.sidecar_env(self.job, status_file)
 
     def _pod_command(self, pod: int, port: int) -> list[str]:
         """The command of one pod: the job's, or with nprocPerNode above 1 the same under torchrun (as the
@@ -349,26 +307,14 @@ class LocalRunner(GangSupervisor):
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
 
     def _launch_sidecars(self, attempt: int) -> list[tuple[int, SidecarProcess, Path]]:
-        """Start attempt ``attempt``'s sidecars side by side (their start costs one sidecar's time, not one
-        per rank) and wait until each listens; each rank's sidecar and status file."""
+        """Start attempt ``attempt``'s sidecars side by side and wait until each listens
+        (``sidecars.launch_sidecars``); each rank's sidecar and status file."""
         assert self.run_folder is not None, "prepare() before the first attempt"
-        attempt_dir = self.run_folder / f"attempt-{attempt}"
-        sidecars = []
-        for rank in range(self.spec.replicas):
-            status_file = attempt_dir / f"rank-{rank}" / "status.json"
-            status_file.parent.mkdir(parents=True, exist_ok=True)
-            sidecar = SidecarProcess(
-                [sys.executable, "-m", "trainer_sidecar.sidecar"],
-                status_file.with_name("sidecar.log"),
-                lambda argv, **options: self._spawn(argv, worker=False, **options),
-                env=self.sidecar_env(status_file),
-            )
-            sidecar.launch()
-            sidecars.append((rank, sidecar, status_file))
-        for rank, sidecar, _ in sidecars:
-            if not sidecar.wait_until_listening():
-                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
-        return sidecars
+        return sidecars.launch_sidecars(
+            self.job,
+            self.run_folder / f"attempt-{attempt}",
+            lambda argv, **options: self._spawn(argv, worker=False, **options),
+        )
 
     def _prepare_next_attempt(self) -> None:
         """Start the next attempt's sidecars during the restart's backoff (the old gang, its sidecars
@@ -618,55 +564,10 @@ class LocalRunner(GangSupervisor):
         return []
 
     def probe(self) -> None:
-        """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
-
-        A sidecar that exited is restarted first (with backoff). A failed or unanswered probe counts
-        towards the failure threshold; a rank is not alive once the threshold is reached, or as soon as
-        its sidecar's own verdict in ``/status`` says so (``_heed_verdict``).
-        """
-        timeout = min(5.0, float(self.spec.health.probe_period_seconds))
-        for rank in self.ranks:
-            if rank.worker.poll() is not None:
-                continue
-            happened = rank.sidecar.keep_running()
-            if happened:
-                self.event("sidecar", f"rank {rank.rank}: {happened}")
-            self._fetch_status(rank)
-            code, body = rank.sidecar.healthz(timeout)
-            rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
-            rank.alive = self._liveness(rank)
-            rank.health_reason = "" if probe_passed(code) else self._probe_failure(rank, code, body)
-            self._heed_verdict(rank)
-
-    @staticmethod
-    def _heed_verdict(rank: RankProcesses) -> None:
-        """A worker its sidecar judges not alive is not alive at once, as the operator acts on the same
-        verdict at its poll of ``/status``: the kubelet's threshold of failed probes is there to ride out
-        probes that went unanswered, not to second-guess a verdict, and waiting for it added two probe
-        periods to every hang's detection. A worker that published its final "failed" keeps the stop
-        grace to exit (``_liveness``)."""
-        ending = rank.status is not None and rank.status.phase is Phase.FAILED
-        if rank.verdict_alive is False and not ending:
-            rank.alive = False
-            rank.health_reason = rank.verdict_reason
-
-    def _liveness(self, rank: RankProcesses) -> bool | None:
-        """The kubelet's verdict, except that a worker that published its final status ("failed") gets
-        the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
-        if rank.status is None or rank.status.phase is not Phase.FAILED:
-            rank.failed_since = None
-            return liveness(rank.probe_failures)
-        now = time.monotonic()
-        rank.failed_since = rank.failed_since if rank.failed_since is not None else now
-        return liveness(rank.probe_failures, now - rank.failed_since, self.stop_grace_seconds)
-
-    @staticmethod
-    def _probe_failure(rank: RankProcesses, code: int, body: bytes) -> str:
-        answer = printable(body.decode(errors="replace")) if code else ""
-        if not answer:
-            answer = f"HTTP {code}" if code else "no answer (the sidecar is down)"
-        times = "once" if rank.probe_failures == 1 else f"{rank.probe_failures} times in a row"
-        return f"liveness probe failed {times}: {answer}"
+        """Probe every rank through its sidecar (``sidecars.probe``), restarts told as events."""
+        sidecars.probe(
+            self.ranks, float(self.spec.health.probe_period_seconds), self.stop_grace_seconds, self.event
+        )
 
     def exit_reason(self, rank: RankProcesses) -> str:
         """Why an exited worker exited, from its termination message or log ("" if running or unknown)."""
@@ -680,24 +581,7 @@ class LocalRunner(GangSupervisor):
     def read_status(self, rank: RankProcesses) -> None:
         """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had),
         and heed the sidecar's verdict in it."""
-        if self._fetch_status(rank):
-            self._heed_verdict(rank)
-
-    @staticmethod
-    def _fetch_status(rank: RankProcesses) -> bool:
-        """Read one rank's /status into ``rank`` (its status, hang timeout and the sidecar's verdict);
-        whether the sidecar answered with one."""
-        code, body = rank.sidecar.get("/status", 2.0)
-        if code != 200:
-            return False
-        report = SidecarReport.from_document(body)
-        if report.status is not None:
-            rank.status = report.status
-        if report.hang_timeout_seconds is not None:
-            rank.hang_timeout_seconds = report.hang_timeout_seconds
-        if report.reachable:
-            rank.verdict_alive, rank.verdict_reason = report.alive, report.reason
-        return report.reachable
+        sidecars.read_status(rank)
 
     def _monitor_workers(self) -> Look:
         """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as
