@@ -73,9 +73,12 @@ from trainer_sidecar.contract.prctl import PR_SET_CHILD_SUBREAPER, die_with_pare
 from trainer_sidecar.contract.status import read_status
 from trainer_sidecar.contract.warmspare import WarmSpare
 from trainer_sidecar.launcher.cgroup import MEMORY_FILES as MEMORY_FILES
-from trainer_sidecar.launcher.cgroup import MEMORY_LOOK_SECONDS, memory_use, oom_kills, spare_room
+from trainer_sidecar.launcher.cgroup import MEMORY_LOOK_SECONDS
 from trainer_sidecar.launcher.cgroup import OOM_COUNTERS as OOM_COUNTERS
 from trainer_sidecar.launcher.cgroup import SPARE_MEMORY_BYTES as SPARE_MEMORY_BYTES
+from trainer_sidecar.launcher.cgroup import memory_use as memory_use
+from trainer_sidecar.launcher.cgroup import oom_kills as oom_kills
+from trainer_sidecar.launcher.cgroup import spare_room as spare_room
 from trainer_sidecar.launcher.watchdog import start_watchdog
 
 #: How often the launcher looks at its children and the order file.
