@@ -45,7 +45,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -57,14 +56,7 @@ from types import FrameType
 from typing import Any
 
 from trainer_sidecar.contract.env import ATTEMPT_ENV, LAUNCH_TREE_ENV, STATUS_FILE_ENV
-from trainer_sidecar.contract.handoff import (
-    Handoff,
-    WarmStart,
-    plan_warm_start,
-    said_ready,
-    send_handoff,
-    spare_argv,
-)
+from trainer_sidecar.contract.handoff import Handoff, WarmStart, plan_warm_start
 from trainer_sidecar.contract.inplace import (
     FIRST_SIGNAL,
     MAX_OUTPUT_TAIL_CHARS,
@@ -79,6 +71,14 @@ from trainer_sidecar.contract.inplace import (
 )
 from trainer_sidecar.contract.prctl import PR_SET_CHILD_SUBREAPER, die_with_parent, load_prctl
 from trainer_sidecar.contract.status import read_status
+from trainer_sidecar.contract.warmspare import WarmSpare
+from trainer_sidecar.launcher.cgroup import MEMORY_FILES as MEMORY_FILES
+from trainer_sidecar.launcher.cgroup import MEMORY_LOOK_SECONDS
+from trainer_sidecar.launcher.cgroup import OOM_COUNTERS as OOM_COUNTERS
+from trainer_sidecar.launcher.cgroup import SPARE_MEMORY_BYTES as SPARE_MEMORY_BYTES
+from trainer_sidecar.launcher.cgroup import memory_use as memory_use
+from trainer_sidecar.launcher.cgroup import oom_kills as oom_kills
+from trainer_sidecar.launcher.cgroup import spare_room as spare_room
 from trainer_sidecar.launcher.watchdog import start_watchdog
 
 #: How often the launcher looks at its children and the order file.
@@ -123,84 +123,6 @@ class _OutputTee(threading.Thread):
         return self.tail.decode("utf-8", errors="replace")[-MAX_OUTPUT_TAIL_CHARS:]
 
 
-#: Where the container's memory cgroup counts the OOM killer's kills (``oom_kill N``): cgroup v2, then
-#: v1 (a container sees its own cgroup at the root of its cgroup namespace or mount).
-OOM_COUNTERS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
-
-
-def oom_kills(counters: Sequence[Path] = OOM_COUNTERS) -> int | None:
-    """How many processes the OOM killer has killed in this container's memory cgroup (None: no counter
-    to read here)."""
-    for path in counters:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name == "oom_kill" and value.strip().isdigit():
-                return int(value)
-    return None
-
-
-#: The container's memory use and limit: cgroup v2's files, then v1's.
-MEMORY_FILES = (
-    (Path("/sys/fs/cgroup/memory.current"), Path("/sys/fs/cgroup/memory.max")),
-    (
-        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-    ),
-)
-#: A limit above this is no limit (cgroup v1 writes its "unlimited" as a page-rounded 2^63).
-NO_LIMIT_BYTES = 1 << 60
-#: What a warm spare is taken to cost its container (torch imported: 0.7 GB measured, 0.39 GB anonymous).
-SPARE_MEMORY_BYTES = 1 << 30
-#: A spare starts only if the container's use with it stays below this share of its memory limit, and is
-#: dropped once the use passes ``SPARE_DROP_SHARE``: the worker needs the room more than its restart does.
-SPARE_ROOM_SHARE = 0.85
-SPARE_DROP_SHARE = 0.95
-#: How often the container's memory is looked at while a spare is due or kept.
-MEMORY_LOOK_SECONDS = 1.0
-
-
-def memory_use(files: Sequence[tuple[Path, Path]] = MEMORY_FILES) -> tuple[int, int | None] | None:
-    """The container's memory use and limit, in bytes (limit None: unlimited); None when there is no
-    memory cgroup to read here."""
-    for current, maximum in files:
-        try:
-            used = int(current.read_text().strip())
-            text = maximum.read_text().strip()
-        except (OSError, ValueError):
-            continue
-        if text == "max":
-            return used, None
-        try:
-            limit = int(text)
-        except ValueError:
-            continue
-        return used, limit if limit < NO_LIMIT_BYTES else None
-    return None
-
-
-def spare_room(use: tuple[int, int | None] | None, keeping: bool) -> str:
-    """Why the container has no room for a warm spare ("" when it has): a spare to start must fit with
-    ``SPARE_MEMORY_BYTES`` under ``SPARE_ROOM_SHARE`` of the limit; a spare kept (``keeping``, its memory
-    already counted) goes once the use passes ``SPARE_DROP_SHARE``."""
-    if use is None:
-        return ""
-    used, limit = use
-    if limit is None:
-        return ""
-    if keeping and used > SPARE_DROP_SHARE * limit:
-        return f"the container uses {used / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB memory limit"
-    if not keeping and used + SPARE_MEMORY_BYTES > SPARE_ROOM_SHARE * limit:
-        return (
-            f"the container uses {used / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB memory limit, "
-            f"too little room for a spare of about {SPARE_MEMORY_BYTES / 2**30:.0f} GiB"
-        )
-    return ""
-
-
 def _tee(target_fd: int) -> tuple[int, _OutputTee]:
     """A pipe whose write end a worker writes to, and the started tee that copies it to ``target_fd``."""
     read_fd, write_fd = os.pipe()
@@ -226,12 +148,34 @@ class _Process:
 
 
 @dataclass
-class _Spare:
-    """A warm spare for the next attempt and the launcher's end of its channel."""
+class _Attempt:
+    """One attempt's worker and what the launcher saw of it: made afresh when the attempt starts."""
 
-    process: _Process
-    channel: socket.socket
-    ready: bool = False
+    worker: _Process
+    #: Whether it runs in the warm spare (else it started cold).
+    warm: bool
+    #: Copies its standard error to the launcher's and keeps the end.
+    output: _OutputTee
+    #: When it started (``time.time()``).
+    started_at: float
+    #: The container's OOM kills when it started (None: no counter to read).
+    oom_kills_at_start: int | None = field(default_factory=oom_kills)
+    #: When the launcher first saw it exited (``time.monotonic()``; None while it runs).
+    exited_at: float | None = None
+    #: The end of its standard error and whether the OOM killer killed it, once it exited.
+    output_tail: str = ""
+    oom_killed: bool = False
+    #: Why this attempt keeps no spare ("" while it may).
+    no_room: str = ""
+
+    def note_exit(self) -> None:
+        """Take what its exit leaves: when, its output's end (waited for briefly), an OOM kill."""
+        self.exited_at = time.monotonic()
+        self.output.join(OUTPUT_DRAIN_SECONDS)
+        self.output_tail = self.output.text()
+        kills = oom_kills()
+        before = self.oom_kills_at_start
+        self.oom_killed = kills is not None and before is not None and kills > before
 
 
 @dataclass
@@ -250,12 +194,10 @@ class Launcher:
     warm: bool = True
     executable: str = sys.executable
     attempt: int = 1
-    _worker: _Process | None = None
-    _worker_started_at: float = 0.0
-    _worker_warm: bool = False
-    _spare: _Spare | None = None
+    #: The attempt running (or the last one), None before the first starts.
+    _current: _Attempt | None = None
+    _spare: WarmSpare | None = None
     _children: dict[int, _Process] = field(default_factory=dict)
-    _exited_at: float | None = None
     _stop_signal: int | None = None
     _order_seen: tuple[int, int, int] | None = None
     _message: str = ""
@@ -263,12 +205,7 @@ class Launcher:
     _exit_code: int | None = None
     _since: float = 0.0
     _starts_at: float | None = None
-    _output: _OutputTee | None = None
-    _output_tail: str = ""
-    _oom_kills_at_start: int | None = None
-    _oom_killed: bool = False
     _memory_looked_at: float = float("-inf")
-    _no_room: str = ""
     _tree: str = field(default_factory=lambda: secrets.token_hex(8))
     _watchdog_pid: int | None = None
     _watchdog_fd: int = -1
@@ -304,9 +241,9 @@ class Launcher:
                 time.sleep(POLL_SECONDS)
         finally:
             self._drop_spare()
-            if self._worker is not None:
+            if self._current is not None:
                 # What the worker left ends with the launcher, as with a container.
-                _signal_group(self._worker.proc.pid, signal.SIGKILL)
+                _signal_group(self._current.worker.proc.pid, signal.SIGKILL)
                 self._sweep(timeout=2.0)
             if self._watchdog_fd >= 0:  # its end of file: the watchdog sweeps what may be left, and exits
                 os.close(self._watchdog_fd)
@@ -326,22 +263,17 @@ class Launcher:
 
     def _after_exit(self) -> int | None:
         """The launcher's exit code once it should exit after its worker's exit, else None."""
-        worker = self._worker
-        if worker is None or worker.alive:
+        current = self._current
+        if current is None or current.worker.alive:
             return None
-        assert worker.returncode is not None
-        code = container_exit_code(worker.returncode)
-        if self._exited_at is None:
-            self._exited_at = time.monotonic()
+        assert current.worker.returncode is not None
+        code = container_exit_code(current.worker.returncode)
+        if current.exited_at is None:
             self._since = time.time()
-            if self._output is not None:
-                self._output.join(OUTPUT_DRAIN_SECONDS)
-                self._output_tail = self._output.text()
-            kills = oom_kills()
-            before = self._oom_kills_at_start
-            self._oom_killed = kills is not None and before is not None and kills > before
+            current.note_exit()
             self._publish(LauncherPhase.EXITED, exit_code=code)
-        if code == 0 or time.monotonic() - self._exited_at >= self.order_wait_seconds:
+        assert current.exited_at is not None
+        if code == 0 or time.monotonic() - current.exited_at >= self.order_wait_seconds:
             return code
         return None
 
@@ -350,7 +282,7 @@ class Launcher:
         kubelet's SIGKILL ends a worker that outlives the pod's grace, and the launcher with it)."""
         assert self._stop_signal is not None
         self._drop_spare()
-        worker = self._worker
+        worker = self._current.worker if self._current is not None else None
         if worker is not None and worker.alive:
             _signal_group(worker.proc.pid, FORWARDED.get(self._stop_signal, self._stop_signal))
             while worker.alive:
@@ -398,7 +330,7 @@ class Launcher:
         if self._watchdog_pid is not None:
             keep.add(self._watchdog_pid)
         if self._spare is not None:
-            keep.add(self._spare.process.proc.pid)
+            keep.add(self._spare.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._reap()
@@ -422,37 +354,39 @@ class Launcher:
     def _start(self, env: dict[str, str]) -> None:
         """Start the worker of ``self.attempt`` with ``env``: in the spare if one is alive, else cold."""
         self.attempt = _attempt_of(env, self.attempt)
-        self._worker_warm = False
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.process.alive and isinstance(self.plan, WarmStart):
-            handoff = Handoff.for_command(self.plan, environment=env, cwd=None)
-            write_fd, tee = _tee(2)
-            try:  # standard output and error as a cold worker has them (below)
-                send_handoff(spare.channel, handoff, 1, write_fd)
-                self._worker, self._worker_warm, self._output = spare.process, True, tee
-            except OSError as exc:
-                self._note(f"attempt {self.attempt}: the warm spare could not be told ({exc}); starting cold")
-            finally:
-                os.close(write_fd)
-                spare.channel.close()
-            if not self._worker_warm:
-                _signal_group(spare.process.proc.pid, signal.SIGKILL)
-        elif spare is not None:
-            self._discard(spare)
-        if not self._worker_warm:
-            write_fd, self._output = _tee(2)
+        started = self._start_in_spare(env)
+        if started is None:
+            write_fd, output = _tee(2)
             try:
-                self._worker = self._spawn(self.command, env, stderr=write_fd)
+                started = self._spawn(self.command, env, stderr=write_fd), False, output
             finally:
                 os.close(write_fd)
-        self._worker_started_at = self._since = time.time()
-        self._exited_at = None
-        self._starts_at = None
-        self._output_tail = ""
-        self._oom_killed = False
-        self._oom_kills_at_start = oom_kills()
-        self._no_room = ""
+        worker, warm, output = started
+        self._current = _Attempt(worker, warm, output, started_at=time.time())
+        self._since = self._current.started_at
         self._publish(LauncherPhase.RUNNING)
+
+    def _start_in_spare(self, env: dict[str, str]) -> tuple[_Process, bool, _OutputTee] | None:
+        """Hand the attempt to the spare if one is alive (the worker, True, its output's tee); None when
+        there is none or it could not be told (it is dropped either way but when it became the worker)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        worker = self._children.get(spare.pid)
+        if worker is None or not spare.alive() or not isinstance(self.plan, WarmStart):
+            spare.drop()
+            return None
+        handoff = Handoff.for_command(self.plan, environment=env, cwd=None)
+        write_fd, tee = _tee(2)
+        try:  # standard output and error as a cold worker has them (_start)
+            spare.hand_off(handoff, 1, write_fd)
+        except OSError as exc:
+            self._note(f"attempt {self.attempt}: the warm spare could not be told ({exc}); starting cold")
+            spare.drop()
+            return None
+        finally:
+            os.close(write_fd)
+        return worker, True, tee
 
     def _restart(self, order: RestartOrder) -> None:
         """Stop the worker that runs as ``order`` says, reap its process group, and start
@@ -463,7 +397,7 @@ class Launcher:
         due = time.monotonic() + order.start_delay_seconds
         self._starts_at = self._since + order.start_delay_seconds if order.start_delay_seconds else None
         self._publish(LauncherPhase.STOPPING)
-        worker = self._worker
+        worker = self._current.worker if self._current is not None else None
         if worker is not None:
             if worker.alive:
                 _signal_group(worker.proc.pid, FIRST_SIGNAL[order.stop])
@@ -507,47 +441,43 @@ class Launcher:
     def _tend_spare(self) -> None:
         """Start a spare once the worker has stepped (earlier, its imports would compete with the worker's
         start for the cores); note when it is ready; forget one that died."""
-        spare = self._spare
+        spare, current = self._spare, self._current
         if spare is not None:
-            if not spare.process.alive:
-                self._discard(spare)
-                self._spare = None
-            elif not spare.ready and said_ready(spare.channel):
-                spare.ready = True
+            if not spare.alive():
+                self._drop_spare()
+            elif not spare.warm and spare.is_warm():
                 if self._phase is not None:
                     self._publish(self._phase, self._exit_code)
             elif self._memory_due() and (why := spare_room(memory_use(), keeping=True)):
                 # The worker needs the room more than its restart does; no spare again this attempt.
                 self._drop_spare()
-                self._no_room = f"dropped the warm spare: {why}"
-                self._note(self._no_room)
+                if current is not None:
+                    current.no_room = f"dropped the warm spare: {why}"
+                    self._note(current.no_room)
             return
-        worker = self._worker
-        if not isinstance(self.plan, WarmStart) or worker is None or not worker.alive or self._no_room:
+        if current is None or not current.worker.alive or current.no_room:
             return
-        if not self._stepped() or not self._memory_due():
+        if not isinstance(self.plan, WarmStart) or not self._stepped() or not self._memory_due():
             return
         why = spare_room(memory_use(), keeping=False)
         if why:
-            self._no_room = f"no warm spare for attempt {self.attempt}: {why}"
-            self._note(self._no_room)
+            current.no_room = f"no warm spare for attempt {self.attempt}: {why}"
+            self._note(current.no_room)
             return
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._start_spare(self.plan)
+
+    def _start_spare(self, plan: WarmStart) -> None:
+        """Start the spare of the next attempt (or say why it could not, and keep none from then on)."""
+
+        def spawn_spare(argv: list[str], channel_fd: int) -> subprocess.Popen[Any]:
+            env = dict(os.environ)
+            return self._spawn(argv, env, pass_fds=(channel_fd,), stdin=subprocess.DEVNULL).proc
+
         try:
-            process = self._spawn(
-                spare_argv(self.executable, theirs.fileno(), self.plan),
-                dict(os.environ),
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
+            self._spare = WarmSpare.start(plan, self.executable, spawn_spare, reaped_by_keeper=True)
         except OSError as exc:
-            ours.close()
             self.plan = f"the warm spare could not start ({exc})"
             self._note(self.plan)
-            return
-        finally:
-            theirs.close()
-        self._spare = _Spare(process, ours)
 
     def _memory_due(self) -> bool:
         """Whether it is time to look at the container's memory again (at most every
@@ -566,20 +496,17 @@ class Launcher:
         status, _ = read_status(Path(status_file))
         return (
             status is not None
-            and status.started_at >= self._worker_started_at - 1.0
+            and self._current is not None
+            and status.started_at >= self._current.started_at - 1.0
             and status.last_step_time is not None
             and status.last_step_time >= status.started_at
         )
 
-    def _discard(self, spare: _Spare) -> None:
-        spare.channel.close()
-        if spare.process.alive:
-            _signal_group(spare.process.proc.pid, signal.SIGKILL)
-
     def _drop_spare(self) -> None:
+        """Drop the spare if there is one (its exit is reaped with the launcher's other children)."""
         spare, self._spare = self._spare, None
         if spare is not None:
-            self._discard(spare)
+            spare.drop()
 
     # -------------------------------------------------------------------------------- the state ---
     def _note(self, message: str) -> None:
@@ -593,21 +520,24 @@ class Launcher:
     def _publish(self, phase: LauncherPhase, exit_code: int | None = None) -> None:
         """Write the launcher's state file: ``phase`` of ``self.attempt`` (OSError only said)."""
         self._phase, self._exit_code = phase, exit_code
-        worker = self._worker
+        current = self._current
+        worker = current.worker if current is not None else None
+        exited = phase is LauncherPhase.EXITED
+        started_at = current.started_at if current is not None else 0.0
         state = LauncherState(
             attempt=self.attempt,
             phase=phase,
             since=self._since,
             pid=worker.proc.pid if worker is not None and worker.alive else None,
             exit_code=exit_code,
-            warm=self._worker_warm,
-            spare_ready=self._spare is not None and self._spare.ready,
+            warm=current is not None and current.warm,
+            spare_ready=self._spare is not None and self._spare.warm,
             updated_at=time.time(),
             message=self._message[:1024],
             starts_at=self._starts_at if phase is LauncherPhase.STOPPING else None,
-            started_at=self._worker_started_at if phase is not LauncherPhase.STOPPING else None,
-            output_tail=self._output_tail if phase is LauncherPhase.EXITED else "",
-            oom_killed=self._oom_killed and phase is LauncherPhase.EXITED,
+            started_at=started_at if phase is not LauncherPhase.STOPPING else None,
+            output_tail=current.output_tail if current is not None and exited else "",
+            oom_killed=current is not None and exited and current.oom_killed,
         )
         try:
             write_launcher_state(self.status_dir, state)

@@ -32,34 +32,27 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from trainer_sidecar.contract.env import GANG_ENV, PREFIX, RUN_ENV
 from trainer_sidecar.contract.files import read_small_file
-from trainer_sidecar.contract.handoff import (
-    Handoff,
-    WarmStart,
-    plan_warm_start,
-    said_ready,
-    send_handoff,
-    spare_argv,
-)
+from trainer_sidecar.contract.handoff import Handoff, WarmStart, plan_warm_start
 from trainer_sidecar.contract.identity import job_identity
 from trainer_sidecar.contract.status import (
     MAX_STATUS_BYTES,
-    Phase,
     WorkerStatus,
     local_status_file,
     parse_status,
     read_status,
 )
-from trainguard.core.environment import sidecar_environment, worker_environment
-from trainguard.core.observation import GangView, ProcessState, SidecarReport, observe_gang
+from trainer_sidecar.contract.warmspare import SpareSpawner, WarmSpare
+from trainguard.core.environment import worker_environment
+from trainguard.core.observation import GangView, ProcessState, observe_gang
 from trainguard.core.policy import Action, Observation
 from trainguard.core.spec import WORKER_CONTAINER, GuardedTrainingJob, SpecError
 from trainguard.core.torchrun import NodeLaunch, NotPython, under_torchrun
+from trainguard.local import sidecars
 from trainguard.local.launch import (
     RunRefused,
     Stopped,
@@ -69,20 +62,18 @@ from trainguard.local.launch import (
     kill_marked,
     marked_processes,
     omp_threads,
-    printable,
     resolve_command,
     signal_group,
     spawn,
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
-from trainguard.local.sidecars import SidecarProcess, liveness, probe_passed
+from trainguard.local.sidecars import TERMINATION_MESSAGE_FILE, RankProcesses, SidecarProcess
 from trainguard.local.supervisor import FinalCheckpoint, GangSupervisor, Look, RunResult
 from trainguard.local.watchdog import Watchdog
 
 log = logging.getLogger("trainguard.run")
 
 _CONTAINER = f"spec.template.spec.containers[{WORKER_CONTAINER}]"
-TERMINATION_MESSAGE_FILE = "termination-log"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,56 +82,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-@dataclass
-class RankProcesses:
-    """One rank of one attempt: the worker, its sidecar, and where their files are."""
-
-    rank: int
-    worker: subprocess.Popen[bytes]
-    sidecar: SidecarProcess
-    status_file: Path
-    log_path: Path
-    alive: bool | None = None
-    health_reason: str = ""
-    probe_failures: int = 0
-    failed_since: float | None = None
-    exit_reason: str | None = None
-    #: When the runner first saw the worker ended (``time.monotonic()``; None while it runs).
-    ended_at: float | None = None
-    #: The worker's status as its sidecar last served it (None: not read yet).
-    status: WorkerStatus | None = None
-    #: The hang timeout its sidecar last said it judges the worker by (None: not said yet).
-    hang_timeout_seconds: float | None = None
-    #: Its sidecar's own verdict in its last ``/status`` (None: not read yet), and the reason it gave.
-    verdict_alive: bool | None = None
-    verdict_reason: str = ""
-
-    @property
-    def sidecar_url(self) -> str:
-        """Where the rank's sidecar answers ("" while it is down)."""
-        return self.sidecar.url
-
-    @property
-    def termination_file(self) -> Path:
-        """The worker's termination-message file (``TRAINGUARD_TERMINATION_MESSAGE_PATH``)."""
-        return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
-
-
-@dataclass
-class Spare:
-    """A warm spare for one rank of the next attempt: its process and the runner's end of its channel."""
-
-    rank: int
-    proc: subprocess.Popen[bytes]
-    channel: socket.socket
-    warm: bool = False
-
-    def is_warm(self) -> bool:
-        """Whether the spare has said it finished its imports (without waiting for it)."""
-        self.warm = self.warm or said_ready(self.channel)
-        return self.warm
 
 
 class LocalRunner(GangSupervisor):
@@ -190,8 +131,8 @@ class LocalRunner(GangSupervisor):
         self._next_probe = 0.0  # when the sidecars are probed next (time.monotonic())
         #: How a restart can run in warm spares, or (a str) why every attempt starts cold.
         self.warm_plan: WarmStart | str = self._warm_plan(warm_spares)
-        # The spares of the next attempt (``_spare_attempt``), all carrying its gang marker.
-        self._spares: list[Spare] = []
+        # The spares of the next attempt (``_spare_attempt``) by rank, all carrying its gang marker.
+        self._spares: dict[int, WarmSpare] = {}
         self._spare_attempt = 0
         self._spare_gang = ""
         # Every spare process, registered the moment it exists (as _workers), until handed off or stopped.
@@ -348,11 +289,7 @@ class LocalRunner(GangSupervisor):
 
     def sidecar_env(self, status_file: Path) -> dict[str, str]:
         """The environment of one rank's sidecar: the job's, as the operator renders it, on loopback."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
-        env.update(
-            sidecar_environment(self.job, status_file=str(status_file), host="127.0.0.1", port=0).variables()
-        )
-        return env
+        return sidecars.sidecar_env(self.job, status_file)
 
     def _pod_command(self, pod: int, port: int) -> list[str]:
         """The command of one pod: the job's, or with nprocPerNode above 1 the same under torchrun (as the
@@ -370,26 +307,14 @@ class LocalRunner(GangSupervisor):
         self.worker_checkpoint_dir = self._checked_checkpoint_dir()
 
     def _launch_sidecars(self, attempt: int) -> list[tuple[int, SidecarProcess, Path]]:
-        """Start attempt ``attempt``'s sidecars side by side (their start costs one sidecar's time, not one
-        per rank) and wait until each listens; each rank's sidecar and status file."""
+        """Start attempt ``attempt``'s sidecars side by side and wait until each listens
+        (``sidecars.launch_sidecars``); each rank's sidecar and status file."""
         assert self.run_folder is not None, "prepare() before the first attempt"
-        attempt_dir = self.run_folder / f"attempt-{attempt}"
-        sidecars = []
-        for rank in range(self.spec.replicas):
-            status_file = attempt_dir / f"rank-{rank}" / "status.json"
-            status_file.parent.mkdir(parents=True, exist_ok=True)
-            sidecar = SidecarProcess(
-                [sys.executable, "-m", "trainer_sidecar.sidecar"],
-                status_file.with_name("sidecar.log"),
-                lambda argv, **options: self._spawn(argv, worker=False, **options),
-                env=self.sidecar_env(status_file),
-            )
-            sidecar.launch()
-            sidecars.append((rank, sidecar, status_file))
-        for rank, sidecar, _ in sidecars:
-            if not sidecar.wait_until_listening():
-                raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
-        return sidecars
+        return sidecars.launch_sidecars(
+            self.job,
+            self.run_folder / f"attempt-{attempt}",
+            lambda argv, **options: self._spawn(argv, worker=False, **options),
+        )
 
     def _prepare_next_attempt(self) -> None:
         """Start the next attempt's sidecars during the restart's backoff (the old gang, its sidecars
@@ -427,7 +352,7 @@ class LocalRunner(GangSupervisor):
             log_file = open(log_path, "xb")  # noqa: SIM115 - closed by _stop_workers
             self._files.append(log_file)
             env = self.worker_env(rank, port, status_file)
-            worker = self._hand_off(spares[rank], env, log_file) if rank in spares else None
+            worker = self._hand_off(rank, spares[rank], env, log_file) if rank in spares else None
             if worker is None:
                 worker = self._spawn(
                     self._pod_command(rank, port),
@@ -503,68 +428,70 @@ class LocalRunner(GangSupervisor):
         for rank in range(self.spec.replicas):
             status_file = self.run_folder / f"attempt-{attempt}" / f"rank-{rank}" / "status.json"
             env = self.worker_env(rank, 0, status_file, attempt=attempt, gang_id=gang)
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            argv = spare_argv(sys.executable, theirs.fileno(), plan)
             try:
                 with open(logs / f"attempt-{attempt}-rank-{rank}.spare.log", "ab") as spare_log:
-                    proc = self._spawn(
-                        argv,
-                        worker=False,
-                        spare=True,
-                        env=env,
-                        cwd=self.working_dir,
-                        stdout=spare_log,
-                        stderr=subprocess.STDOUT,
-                        pass_fds=(self.lock.fd, theirs.fileno()),
-                    )
+                    spare = WarmSpare.start(plan, sys.executable, self._spare_spawner(env, spare_log))
             except (RunRefused, OSError) as exc:
-                ours.close()
                 log.warning("attempt %d: no warm spares (%s); it will start cold", attempt, exc)
                 self._stop_spares()
                 return
-            finally:
-                theirs.close()
-            self._spares.append(Spare(rank, proc, ours))
+            self._spares[rank] = spare
 
-    def _take_spares(self) -> dict[int, Spare]:
+    def _spare_spawner(self, env: dict[str, str], spare_log: IO[bytes]) -> SpareSpawner:
+        """How one rank's spare is started: registered as a spare, with ``env`` in the working directory,
+        writing to ``spare_log``, holding the checkpoint lock as a worker does."""
+
+        def spawn_spare(argv: list[str], channel_fd: int) -> subprocess.Popen[Any]:
+            return self._spawn(
+                argv,
+                worker=False,
+                spare=True,
+                env=env,
+                cwd=self.working_dir,
+                stdout=spare_log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(self.lock.fd, channel_fd),
+            )
+
+        return spawn_spare
+
+    def _take_spares(self) -> dict[int, WarmSpare]:
         """The spares made for the attempt starting now, by rank ({}: none)."""
         if self._spare_attempt != self.attempt:
             return {}
-        return {spare.rank: spare for spare in self._spares}
+        return dict(self._spares)
 
     def _hand_off(
-        self, spare: Spare, env: dict[str, str], log_file: IO[bytes]
+        self, rank: int, spare: WarmSpare, env: dict[str, str], log_file: IO[bytes]
     ) -> subprocess.Popen[Any] | None:
-        """Make ``spare`` this attempt's worker (see ``trainer_sidecar.contract.handoff``); None if it has
-        exited or cannot be told (the rank then starts cold)."""
+        """Make ``spare`` this attempt's worker of ``rank`` (see ``trainer_sidecar.contract.handoff``);
+        None if it has exited or cannot be told (the rank then starts cold)."""
         assert isinstance(self.warm_plan, WarmStart)
         handoff = Handoff.for_command(self.warm_plan, environment=env, cwd=self.working_dir)
-        if spare.proc.poll() is not None:
+        if not spare.alive():
             return None
         if not spare.is_warm():
             self.unready_handoffs += 1
         try:
             # Both to the log, as a cold worker's (its stderr=STDOUT): one file, two descriptors.
-            send_handoff(spare.channel, handoff, log_file.fileno(), log_file.fileno())
+            spare.hand_off(handoff, log_file.fileno(), log_file.fileno())
         except OSError as exc:
-            log.warning("attempt %d: rank %d's spare could not be told (%s)", self.attempt, spare.rank, exc)
+            log.warning("attempt %d: rank %d's spare could not be told (%s)", self.attempt, rank, exc)
             return None
-        finally:
-            spare.channel.close()
         signals = self.signals if self.signals is not None else StopSignals()
         with signals.deferred():  # from a spare to a worker without a moment in neither list
             self._workers.append(spare.proc)
             self._spare_procs.remove(spare.proc)
-        self._spares.remove(spare)
+        del self._spares[rank]
         return spare.proc
 
     def _stop_spares(self) -> None:
         """SIGKILL every spare not handed off (they hold nothing: no checkpoint, no peer) and reap it."""
         spares, procs = self._spares, self._spare_procs
-        self._spares, self._spare_procs = [], []
-        for spare in spares:
-            spare.channel.close()
-        for proc in procs:
+        self._spares, self._spare_procs = {}, []
+        for spare in spares.values():
+            spare.drop()
+        for proc in procs:  # also one registered by _spawn that never became a WarmSpare (a stop signal)
             if proc.poll() is None:  # not reaped yet: its pid cannot have been reused
                 signal_group(proc, signal.SIGKILL)
         for proc in procs:
@@ -637,55 +564,10 @@ class LocalRunner(GangSupervisor):
         return []
 
     def probe(self) -> None:
-        """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
-
-        A sidecar that exited is restarted first (with backoff). A failed or unanswered probe counts
-        towards the failure threshold; a rank is not alive once the threshold is reached, or as soon as
-        its sidecar's own verdict in ``/status`` says so (``_heed_verdict``).
-        """
-        timeout = min(5.0, float(self.spec.health.probe_period_seconds))
-        for rank in self.ranks:
-            if rank.worker.poll() is not None:
-                continue
-            happened = rank.sidecar.keep_running()
-            if happened:
-                self.event("sidecar", f"rank {rank.rank}: {happened}")
-            self._fetch_status(rank)
-            code, body = rank.sidecar.healthz(timeout)
-            rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
-            rank.alive = self._liveness(rank)
-            rank.health_reason = "" if probe_passed(code) else self._probe_failure(rank, code, body)
-            self._heed_verdict(rank)
-
-    @staticmethod
-    def _heed_verdict(rank: RankProcesses) -> None:
-        """A worker its sidecar judges not alive is not alive at once, as the operator acts on the same
-        verdict at its poll of ``/status``: the kubelet's threshold of failed probes is there to ride out
-        probes that went unanswered, not to second-guess a verdict, and waiting for it added two probe
-        periods to every hang's detection. A worker that published its final "failed" keeps the stop
-        grace to exit (``_liveness``)."""
-        ending = rank.status is not None and rank.status.phase is Phase.FAILED
-        if rank.verdict_alive is False and not ending:
-            rank.alive = False
-            rank.health_reason = rank.verdict_reason
-
-    def _liveness(self, rank: RankProcesses) -> bool | None:
-        """The kubelet's verdict, except that a worker that published its final status ("failed") gets
-        the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
-        if rank.status is None or rank.status.phase is not Phase.FAILED:
-            rank.failed_since = None
-            return liveness(rank.probe_failures)
-        now = time.monotonic()
-        rank.failed_since = rank.failed_since if rank.failed_since is not None else now
-        return liveness(rank.probe_failures, now - rank.failed_since, self.stop_grace_seconds)
-
-    @staticmethod
-    def _probe_failure(rank: RankProcesses, code: int, body: bytes) -> str:
-        answer = printable(body.decode(errors="replace")) if code else ""
-        if not answer:
-            answer = f"HTTP {code}" if code else "no answer (the sidecar is down)"
-        times = "once" if rank.probe_failures == 1 else f"{rank.probe_failures} times in a row"
-        return f"liveness probe failed {times}: {answer}"
+        """Probe every rank through its sidecar (``sidecars.probe``), restarts told as events."""
+        sidecars.probe(
+            self.ranks, float(self.spec.health.probe_period_seconds), self.stop_grace_seconds, self.event
+        )
 
     def exit_reason(self, rank: RankProcesses) -> str:
         """Why an exited worker exited, from its termination message or log ("" if running or unknown)."""
@@ -699,24 +581,7 @@ class LocalRunner(GangSupervisor):
     def read_status(self, rank: RankProcesses) -> None:
         """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had),
         and heed the sidecar's verdict in it."""
-        if self._fetch_status(rank):
-            self._heed_verdict(rank)
-
-    @staticmethod
-    def _fetch_status(rank: RankProcesses) -> bool:
-        """Read one rank's /status into ``rank`` (its status, hang timeout and the sidecar's verdict);
-        whether the sidecar answered with one."""
-        code, body = rank.sidecar.get("/status", 2.0)
-        if code != 200:
-            return False
-        report = SidecarReport.from_document(body)
-        if report.status is not None:
-            rank.status = report.status
-        if report.hang_timeout_seconds is not None:
-            rank.hang_timeout_seconds = report.hang_timeout_seconds
-        if report.reachable:
-            rank.verdict_alive, rank.verdict_reason = report.alive, report.reason
-        return report.reachable
+        sidecars.read_status(rank)
 
     def _monitor_workers(self) -> Look:
         """Probe the sidecars once a probe period (as the kubelet does), read the statuses in between (as

@@ -6,6 +6,8 @@
 - Restart: a sidecar that exits while its worker runs is started again (a native sidecar container has
   restartPolicy Always), at once the first time and then after a doubling delay from 10 s up to 5 min,
   as the kubelet's crash-loop backoff. A sidecar that stayed up for 10 minutes starts the count afresh.
+- Probing: ``probe`` reads each rank's ``/status`` and ``/healthz`` into its ``RankProcesses`` once a probe
+  period; between probes ``read_status`` reads the status alone (as the operator's poll does).
 """
 
 from __future__ import annotations
@@ -13,14 +15,22 @@ from __future__ import annotations
 import os
 import select
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from trainer_sidecar.contract.env import PREFIX
+from trainer_sidecar.contract.status import Phase, WorkerStatus
+from trainguard.core.environment import sidecar_environment
+from trainguard.core.observation import SidecarReport
 from trainguard.core.probes import probe_timing
+from trainguard.core.spec import GuardedTrainingJob
+from trainguard.local.launch import RunRefused, printable
 
 #: Failed probes in a row after which a rank is not alive (the kubelet's failureThreshold we render).
 LIVENESS_FAILURE_THRESHOLD = probe_timing(1)["liveness_failure_threshold"]
@@ -178,3 +188,155 @@ class SidecarProcess:
         if stdout is not None:
             stdout.close()
         self.url = ""
+
+
+# ------------------------------------------------------------------- the ranks, probed through them ---
+TERMINATION_MESSAGE_FILE = "termination-log"
+
+
+@dataclass
+class RankProcesses:
+    """One rank of one attempt: the worker, its sidecar, and where their files are."""
+
+    rank: int
+    worker: subprocess.Popen[bytes]
+    sidecar: SidecarProcess
+    status_file: Path
+    log_path: Path
+    alive: bool | None = None
+    health_reason: str = ""
+    probe_failures: int = 0
+    failed_since: float | None = None
+    exit_reason: str | None = None
+    #: When the runner first saw the worker ended (``time.monotonic()``; None while it runs).
+    ended_at: float | None = None
+    #: The worker's status as its sidecar last served it (None: not read yet).
+    status: WorkerStatus | None = None
+    #: The hang timeout its sidecar last said it judges the worker by (None: not said yet).
+    hang_timeout_seconds: float | None = None
+    #: Its sidecar's own verdict in its last ``/status`` (None: not read yet), and the reason it gave.
+    verdict_alive: bool | None = None
+    verdict_reason: str = ""
+
+    @property
+    def sidecar_url(self) -> str:
+        """Where the rank's sidecar answers ("" while it is down)."""
+        return self.sidecar.url
+
+    @property
+    def termination_file(self) -> Path:
+        """The worker's termination-message file (``TRAINGUARD_TERMINATION_MESSAGE_PATH``)."""
+        return self.status_file.with_name(TERMINATION_MESSAGE_FILE)
+
+
+def sidecar_env(job: GuardedTrainingJob, status_file: Path) -> dict[str, str]:
+    """The environment of one rank's sidecar: the job's, as the operator renders it, on loopback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    env.update(sidecar_environment(job, status_file=str(status_file), host="127.0.0.1", port=0).variables())
+    return env
+
+
+def launch_sidecars(
+    job: GuardedTrainingJob, attempt_dir: Path, spawn: Spawner
+) -> list[tuple[int, SidecarProcess, Path]]:
+    """Start the sidecars of the attempt whose folder is ``attempt_dir`` side by side (their start costs
+    one sidecar's time, not one per rank) and wait until each listens; each rank's sidecar and status
+    file. RunRefused if one does not start."""
+    sidecars = []
+    for rank in range(job.spec.replicas):
+        status_file = attempt_dir / f"rank-{rank}" / "status.json"
+        status_file.parent.mkdir(parents=True, exist_ok=True)
+        sidecar = SidecarProcess(
+            [sys.executable, "-m", "trainer_sidecar.sidecar"],
+            status_file.with_name("sidecar.log"),
+            spawn,
+            env=sidecar_env(job, status_file),
+        )
+        sidecar.launch()
+        sidecars.append((rank, sidecar, status_file))
+    for rank, sidecar, _ in sidecars:
+        if not sidecar.wait_until_listening():
+            raise RunRefused(f"rank {rank}'s sidecar did not start: see {sidecar.log_path}")
+    return sidecars
+
+
+def probe(
+    ranks: Sequence[RankProcesses],
+    probe_period_seconds: float,
+    stop_grace_seconds: float,
+    event: Callable[[str, str], Any],
+) -> None:
+    """Ask every sidecar for liveness (like the kubelet's probe) and status (like the operator).
+
+    A sidecar that exited is restarted first (with backoff; ``event`` is told). A failed or unanswered
+    probe counts towards the failure threshold; a rank is not alive once the threshold is reached, or as
+    soon as its sidecar's own verdict in ``/status`` says so (``heed_verdict``).
+    """
+    timeout = min(5.0, probe_period_seconds)
+    for rank in ranks:
+        if rank.worker.poll() is not None:
+            continue
+        happened = rank.sidecar.keep_running()
+        if happened:
+            event("sidecar", f"rank {rank.rank}: {happened}")
+        fetch_status(rank)
+        code, body = rank.sidecar.healthz(timeout)
+        rank.probe_failures = 0 if probe_passed(code) else rank.probe_failures + 1
+        rank.alive = rank_liveness(rank, stop_grace_seconds)
+        rank.health_reason = "" if probe_passed(code) else probe_failure(rank, code, body)
+        heed_verdict(rank)
+
+
+def heed_verdict(rank: RankProcesses) -> None:
+    """A worker its sidecar judges not alive is not alive at once, as the operator acts on the same
+    verdict at its poll of ``/status``: the kubelet's threshold of failed probes is there to ride out
+    probes that went unanswered, not to second-guess a verdict, and waiting for it added two probe
+    periods to every hang's detection. A worker that published its final "failed" keeps the stop
+    grace to exit (``rank_liveness``)."""
+    ending = rank.status is not None and rank.status.phase is Phase.FAILED
+    if rank.verdict_alive is False and not ending:
+        rank.alive = False
+        rank.health_reason = rank.verdict_reason
+
+
+def rank_liveness(rank: RankProcesses, stop_grace_seconds: float) -> bool | None:
+    """The kubelet's verdict, except that a worker that published its final status ("failed") gets
+    the stop grace to exit: its exit code (a configuration error) says more than a hang would."""
+    if rank.status is None or rank.status.phase is not Phase.FAILED:
+        rank.failed_since = None
+        return liveness(rank.probe_failures)
+    now = time.monotonic()
+    rank.failed_since = rank.failed_since if rank.failed_since is not None else now
+    return liveness(rank.probe_failures, now - rank.failed_since, stop_grace_seconds)
+
+
+def probe_failure(rank: RankProcesses, code: int, body: bytes) -> str:
+    """Why a rank's liveness probe failed, as the kubelet's event says it."""
+    answer = printable(body.decode(errors="replace")) if code else ""
+    if not answer:
+        answer = f"HTTP {code}" if code else "no answer (the sidecar is down)"
+    times = "once" if rank.probe_failures == 1 else f"{rank.probe_failures} times in a row"
+    return f"liveness probe failed {times}: {answer}"
+
+
+def read_status(rank: RankProcesses) -> None:
+    """Refresh one rank's status from its sidecar's /status (kept as it was when none can be had),
+    and heed the sidecar's verdict in it."""
+    if fetch_status(rank):
+        heed_verdict(rank)
+
+
+def fetch_status(rank: RankProcesses) -> bool:
+    """Read one rank's /status into ``rank`` (its status, hang timeout and the sidecar's verdict);
+    whether the sidecar answered with one."""
+    code, body = rank.sidecar.get("/status", 2.0)
+    if code != 200:
+        return False
+    report = SidecarReport.from_document(body)
+    if report.status is not None:
+        rank.status = report.status
+    if report.hang_timeout_seconds is not None:
+        rank.hang_timeout_seconds = report.hang_timeout_seconds
+    if report.reachable:
+        rank.verdict_alive, rank.verdict_reason = report.alive, report.reason
+    return report.reachable
