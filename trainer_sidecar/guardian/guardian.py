@@ -786,6 +786,7 @@ class Guardian:
         if self.checkpoints.fenced is not None:
             self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
+        self._snapshot.complete_loop_state(self.feed.rollback_state(), self.optimizer)
         agreed = self._measure(self._loss_sum)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
@@ -1167,7 +1168,7 @@ class Guardian:
             self.module,
             self.optimizer,
             self.training.small_state(),
-            {"counters": self.counters.copy()},
+            {"counters": self.counters.copy(), "tracked": self.feed.rollback_state()},
             background=self._copies_in_background,
         )
         self._window_batches.clear()
@@ -1242,6 +1243,7 @@ class Guardian:
         self.settle()
         self.training.load_small_state(self._snapshot.restore(self.module, self.optimizer))
         self.counters.rewind_to(self._snapshot.extra["counters"])
+        self.feed.roll_back(self._snapshot.extra["tracked"])  # a per-epoch scheduler agrees with the lr
         # The data does not rewind: the window that led here is skipped, and remembered for replays.
         for batch in self._window_batches:
             span = self.feed.span(batch.epoch, batch.index)
