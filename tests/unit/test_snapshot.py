@@ -96,11 +96,11 @@ def test_the_loop_state_is_completed_once_when_the_next_step_begins(path: str) -
     for group in optimizer.param_groups:
         group["lr"] = 0.01  # the loop's epoch end
     seen = [1]
-    snapshot.complete_loop_state({"best": 0.5, "seen": seen}, optimizer)
+    snapshot.complete_loop_state(lambda: {"best": 0.5, "seen": seen}, optimizer)
     seen.append(2)  # the snapshot holds a copy
     for group in optimizer.param_groups:
         group["lr"] = 0.001
-    snapshot.complete_loop_state({"best": 0.25}, optimizer)  # the next step: nothing taken again
+    snapshot.complete_loop_state(lambda: {"best": 0.25}, optimizer)  # the next step: nothing taken again
     assert snapshot.extra["tracked"] == {"best": 0.5, "seen": [1]}
     train(model, optimizer, 2, seed=2)
 

@@ -786,7 +786,7 @@ class Guardian:
         if self.checkpoints.fenced is not None:
             self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
-        self._snapshot.complete_loop_state(self.feed.rollback_state(), self.optimizer)
+        self._snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
         agreed = self._measure(self._loss_sum)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)

@@ -2,9 +2,9 @@
 
 A snapshot copies every tensor into host buffers allocated once and reused, and keeps the small
 non-tensor state (learning rates, scheduler and scaler state, the state of what the loop gave
-``guardian.track``) as plain values. Of a sharded model (FSDP2
-DTensors) it holds this rank's shards only, and restores into them in place. Restoring copies the
-buffers back into the live tensors, so the optimizer keeps its own storage and nothing is reallocated.
+``guardian.track``) as plain values. Of a sharded model (FSDP2 DTensors) it holds this rank's shards
+only, and restores into them in place. Restoring copies the buffers back into the live tensors, so the
+optimizer keeps its own storage and nothing is reallocated.
 
 The loop's own state (its tracked objects, and the learning rates in the optimizer's param groups) is
 taken once more when the next step begins (``complete_loop_state``): what the loop does between two steps
@@ -15,6 +15,7 @@ before, so a rollback restores a learning rate and a tracked scheduler that agre
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,14 +72,17 @@ class Snapshot:
         self.step = step
         self._loop_state_pending = True
 
-    def complete_loop_state(self, tracked: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """Once after each capture, when the next step begins: take the loop's tracked state (into
-        ``extra["tracked"]``) and the optimizer's non-tensor hyperparameters (its learning rates) again, as
-        the loop left them after the captured step. Plain values only: no tensor is copied to the host."""
+    def complete_loop_state(
+        self, tracked: Callable[[], dict[str, Any]], optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Once after each capture, when the next step begins: take the loop's tracked state (``tracked()``,
+        into ``extra["tracked"]``) and the optimizer's non-tensor hyperparameters (its learning rates)
+        again, as the loop left them after the captured step; any other step costs one test. No tensor is
+        copied to the host."""
         if not self._loop_state_pending or not self.taken:
             return
         self._loop_state_pending = False
-        self.extra["tracked"] = copy.deepcopy(tracked)
+        self.extra["tracked"] = copy.deepcopy(tracked())
         saved_groups = self._skeleton["optimizer"]["param_groups"]
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
             for key in saved:
