@@ -132,6 +132,43 @@ def test_gradients_within_the_norm_reach_the_optimizer_unchanged() -> None:
     assert_same(clone_state(reference), clone_state(model))
 
 
+def test_a_healthy_loop_under_the_defaults_trains_bit_for_bit_like_the_plain_loop() -> None:
+    # No clip unless asked: gradients far above any usual clipping norm reach the optimizer unchanged,
+    # step after step, with the learning-rate schedule and momentum of the plain loop.
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+    reference, plain, plain_scheduler = build()
+    guarded, optimizer, scheduler = build()
+    guardian = Guardian(guarded, optimizer, scheduler=scheduler)
+    assert guardian.max_grad_norm is None
+    for seed in range(10):
+        torch.autograd.backward(loss_of(reference, seed=seed, scale=100.0))
+        plain.step()
+        plain.zero_grad()
+        plain_scheduler.step()
+        outcome = guardian.step(loss_of(guarded, seed=seed, scale=100.0))
+        assert outcome.applied
+        assert outcome.grad_norm > 10.0  # a default clip of 1 (as before) would have changed the update
+    assert_same(clone_state(reference), clone_state(guarded))
+
+
+def test_a_remediation_clips_a_loop_that_was_not_clipped_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = tiny_model()
+    guardian = Guardian(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert guardian.max_grad_norm is None
+    for _ in range(3):
+        guardian.step(loss_of(model) * math.nan)
+    assert guardian.rollbacks == 1
+    assert guardian.max_grad_norm == pytest.approx(0.5)  # the remediation's maxGradNorm
+    assert "max grad norm 0.5" in caplog.text
+    assert guardian.status().max_grad_norm == pytest.approx(0.5)
+
+
 def test_non_finite_loss_skips_the_update_and_the_scheduler(tmp_path: Path) -> None:
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -346,10 +383,8 @@ def test_gradient_accumulation_steps_once_per_boundary_with_the_mean_gradient() 
     accumulated = tiny_model()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     acc_opt = torch.optim.SGD(accumulated.parameters(), lr=0.1)
-    ref_guard = Guardian(reference, ref_opt, settings=settings(guard={"maxGradNorm": 1e6}))
-    acc_guard = Guardian(
-        accumulated, acc_opt, accumulation_steps=2, settings=settings(guard={"maxGradNorm": 1e6})
-    )
+    ref_guard = Guardian(reference, ref_opt)
+    acc_guard = Guardian(accumulated, acc_opt, accumulation_steps=2)
     x, y = batch()
     ref_guard.step(torch.nn.functional.mse_loss(reference(x), y))
     # The guardian never rescales a loss: the loop divides by its micro-batches, as it would without it.
@@ -916,7 +951,7 @@ def test_a_nested_accumulation_loop_keeps_its_shape_and_its_gradients() -> None:
     reference, guarded = tiny_model(), tiny_model()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     optimizer = torch.optim.SGD(guarded.parameters(), lr=0.1)
-    guardian = Guardian(guarded, optimizer, settings=settings(guard={"maxGradNorm": 1e6}))
+    guardian = Guardian(guarded, optimizer)
     x, y = batch()
     expected_loss = float(torch.nn.functional.mse_loss(reference(x), y).detach())
     for model, step in ((reference, None), (guarded, guardian)):

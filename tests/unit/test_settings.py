@@ -27,7 +27,7 @@ def env(document: Any) -> dict[str, str]:
 def test_defaults_match_the_documented_defaults() -> None:
     for settings in (load_settings({}), load_settings({SETTINGS_ENV: "  "}), GuardianSettings()):
         assert settings.guard.max_consecutive_bad_steps == 3
-        assert settings.guard.max_grad_norm == 1.0
+        assert settings.guard.max_grad_norm is None  # no clip unless asked
         assert settings.guard.loss_spike_factor == 2.0
         assert settings.guard.loss_spike_window == 100
         assert settings.guard.grad_norm_spike_factor == 5.0

@@ -83,6 +83,34 @@ def test_restore_after_more_adamw_steps_is_bit_exact_and_in_place(lr_kind: str) 
     assert_same_state(live_state(model, optimizer), live_state(reference_model, reference_optimizer))
 
 
+@pytest.mark.parametrize("path", ["in place", "first optimizer step after the capture"])
+def test_the_loop_state_is_completed_once_when_the_next_step_begins(path: str) -> None:
+    # What the loop does after the captured step (a per-epoch scheduler.step(), a best score) belongs
+    # with that step's weights: the learning rates and tracked state are taken again, once.
+    model, optimizer = make_training(lr=0.1)
+    if path == "in place":
+        train(model, optimizer, 1, seed=1)  # the optimizer has its state: restored in place
+    snapshot = Snapshot()
+    snapshot.capture(1, model, optimizer, {}, {"tracked": {"best": 1.0}})
+    expected = live_state(model, optimizer)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.01  # the loop's epoch end
+    seen = [1]
+    snapshot.complete_loop_state(lambda: {"best": 0.5, "seen": seen}, optimizer)
+    seen.append(2)  # the snapshot holds a copy
+    for group in optimizer.param_groups:
+        group["lr"] = 0.001
+    snapshot.complete_loop_state(lambda: {"best": 0.25}, optimizer)  # the next step: nothing taken again
+    assert snapshot.extra["tracked"] == {"best": 0.5, "seen": [1]}
+    train(model, optimizer, 2, seed=2)
+
+    snapshot.restore(model, optimizer)
+
+    assert lrs(optimizer) == [0.01]
+    restored = live_state(model, optimizer)
+    assert_same_state(restored["model"], expected["model"])
+
+
 def test_the_snapshot_is_not_aliased_to_live_tensors_and_restores_repeatedly() -> None:
     model, optimizer = make_training()
     train(model, optimizer, 2, seed=1)

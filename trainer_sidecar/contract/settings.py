@@ -47,11 +47,13 @@ class GuardThresholds(_Section):
     max_consecutive_bad_steps: int = Field(
         3, ge=1, le=MAX_STEPS, description="Bad steps in a row before a rollback (at most 10^9)."
     )
-    max_grad_norm: float = Field(
-        1.0,
+    max_grad_norm: float | None = Field(
+        None,
         gt=0,
         le=MAX_FACTOR,
-        description="Gradients are clipped to this total L2 norm (at most 10^6: above, clipping is off).",
+        description="Gradients are clipped to this total L2 norm (null, the default: no clipping, so a "
+        "healthy loop trains as it did; at most 10^6). A remediation after a divergence may still "
+        "tighten it, and says so.",
     )
     loss_spike_factor: float = Field(
         2.0,
@@ -193,7 +195,8 @@ class Remediation(_Section):
         0.5,
         gt=0,
         le=MAX_FACTOR,
-        description="Clipping is tightened to at most this norm (null: unchanged; at most 10^6).",
+        description="Clipping is tightened to at most this norm (a loop not clipped is clipped to it from "
+        "then on; null: unchanged; at most 10^6).",
     )
 
 

@@ -217,7 +217,8 @@ class WorkerStatus(BaseModel):
     loss: FiniteFloat | None = None
     grad_norm: NonNegativeFloat | None = None
     lr_scale: NonNegativeFloat = 1.0
-    max_grad_norm: NonNegativeFloat = 0.0
+    #: The clipping norm in force (None: no clipping).
+    max_grad_norm: NonNegativeFloat | None = None
     steps_total: Count = 0
     skipped_steps: Count = 0
     consecutive_bad_steps: Count = 0

@@ -39,7 +39,8 @@ class _SavedCounters(BaseModel):
     rollback_iterations: list[int] = Field(max_length=100_000)
     consecutive_bad: int = _NonNegative
     lr_scale: float = Field(gt=0, le=1, allow_inf_nan=False)
-    max_grad_norm: float = Field(gt=0, allow_inf_nan=False)
+    # None: no clipping (checkpoints written before clipping became opt-in always hold a norm).
+    max_grad_norm: float | None = Field(gt=0, allow_inf_nan=False)
     losses: list[float] = Field(max_length=1_000_000)
     grad_norms: list[float] = Field(max_length=1_000_000)
     remediations_applied: list[str] = Field(max_length=10_000)
@@ -56,7 +57,8 @@ class GuardCounters:
     every step boundary ever attempted; ``optimizer_steps`` the updates applied (reverts with the model).
     """
 
-    max_grad_norm: float
+    #: The clipping norm in force; None: gradients are not clipped.
+    max_grad_norm: float | None
     step: int = 0
     optimizer_steps: int = 0
     skipped_steps: int = 0
@@ -139,6 +141,11 @@ class GuardCounters:
         self.optimizer_steps = saved.optimizer_steps
         self.history = replace(self.history, losses=saved.history.losses, grad_norms=saved.history.grad_norms)
 
+    def tighten_clip(self, limit: float | None) -> None:
+        """Clip to at most ``limit`` from now on (None: unchanged); a loop not clipped until now is clipped
+        to ``limit``."""
+        self.max_grad_norm = clip_within(self.max_grad_norm, limit)
+
     def copy(self) -> GuardCounters:
         """An independent copy (the history is immutable; the list is copied)."""
         return replace(self, remediations_applied=list(self.remediations_applied))
@@ -150,3 +157,15 @@ def _saved_pace(pace: ProgressGaps) -> dict[str, Any]:
     if not (math.isfinite(pace.longest) and pace.longest >= 0 and pace.count >= 0):
         return {}
     return {"progress_gaps": pace.count, "longest_progress_gap_seconds": pace.longest}
+
+
+def clip_within(current: float | None, limit: float | None) -> float | None:
+    """The clipping norm ``current`` (None: no clipping) tightened to at most ``limit`` (None: no limit)."""
+    if limit is None:
+        return current
+    return limit if current is None else min(current, limit)
+
+
+def describe_clip(max_grad_norm: float | None) -> str:
+    """The clipping in force, for a log line: ``max grad norm 0.5`` or ``no gradient clipping``."""
+    return "no gradient clipping" if max_grad_norm is None else f"max grad norm {max_grad_norm:.4g}"

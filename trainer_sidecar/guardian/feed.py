@@ -9,6 +9,7 @@ guardian restores anyway).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple, Protocol
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
@@ -63,6 +64,18 @@ class DataFeed:
         """What the loop gave ``track``."""
         return tuple(self._tracked.values())
 
+    def rollback_state(self) -> dict[str, Any]:
+        """The state of every tracked object that goes back with the weights on a rollback (``rolls_back``),
+        by name, as the objects return it (the snapshot copies it)."""
+        return {name: obj.state_dict() for name, obj in self._tracked.items() if rolls_back(obj)}
+
+    def roll_back(self, saved: dict[str, Any]) -> None:
+        """Put ``rollback_state()``'s output back into the objects still tracked under those names (a copy:
+        the saved state stays as it was, for a further rollback)."""
+        for name, state in saved.items():
+            if name in self._tracked:
+                self._tracked[name].load_state_dict(copy.deepcopy(state))
+
     def state(self) -> dict[str, Any]:
         """``{"data": loader position, "tracked": {name: state}}``, the parts that exist."""
         state: dict[str, Any] = {}
@@ -85,6 +98,14 @@ class DataFeed:
                 self._tracked[name].load_state_dict(saved)
             else:
                 self._pending[name] = saved
+
+
+def rolls_back(stateful: object) -> bool:
+    """Whether a tracked object goes back with the weights on a rollback: everything (a scheduler the loop
+    steps, a best score, the loop's own counters) except a DataLoader (torchdata's StatefulDataLoader):
+    a rollback does not rewind the data, it skips the window that led to it, as for the guardian's own
+    loader (and a DataLoader's restored state would only apply to its next epoch's iterator)."""
+    return not isinstance(stateful, DataLoader)
 
 
 class TakenOver(NamedTuple):

@@ -54,7 +54,7 @@ from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.collectives import unwatch as unwatch_collectives
 from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
-from trainer_sidecar.guardian.counters import GuardCounters
+from trainer_sidecar.guardian.counters import GuardCounters, describe_clip
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.guardian.ending import ExitPlan, arm_at_exit, crash_message, disarm_at_exit, exit_plan
 from trainer_sidecar.guardian.faults import FaultInjector
@@ -544,8 +544,8 @@ class Guardian:
         return self.counters.lr_scale
 
     @property
-    def max_grad_norm(self) -> float:
-        """The clipping norm in force (tightened by remediation)."""
+    def max_grad_norm(self) -> float | None:
+        """The clipping norm in force (None: no clipping, the default; tightened by remediation)."""
         return self.counters.max_grad_norm
 
     @property
@@ -786,6 +786,7 @@ class Guardian:
         if self.checkpoints.fenced is not None:
             self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
+        self._snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
         agreed = self._measure(self._loss_sum)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
@@ -1167,7 +1168,7 @@ class Guardian:
             self.module,
             self.optimizer,
             self.training.small_state(),
-            {"counters": self.counters.copy()},
+            {"counters": self.counters.copy(), "tracked": self.feed.rollback_state()},
             background=self._copies_in_background,
         )
         self._window_batches.clear()
@@ -1242,6 +1243,7 @@ class Guardian:
         self.settle()
         self.training.load_small_state(self._snapshot.restore(self.module, self.optimizer))
         self.counters.rewind_to(self._snapshot.extra["counters"])
+        self.feed.roll_back(self._snapshot.extra["tracked"])  # a per-epoch scheduler agrees with the lr
         # The data does not rewind: the window that led here is skipped, and remembered for replays.
         for batch in self._window_batches:
             span = self.feed.span(batch.epoch, batch.index)
@@ -1254,8 +1256,9 @@ class Guardian:
         self._take_snapshot()
         self._log_gang(
             logging.WARNING,
-            "rolled back from step %d to step %d after %s; lr scale now %.4g, max grad norm %.4g",
-            from_step, self.counters.step, reason, self.counters.lr_scale, self.counters.max_grad_norm,
+            "rolled back from step %d to step %d after %s; lr scale now %.4g, %s",
+            from_step, self.counters.step, reason, self.counters.lr_scale,
+            describe_clip(self.counters.max_grad_norm),
         )  # fmt: skip
         if not self._driven:
             # The loop is not iterating ``guardian.steps()``/``run()``, so it may count steps of its own:
@@ -1279,8 +1282,7 @@ class Guardian:
         # The learning rates are scaled when the optimizer steps (``TrainingObjects.apply_update``), so a
         # loop that sets its own learning rate every iteration cannot undo the remediation.
         self.counters.lr_scale *= remediation.lr_scale
-        if remediation.max_grad_norm is not None:
-            self.counters.max_grad_norm = min(self.counters.max_grad_norm, remediation.max_grad_norm)
+        self.counters.tighten_clip(remediation.max_grad_norm)
 
     def _apply_orchestrator_remediation(self) -> None:
         order: RemediationOrder | None = self.config.remediation
@@ -1290,9 +1292,10 @@ class Guardian:
         self.counters.remediations_applied.append(order.id)
         self._log_gang(
             logging.WARNING,
-            "applied remediation %s from the orchestrator: lr scale %.4g",
+            "applied remediation %s from the orchestrator: lr scale %.4g, %s",
             order.id,
             self.lr_scale,
+            describe_clip(self.max_grad_norm),
         )
 
     def _diverge(self, message: str) -> None:

@@ -1,14 +1,21 @@
 """In-memory snapshots of model and optimizer state, restored in place for a fast rollback.
 
 A snapshot copies every tensor into host buffers allocated once and reused, and keeps the small
-non-tensor state (learning rates, scheduler and scaler state) as plain values. Of a sharded model (FSDP2
-DTensors) it holds this rank's shards only, and restores into them in place. Restoring copies the
-buffers back into the live tensors, so the optimizer keeps its own storage and nothing is reallocated.
+non-tensor state (learning rates, scheduler and scaler state, the state of what the loop gave
+``guardian.track``) as plain values. Of a sharded model (FSDP2 DTensors) it holds this rank's shards
+only, and restores into them in place. Restoring copies the buffers back into the live tensors, so the
+optimizer keeps its own storage and nothing is reallocated.
+
+The loop's own state (its tracked objects, and the learning rates in the optimizer's param groups) is
+taken once more when the next step begins (``complete_loop_state``): what the loop does between two steps
+(a per-epoch ``scheduler.step()``, a best score after an evaluation) belongs with the weights of the step
+before, so a rollback restores a learning rate and a tracked scheduler that agree.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +34,7 @@ class Snapshot:
     _buffers: HostBuffers = field(default_factory=HostBuffers)
     _skeleton: Any = None
     _small: dict[str, Any] = field(default_factory=dict)
+    _loop_state_pending: bool = False
 
     @property
     def taken(self) -> bool:
@@ -62,6 +70,25 @@ class Snapshot:
         self._small = copy.deepcopy(small_state)
         self.extra = copy.deepcopy(extra)
         self.step = step
+        self._loop_state_pending = True
+
+    def complete_loop_state(
+        self, tracked: Callable[[], dict[str, Any]], optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Once after each capture, when the next step begins: take the loop's tracked state (``tracked()``,
+        into ``extra["tracked"]``) and the optimizer's non-tensor hyperparameters (its learning rates)
+        again, as the loop left them after the captured step; any other step costs one test. No tensor is
+        copied to the host."""
+        if not self._loop_state_pending or not self.taken:
+            return
+        self._loop_state_pending = False
+        self.extra["tracked"] = copy.deepcopy(tracked())
+        saved_groups = self._skeleton["optimizer"]["param_groups"]
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            for key in saved:
+                # Tensor-valued hyperparameters are the buffers' (copied at the capture).
+                if key != "params" and not isinstance(saved[key], Slot) and key in group:
+                    saved[key] = copy.deepcopy(group[key])
 
     def settle(self) -> bool:
         """Order a background copy before any change of the live state (see ``PendingCopy.settle``).

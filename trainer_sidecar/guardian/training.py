@@ -362,21 +362,21 @@ class TrainingObjects:
     def apply_update(
         self,
         norm: float,
-        max_norm: float,
+        max_norm: float | None,
         grads: Sequence[torch.Tensor],
         norm_tensor: torch.Tensor,
         *,
         lr_scale: float = 1.0,
     ) -> None:
         """Clip ``grads`` (this rank's local gradients) with the total ``norm`` when it exceeds
-        ``max_norm``, step the optimizer with every learning rate scaled by ``lr_scale``, step the scaler
-        and the scheduler, and zero the gradients.
+        ``max_norm`` (None: never), step the optimizer with every learning rate scaled by ``lr_scale``,
+        step the scaler and the scheduler, and zero the gradients.
 
         The scale applies for the optimizer step only: the param groups keep the learning rates the loop
         or its scheduler set, so a loop that writes ``param_group["lr"]`` every iteration keeps the
         remediation, and a scheduler computes from the unscaled rates.
         """
-        if norm > max_norm:
+        if max_norm is not None and norm > max_norm:
             clip_with_norm(grads, max_norm, norm_tensor)
         # Gradients are known finite here, so the scaler's own found-inf check (another host sync) is
         # not needed: step the optimizer directly and let the scaler grow its scale.
