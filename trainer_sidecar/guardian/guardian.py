@@ -41,7 +41,9 @@ from trainer_sidecar.contract.status import (
     Phase,
     WorkerStatus,
 )
+from trainer_sidecar.guardian import agreement
 from trainer_sidecar.guardian.activity import ActivityTracker
+from trainer_sidecar.guardian.agreement import StepValues
 from trainer_sidecar.guardian.busy import (
     EVAL_MODE_REASON,
     STEP_ACTIVITIES,
@@ -903,46 +905,44 @@ class Guardian:
         norm_part = self._norm_part(self._grads)
         if not distributed:
             self._norm = norm_part
-        device = step_loss.device
         pre_part = norm_part if pre_clip is None else pre_clip
-        loss = step_loss.double()
-        flags = torch.tensor(
-            [
-                float(self._stop.requested or self._stop_deferred),
-                float(self.checkpoints.time_due()),
-                float(not self.checkpoints.rng_captured),
-                float(self.checkpoints.proposal()),  # exact: a sum of one integer and zeros
-            ],
-            dtype=torch.float64,
-        ).to(device)
-        measured = [
-            loss,
-            (~torch.isfinite(loss)).double(),
-            norm_part.double().to(device),
-            pre_part.double().to(device),
-        ]
-        local = torch.cat([torch.stack(measured), flags])
+        local = agreement.pack(
+            step_loss,
+            norm_part,
+            pre_part,
+            stop=self._stop.requested or self._stop_deferred,
+            time_due=self.checkpoints.time_due(),
+            rng_missing=not self.checkpoints.rng_captured,
+            interval=self.checkpoints.proposal(),  # exact: a sum of one integer and zeros
+        )
         if distributed:
             # Marked before the collective and until its host sync (where NCCL's wait is): a rank that
             # waits here for a peer says so (``trainer_sidecar.guardian.activity``).
             self._mark(Activity.COLLECTIVE)
             reduced = self.gang.all_reduce(local)
-            self._norm = reduced[2].sqrt()
+            self._norm = reduced[StepValues.index("norm")].sqrt()
             # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, interval, local_bad = torch.cat(
-                [reduced, local[1:2].to(reduced.device)]
-            ).tolist()
+            values, locally_nonfinite = agreement.read_reduced(reduced, local)
             self._mark(Activity.STEP)
-            loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
+            squares, pre_squares = values.norm, values.pre_clip_norm
+            loss_v = values.loss / self.gang.world_size
             norm_v = math.sqrt(squares) if not squares < 0 else math.nan
             pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
         else:
-            loss_v, bad_ranks, norm_v, pre_v, stops, due, missing, interval = local.tolist()  # one host sync
-            locally_nonfinite = bad_ranks > 0
+            values, locally_nonfinite = agreement.read_local(local)  # one host sync
+            loss_v, norm_v, pre_v = values.loss, values.norm, values.pre_clip_norm
         # The larger of the norm the backward produced and the one about to be applied (NaN if either is).
         judged = math.nan if math.isnan(pre_v) or math.isnan(norm_v) else max(pre_v, norm_v)
-        reading = StepReading(loss_v, judged, bad_ranks > 0, self._benign_overflow(judged))
-        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, norm_v, missing > 0, round(interval))
+        reading = StepReading(loss_v, judged, values.nonfinite > 0, self._benign_overflow(judged))
+        return _Agreed(
+            reading,
+            locally_nonfinite,
+            values.stop > 0,
+            values.time_due > 0,
+            norm_v,
+            values.rng_missing > 0,
+            round(values.interval),
+        )
 
     def _norm_part(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's part of the total norm of ``grads`` (this rank's local gradients): the norm alone,
