@@ -81,6 +81,7 @@ from trainer_sidecar.guardian.pauses import (
     pause_change,
     pause_threshold,
 )
+from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
@@ -274,7 +275,7 @@ class Guardian:
         self.message = ""
         self.exit_code: int | None = None
         self.busy_since: float | None = None
-        self.last_step_time: float | None = None
+        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
         self.last_grad_norm: float | None = None
         self.started_at = time.time()
         self.resumed_step = 0
@@ -378,10 +379,10 @@ class Guardian:
         finally:
             self._mark(before)
             self._busy.leave(section)
-            if self._busy.since is None and self.last_step_time is not None:
+            if self._busy.since is None:
                 # The end of a busy stretch is progress, as a rollback's is: without it, the first status
                 # after an evaluation longer than the hang timeout reads "no step for" that long.
-                self.last_step_time = time.time()
+                self._progress.pause_ended()
             self._publish(force=True)
 
     def _step_progress(self) -> StepProgress:
@@ -422,13 +423,8 @@ class Guardian:
             return None
         self._pause = None
         self._busy.leave(opened[0])
-        if (
-            change is PauseChange.END
-            and self.phase is Phase.RUNNING
-            and self._busy.since is None
-            and self.last_step_time is not None
-        ):
-            self.last_step_time = now  # the end of the pause is progress (see ``busy``)
+        if change is PauseChange.END and self.phase is Phase.RUNNING and self._busy.since is None:
+            self._progress.pause_ended(now)  # the end of the pause is progress (see ``busy``)
         return now
 
     def _watch_evaluation(self, period: float) -> float | None:
@@ -473,30 +469,20 @@ class Guardian:
         self._evaluation = None
         self._busy.leave(opened[0])
         stepped = progress != opened[1]  # the step set the step time itself
-        if (
-            not stepped
-            and self.phase is Phase.RUNNING
-            and self._busy.since is None
-            and self.last_step_time is not None
-        ):
+        if not stepped and self.phase is Phase.RUNNING and self._busy.since is None:
             # The end of the pause is progress, as a busy section's is (see ``busy``), also when the
             # watch first sees the next step's work (model.train() and a backward within one look):
             # until that step's own status, this one must not carry the step time from before it.
-            self.last_step_time = now
+            self._progress.pause_ended(now)
         return now
 
     def _peer_changed(self) -> None:
         """The busy peer this rank waits for appeared or went (the peer watch's thread)."""
-        if (
-            self.phase is Phase.RUNNING
-            and self.last_step_time is not None
-            and not self._busy.waiting
-            and self._busy.since is None
-        ):
+        if self.phase is Phase.RUNNING and not self._busy.waiting and self._busy.since is None:
             # The end of the wait is progress, as the end of a busy section is: the status that says
             # "running" again must not carry the step time from before the wait, which the sidecar
             # would count against the hang timeout until this rank's next step.
-            self.last_step_time = time.time()
+            self._progress.pause_ended()
         self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
@@ -509,6 +495,11 @@ class Guardian:
     def world_size(self) -> int:
         """The number of ranks in the job (1 without a process group)."""
         return self.gang.world_size
+
+    @property
+    def last_step_time(self) -> float | None:
+        """When the worker last made progress (unix seconds; None before its first step)."""
+        return self._progress.last
 
     @property
     def step_count(self) -> int:
@@ -1043,7 +1034,7 @@ class Guardian:
         counters.optimizer_steps += 1
         counters.step += 1
         self.last_grad_norm = reading.grad_norm
-        self.last_step_time = time.time()
+        self._progress.stepped()
         self._window_batches.extend(batches)
         if self._locator.armed:
             self._located(self._locator.after_good_step())
@@ -1073,7 +1064,7 @@ class Guardian:
         counters.spikes += int(verdict.spike)
         counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
         self.last_grad_norm = reading.grad_norm
-        self.last_step_time = time.time()
+        self._progress.stepped()
         self._log_gang(
             logging.WARNING,
             "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
@@ -1272,7 +1263,7 @@ class Guardian:
         self.gang.barrier()
         self.phase = Phase.RUNNING
         self.busy_since = None
-        self.last_step_time = time.time()  # the rollback itself is progress: the hang clock restarts
+        self._progress.stepped()  # the rollback itself is progress: the hang clock restarts
         self._publish(force=True)
 
     def _remediate(self, remediation: Remediation) -> None:
@@ -1451,7 +1442,7 @@ class Guardian:
             started_at=self.started_at,
             step=counters.step,
             resumed_step=self.resumed_step,
-            last_step_time=self.last_step_time,
+            last_step_time=self._progress.last,
             busy_since=busy.since,
             busy_reason=busy.reason,
             busy_seconds=busy.seconds,
