@@ -41,9 +41,7 @@ from trainer_sidecar.contract.status import (
     Phase,
     WorkerStatus,
 )
-from trainer_sidecar.guardian import agreement
 from trainer_sidecar.guardian.activity import ActivityTracker
-from trainer_sidecar.guardian.agreement import StepValues
 from trainer_sidecar.guardian.busy import (
     EVAL_MODE_REASON,
     STEP_ACTIVITIES,
@@ -73,6 +71,7 @@ from trainer_sidecar.guardian.judge import (
     judge_step,
 )
 from trainer_sidecar.guardian.localize import NaNLocator
+from trainer_sidecar.guardian.measure import StepMeasure
 from trainer_sidecar.guardian.pauses import (
     PauseChange,
     PauseKind,
@@ -123,23 +122,6 @@ class UncleanState(RuntimeError):
     The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
     on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
     gang from the last clean checkpoint)."""
-
-
-@dataclass(frozen=True)
-class _Agreed:
-    """A step's numbers as agreed by every rank, and what this rank alone saw."""
-
-    reading: StepReading
-    locally_nonfinite: bool
-    stop: bool
-    checkpoint_due: bool
-    #: The total norm of the gradients as they are now (after a clip of the loop's own): what the
-    #: guardian's clipping works from. ``reading.grad_norm`` is the one the backward pass produced.
-    current_norm: float
-    #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
-    rng_missing: bool = False
-    #: The checkpoint interval rank 0 chose (``everySteps: auto``; 0: none), the same on every rank.
-    interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -286,14 +268,6 @@ class Guardian:
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
-        self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
-        self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
-        # The gradients as the last backward left them (each with its version counter), to notice a loop
-        # that changes them before the step (its own clip_grad_norm_ or unscale_), and their norm then,
-        # measured while the loop is known (or not yet known not) to do that: see ``_pre_clip_norm``.
-        self._grad_marks: list[tuple[torch.Tensor, int]] = []
-        self._norm_at_backward: torch.Tensor | None = None
-        self._measure_at_backward = True
         self.feed = DataFeed()
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
@@ -334,6 +308,7 @@ class Guardian:
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
         self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
+        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
 
     def _open_checkpoints(self) -> None:
         job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
@@ -743,7 +718,7 @@ class Guardian:
         self._mark(Activity.BACKWARD)
         with self._adoption():
             self.training.backward(loss)
-        self._mark_grads()
+        self._meter.after_backward(self.gang)
         # A one-element loss of any shape ([1] from a loop's own reduction) is its scalar: the step's
         # measures are stacked with 0-dim tensors.
         detached = loss.detach().float().reshape(())
@@ -779,7 +754,8 @@ class Guardian:
         if self.checkpoints.fenced is not None:
             self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
-        agreed = self._measure(self._loss_sum)
+        stop = self._stop.requested or self._stop_deferred
+        agreed = self._meter.measure(self._loss_sum, self.counters.step, stop, self.gang)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
@@ -876,116 +852,6 @@ class Guardian:
         except ConfigError as error:
             self._misused(error)
 
-    def _measure(self, step_loss: torch.Tensor) -> _Agreed:
-        """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
-        whether this rank's own loss was non-finite, and whether any rank was told to stop.
-
-        Alone, the norm is this process's. In a gang each rank contributes the squared norm of its local
-        gradients, each value counted once over the world (``TrainingObjects.norm_contribution``: a DDP
-        replica's share is 1/world size, an FSDP shard's 1/its replicas), the collective sums them and the
-        norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
-        a NaN, and still one small collective."""
-        pre_clip = self._pre_clip_norm()  # before anything of the guardian's own changes the gradients
-        if self._faults.active:
-            self._faults.grad_hook(self.training.params, self.counters.step)
-        self.training.unscale()
-        self._grads = self.training.local_grads()
-        distributed = self.gang.distributed
-        # The clipping multiply waits for the host sync below and is skipped when the norm is already
-        # within bounds (or the step is skipped anyway).
-        norm_part = self._norm_part(self._grads)
-        if not distributed:
-            self._norm = norm_part
-        pre_part = norm_part if pre_clip is None else pre_clip
-        local = agreement.pack(
-            step_loss,
-            norm_part,
-            pre_part,
-            stop=self._stop.requested or self._stop_deferred,
-            time_due=self.checkpoints.time_due(),
-            rng_missing=not self.checkpoints.rng_captured,
-            interval=self.checkpoints.proposal(),  # exact: a sum of one integer and zeros
-        )
-        if distributed:
-            # Marked before the collective and until its host sync (where NCCL's wait is): a rank that
-            # waits here for a peer says so (``trainer_sidecar.guardian.activity``).
-            self._mark(Activity.COLLECTIVE)
-            reduced = self.gang.all_reduce(local)
-            self._norm = reduced[StepValues.index("norm")].sqrt()
-            # One host sync for both the agreed values and this rank's own loss flag.
-            values, locally_nonfinite = agreement.read_reduced(reduced, local)
-            self._mark(Activity.STEP)
-            squares, pre_squares = values.norm, values.pre_clip_norm
-            loss_v = values.loss / self.gang.world_size
-            norm_v = math.sqrt(squares) if not squares < 0 else math.nan
-            pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
-        else:
-            values, locally_nonfinite = agreement.read_local(local)  # one host sync
-            loss_v, norm_v, pre_v = values.loss, values.norm, values.pre_clip_norm
-        # The larger of the norm the backward produced and the one about to be applied (NaN if either is).
-        judged = math.nan if math.isnan(pre_v) or math.isnan(norm_v) else max(pre_v, norm_v)
-        reading = StepReading(loss_v, judged, values.nonfinite > 0, self._benign_overflow(judged))
-        return _Agreed(
-            reading,
-            locally_nonfinite,
-            values.stop > 0,
-            values.time_due > 0,
-            norm_v,
-            values.rng_missing > 0,
-            round(values.interval),
-        )
-
-    def _norm_part(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's part of the total norm of ``grads`` (this rank's local gradients): the norm alone,
-        the share of the squared global norm in a gang (``TrainingObjects.norm_contribution``)."""
-        if self.gang.distributed:
-            return self.training.norm_contribution(self.gang.world_size)
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
-
-    def _mark_grads(self) -> None:
-        """After a backward: remember the gradients (and their version counters), and while the loop is
-        known to change them before the step, measure their norm now, unscaled (no host sync). Costs one
-        norm per micro-batch only in a loop that clips (or unscales) the gradients itself."""
-        grads = self.training.local_grads()
-        self._grad_marks = [(g, g._version) for g in grads]
-        if not self._measure_at_backward:
-            self._norm_at_backward = None
-            return
-        part = self._norm_part(grads).double()
-        scale = self.training.loss_scale()
-        if scale is not None:
-            scale = scale.double().to(part.device)
-            part = part / (scale.square() if self.gang.distributed else scale)
-        self._norm_at_backward = part
-
-    def _grads_changed(self) -> bool:
-        """Whether the loop changed the gradients (in place, or replaced them) since the last backward."""
-        grads = self.training.local_grads()
-        marks = self._grad_marks
-        return len(grads) != len(marks) or any(
-            g is not marked or g._version != version
-            for g, (marked, version) in zip(grads, marks, strict=True)
-        )
-
-    def _pre_clip_norm(self) -> torch.Tensor | None:
-        """The norm part of the gradients as the backward left them, when the loop has changed them since
-        (its own clip would otherwise blind the spike check: a x100 gradient clipped to 1 reads as 1);
-        None when it has not (the norm measured now is the same). Learns whether to measure at backward:
-        from the first step on only a loop seen changing its gradients pays for it."""
-        changed = self._grads_changed()
-        self._grad_marks = []  # holding them would keep this step's gradients alive into the next
-        measured, self._norm_at_backward = self._norm_at_backward, None
-        if changed and measured is None:
-            self._log_gang(
-                logging.WARNING,
-                "step %d: the training loop changed the gradients between guardian.backward() and "
-                "guardian.step() (its own clip_grad_norm_?); their norm is measured after each backward "
-                "from now on, so that the spike check sees the norm before the loop's clip",
-                self.counters.step,
-            )
-        self._measure_at_backward = changed
-        return measured if changed else None
-
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
         last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
@@ -1008,15 +874,6 @@ class Guardian:
         self._release()
         end_worker(self.gang, code, SystemExit(code))
 
-    def _benign_overflow(self, norm: float) -> bool:
-        """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
-        is below 1, where a non-finite gradient cannot be blamed on the scale. (Asked only for a
-        non-finite norm: reading the scale is a host sync.)"""
-        scaler = self.training.scaler
-        if math.isfinite(norm) or scaler is None or not scaler.is_enabled():
-            return False
-        return scaler.get_scale() >= 1.0
-
     def _apply(
         self,
         verdict: Verdict,
@@ -1028,7 +885,11 @@ class Guardian:
         counters = self.counters
         self.settle()
         self.training.apply_update(
-            current_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
+            current_norm,
+            counters.max_grad_norm,
+            self._meter.grads,
+            self._meter.norm,
+            lr_scale=counters.lr_scale,
         )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1
