@@ -56,7 +56,17 @@ from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
-from trainer_sidecar.guardian.ending import ExitPlan, arm_at_exit, crash_message, disarm_at_exit, exit_plan
+from trainer_sidecar.guardian.ending import (
+    Diverged,
+    ExitPlan,
+    Fenced,
+    UncleanState,
+    arm_at_exit,
+    crash_message,
+    disarm_at_exit,
+    end_worker,
+    exit_plan,
+)
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
@@ -91,39 +101,6 @@ log = logging.getLogger("trainguard")
 __all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
 
 
-class Diverged(SystemExit):
-    """Raised by ``Guardian.step`` when rollbacks are exhausted; exits with ExitCode.DIVERGED.
-
-    In a process group of more than one rank the process exits with that code at once instead (after
-    closing the checkpoints and writing the status), without raising: see ``Guardian._diverge``."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(ExitCode.DIVERGED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class Fenced(SystemExit):
-    """A newer writer claimed the checkpoint directory; the worker exits with ExitCode.FENCED."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(ExitCode.FENCED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class UncleanState(RuntimeError):
-    """``Guardian.finish`` found the final training state not finite: it rolled back instead of saving it.
-
-    The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
-    on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
-    gang from the last clean checkpoint)."""
-
-
 @dataclass(frozen=True)
 class StepOutcome:
     """What one call to ``Guardian.step`` did."""
@@ -144,21 +121,6 @@ def _step_number(name: str, value: int | None) -> int | None:
 
 def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
-
-
-def end_worker(gang: Gang, code: int, error: SystemExit) -> NoReturn:
-    """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping the
-    interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its threads still hold
-    work, or the store's) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to 40
-    under load (destroy_process_group first did not change that); the orchestrator needs the code. The
-    status and the message are published before this is called. With one process, ``error`` (a
-    SystemExit carrying the code) is raised, for the script or the interpreter to handle."""
-    if gang.distributed:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    raise error
 
 
 class Guardian:
