@@ -28,11 +28,17 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from typing import NoReturn
 
+from trainer_sidecar.checkpoint import CheckpointError, FencedError
 from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.status import Phase
+from trainer_sidecar.guardian.checkpointing import CheckpointManager
+from trainer_sidecar.guardian.config import ConfigError
 from trainer_sidecar.guardian.gang import Gang
+from trainer_sidecar.guardian.reporting import StatusReporter
 
 log = logging.getLogger("trainguard")
 
@@ -40,7 +46,9 @@ __all__ = [
     "Diverged",
     "ExitPlan",
     "Fenced",
+    "Lifecycle",
     "UncleanState",
+    "WorkerEnd",
     "arm_at_exit",
     "crash_message",
     "disarm_at_exit",
@@ -139,7 +147,7 @@ class Diverged(SystemExit):
     """Raised by ``Guardian.step`` when rollbacks are exhausted; exits with ExitCode.DIVERGED.
 
     In a process group of more than one rank the process exits with that code at once instead (after
-    closing the checkpoints and writing the status), without raising: see ``Guardian._diverge``."""
+    closing the checkpoints and writing the status), without raising: see ``WorkerEnd.diverge``."""
 
     def __init__(self, message: str) -> None:
         super().__init__(ExitCode.DIVERGED)
@@ -181,3 +189,66 @@ def end_worker(gang: Gang, code: int, error: SystemExit) -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     raise error
+
+
+@dataclass
+class Lifecycle:
+    """The worker's phase, message and exit code as its status publishes them, and whether it has ended
+    (finished, closed, stopped or failed: nothing left for the exit hook)."""
+
+    phase: Phase = Phase.STARTING
+    message: str = ""
+    exit_code: int | None = None
+    ended: bool = False
+
+
+class WorkerEnd:
+    """How the worker ends: its final phase, message and exit code published (the status and the
+    termination message), then, for a failure, the worker ended with its code (``end_worker``)."""
+
+    def __init__(self, life: Lifecycle, gang: Gang, reporter: StatusReporter) -> None:
+        self._life, self._gang, self._reporter = life, gang, reporter
+
+    def report(self, phase: Phase, message: str, code: int) -> None:
+        """Publish the worker's final phase, message and exit code, in the status and the termination
+        message (which outlives the sidecar)."""
+        self._life.ended = True
+        self._life.phase, self._life.message, self._life.exit_code = phase, message, code
+        self._reporter.publish(self._life.phase, True)
+        self._reporter.write_termination_message()
+
+    def diverge(self, message: str, checkpoints: CheckpointManager) -> NoReturn:
+        """Rollbacks are exhausted: publish ``diverged``, close ``checkpoints`` and end with
+        ExitCode.DIVERGED (``Diverged`` raised with one process)."""
+        log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
+        self.report(Phase.DIVERGED, message, ExitCode.DIVERGED)
+        try:
+            checkpoints.close()
+        except CheckpointError as exc:
+            log.error("%s", exc)
+        # Every rank diverges at the same step (the decision is collective) and ends here, now.
+        end_worker(self._gang, ExitCode.DIVERGED, Diverged(message))
+
+    def fenced(self, error: FencedError) -> NoReturn:
+        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
+        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
+        message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
+        self.report(Phase.FAILED, message, ExitCode.FENCED)
+        end_worker(self._gang, ExitCode.FENCED, Fenced(message))
+
+    def misused(self, error: ConfigError) -> NoReturn:
+        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
+        configuration error, published, then the worker ends (``end_worker``: with one process, ``error``
+        is raised)."""
+        self.report(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
+        end_worker(self._gang, ExitCode.CONFIG_ERROR, error)
+
+    def exit_short(self, message: str) -> NoReturn:
+        """End the process with exit code 1 at interpreter exit: the job is not done (a restart resumes)."""
+        log.error("%s; exiting with code 1", message)
+        self.report(Phase.FAILED, message, 1)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -60,7 +60,9 @@ from trainer_sidecar.guardian.ending import (
     Diverged,
     ExitPlan,
     Fenced,
+    Lifecycle,
     UncleanState,
+    WorkerEnd,
     arm_at_exit,
     crash_message,
     disarm_at_exit,
@@ -211,13 +213,11 @@ class Guardian:
         self.gang = replace(Gang.current(), tracker=self._activity)
         self.training = TrainingObjects(model, optimizer, scheduler, scaler)
         self.model, self.module, self.optimizer = model, self.training.module, optimizer
-        self.training.refuse_loop_steps(self._misused)
         self.accumulation_steps = accumulation_steps
         self.validate = validate
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
-        self.phase = Phase.STARTING
-        self.message = ""
-        self.exit_code: int | None = None
+        # The phase, message and exit code the status publishes; whether the worker ended.
+        self._life = Lifecycle()
         self.busy_since: float | None = None
         self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
         self.last_grad_norm: float | None = None
@@ -226,7 +226,6 @@ class Guardian:
         self.nan_location: str | None = None
         self._micro = 0
         self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
-        self._ended = False  # finished, closed, stopped or failed: nothing left for the exit hook
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
@@ -246,6 +245,8 @@ class Guardian:
             self.status,
             self._activity,
         )
+        self._end = WorkerEnd(self._life, self.gang, self._reporter)
+        self.training.refuse_loop_steps(self._end.misused)
         self._busy = BusySections()
         # The evaluation inferred from the model's eval mode (``_watch_evaluation``, the watch's thread
         # alone): its section's token and the progress it began at; and whether the loop trains in eval
@@ -432,6 +433,29 @@ class Guardian:
     def world_size(self) -> int:
         """The number of ranks in the job (1 without a process group)."""
         return self.gang.world_size
+
+    @property
+    def phase(self) -> Phase:
+        """The worker's phase, as its status publishes it."""
+        return self._life.phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._life.phase = phase
+
+    @property
+    def message(self) -> str:
+        """The status's message (a held-out loss, why the worker ended)."""
+        return self._life.message
+
+    @message.setter
+    def message(self, message: str) -> None:
+        self._life.message = message
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code the worker ends with, once it is known."""
+        return self._life.exit_code
 
     @property
     def last_step_time(self) -> float | None:
@@ -714,7 +738,7 @@ class Guardian:
         if not self._adoption_checked:
             self._check_adoption()
         if self.checkpoints.fenced is not None:
-            self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
+            self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
         stop = self._stop.requested or self._stop_deferred
         agreed = self._meter.measure(self._loss_sum, self.counters.step, stop, self.gang)
@@ -803,7 +827,7 @@ class Guardian:
         try:
             yield
         except ConfigError as error:
-            self._misused(error)
+            self._end.misused(error)
 
     def _check_adoption(self) -> None:
         """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
@@ -812,7 +836,7 @@ class Guardian:
         try:
             self.training.check_scheduler_kept(self.feed.tracked)
         except ConfigError as error:
-            self._misused(error)
+            self._end.misused(error)
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
@@ -824,7 +848,7 @@ class Guardian:
         try:
             self.checkpoints.close()
         except FencedError as exc:
-            self._fenced(exc)
+            self._end.fenced(exc)
         self.gang.barrier()
         what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
         if not self.checkpoints.enabled:
@@ -832,7 +856,7 @@ class Guardian:
         message = f"stopped by {received.name} at step {self.counters.step}; {what}"
         self._log_gang(logging.WARNING, "%s", message)
         code = 128 + int(received)
-        self._report_end(Phase.STOPPED, message, code)
+        self._end.report(Phase.STOPPED, message, code)
         self._release()
         end_worker(self.gang, code, SystemExit(code))
 
@@ -913,7 +937,7 @@ class Guardian:
 
     def _carry_out(self, verdict: Verdict) -> None:
         if verdict.action is Action.DIVERGE:
-            self._diverge(verdict.reason)
+            self._end.diverge(verdict.reason, self.checkpoints)
         elif verdict.action is Action.ROLL_BACK:
             self._rollback(verdict.reason)
 
@@ -1030,7 +1054,7 @@ class Guardian:
             self.counters.pace = self._reporter.pace
             self.checkpoints.save(self.counters, stable, self.rank)
         except FencedError as exc:
-            self._fenced(exc)
+            self._end.fenced(exc)
         self._mark(before)
 
     def save_checkpoint(self) -> bool:
@@ -1109,42 +1133,9 @@ class Guardian:
             self.lr_scale,
         )
 
-    def _diverge(self, message: str) -> None:
-        log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
-        self._report_end(Phase.DIVERGED, message, ExitCode.DIVERGED)
-        try:
-            self.checkpoints.close()
-        except CheckpointError as exc:
-            log.error("%s", exc)
-        # Every rank diverges at the same step (the decision is collective) and ends here, now.
-        end_worker(self.gang, ExitCode.DIVERGED, Diverged(message))
-
     def _log_gang(self, level: int, message: str, *args: object) -> None:
         """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
         log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
-
-    def _fenced(self, error: FencedError) -> None:
-        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
-        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
-        message = f"fenced out of the checkpoint directory: {error}"
-        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
-        self._report_end(Phase.FAILED, message, ExitCode.FENCED)
-        end_worker(self.gang, ExitCode.FENCED, Fenced(message))
-
-    def _misused(self, error: ConfigError) -> NoReturn:
-        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
-        configuration error, published, then the worker ends (``end_worker``: with one process, ``error``
-        is raised)."""
-        self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
-        end_worker(self.gang, ExitCode.CONFIG_ERROR, error)
-
-    def _report_end(self, phase: Phase, message: str, code: int) -> None:
-        """Publish the worker's final phase, message and exit code, in the status and the termination
-        message (which outlives the sidecar)."""
-        self._ended = True
-        self.phase, self.message, self.exit_code = phase, message, code
-        self._publish(force=True)
-        self._reporter.write_termination_message()
 
     def _check_validation(self, when: str) -> None:
         if self.validate is None:
@@ -1286,7 +1277,7 @@ class Guardian:
             explosion_pattern=counters.explosion_pattern,
             last_clean_checkpoint=self.checkpoints.last_clean,
             message=self.message,
-            exit_code=self.exit_code,
+            exit_code=self._life.exit_code,
             checkpoint_seconds=self.checkpoints.last_write_seconds,
             max_steps=self.max_steps,
             checkpoint_every_steps=self.checkpoints.interval,
@@ -1328,16 +1319,16 @@ class Guardian:
             try:
                 self.checkpoints.close()
             except FencedError as exc:
-                self._fenced(exc)
+                self._end.fenced(exc)
         # No rank reports success before every rank's final checkpoint is durable, and ranks leave
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()
         self._release()
-        self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+        self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
-        self._ended = True
+        self._life.ended = True
         self._release()
         self.checkpoints.close()
 
@@ -1345,7 +1336,7 @@ class Guardian:
         """The interpreter exits and the loop neither finished nor closed the guardian
         (``trainer_sidecar.guardian.ending``): finish when the end is known and reached; never report an
         unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
-        if self._ended:
+        if self._life.ended:
             return
         step = self.counters.step
         plan = exit_plan(
@@ -1356,20 +1347,20 @@ class Guardian:
                 self.finish()  # one process: nothing to agree with anyone
                 return
             except UncleanState as exc:
-                self._exit_short(f"{exc}; the job is not done")
+                self._end.exit_short(f"{exc}; the job is not done")
         if plan is ExitPlan.FINISH:
             # The final checkpoint was started at the step boundary that reached max_steps, on every
             # rank; here each rank only waits for its own writes (no collective: see ending.py).
             self._release()
             if self.checkpoints.enabled and not self.checkpoints.saved(step):
-                self._exit_short(f"no final checkpoint of step {step} was started")
+                self._end.exit_short(f"no final checkpoint of step {step} was started")
             try:
                 self.checkpoints.close()  # raises unless this rank's files of it are durable
             except FencedError as exc:
-                self._fenced(exc)
+                self._end.fenced(exc)
             except CheckpointError as exc:
-                self._exit_short(f"the final checkpoint of step {step} failed: {exc}")
-            self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+                self._end.exit_short(f"the final checkpoint of step {step} failed: {exc}")
+            self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
             return
         self._release()
         if plan is ExitPlan.CRASHED:
@@ -1379,7 +1370,7 @@ class Guardian:
             # failure is told from a transient one), and where the exception left the training thread
             # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
             # victims (trainguard.core.policy).
-            self._report_end(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
+            self._end.report(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             return
         newest = self.checkpoints.checkpointed_step
@@ -1396,20 +1387,11 @@ class Guardian:
         if not self.gang.distributed and self.checkpoints.enabled and not self.checkpoints.saved(step):
             self.save_checkpoint()  # one process: the clean state it stopped at, so a restart goes on
         self.checkpoints.close()
-        self._exit_short(
+        self._end.exit_short(
             f"the loop ended at step {step} of max_steps={self.max_steps} without guardian.finish() "
             f"({self.counters.rollbacks} rollbacks: a loop counter of its own drifts after one; "
             "iterate guardian.steps(max_steps), or call guardian.finish() to end early)"
         )
-
-    def _exit_short(self, message: str) -> None:
-        """End the process with exit code 1 at interpreter exit: the job is not done (a restart resumes)."""
-        log.error("%s; exiting with code 1", message)
-        self._report_end(Phase.FAILED, message, 1)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
 
     def _release(self) -> None:
         """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
