@@ -218,17 +218,7 @@ class Guardian:
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
         # The phase, message and exit code the status publishes; whether the worker ended.
         self._life = Lifecycle()
-        self.busy_since: float | None = None
-        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
-        self.last_grad_norm: float | None = None
-        self.started_at = time.time()
-        self.resumed_step = 0
-        self.nan_location: str | None = None
-        self._micro = 0
-        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
-        self._past_end_warned = False
-        self._adoption_checked = False  # see ``_check_adoption``
-        self._loss_sum: torch.Tensor | None = None
+        self._loop_state()
         self.feed = DataFeed()
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
@@ -248,6 +238,33 @@ class Guardian:
         self._end = WorkerEnd(self._life, self.gang, self._reporter)
         self.training.refuse_loop_steps(self._end.misused)
         self._busy = BusySections()
+        self.checkpoint_dir = config.checkpoint_dir
+        self.checkpoints = CheckpointManager(
+            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
+        )
+        self.checkpoints.rng_wanted = self._rng_may_be_saved
+        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
+        self.dead_letters = DeadLetters(
+            self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
+        )
+        self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
+        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
+
+    def _loop_state(self) -> None:
+        """The state of the loop the guardian follows: its step, its data, its stop and what the activity
+        watch infers; set once at construction, before anything reads it."""
+        self.busy_since: float | None = None
+        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
+        self.last_grad_norm: float | None = None
+        self.started_at = time.time()
+        self.resumed_step = 0
+        self.nan_location: str | None = None
+        self._micro = 0
+        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
+        self._past_end_warned = False
+        self._adoption_checked = False  # see ``_check_adoption``
+        self._loss_sum: torch.Tensor | None = None
+        self._stop_deferred = False  # see ``step``
         # The evaluation inferred from the model's eval mode (``_watch_evaluation``, the watch's thread
         # alone): its section's token and the progress it began at; and whether the loop trains in eval
         # mode (then eval mode says nothing).
@@ -260,18 +277,6 @@ class Guardian:
         self._thread_clock: ThreadClock | None = None
         self._stop = STOP
         self._holding_stop = False
-        self.checkpoint_dir = config.checkpoint_dir
-        self.checkpoints = CheckpointManager(
-            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
-        )
-        self.checkpoints.rng_wanted = self._rng_may_be_saved
-        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
-        self._stop_deferred = False  # see ``step``
-        self.dead_letters = DeadLetters(
-            self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
-        )
-        self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
-        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
 
     def _open_checkpoints(self) -> None:
         job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
