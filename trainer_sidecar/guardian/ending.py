@@ -1,4 +1,8 @@
-"""The end of training when the loop did not say so: what the guardian does at interpreter exit.
+"""How a worker ends, and the end of training when the loop did not say so (at interpreter exit).
+
+``WorkerEnd`` publishes the final phase, message and exit code (the status and the termination message)
+and ends a failed worker with its code (``end_worker``: at once in a gang, ``Diverged``, ``Fenced`` or the
+configuration error raised with one process).
 
 A loop that forgets ``guardian.finish()`` would lose the steps since its last checkpoint and leave the
 worker's status at ``running``. The guardian arms one exit hook per process for the newest open
