@@ -1926,7 +1926,7 @@ def test_a_gradient_spike_is_skipped_whether_or_not_the_loop_clips_itself(loop: 
     assert outcomes[4].grad_norm > 50 * outcomes[3].grad_norm  # the norm before the loop's clip
     assert guardian.spikes == 1
     # Only a loop that changes its gradients pays for a norm at every backward.
-    assert guardian._measure_at_backward is (loop != "no clip")
+    assert guardian._meter.measure_at_backward is (loop != "no clip")
 
 
 def test_the_guardians_clip_works_from_the_norm_after_the_loops_own_clip() -> None:

@@ -1,4 +1,8 @@
-"""The end of training when the loop did not say so: what the guardian does at interpreter exit.
+"""How a worker ends, and the end of training when the loop did not say so (at interpreter exit).
+
+``WorkerEnd`` publishes the final phase, message and exit code (the status and the termination message)
+and ends a failed worker with its code (``end_worker``: at once in a gang, ``Diverged``, ``Fenced`` or the
+configuration error raised with one process).
 
 A loop that forgets ``guardian.finish()`` would lose the steps since its last checkpoint and leave the
 worker's status at ``running``. The guardian arms one exit hook per process for the newest open
@@ -28,11 +32,33 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
+from typing import NoReturn
+
+from trainer_sidecar.checkpoint import CheckpointError, FencedError
+from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.status import Phase
+from trainer_sidecar.guardian.checkpointing import CheckpointManager
+from trainer_sidecar.guardian.config import ConfigError
+from trainer_sidecar.guardian.gang import Gang
+from trainer_sidecar.guardian.reporting import StatusReporter
 
 log = logging.getLogger("trainguard")
 
-__all__ = ["ExitPlan", "arm_at_exit", "crash_message", "disarm_at_exit", "exit_plan"]
+__all__ = [
+    "Diverged",
+    "ExitPlan",
+    "Fenced",
+    "Lifecycle",
+    "UncleanState",
+    "WorkerEnd",
+    "arm_at_exit",
+    "crash_message",
+    "disarm_at_exit",
+    "end_worker",
+    "exit_plan",
+]
 
 
 class ExitPlan(Enum):
@@ -119,3 +145,114 @@ def _at_exit() -> None:
         on_exit(crashed)
     except Exception:  # an exit hook must not hide the process's own outcome behind a second traceback
         log.exception("trainguard: the guardian's exit hook failed")
+
+
+class Diverged(SystemExit):
+    """Raised by ``Guardian.step`` when rollbacks are exhausted; exits with ExitCode.DIVERGED.
+
+    In a process group of more than one rank the process exits with that code at once instead (after
+    closing the checkpoints and writing the status), without raising: see ``WorkerEnd.diverge``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.DIVERGED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Fenced(SystemExit):
+    """A newer writer claimed the checkpoint directory; the worker exits with ExitCode.FENCED."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.FENCED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UncleanState(RuntimeError):
+    """``Guardian.finish`` found the final training state not finite: it rolled back instead of saving it.
+
+    The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
+    on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
+    gang from the last clean checkpoint)."""
+
+
+def end_worker(gang: Gang, code: int, error: SystemExit) -> NoReturn:
+    """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping the
+    interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its threads still hold
+    work, or the store's) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to 40
+    under load (destroy_process_group first did not change that); the orchestrator needs the code. The
+    status and the message are published before this is called. With one process, ``error`` (a
+    SystemExit carrying the code) is raised, for the script or the interpreter to handle."""
+    if gang.distributed:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise error
+
+
+@dataclass
+class Lifecycle:
+    """The worker's phase, message and exit code as its status publishes them, and whether it has ended
+    (finished, closed, stopped or failed: nothing left for the exit hook)."""
+
+    phase: Phase = Phase.STARTING
+    message: str = ""
+    exit_code: int | None = None
+    ended: bool = False
+
+
+class WorkerEnd:
+    """How the worker ends: its final phase, message and exit code published (the status and the
+    termination message), then, for a failure, the worker ended with its code (``end_worker``)."""
+
+    def __init__(self, life: Lifecycle, gang: Gang, reporter: StatusReporter) -> None:
+        self._life, self._gang, self._reporter = life, gang, reporter
+
+    def report(self, phase: Phase, message: str, code: int) -> None:
+        """Publish the worker's final phase, message and exit code, in the status and the termination
+        message (which outlives the sidecar)."""
+        self._life.ended = True
+        self._life.phase, self._life.message, self._life.exit_code = phase, message, code
+        self._reporter.publish(self._life.phase, True)
+        self._reporter.write_termination_message()
+
+    def diverge(self, message: str, checkpoints: CheckpointManager) -> NoReturn:
+        """Rollbacks are exhausted: publish ``diverged``, close ``checkpoints`` and end with
+        ExitCode.DIVERGED (``Diverged`` raised with one process)."""
+        log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
+        self.report(Phase.DIVERGED, message, ExitCode.DIVERGED)
+        try:
+            checkpoints.close()
+        except CheckpointError as exc:
+            log.error("%s", exc)
+        # Every rank diverges at the same step (the decision is collective) and ends here, now.
+        end_worker(self._gang, ExitCode.DIVERGED, Diverged(message))
+
+    def fenced(self, error: FencedError) -> NoReturn:
+        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
+        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
+        message = f"fenced out of the checkpoint directory: {error}"
+        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
+        self.report(Phase.FAILED, message, ExitCode.FENCED)
+        end_worker(self._gang, ExitCode.FENCED, Fenced(message))
+
+    def misused(self, error: ConfigError) -> NoReturn:
+        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
+        configuration error, published, then the worker ends (``end_worker``: with one process, ``error``
+        is raised)."""
+        self.report(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
+        end_worker(self._gang, ExitCode.CONFIG_ERROR, error)
+
+    def exit_short(self, message: str) -> NoReturn:
+        """End the process with exit code 1 at interpreter exit: the job is not done (a restart resumes)."""
+        log.error("%s; exiting with code 1", message)
+        self.report(Phase.FAILED, message, 1)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

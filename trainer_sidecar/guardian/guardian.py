@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -56,7 +56,19 @@ from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters, describe_clip
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
-from trainer_sidecar.guardian.ending import ExitPlan, arm_at_exit, crash_message, disarm_at_exit, exit_plan
+from trainer_sidecar.guardian.ending import (
+    Diverged,
+    ExitPlan,
+    Fenced,
+    Lifecycle,
+    UncleanState,
+    WorkerEnd,
+    arm_at_exit,
+    crash_message,
+    disarm_at_exit,
+    end_worker,
+    exit_plan,
+)
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
@@ -71,6 +83,7 @@ from trainer_sidecar.guardian.judge import (
     judge_step,
 )
 from trainer_sidecar.guardian.localize import NaNLocator
+from trainer_sidecar.guardian.measure import StepMeasure
 from trainer_sidecar.guardian.pauses import (
     PauseChange,
     PauseKind,
@@ -79,6 +92,7 @@ from trainer_sidecar.guardian.pauses import (
     pause_change,
     pause_threshold,
 )
+from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
@@ -87,56 +101,6 @@ from trainer_sidecar.guardian.training import TrainingObjects, caller, check_los
 log = logging.getLogger("trainguard")
 
 __all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
-
-
-class Diverged(SystemExit):
-    """Raised by ``Guardian.step`` when rollbacks are exhausted; exits with ExitCode.DIVERGED.
-
-    In a process group of more than one rank the process exits with that code at once instead (after
-    closing the checkpoints and writing the status), without raising: see ``Guardian._diverge``."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(ExitCode.DIVERGED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class Fenced(SystemExit):
-    """A newer writer claimed the checkpoint directory; the worker exits with ExitCode.FENCED."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(ExitCode.FENCED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class UncleanState(RuntimeError):
-    """``Guardian.finish`` found the final training state not finite: it rolled back instead of saving it.
-
-    The worker must not report success: the job is not done. ``Guardian.run`` handles this by training
-    on; a loop of its own should do the same (or let the process fail, so the orchestrator restarts the
-    gang from the last clean checkpoint)."""
-
-
-@dataclass(frozen=True)
-class _Agreed:
-    """A step's numbers as agreed by every rank, and what this rank alone saw."""
-
-    reading: StepReading
-    locally_nonfinite: bool
-    stop: bool
-    checkpoint_due: bool
-    #: The total norm of the gradients as they are now (after a clip of the loop's own): what the
-    #: guardian's clipping works from. ``reading.grad_norm`` is the one the backward pass produced.
-    current_norm: float
-    #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
-    rng_missing: bool = False
-    #: The checkpoint interval rank 0 chose (``everySteps: auto``; 0: none), the same on every rank.
-    interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,21 +123,6 @@ def _step_number(name: str, value: int | None) -> int | None:
 
 def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
-
-
-def end_worker(gang: Gang, code: int, error: SystemExit) -> NoReturn:
-    """End the worker with ``code``. In a gang of several ranks, the process exits at once, skipping the
-    interpreter's teardown: left to interpreter exit, PyTorch's gloo teardown (its threads still hold
-    work, or the store's) ends in std::terminate, SIGABRT instead of the code, in about 1 run of 12 to 40
-    under load (destroy_process_group first did not change that); the orchestrator needs the code. The
-    status and the message are published before this is called. With one process, ``error`` (a
-    SystemExit carrying the code) is raised, for the script or the interpreter to handle."""
-    if gang.distributed:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    raise error
 
 
 class Guardian:
@@ -264,33 +213,12 @@ class Guardian:
         self.gang = replace(Gang.current(), tracker=self._activity)
         self.training = TrainingObjects(model, optimizer, scheduler, scaler)
         self.model, self.module, self.optimizer = model, self.training.module, optimizer
-        self.training.refuse_loop_steps(self._misused)
         self.accumulation_steps = accumulation_steps
         self.validate = validate
         self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
-        self.phase = Phase.STARTING
-        self.message = ""
-        self.exit_code: int | None = None
-        self.busy_since: float | None = None
-        self.last_step_time: float | None = None
-        self.last_grad_norm: float | None = None
-        self.started_at = time.time()
-        self.resumed_step = 0
-        self.nan_location: str | None = None
-        self._micro = 0
-        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
-        self._ended = False  # finished, closed, stopped or failed: nothing left for the exit hook
-        self._past_end_warned = False
-        self._adoption_checked = False  # see ``_check_adoption``
-        self._loss_sum: torch.Tensor | None = None
-        self._grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
-        self._norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
-        # The gradients as the last backward left them (each with its version counter), to notice a loop
-        # that changes them before the step (its own clip_grad_norm_ or unscale_), and their norm then,
-        # measured while the loop is known (or not yet known not) to do that: see ``_pre_clip_norm``.
-        self._grad_marks: list[tuple[torch.Tensor, int]] = []
-        self._norm_at_backward: torch.Tensor | None = None
-        self._measure_at_backward = True
+        # The phase, message and exit code the status publishes; whether the worker ended.
+        self._life = Lifecycle()
+        self._loop_state()
         self.feed = DataFeed()
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
@@ -307,7 +235,36 @@ class Guardian:
             self.status,
             self._activity,
         )
+        self._end = WorkerEnd(self._life, self.gang, self._reporter)
+        self.training.refuse_loop_steps(self._end.misused)
         self._busy = BusySections()
+        self.checkpoint_dir = config.checkpoint_dir
+        self.checkpoints = CheckpointManager(
+            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
+        )
+        self.checkpoints.rng_wanted = self._rng_may_be_saved
+        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
+        self.dead_letters = DeadLetters(
+            self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
+        )
+        self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
+        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
+
+    def _loop_state(self) -> None:
+        """The state of the loop the guardian follows: its step, its data, its stop and what the activity
+        watch infers; set once at construction, before anything reads it."""
+        self.busy_since: float | None = None
+        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
+        self.last_grad_norm: float | None = None
+        self.started_at = time.time()
+        self.resumed_step = 0
+        self.nan_location: str | None = None
+        self._micro = 0
+        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
+        self._past_end_warned = False
+        self._adoption_checked = False  # see ``_check_adoption``
+        self._loss_sum: torch.Tensor | None = None
+        self._stop_deferred = False  # see ``step``
         # The evaluation inferred from the model's eval mode (``_watch_evaluation``, the watch's thread
         # alone): its section's token and the progress it began at; and whether the loop trains in eval
         # mode (then eval mode says nothing).
@@ -320,17 +277,6 @@ class Guardian:
         self._thread_clock: ThreadClock | None = None
         self._stop = STOP
         self._holding_stop = False
-        self.checkpoint_dir = config.checkpoint_dir
-        self.checkpoints = CheckpointManager(
-            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
-        )
-        self.checkpoints.rng_wanted = self._rng_may_be_saved
-        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
-        self._stop_deferred = False  # see ``step``
-        self.dead_letters = DeadLetters(
-            self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
-        )
-        self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
 
     def _open_checkpoints(self) -> None:
         job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
@@ -376,10 +322,10 @@ class Guardian:
         finally:
             self._mark(before)
             self._busy.leave(section)
-            if self._busy.since is None and self.last_step_time is not None:
+            if self._busy.since is None:
                 # The end of a busy stretch is progress, as a rollback's is: without it, the first status
                 # after an evaluation longer than the hang timeout reads "no step for" that long.
-                self.last_step_time = time.time()
+                self._progress.pause_ended()
             self._publish(force=True)
 
     def _step_progress(self) -> StepProgress:
@@ -420,13 +366,8 @@ class Guardian:
             return None
         self._pause = None
         self._busy.leave(opened[0])
-        if (
-            change is PauseChange.END
-            and self.phase is Phase.RUNNING
-            and self._busy.since is None
-            and self.last_step_time is not None
-        ):
-            self.last_step_time = now  # the end of the pause is progress (see ``busy``)
+        if change is PauseChange.END and self.phase is Phase.RUNNING and self._busy.since is None:
+            self._progress.pause_ended(now)  # the end of the pause is progress (see ``busy``)
         return now
 
     def _watch_evaluation(self, period: float) -> float | None:
@@ -471,30 +412,20 @@ class Guardian:
         self._evaluation = None
         self._busy.leave(opened[0])
         stepped = progress != opened[1]  # the step set the step time itself
-        if (
-            not stepped
-            and self.phase is Phase.RUNNING
-            and self._busy.since is None
-            and self.last_step_time is not None
-        ):
+        if not stepped and self.phase is Phase.RUNNING and self._busy.since is None:
             # The end of the pause is progress, as a busy section's is (see ``busy``), also when the
             # watch first sees the next step's work (model.train() and a backward within one look):
             # until that step's own status, this one must not carry the step time from before it.
-            self.last_step_time = now
+            self._progress.pause_ended(now)
         return now
 
     def _peer_changed(self) -> None:
         """The busy peer this rank waits for appeared or went (the peer watch's thread)."""
-        if (
-            self.phase is Phase.RUNNING
-            and self.last_step_time is not None
-            and not self._busy.waiting
-            and self._busy.since is None
-        ):
+        if self.phase is Phase.RUNNING and not self._busy.waiting and self._busy.since is None:
             # The end of the wait is progress, as the end of a busy section is: the status that says
             # "running" again must not carry the step time from before the wait, which the sidecar
             # would count against the hang timeout until this rank's next step.
-            self.last_step_time = time.time()
+            self._progress.pause_ended()
         self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
@@ -507,6 +438,34 @@ class Guardian:
     def world_size(self) -> int:
         """The number of ranks in the job (1 without a process group)."""
         return self.gang.world_size
+
+    @property
+    def phase(self) -> Phase:
+        """The worker's phase, as its status publishes it."""
+        return self._life.phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._life.phase = phase
+
+    @property
+    def message(self) -> str:
+        """The status's message (a held-out loss, why the worker ended)."""
+        return self._life.message
+
+    @message.setter
+    def message(self, message: str) -> None:
+        self._life.message = message
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code the worker ends with, once it is known."""
+        return self._life.exit_code
+
+    @property
+    def last_step_time(self) -> float | None:
+        """When the worker last made progress (unix seconds; None before its first step)."""
+        return self._progress.last
 
     @property
     def step_count(self) -> int:
@@ -750,7 +709,7 @@ class Guardian:
         self._mark(Activity.BACKWARD)
         with self._adoption():
             self.training.backward(loss)
-        self._mark_grads()
+        self._meter.after_backward(self.gang)
         # A one-element loss of any shape ([1] from a loop's own reduction) is its scalar: the step's
         # measures are stacked with 0-dim tensors.
         detached = loss.detach().float().reshape(())
@@ -784,10 +743,11 @@ class Guardian:
         if not self._adoption_checked:
             self._check_adoption()
         if self.checkpoints.fenced is not None:
-            self._fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
+            self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
         self._snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
-        agreed = self._measure(self._loss_sum)
+        stop = self._stop.requested or self._stop_deferred
+        agreed = self._meter.measure(self._loss_sum, self.counters.step, stop, self.gang)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._step_batches = self._step_batches, []
@@ -873,7 +833,7 @@ class Guardian:
         try:
             yield
         except ConfigError as error:
-            self._misused(error)
+            self._end.misused(error)
 
     def _check_adoption(self) -> None:
         """At the first step boundary, when the loop has given the guardian all it will: refuse a loop
@@ -882,119 +842,7 @@ class Guardian:
         try:
             self.training.check_scheduler_kept(self.feed.tracked)
         except ConfigError as error:
-            self._misused(error)
-
-    def _measure(self, step_loss: torch.Tensor) -> _Agreed:
-        """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
-        whether this rank's own loss was non-finite, and whether any rank was told to stop.
-
-        Alone, the norm is this process's. In a gang each rank contributes the squared norm of its local
-        gradients, each value counted once over the world (``TrainingObjects.norm_contribution``: a DDP
-        replica's share is 1/world size, an FSDP shard's 1/its replicas), the collective sums them and the
-        norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
-        a NaN, and still one small collective."""
-        pre_clip = self._pre_clip_norm()  # before anything of the guardian's own changes the gradients
-        if self._faults.active:
-            self._faults.grad_hook(self.training.params, self.counters.step)
-        self.training.unscale()
-        self._grads = self.training.local_grads()
-        distributed = self.gang.distributed
-        # The clipping multiply waits for the host sync below and is skipped when the norm is already
-        # within bounds (or the step is skipped anyway).
-        norm_part = self._norm_part(self._grads)
-        if not distributed:
-            self._norm = norm_part
-        device = step_loss.device
-        pre_part = norm_part if pre_clip is None else pre_clip
-        loss = step_loss.double()
-        flags = torch.tensor(
-            [
-                float(self._stop.requested or self._stop_deferred),
-                float(self.checkpoints.time_due()),
-                float(not self.checkpoints.rng_captured),
-                float(self.checkpoints.proposal()),  # exact: a sum of one integer and zeros
-            ],
-            dtype=torch.float64,
-        ).to(device)
-        measured = [
-            loss,
-            (~torch.isfinite(loss)).double(),
-            norm_part.double().to(device),
-            pre_part.double().to(device),
-        ]
-        local = torch.cat([torch.stack(measured), flags])
-        if distributed:
-            # Marked before the collective and until its host sync (where NCCL's wait is): a rank that
-            # waits here for a peer says so (``trainer_sidecar.guardian.activity``).
-            self._mark(Activity.COLLECTIVE)
-            reduced = self.gang.all_reduce(local)
-            self._norm = reduced[2].sqrt()
-            # One host sync for both the agreed values and this rank's own loss flag.
-            loss_sum, bad_ranks, squares, pre_squares, stops, due, missing, interval, local_bad = torch.cat(
-                [reduced, local[1:2].to(reduced.device)]
-            ).tolist()
-            self._mark(Activity.STEP)
-            loss_v, locally_nonfinite = loss_sum / self.gang.world_size, local_bad > 0
-            norm_v = math.sqrt(squares) if not squares < 0 else math.nan
-            pre_v = math.sqrt(pre_squares) if not pre_squares < 0 else math.nan
-        else:
-            loss_v, bad_ranks, norm_v, pre_v, stops, due, missing, interval = local.tolist()  # one host sync
-            locally_nonfinite = bad_ranks > 0
-        # The larger of the norm the backward produced and the one about to be applied (NaN if either is).
-        judged = math.nan if math.isnan(pre_v) or math.isnan(norm_v) else max(pre_v, norm_v)
-        reading = StepReading(loss_v, judged, bad_ranks > 0, self._benign_overflow(judged))
-        return _Agreed(reading, locally_nonfinite, stops > 0, due > 0, norm_v, missing > 0, round(interval))
-
-    def _norm_part(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's part of the total norm of ``grads`` (this rank's local gradients): the norm alone,
-        the share of the squared global norm in a gang (``TrainingObjects.norm_contribution``)."""
-        if self.gang.distributed:
-            return self.training.norm_contribution(self.gang.world_size)
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
-
-    def _mark_grads(self) -> None:
-        """After a backward: remember the gradients (and their version counters), and while the loop is
-        known to change them before the step, measure their norm now, unscaled (no host sync). Costs one
-        norm per micro-batch only in a loop that clips (or unscales) the gradients itself."""
-        grads = self.training.local_grads()
-        self._grad_marks = [(g, g._version) for g in grads]
-        if not self._measure_at_backward:
-            self._norm_at_backward = None
-            return
-        part = self._norm_part(grads).double()
-        scale = self.training.loss_scale()
-        if scale is not None:
-            scale = scale.double().to(part.device)
-            part = part / (scale.square() if self.gang.distributed else scale)
-        self._norm_at_backward = part
-
-    def _grads_changed(self) -> bool:
-        """Whether the loop changed the gradients (in place, or replaced them) since the last backward."""
-        grads = self.training.local_grads()
-        marks = self._grad_marks
-        return len(grads) != len(marks) or any(
-            g is not marked or g._version != version
-            for g, (marked, version) in zip(grads, marks, strict=True)
-        )
-
-    def _pre_clip_norm(self) -> torch.Tensor | None:
-        """The norm part of the gradients as the backward left them, when the loop has changed them since
-        (its own clip would otherwise blind the spike check: a x100 gradient clipped to 1 reads as 1);
-        None when it has not (the norm measured now is the same). Learns whether to measure at backward:
-        from the first step on only a loop seen changing its gradients pays for it."""
-        changed = self._grads_changed()
-        self._grad_marks = []  # holding them would keep this step's gradients alive into the next
-        measured, self._norm_at_backward = self._norm_at_backward, None
-        if changed and measured is None:
-            self._log_gang(
-                logging.WARNING,
-                "step %d: the training loop changed the gradients between guardian.backward() and "
-                "guardian.step() (its own clip_grad_norm_?); their norm is measured after each backward "
-                "from now on, so that the spike check sees the norm before the loop's clip",
-                self.counters.step,
-            )
-        self._measure_at_backward = changed
-        return measured if changed else None
+            self._end.misused(error)
 
     def _stop_now(self) -> None:
         """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
@@ -1006,7 +854,7 @@ class Guardian:
         try:
             self.checkpoints.close()
         except FencedError as exc:
-            self._fenced(exc)
+            self._end.fenced(exc)
         self.gang.barrier()
         what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
         if not self.checkpoints.enabled:
@@ -1014,18 +862,9 @@ class Guardian:
         message = f"stopped by {received.name} at step {self.counters.step}; {what}"
         self._log_gang(logging.WARNING, "%s", message)
         code = 128 + int(received)
-        self._report_end(Phase.STOPPED, message, code)
+        self._end.report(Phase.STOPPED, message, code)
         self._release()
         end_worker(self.gang, code, SystemExit(code))
-
-    def _benign_overflow(self, norm: float) -> bool:
-        """fp16 overflow is the scaler's business (it backs off); it is only a real anomaly once the scale
-        is below 1, where a non-finite gradient cannot be blamed on the scale. (Asked only for a
-        non-finite norm: reading the scale is a host sync.)"""
-        scaler = self.training.scaler
-        if math.isfinite(norm) or scaler is None or not scaler.is_enabled():
-            return False
-        return scaler.get_scale() >= 1.0
 
     def _apply(
         self,
@@ -1038,13 +877,17 @@ class Guardian:
         counters = self.counters
         self.settle()
         self.training.apply_update(
-            current_norm, counters.max_grad_norm, self._grads, self._norm, lr_scale=counters.lr_scale
+            current_norm,
+            counters.max_grad_norm,
+            self._meter.grads,
+            self._meter.norm,
+            lr_scale=counters.lr_scale,
         )
         counters.history, counters.explosion_pattern = verdict.history, None
         counters.optimizer_steps += 1
         counters.step += 1
         self.last_grad_norm = reading.grad_norm
-        self.last_step_time = time.time()
+        self._progress.stepped()
         self._window_batches.extend(batches)
         if self._locator.armed:
             self._located(self._locator.after_good_step())
@@ -1074,7 +917,7 @@ class Guardian:
         counters.spikes += int(verdict.spike)
         counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
         self.last_grad_norm = reading.grad_norm
-        self.last_step_time = time.time()
+        self._progress.stepped()
         self._log_gang(
             logging.WARNING,
             "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
@@ -1100,7 +943,7 @@ class Guardian:
 
     def _carry_out(self, verdict: Verdict) -> None:
         if verdict.action is Action.DIVERGE:
-            self._diverge(verdict.reason)
+            self._end.diverge(verdict.reason, self.checkpoints)
         elif verdict.action is Action.ROLL_BACK:
             self._rollback(verdict.reason)
 
@@ -1217,7 +1060,7 @@ class Guardian:
             self.counters.pace = self._reporter.pace
             self.checkpoints.save(self.counters, stable, self.rank)
         except FencedError as exc:
-            self._fenced(exc)
+            self._end.fenced(exc)
         self._mark(before)
 
     def save_checkpoint(self) -> bool:
@@ -1275,7 +1118,7 @@ class Guardian:
         self.gang.barrier()
         self.phase = Phase.RUNNING
         self.busy_since = None
-        self.last_step_time = time.time()  # the rollback itself is progress: the hang clock restarts
+        self._progress.stepped()  # the rollback itself is progress: the hang clock restarts
         self._publish(force=True)
 
     def _remediate(self, remediation: Remediation) -> None:
@@ -1298,42 +1141,9 @@ class Guardian:
             describe_clip(self.max_grad_norm),
         )
 
-    def _diverge(self, message: str) -> None:
-        log.error("diverged: %s; exiting with code %d", message, ExitCode.DIVERGED)
-        self._report_end(Phase.DIVERGED, message, ExitCode.DIVERGED)
-        try:
-            self.checkpoints.close()
-        except CheckpointError as exc:
-            log.error("%s", exc)
-        # Every rank diverges at the same step (the decision is collective) and ends here, now.
-        end_worker(self.gang, ExitCode.DIVERGED, Diverged(message))
-
     def _log_gang(self, level: int, message: str, *args: object) -> None:
         """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
         log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
-
-    def _fenced(self, error: FencedError) -> None:
-        """A newer writer claimed the checkpoint directory: this worker must stop writing there and end
-        with ExitCode.FENCED, saying who took over (the status, the termination message, the log)."""
-        message = f"fenced out of the checkpoint directory: {error}"
-        log.error("%s; exiting with code %d", message, ExitCode.FENCED)
-        self._report_end(Phase.FAILED, message, ExitCode.FENCED)
-        end_worker(self.gang, ExitCode.FENCED, Fenced(message))
-
-    def _misused(self, error: ConfigError) -> NoReturn:
-        """The loop did what the guardian does (stepped the optimizer or the scheduler): a permanent
-        configuration error, published, then the worker ends (``end_worker``: with one process, ``error``
-        is raised)."""
-        self._report_end(Phase.FAILED, f"configuration error: {error.message}", ExitCode.CONFIG_ERROR)
-        end_worker(self.gang, ExitCode.CONFIG_ERROR, error)
-
-    def _report_end(self, phase: Phase, message: str, code: int) -> None:
-        """Publish the worker's final phase, message and exit code, in the status and the termination
-        message (which outlives the sidecar)."""
-        self._ended = True
-        self.phase, self.message, self.exit_code = phase, message, code
-        self._publish(force=True)
-        self._reporter.write_termination_message()
 
     def _check_validation(self, when: str) -> None:
         if self.validate is None:
@@ -1454,7 +1264,7 @@ class Guardian:
             started_at=self.started_at,
             step=counters.step,
             resumed_step=self.resumed_step,
-            last_step_time=self.last_step_time,
+            last_step_time=self._progress.last,
             busy_since=busy.since,
             busy_reason=busy.reason,
             busy_seconds=busy.seconds,
@@ -1475,7 +1285,7 @@ class Guardian:
             explosion_pattern=counters.explosion_pattern,
             last_clean_checkpoint=self.checkpoints.last_clean,
             message=self.message,
-            exit_code=self.exit_code,
+            exit_code=self._life.exit_code,
             checkpoint_seconds=self.checkpoints.last_write_seconds,
             max_steps=self.max_steps,
             checkpoint_every_steps=self.checkpoints.interval,
@@ -1517,16 +1327,16 @@ class Guardian:
             try:
                 self.checkpoints.close()
             except FencedError as exc:
-                self._fenced(exc)
+                self._end.fenced(exc)
         # No rank reports success before every rank's final checkpoint is durable, and ranks leave
         # together (a rank tearing down gloo while a peer is still in it can abort the peer).
         self.gang.barrier()
         self._release()
-        self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+        self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
-        self._ended = True
+        self._life.ended = True
         self._release()
         self.checkpoints.close()
 
@@ -1534,7 +1344,7 @@ class Guardian:
         """The interpreter exits and the loop neither finished nor closed the guardian
         (``trainer_sidecar.guardian.ending``): finish when the end is known and reached; never report an
         unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
-        if self._ended:
+        if self._life.ended:
             return
         step = self.counters.step
         plan = exit_plan(
@@ -1545,20 +1355,20 @@ class Guardian:
                 self.finish()  # one process: nothing to agree with anyone
                 return
             except UncleanState as exc:
-                self._exit_short(f"{exc}; the job is not done")
+                self._end.exit_short(f"{exc}; the job is not done")
         if plan is ExitPlan.FINISH:
             # The final checkpoint was started at the step boundary that reached max_steps, on every
             # rank; here each rank only waits for its own writes (no collective: see ending.py).
             self._release()
             if self.checkpoints.enabled and not self.checkpoints.saved(step):
-                self._exit_short(f"no final checkpoint of step {step} was started")
+                self._end.exit_short(f"no final checkpoint of step {step} was started")
             try:
                 self.checkpoints.close()  # raises unless this rank's files of it are durable
             except FencedError as exc:
-                self._fenced(exc)
+                self._end.fenced(exc)
             except CheckpointError as exc:
-                self._exit_short(f"the final checkpoint of step {step} failed: {exc}")
-            self._report_end(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+                self._end.exit_short(f"the final checkpoint of step {step} failed: {exc}")
+            self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
             return
         self._release()
         if plan is ExitPlan.CRASHED:
@@ -1568,7 +1378,7 @@ class Guardian:
             # failure is told from a transient one), and where the exception left the training thread
             # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
             # victims (trainguard.core.policy).
-            self._report_end(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
+            self._end.report(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             return
         newest = self.checkpoints.checkpointed_step
@@ -1585,20 +1395,11 @@ class Guardian:
         if not self.gang.distributed and self.checkpoints.enabled and not self.checkpoints.saved(step):
             self.save_checkpoint()  # one process: the clean state it stopped at, so a restart goes on
         self.checkpoints.close()
-        self._exit_short(
+        self._end.exit_short(
             f"the loop ended at step {step} of max_steps={self.max_steps} without guardian.finish() "
             f"({self.counters.rollbacks} rollbacks: a loop counter of its own drifts after one; "
             "iterate guardian.steps(max_steps), or call guardian.finish() to end early)"
         )
-
-    def _exit_short(self, message: str) -> None:
-        """End the process with exit code 1 at interpreter exit: the job is not done (a restart resumes)."""
-        log.error("%s; exiting with code 1", message)
-        self._report_end(Phase.FAILED, message, 1)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
 
     def _release(self) -> None:
         """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
