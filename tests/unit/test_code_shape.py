@@ -25,7 +25,6 @@ EXEMPT = frozenset(
         "trainguard/core/policy.py:decide",
         "trainguard/core/simulate.py:simulate",
         "trainguard/core/simulate.py:report",
-        "trainer_sidecar/guardian/guardian.py:Guardian._wire",
         "trainer_sidecar/sidecar/health.py:under_launcher",
     }
 )
