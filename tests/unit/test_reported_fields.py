@@ -5,6 +5,7 @@ and the run summary."""
 from __future__ import annotations
 
 import copy
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -27,7 +28,7 @@ from trainguard_operator.status import JobStatus
 from tests.support.manifests import gtj_manifest
 from trainer_sidecar.contract import fields
 from trainer_sidecar.contract.fields import REPORTED, Fold, Keep, PrinterColumn, ReportedField
-from trainer_sidecar.contract.status import WorkerStatus
+from trainer_sidecar.contract.status import MAX_STATUS_BYTES, WorkerStatus, parse_status
 from trainguard.core import crd
 from trainguard.core.observation import SidecarReport, observe_gang
 from trainguard.core.summary import RunRecord
@@ -68,6 +69,32 @@ def test_the_registry_names_fields_the_models_have_once_each() -> None:
             assert all(names.index(part) < names.index(spec.name) for part in spec.ratio_of)
         if spec.written_with is not None:
             assert spec.written_with in names
+
+
+def document(**values: Any) -> dict[str, Any]:
+    """A valid status document, as JSON decodes it, with ``values`` over it."""
+    return {**worker(0).to_document(), **values}
+
+
+def hostile(spec: ReportedField) -> list[Any]:
+    """Values a reader must refuse for ``spec``: of another type, and beyond any bound (a number past
+    the largest exact count or not finite; a string as long as the file allows)."""
+    if spec.type is str:
+        return [7, ["x"], {"x": 1}, "x" * (MAX_STATUS_BYTES // 2)]
+    if spec.type is int:
+        return [True, "7", 7.0, [7], 2**53 + 1, 2**64, -1]
+    return [True, "7", [7.0], float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("spec", [f for f in REPORTED if f.reported_by_ranks], ids=lambda f: f.name)
+def test_every_reported_field_is_read_strictly_and_boundedly(spec: ReportedField) -> None:
+    for value in hostile(spec):
+        text = json.dumps(document(**{spec.name: value}), allow_nan=True)
+        assert len(text.encode()) <= MAX_STATUS_BYTES  # refused by the field, not by the file's cap
+        status, reason = parse_status(text, "status file s.json")
+        assert status is None, (spec.name, value)
+        assert reason.startswith("status file s.json is not a valid worker status"), reason
+        assert f"({spec.name}:" in reason, reason
 
 
 def test_a_field_with_a_surface_but_no_status_is_refused() -> None:

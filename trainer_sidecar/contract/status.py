@@ -237,7 +237,7 @@ class WorkerStatus(BaseModel):
         description="The step the loop declared it ends at (Guardian(max_steps=...), steps(max_steps) or "
         "run(loader, max_steps)); None: not declared. The ETA is reckoned to it.",
     )
-    checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1)] | None = Field(
+    checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_COUNT)] | None = Field(
         None,
         description="The checkpoint interval in steps now in force (None: everySteps auto has not chosen one "
         "yet, the first checkpoint comes by time).",
