@@ -30,8 +30,9 @@ from trainguard_operator.status import JobStatus
 from tests.support.manifests import gtj_manifest
 from trainer_sidecar.contract import fields
 from trainer_sidecar.contract.fields import REPORTED, Fold, Keep, PrinterColumn, Reported, ReportedField
-from trainer_sidecar.contract.reported import reported_fields
+from trainer_sidecar.contract.reported import WorkerCounter, reported_fields
 from trainer_sidecar.contract.status import MAX_STATUS_BYTES, Count, WorkerStatus, parse_status
+from trainer_sidecar.sidecar.server import counter_fields, fold_counters
 from trainguard.core import crd
 from trainguard.core.observation import SidecarReport, observe_gang
 from trainguard.core.summary import RunRecord
@@ -54,6 +55,7 @@ class NewerStatus(WorkerStatus):
             metric="trainguard_job_retried_batches",
             summary="retried_batches",
             column=PrinterColumn("Retried", "Batches fetched again.", after="Rollbacks"),
+            counter=WorkerCounter("trainguard_worker_retried_batches_total", "Batches fetched again."),
         ),
     ] = 0
 
@@ -142,6 +144,11 @@ def test_a_field_with_a_surface_but_no_status_is_refused() -> None:
         Reported(Fold.MAX, "Spikes.", metric="trainguard_job_spikes")
     with pytest.raises(ValueError, match="spike_rate: ratio_of"):
         ReportedField(Fold.RATIO, "Spikes per step.", name="spike_rate", type=float)
+    counter = WorkerCounter("trainguard_worker_cadence_total", "Cadences.")
+    with pytest.raises(ValueError, match="a sidecar counter is of a SUM or a MAX"):
+        Reported(Fold.LEAD, "Cadence.", counter=counter)
+    with pytest.raises(ValueError, match="cadence: a sidecar counter counts an int"):
+        Reported(Fold.MAX, "Cadence.", counter=counter).named("cadence", str)
 
 
 def test_each_fold_takes_the_ranks_values_as_its_rule_says() -> None:
@@ -284,6 +291,12 @@ def test_an_added_field_is_in_the_registry_and_on_the_wire_old_and_new_read_each
     # The gang view folds it (the largest of the ranks').
     view = observe_gang({0: worker(0, retried_batches=2), 1: worker(1, retried_batches=5)}, 2)
     assert view.reported["retried_batches"] == 5
+    # The sidecar counts it, monotonic across a resume that lowers it.
+    assert "retried_batches" in counter_fields()
+    seen, totals = dict.fromkeys(counter_fields(), 0), dict.fromkeys(counter_fields(), 0.0)
+    for count in (4, 1, 3):
+        seen, totals = fold_counters(seen, totals, worker(0, retried_batches=count))
+    assert totals["retried_batches"] == 6
 
 
 def test_an_added_field_reaches_the_status_the_crd_the_metrics_and_the_summary(newer_model: None) -> None:

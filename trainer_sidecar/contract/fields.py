@@ -3,10 +3,11 @@
 ``REPORTED`` is read off ``WorkerStatus`` (``trainer_sidecar.contract.status``): each of its fields
 annotated with a ``Reported`` (``trainer_sidecar.contract.reported``: how the ranks' values fold into the
 gang's, ``Fold``, and where the gang's value surfaces: the job's status and how a new value is taken
-there, a Prometheus gauge, the run summary, a ``kubectl get`` column), and its ``DERIVED`` ratios. Every
-reader folds and surfaces the fields from it: the gang view (``trainguard.core.observation``), the
-operator's status and metrics (``trainguard_operator``), the run summary (``trainguard.core.summary``)
-and the CRD's status schema and printer columns (``trainguard.core.crd``).
+there, a Prometheus gauge, the run summary, a ``kubectl get`` column, the sidecar's counter), and its
+``DERIVED`` ratios. Every reader folds and surfaces the fields from it: the gang view
+(``trainguard.core.observation``), the operator's status and metrics (``trainguard_operator``), the run
+summary (``trainguard.core.summary``), the CRD's status schema and printer columns
+(``trainguard.core.crd``) and each sidecar's counters (``trainer_sidecar.sidecar.server``).
 
 Adding a field: declare it on ``WorkerStatus`` annotated with its ``Reported``, and have the guardian
 write it (see ``docs/architecture.md``, "Adding a status field"). Nothing here changes.
@@ -146,5 +147,6 @@ def summary_values(folded: Mapping[str, Value] | None) -> dict[str, Value]:
 
 
 def surfaced(where: str) -> Iterable[ReportedField]:
-    """The fields with a ``where`` surface ("status", "metric", "summary" or "column"), in order."""
+    """The fields with a ``where`` surface ("status", "metric", "summary", "column" or "counter"), in
+    order."""
     return (spec for spec in REPORTED if getattr(spec, where) is not None)

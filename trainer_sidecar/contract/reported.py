@@ -58,6 +58,17 @@ class PrinterColumn:
 
 
 @dataclass(frozen=True)
+class WorkerCounter:
+    """A Prometheus counter each sidecar exports of its worker's own value of a field: its name (``_total``)
+    and help text. The worker's value is cumulative over the job; the sidecar keeps the counter monotonic
+    across resumes, and combines its pod's local ranks by the field's fold (a ``SUM``: summed; a
+    ``MAX``: the largest)."""
+
+    name: str
+    help: str
+
+
+@dataclass(frozen=True)
 class Reported:
     """How a field folds across ranks and where it surfaces: the annotation that makes a status field a
     reported one (``Annotated[Count, Reported(Fold.MAX, "...", status="...")]``).
@@ -70,7 +81,8 @@ class Reported:
     Surfaces (None: not there): ``status``, the job status attribute (snake_case; camelCase on the
     wire), taken as ``keep`` says, rounded to ``digits``; ``written_with``, another field whose status
     update writes this one too, even unset (and only then); ``metric`` (help text: ``description``),
-    which needs ``status``; ``summary``, the run summary's key; ``column``, a printer column of ``status``.
+    which needs ``status``; ``summary``, the run summary's key; ``column``, a printer column of ``status``;
+    ``counter``, each sidecar's counter of its worker's value (a ``SUM`` or ``MAX`` of an int).
 
     Raises ValueError when the surfaces contradict each other.
     """
@@ -88,12 +100,15 @@ class Reported:
     metric: str | None = None
     summary: str | None = None
     column: PrinterColumn | None = None
+    counter: WorkerCounter | None = None
 
     def __post_init__(self) -> None:
         if (self.fold is Fold.RATIO) != (self.ratio_of is not None):
             raise ValueError(f"{self._what}: ratio_of is for a RATIO field, and a RATIO needs it")
         if self.status is None and (self.metric or self.column or self.written_with):
             raise ValueError(f"{self._what}: a metric, a column or written_with needs a status field")
+        if self.counter is not None and self.fold not in (Fold.SUM, Fold.MAX):
+            raise ValueError(f"{self._what}: a sidecar counter is of a SUM or a MAX")
 
     @property
     def _what(self) -> str:
@@ -113,6 +128,11 @@ class ReportedField(Reported):
 
     name: str
     type: ValueType
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.counter is not None and self.type is not int:
+            raise ValueError(f"{self.name}: a sidecar counter counts an int")
 
     @property
     def reported_by_ranks(self) -> bool:

@@ -35,7 +35,14 @@ from pydantic import (
 from trainer_sidecar.contract.files import FileRefused, read_small_file
 from trainer_sidecar.contract.hang import ProgressGaps
 from trainer_sidecar.contract.inplace import LauncherState
-from trainer_sidecar.contract.reported import Fold, Keep, PrinterColumn, Reported, ReportedField
+from trainer_sidecar.contract.reported import (
+    Fold,
+    Keep,
+    PrinterColumn,
+    Reported,
+    ReportedField,
+    WorkerCounter,
+)
 
 MAX_LOCAL_RANKS = 256
 #: The kubelet keeps at most this much of a container's termination message.
@@ -245,7 +252,17 @@ class WorkerStatus(BaseModel):
     lr_scale: NonNegativeFloat = 1.0
     #: The clipping norm in force (None: no clipping).
     max_grad_norm: NonNegativeFloat | None = None
-    steps_total: Count = 0
+    steps_total: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "Training steps the gang completed (skipped steps included).",
+            counter=WorkerCounter(
+                "trainguard_worker_steps_total",
+                "Training steps the worker completed (skipped steps included).",
+            ),
+        ),
+    ] = 0
     rollbacks: Annotated[
         Count,
         Reported(
@@ -255,6 +272,9 @@ class WorkerStatus(BaseModel):
             metric="trainguard_job_rollbacks",
             summary="rollbacks",
             column=PrinterColumn("Rollbacks", "In-process rollbacks.", after="Restarts"),
+            counter=WorkerCounter(
+                "trainguard_worker_rollbacks_total", "Rollbacks to the last clean snapshot or checkpoint."
+            ),
         ),
     ] = 0
     skipped_steps: Annotated[
@@ -265,10 +285,23 @@ class WorkerStatus(BaseModel):
             status="skipped_steps",
             metric="trainguard_job_skipped_steps",
             summary="skipped_steps",
+            counter=WorkerCounter(
+                "trainguard_worker_skipped_steps_total",
+                "Steps the guardian skipped (non-finite loss or gradients, spikes).",
+            ),
         ),
     ] = 0
     consecutive_bad_steps: Count = 0
-    spikes: Count = 0
+    spikes: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "Loss or gradient-norm spikes detected.",
+            counter=WorkerCounter(
+                "trainguard_worker_loss_spikes_total", "Loss or gradient-norm spikes detected."
+            ),
+        ),
+    ] = 0
     samples_seen: Annotated[
         Count,
         Reported(
@@ -277,6 +310,9 @@ class WorkerStatus(BaseModel):
             status="samples_seen",
             counted_by="samples_seen",
             summary="samples_seen",
+            counter=WorkerCounter(
+                "trainguard_worker_samples_total", "Training samples the worker's data pipeline produced."
+            ),
         ),
     ] = 0
     samples_dropped: Annotated[
@@ -288,6 +324,10 @@ class WorkerStatus(BaseModel):
             counted_by="samples_seen",
             metric="trainguard_job_dropped_samples",
             summary="samples_dropped",
+            counter=WorkerCounter(
+                "trainguard_worker_dropped_samples_total",
+                "Training samples dropped as corrupt or unreadable.",
+            ),
         ),
     ] = 0
     explosion_pattern: str | None = Field(None, max_length=64)
