@@ -180,9 +180,9 @@ class WorkerStatus(BaseModel):
     newer writer's additions do not make a status unreadable.
 
     A field annotated with a ``Reported`` (``trainer_sidecar.contract.reported``) is a reported one: its
-    gang value reaches the job's status, metrics, run summary and CRD as the annotation says
-    (``trainer_sidecar.contract.fields.REPORTED`` is read off this model). ``DERIVED`` lists the reported
-    values made of other fields, which no rank carries.
+    gang value reaches the job's status, metrics, run summary and CRD, and its own value the sidecar's
+    counters, as the annotation says (``trainer_sidecar.contract.fields.REPORTED`` is read off this
+    model). ``DERIVED`` lists the reported values made of other fields, which no rank carries.
     """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
