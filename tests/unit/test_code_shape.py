@@ -1,9 +1,7 @@
 """The shape of the code stays one a newcomer can read: no product function over 60 lines, no test
 module importing another test module (shared helpers live in ``tests/support``), and the operator's
-reconcile step built from its context, never changed by calls made in the right order.
-
-``EXEMPT`` lists the product functions that were over the limit when the rule came back; it may only
-shrink: a function in it that is now short fails the test until it is taken off the list.
+reconcile step built from its context, never changed by calls made in the right order. There are no
+exemptions: a function over the limit is split, not listed.
 """
 
 from __future__ import annotations
@@ -19,15 +17,6 @@ from tests.support.paths import REPO_ROOT
 #: The longest a product function may be, in lines from its ``def`` to its last line.
 MAX_LINES = 60
 PRODUCT = ("operator", "trainguard", "trainer_sidecar")
-#: Product functions still over ``MAX_LINES`` (path:qualified name). Only ever remove from this set.
-EXEMPT = frozenset(
-    {
-        "trainguard/core/policy.py:decide",
-        "trainguard/core/simulate.py:simulate",
-        "trainguard/core/simulate.py:report",
-        "trainer_sidecar/sidecar/health.py:under_launcher",
-    }
-)
 #: The classes of the reconcile step that set their own attributes in ``__init__`` only.
 STEP_CLASSES = {
     "operator/reconcile.py": ("_Draft", "_Step"),
@@ -65,14 +54,8 @@ def long_functions() -> dict[str, int]:
     return found
 
 
-def test_no_product_function_is_over_60_lines_but_the_exempt_ones() -> None:
-    over = {name: lines for name, lines in long_functions().items() if name not in EXEMPT}
-    assert over == {}, f"functions over {MAX_LINES} lines: split them, do not exempt them"
-
-
-def test_the_exempt_set_only_shrinks_an_exempt_function_now_short_leaves_it() -> None:
-    still_long = set(long_functions())
-    assert sorted(EXEMPT - still_long) == [], "no longer long (or gone): take them off EXEMPT"
+def test_no_product_function_is_over_60_lines() -> None:
+    assert long_functions() == {}, f"functions over {MAX_LINES} lines: split them"
 
 
 def test_the_length_of_a_function_counts_nested_and_method_definitions() -> None:

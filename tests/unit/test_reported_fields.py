@@ -1,15 +1,18 @@
-"""The registry of reported fields (``trainer_sidecar.contract.fields``): its folds, its status updates,
-and that a field added to it alone reaches the gang view, the operator's status, the CRD, the metrics
-and the run summary."""
+"""The registry of reported fields (``trainer_sidecar.contract.fields``): read off ``WorkerStatus``, its
+folds, its status updates, every reported field read strictly and boundedly, and that a field added in
+two product places (declared on the status model with its ``Reported``; written by the guardian) reaches
+the gang view, the operator's status, the CRD, the metrics and the run summary."""
 
 from __future__ import annotations
 
 import copy
+import json
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
+from pydantic import BaseModel
 from trainguard_operator.metrics import OperatorMetrics
 from trainguard_operator.reconcile import PlanAction, World, reconcile
 from trainguard_operator.render import (
@@ -26,34 +29,100 @@ from trainguard_operator.status import JobStatus
 
 from tests.support.manifests import gtj_manifest
 from trainer_sidecar.contract import fields
-from trainer_sidecar.contract.fields import REPORTED, Fold, Keep, PrinterColumn, ReportedField
-from trainer_sidecar.contract.status import WorkerStatus
+from trainer_sidecar.contract.fields import REPORTED, Fold, Keep, PrinterColumn, Reported, ReportedField
+from trainer_sidecar.contract.reported import WorkerCounter, reported_fields
+from trainer_sidecar.contract.status import MAX_STATUS_BYTES, Count, WorkerStatus, parse_status
+from trainer_sidecar.sidecar.server import counter_fields, fold_counters
 from trainguard.core import crd
 from trainguard.core.observation import SidecarReport, observe_gang
 from trainguard.core.summary import RunRecord
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
-#: A field the registry does not list today: what a contributor adding one would write.
-BAD_STEPS = ReportedField(
-    "consecutive_bad_steps",
-    int,
-    Fold.MAX,
-    "Bad steps in a row, at the worst rank.",
-    status="consecutive_bad_steps",
-    metric="trainguard_job_consecutive_bad_steps",
-    summary="consecutive_bad_steps",
-    column=PrinterColumn("Bad", "Bad steps in a row.", after="Rollbacks"),
-)
+
+class NewerStatus(WorkerStatus):
+    """``WorkerStatus`` with one field more, as a contributor adds it: product place 1 of 2 is this
+    declaration, on ``WorkerStatus`` itself in ``contract/status.py`` (its type and bounds, how it folds,
+    where it surfaces); place 2 is the guardian writing it into the status it publishes (here: the
+    statuses ``worker`` makes). Nothing else of the product changes."""
+
+    retried_batches: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "Batches the loader fetched again after an error, at the worst rank.",
+            status="retried_batches",
+            metric="trainguard_job_retried_batches",
+            summary="retried_batches",
+            column=PrinterColumn("Retried", "Batches fetched again.", after="Rollbacks"),
+            counter=WorkerCounter("trainguard_worker_retried_batches_total", "Batches fetched again."),
+        ),
+    ] = 0
 
 
-def worker(rank: int, **values: Any) -> WorkerStatus:
-    """A running rank of a two-rank gang that has stepped."""
+def worker(rank: int, **values: Any) -> NewerStatus:
+    """A running rank of a two-rank gang that has stepped (the newer model: it reads as a WorkerStatus)."""
     fields_ = {"phase": "running", "step": 100, "started_at": 1.0, "last_step_time": 2.0, **values}
-    return WorkerStatus.model_validate({"rank": rank, "world_size": 2, **fields_})
+    return NewerStatus.model_validate({"rank": rank, "world_size": 2, **fields_})
 
 
 # ------------------------------------------------------------------------------- the registry ---
+def test_the_registry_is_read_off_the_status_model_in_its_order() -> None:
+    assert reported_fields(WorkerStatus) == fields.REPORTED
+    declared = WorkerStatus.model_fields.items()
+    marked = [name for name, info in declared if any(isinstance(m, Reported) for m in info.metadata)]
+    assert [f.name for f in REPORTED if f.reported_by_ranks] == marked
+    # A derived field comes right after the later of its parts.
+    names = [f.name for f in REPORTED]
+    assert names.index("drop_rate") == names.index("samples_dropped") + 1
+    assert fields.reported_field("drop_rate").type is float
+    assert fields.reported_field("checkpoint_cadence").type is str
+    assert fields.reported_field("max_steps").type is int  # Count | None: an int
+
+
+def test_a_reported_field_that_is_no_number_or_word_is_refused() -> None:
+    class Listing(BaseModel):
+        ranks: Annotated[list[int], Reported(Fold.MAX, "Ranks.")] = []
+
+    with pytest.raises(ValueError, match=r"Listing\.ranks: a reported field is an int, a float or a str"):
+        reported_fields(Listing)
+
+    class Derived(BaseModel):
+        seen: Annotated[int, Reported(Fold.SUM, "Seen.")] = 0
+        DERIVED: ClassVar[tuple[ReportedField, ...]] = (
+            Reported(Fold.RATIO, "Lost over seen.", ratio_of=("lost", "seen")).named("loss_rate", float),
+        )
+
+    with pytest.raises(ValueError, match=r"Derived\.loss_rate: derived from fields it does not report"):
+        reported_fields(Derived)
+
+
+def document(**values: Any) -> dict[str, Any]:
+    """A valid status document, as JSON decodes it, with ``values`` over it."""
+    return {**worker(0).to_document(), **values}
+
+
+def hostile(spec: ReportedField) -> list[Any]:
+    """Values a reader must refuse for ``spec``: of another type, and beyond any bound (a number past
+    the largest exact count or not finite; a string as long as the file allows)."""
+    if spec.type is str:
+        return [7, ["x"], {"x": 1}, "x" * (MAX_STATUS_BYTES // 2)]
+    if spec.type is int:
+        return [True, "7", 7.0, [7], 2**53 + 1, 2**64, -1]
+    return [True, "7", [7.0], float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("spec", [f for f in REPORTED if f.reported_by_ranks], ids=lambda f: f.name)
+def test_every_reported_field_is_read_strictly_and_boundedly(spec: ReportedField) -> None:
+    for value in hostile(spec):
+        text = json.dumps(document(**{spec.name: value}), allow_nan=True)
+        assert len(text.encode()) <= MAX_STATUS_BYTES  # refused by the field, not by the file's cap
+        status, reason = parse_status(text, "status file s.json")
+        assert status is None, (spec.name, value)
+        assert reason.startswith("status file s.json is not a valid worker status"), reason
+        assert f"({spec.name}:" in reason, reason
+
+
 def test_the_registry_names_fields_the_models_have_once_each() -> None:
     names = [f.name for f in REPORTED]
     assert len(names) == len(set(names))
@@ -72,9 +141,14 @@ def test_the_registry_names_fields_the_models_have_once_each() -> None:
 
 def test_a_field_with_a_surface_but_no_status_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a status field"):
-        ReportedField("spikes", int, Fold.MAX, "Spikes.", metric="trainguard_job_spikes")
-    with pytest.raises(ValueError, match="ratio_of"):
-        ReportedField("spike_rate", float, Fold.RATIO, "Spikes per step.")
+        Reported(Fold.MAX, "Spikes.", metric="trainguard_job_spikes")
+    with pytest.raises(ValueError, match="spike_rate: ratio_of"):
+        ReportedField(Fold.RATIO, "Spikes per step.", name="spike_rate", type=float)
+    counter = WorkerCounter("trainguard_worker_cadence_total", "Cadences.")
+    with pytest.raises(ValueError, match="a sidecar counter is of a SUM or a MAX"):
+        Reported(Fold.LEAD, "Cadence.", counter=counter)
+    with pytest.raises(ValueError, match="cadence: a sidecar counter counts an int"):
+        Reported(Fold.MAX, "Cadence.", counter=counter).named("cadence", str)
 
 
 def test_each_fold_takes_the_ranks_values_as_its_rule_says() -> None:
@@ -179,69 +253,100 @@ class OneJob:
 
 
 def reports(*values: int) -> dict[str, SidecarReport]:
-    """Both ranks' sidecars, each rank reporting its own count of bad steps in a row."""
+    """Both ranks' sidecars, each rank reporting its own count of retried batches."""
     return {
         f"tiny-lm-1-worker-{rank}": SidecarReport(
-            reachable=True, alive=True, reason="running", status=worker(rank, consecutive_bad_steps=count)
+            reachable=True, alive=True, reason="running", status=worker(rank, retried_batches=count)
         )
         for rank, count in enumerate(values)
     }
 
 
-def test_a_field_added_to_the_registry_alone_reaches_the_status_the_crd_the_metrics_and_summary(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(fields, "REPORTED", (*REPORTED, BAD_STEPS))
-    # The gang view folds it (the largest of the ranks').
-    view = observe_gang({0: worker(0, consecutive_bad_steps=2), 1: worker(1, consecutive_bad_steps=5)}, 2)
-    assert view.reported["consecutive_bad_steps"] == 5
+@pytest.fixture
+def newer_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry read off ``NewerStatus``, as ``fields.REPORTED`` is read off ``WorkerStatus`` once the
+    field is declared there: the only thing the test stands in for."""
+    monkeypatch.setattr(fields, "REPORTED", reported_fields(NewerStatus))
 
+
+def test_an_added_field_is_in_the_registry_and_on_the_wire_old_and_new_read_each_other(
+    newer_model: None,
+) -> None:
+    added = fields.reported_field("retried_batches")
+    assert (added.type, added.fold, added.status) == (int, Fold.MAX, "retried_batches")
+    assert [f.name for f in fields.REPORTED][: len(REPORTED)] == [f.name for f in REPORTED]
+    # The guardian's file carries it; a reader of today ignores it, and a newer reader of an older
+    # file sees the default (0).
+    written = json.dumps(worker(1, retried_batches=3).to_document())
+    assert json.loads(written)["retried_batches"] == 3
+    old, reason = parse_status(written)
+    assert reason == ""
+    assert old is not None
+    assert "retried_batches" not in old.model_dump()
+    assert NewerStatus.model_validate_json(old.model_dump_json()).retried_batches == 0
+    # Bounded and strict like every reported field.
+    for value in hostile(added):
+        with pytest.raises(ValueError, match="retried_batches"):
+            NewerStatus.model_validate_json(json.dumps(document(retried_batches=value)))
+    # The gang view folds it (the largest of the ranks').
+    view = observe_gang({0: worker(0, retried_batches=2), 1: worker(1, retried_batches=5)}, 2)
+    assert view.reported["retried_batches"] == 5
+    # The sidecar counts it, monotonic across a resume that lowers it.
+    assert "retried_batches" in counter_fields()
+    seen, totals = dict.fromkeys(counter_fields(), 0), dict.fromkeys(counter_fields(), 0.0)
+    for count in (4, 1, 3):
+        seen, totals = fold_counters(seen, totals, worker(0, retried_batches=count))
+    assert totals["retried_batches"] == 6
+
+
+def test_an_added_field_reaches_the_status_the_crd_the_metrics_and_the_summary(newer_model: None) -> None:
     # The operator's status takes it, under its camelCase name, and reads it back after a restart.
     job = OneJob()
     assert job.step(T0) is PlanAction.CREATE
     job.pods = [pod(1, 0), pod(1, 1)]
     job.step(T0 + timedelta(seconds=5))
     job.step(T0 + timedelta(seconds=10), reports(2, 5))
-    assert job.body["status"]["consecutiveBadSteps"] == 5
+    assert job.body["status"]["retriedBatches"] == 5
     assert job.body["status"]["step"] == 100
     status = JobStatus.from_body(job.body)
-    assert status.reported_value("consecutive_bad_steps") == 5
+    assert status.reported_value("retried_batches") == 5
     job.step(T0 + timedelta(seconds=20), reports(0, 1))  # the newest value replaces the old one
-    assert JobStatus.from_body(job.body).reported_value("consecutive_bad_steps") == 1
+    assert JobStatus.from_body(job.body).reported_value("retried_batches") == 1
 
     # The CRD lists it in the status schema (which accepts the status written) and as a column.
     document = crd.build_crd()
     version = document["spec"]["versions"][0]
     schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]
-    assert schema["properties"]["consecutiveBadSteps"]["type"] == "integer"
+    assert schema["properties"]["retriedBatches"]["type"] == "integer"
     assert list(jsonschema.Draft7Validator(schema).iter_errors(job.body["status"])) == []
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns[columns.index("Rollbacks") + 1] == "Bad"
-    assert {"name": "Bad", "type": "integer", "jsonPath": ".status.consecutiveBadSteps"}.items() <= next(
-        c for c in version["additionalPrinterColumns"] if c["name"] == "Bad"
+    assert columns[columns.index("Rollbacks") + 1] == "Retried"
+    assert {"name": "Retried", "type": "integer", "jsonPath": ".status.retriedBatches"}.items() <= next(
+        c for c in version["additionalPrinterColumns"] if c["name"] == "Retried"
     ).items()
 
     # The metrics have its gauge, set from the status, and drop it with the job.
     metrics = OperatorMetrics()
     metrics.observe_status("tiny-lm", "research", JobStatus.from_body(job.body))
     labels = {"job": "tiny-lm", "namespace": "research"}
-    assert metrics.registry.get_sample_value("trainguard_job_consecutive_bad_steps", labels) == 1
+    assert metrics.registry.get_sample_value("trainguard_job_retried_batches", labels) == 1
     assert metrics.registry.get_sample_value("trainguard_job_step", labels) == 100
     metrics.forget("tiny-lm", "research")
-    assert metrics.registry.get_sample_value("trainguard_job_consecutive_bad_steps", labels) is None
+    assert metrics.registry.get_sample_value("trainguard_job_retried_batches", labels) is None
 
     # The run summary has its figure, after the registry's others.
+    view = observe_gang({0: worker(0, retried_batches=2), 1: worker(1, retried_batches=5)}, 2)
     record = RunRecord(started=0.0)
     record.see(1, 0.0, view, now=10.0)
     figures = record.figures(wall_seconds=10.0, backoff_seconds=0.0)
-    assert figures.as_dict()["consecutive_bad_steps"] == 5
+    assert figures.as_dict()["retried_batches"] == 5
     keys = list(figures.as_dict())
-    assert keys.index("consecutive_bad_steps") == keys.index("drop_rate") + 1
+    assert keys.index("retried_batches") == keys.index("drop_rate") + 1
 
 
 def test_without_the_added_field_nothing_of_it_surfaces() -> None:
-    view = observe_gang({0: worker(0, consecutive_bad_steps=2)}, 2)
-    assert "consecutive_bad_steps" not in view.reported
+    view = observe_gang({0: worker(0, retried_batches=2)}, 2)
+    assert "retried_batches" not in view.reported
     schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
-    assert "consecutiveBadSteps" not in schema["properties"]
-    assert OperatorMetrics().registry.get_sample_value("trainguard_job_consecutive_bad_steps", {}) is None
+    assert "retriedBatches" not in schema["properties"]
+    assert OperatorMetrics().registry.get_sample_value("trainguard_job_retried_batches", {}) is None

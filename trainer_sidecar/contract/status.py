@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NamedTuple, Self, TypeVar
+from typing import Annotated, ClassVar, NamedTuple, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -35,6 +35,14 @@ from pydantic import (
 from trainer_sidecar.contract.files import FileRefused, read_small_file
 from trainer_sidecar.contract.hang import ProgressGaps
 from trainer_sidecar.contract.inplace import LauncherState
+from trainer_sidecar.contract.reported import (
+    Fold,
+    Keep,
+    PrinterColumn,
+    Reported,
+    ReportedField,
+    WorkerCounter,
+)
 
 MAX_LOCAL_RANKS = 256
 #: The kubelet keeps at most this much of a container's termination message.
@@ -170,9 +178,25 @@ class WorkerStatus(BaseModel):
     ``MAX_MESSAGE_CHARS``; an over-long checkpoint path is refused). Whether timestamps are *plausible*
     (not in the future) is for the reader to judge against its own clock. Unknown fields are ignored, so a
     newer writer's additions do not make a status unreadable.
+
+    A field annotated with a ``Reported`` (``trainer_sidecar.contract.reported``) is a reported one: its
+    gang value reaches the job's status, metrics, run summary and CRD, and its own value the sidecar's
+    counters, as the annotation says (``trainer_sidecar.contract.fields.REPORTED`` is read off this
+    model). ``DERIVED`` lists the reported values made of other fields, which no rank carries.
     """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    DERIVED: ClassVar[tuple[ReportedField, ...]] = (
+        Reported(
+            Fold.RATIO,
+            "Dropped over seen samples, over all ranks.",
+            status="drop_rate",
+            ratio_of=("samples_dropped", "samples_seen"),
+            metric="trainguard_job_drop_ratio",
+            summary="drop_rate",
+        ).named("drop_rate", float),
+    )
 
     schema_version: Annotated[int, Strict(), Field(ge=1)] = SCHEMA_VERSION
     rank: Annotated[int, Strict(), Field(ge=0, lt=MAX_WORLD_SIZE)] = 0
@@ -181,7 +205,16 @@ class WorkerStatus(BaseModel):
     phase: Phase = Phase.STARTING
     started_at: Timestamp = Field(description="Wall-clock time the guardian was created (unix seconds).")
     updated_at: Timestamp = 0.0
-    step: Count = 0
+    step: Annotated[
+        Count,
+        Reported(
+            Fold.SLOWEST,
+            "The gang's training step: the slowest rank's (every rank did it).",
+            status="step",
+            metric="trainguard_job_step",
+            column=PrinterColumn("Step", "Newest step kept.", after="State"),
+        ),
+    ] = 0
     resumed_step: Count = Field(
         0, description="The checkpoint step this process resumed from (0: a fresh start)."
     )
@@ -219,30 +252,131 @@ class WorkerStatus(BaseModel):
     lr_scale: NonNegativeFloat = 1.0
     #: The clipping norm in force (None: no clipping).
     max_grad_norm: NonNegativeFloat | None = None
-    steps_total: Count = 0
-    skipped_steps: Count = 0
+    steps_total: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "Training steps the gang completed (skipped steps included).",
+            counter=WorkerCounter(
+                "trainguard_worker_steps_total",
+                "Training steps the worker completed (skipped steps included).",
+            ),
+        ),
+    ] = 0
+    rollbacks: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "In-process rollbacks reported by the guardian.",
+            status="rollbacks",
+            metric="trainguard_job_rollbacks",
+            summary="rollbacks",
+            column=PrinterColumn("Rollbacks", "In-process rollbacks.", after="Restarts"),
+            counter=WorkerCounter(
+                "trainguard_worker_rollbacks_total", "Rollbacks to the last clean snapshot or checkpoint."
+            ),
+        ),
+    ] = 0
+    skipped_steps: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "Steps the guardian skipped.",
+            status="skipped_steps",
+            metric="trainguard_job_skipped_steps",
+            summary="skipped_steps",
+            counter=WorkerCounter(
+                "trainguard_worker_skipped_steps_total",
+                "Steps the guardian skipped (non-finite loss or gradients, spikes).",
+            ),
+        ),
+    ] = 0
     consecutive_bad_steps: Count = 0
-    rollbacks: Count = 0
-    spikes: Count = 0
-    samples_seen: Count = 0
-    samples_dropped: Count = 0
+    spikes: Annotated[
+        Count,
+        Reported(
+            Fold.MAX,
+            "Loss or gradient-norm spikes detected.",
+            counter=WorkerCounter(
+                "trainguard_worker_loss_spikes_total", "Loss or gradient-norm spikes detected."
+            ),
+        ),
+    ] = 0
+    samples_seen: Annotated[
+        Count,
+        Reported(
+            Fold.SUM,
+            "Samples the data guard saw, over all ranks.",
+            status="samples_seen",
+            counted_by="samples_seen",
+            summary="samples_seen",
+            counter=WorkerCounter(
+                "trainguard_worker_samples_total", "Training samples the worker's data pipeline produced."
+            ),
+        ),
+    ] = 0
+    samples_dropped: Annotated[
+        Count,
+        Reported(
+            Fold.SUM,
+            "Samples the data guard dropped, over all ranks.",
+            status="samples_dropped",
+            counted_by="samples_seen",
+            metric="trainguard_job_dropped_samples",
+            summary="samples_dropped",
+            counter=WorkerCounter(
+                "trainguard_worker_dropped_samples_total",
+                "Training samples dropped as corrupt or unreadable.",
+            ),
+        ),
+    ] = 0
     explosion_pattern: str | None = Field(None, max_length=64)
     last_clean_checkpoint: CheckpointRef | None = None
     message: Message = ""
-    checkpoint_seconds: NonNegativeFloat | None = Field(
+    checkpoint_seconds: Annotated[
+        NonNegativeFloat | None,
+        Reported(
+            Fold.MAX,
+            "The longest checkpoint write seen (seconds): it sizes the pods' stop grace.",
+            status="checkpoint_seconds",
+            keep=Keep.HIGHEST,
+            digits=3,
+            empty_is_unknown=True,
+        ),
+    ] = Field(
         None, description="How long the worker's last checkpoint took to be written and durable (seconds)."
     )
-    max_steps: Count | None = Field(
+    max_steps: Annotated[
+        Count | None,
+        Reported(Fold.MAX, "The last step the training loop declared (max_steps).", status="max_steps"),
+    ] = Field(
         None,
         description="The step the loop declared it ends at (Guardian(max_steps=...), steps(max_steps) or "
         "run(loader, max_steps)); None: not declared. The ETA is reckoned to it.",
     )
-    checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1)] | None = Field(
+    checkpoint_every_steps: Annotated[
+        Annotated[int, Strict(), Field(ge=1, le=MAX_COUNT)] | None,
+        Reported(
+            Fold.LEAD,
+            "The checkpoint interval in steps now in force (everySteps, or what auto chose).",
+            status="checkpoint_every_steps",
+            written_with="checkpoint_cadence",
+        ),
+    ] = Field(
         None,
         description="The checkpoint interval in steps now in force (None: everySteps auto has not chosen one "
         "yet, the first checkpoint comes by time).",
     )
-    checkpoint_cadence: str = Field(
+    checkpoint_cadence: Annotated[
+        str,
+        Reported(
+            Fold.LEAD,
+            "Why that interval: for everySteps auto the save stall, MTBF (and its source) and step time it "
+            "came from.",
+            status="checkpoint_cadence",
+            empty_is_unknown=True,
+        ),
+    ] = Field(
         "",
         max_length=MAX_CADENCE_CHARS,
         description="Why that interval: for everySteps auto the save stall, MTBF (and its source) and step "

@@ -464,6 +464,30 @@ def assess_health(
     return judge(tracked, status, read_error, clocks, policy), tracked
 
 
+def _stopping(launcher: LauncherState, since: float, wall: float, grace: float) -> Health:
+    """A worker its launcher is stopping for a newer attempt (ordered at ``since``, on the sidecar's
+    clock ``wall``): not alive, its kill held for ``grace`` from the order, or from the attempt's start
+    when the order delays it."""
+    if launcher.starts_at is not None and launcher.starts_at > since:
+        # The order's backoff: the hold counts from the attempt's start, at most the longest delay
+        # an order may ask after the order.
+        starts = min(launcher.starts_at, since + MAX_START_DELAY_SECONDS)
+        return Health(
+            alive=False,
+            ready=False,
+            kill_held=wall - starts < grace,
+            reason=f"the launcher stopped the worker; attempt {launcher.attempt} starts in "
+            f"{max(0.0, starts - wall):.0f} s (the gang's backoff)",
+        )
+    waited = wall - since
+    return Health(
+        alive=False,
+        ready=False,
+        kill_held=waited < grace,
+        reason=f"the launcher is stopping the worker for attempt {launcher.attempt} ({waited:.0f} s)",
+    )
+
+
 def under_launcher(
     health: Health,
     launcher: LauncherState | None,
@@ -510,23 +534,7 @@ def under_launcher(
             + (f"; the launcher waits for an order ({waited:.0f} s of {grace:g} s)" if held else ""),
         )
     if launcher.phase is LauncherPhase.STOPPING:
-        if launcher.starts_at is not None and launcher.starts_at > since:
-            # The order's backoff: the hold counts from the attempt's start, at most the longest delay
-            # an order may ask after the order.
-            starts = min(launcher.starts_at, since + MAX_START_DELAY_SECONDS)
-            return Health(
-                alive=False,
-                ready=False,
-                kill_held=clocks.wall - starts < grace,
-                reason=f"the launcher stopped the worker; attempt {launcher.attempt} starts in "
-                f"{max(0.0, starts - clocks.wall):.0f} s (the gang's backoff)",
-            )
-        return Health(
-            alive=False,
-            ready=False,
-            kill_held=held,
-            reason=f"the launcher is stopping the worker for attempt {launcher.attempt} ({waited:.0f} s)",
-        )
+        return _stopping(launcher, since, clocks.wall, grace)
     # Both times are read from the pod's one clock, by processes of one container: no skew to allow.
     if status is not None and status.started_at >= launcher.since:
         return health

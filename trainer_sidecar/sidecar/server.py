@@ -73,6 +73,7 @@ from trainer_sidecar.contract.env import (
     STATUS_FILE_ENV,
 )
 from trainer_sidecar.contract.exitcodes import ExitCode
+from trainer_sidecar.contract.fields import Fold, ReportedField, surfaced
 from trainer_sidecar.contract.hang import DEFAULT_FLOOR_SECONDS
 from trainer_sidecar.contract.inplace import (
     MAX_FILE_BYTES as MAX_ORDER_BYTES,
@@ -128,23 +129,16 @@ DEFAULT_NAMESPACE = "default"
 #: The only labels any sample carries (plus ``phase`` on the phase gauge): bounded cardinality.
 LABEL_NAMES = ("job", "namespace")
 
-#: Worker status field -> exported counter name. The worker's values are cumulative over the job.
-COUNTER_FIELDS: Mapping[str, str] = {
-    "steps_total": "trainguard_worker_steps_total",
-    "skipped_steps": "trainguard_worker_skipped_steps_total",
-    "rollbacks": "trainguard_worker_rollbacks_total",
-    "spikes": "trainguard_worker_loss_spikes_total",
-    "samples_seen": "trainguard_worker_samples_total",
-    "samples_dropped": "trainguard_worker_dropped_samples_total",
-}
 
-_COUNTER_HELP: Mapping[str, str] = {
-    "steps_total": "Training steps the worker completed (skipped steps included).",
-    "skipped_steps": "Steps the guardian skipped (non-finite loss or gradients, spikes).",
-    "rollbacks": "Rollbacks to the last clean snapshot or checkpoint.",
-    "spikes": "Loss or gradient-norm spikes detected.",
-    "samples_seen": "Training samples the worker's data pipeline produced.",
-    "samples_dropped": "Training samples dropped as corrupt or unreadable.",
+def counter_fields() -> dict[str, ReportedField]:
+    """Worker status field -> its reported field with a sidecar counter (``ReportedField.counter``), the
+    registry read now. The worker's values are cumulative over the job."""
+    return {spec.name: spec for spec in surfaced("counter")}
+
+
+#: Worker status field -> exported counter name, as the registry listed them when this module loaded.
+COUNTER_FIELDS: Mapping[str, str] = {
+    name: spec.counter.name for name, spec in counter_fields().items() if spec.counter is not None
 }
 
 
@@ -174,7 +168,7 @@ def fold_counters(
     since ``last_seen``; a decrease (a resume from an older checkpoint) only moves the baseline."""
     seen = dict(last_seen)
     grown = dict(totals)
-    for name in COUNTER_FIELDS:
+    for name in counter_fields():
         value: int = getattr(status, name)
         grown[name] += max(0, value - seen[name])
         seen[name] = value
@@ -191,8 +185,8 @@ class _Watched:
     local_rank: int | None
     tracking: Tracking
     judged: bool = False
-    last_seen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0))
-    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_FIELDS, 0.0))
+    last_seen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(counter_fields(), 0))
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(counter_fields(), 0.0))
 
     @property
     def label(self) -> str:
@@ -262,11 +256,6 @@ def _listed(parts: Sequence[str]) -> str:
     return f"{shown}; and {more} more" if more > 0 else shown
 
 
-#: Counters of data each rank reads for itself (summed over local ranks); the others count decisions
-#: every rank takes alike (the largest is taken).
-SHARDED_COUNTERS = frozenset({"samples_seen", "samples_dropped"})
-
-
 def _shown(readings: Sequence[Reading], failing: Sequence[int]) -> int:
     """The local rank whose status stands for the pod: the first failing one, else the slowest."""
     if failing:
@@ -289,9 +278,11 @@ def _combined(readings: Sequence[Reading], watched: Sequence[_Watched], ignored:
         reason = readings[0].health.reason
     else:
         reason = f"{len(readings)} local ranks: {readings[shown].health.reason}"
+    # Data each rank reads for itself (a SUM) is summed over the local ranks; a decision every rank takes
+    # alike (a MAX) is the largest.
     counters = {
-        name: (sum if name in SHARDED_COUNTERS else max)(r.counters[name] for r in readings)
-        for name in COUNTER_FIELDS
+        name: (sum if spec.fold is Fold.SUM else max)(r.counters[name] for r in readings)
+        for name, spec in counter_fields().items()
     }
     errors = [f"{w.path}: {r.read_error}" for w, r in zip(watched, readings, strict=True) if r.read_error]
     ages = [r.seconds_since_step for r in readings if r.seconds_since_step is not None]
@@ -575,10 +566,12 @@ def _status_gauges(reading: Reading, status: WorkerStatus) -> list[tuple[str, st
 
 def _counter_families(reading: Reading, labels: list[str]) -> Iterable[Metric]:
     """The monotonic counters, also without a status (they keep their totals)."""
-    for name, metric_name in COUNTER_FIELDS.items():
+    for name, spec in counter_fields().items():
+        if spec.counter is None:
+            continue
         counter = CounterMetricFamily(
-            metric_name,
-            f"{_COUNTER_HELP[name]} Monotonic over the sidecar's lifetime, also across resumes.",
+            spec.counter.name,
+            f"{spec.counter.help} Monotonic over the sidecar's lifetime, also across resumes.",
             labels=LABEL_NAMES,
         )
         counter.add_metric(labels, reading.counters[name])

@@ -637,6 +637,13 @@ def decide(
             restarts=restarts,
         )
 
+    return _recovery(recovery, _failure(observation, failures))
+
+
+def _failure(observation: Observation, failures: Sequence[tuple[FailureKind, RankObservation]]) -> Decision:
+    """The gang's failure as one ``FAIL`` decision: its root cause (the rank, the reason naming it and
+    the others it took down) and its signature, following the previous failure's."""
+    restarts = observation.restarts
     kind, rank = min(failures, key=lambda f: _root_cause_order(*f))
     hung = [r for k, r in failures if k is FailureKind.HANG]
     at = f" at step {observation.step}" if observation.step is not None else ""
@@ -648,7 +655,10 @@ def decide(
         what = rank.reason or (describe_exit(rank.exit_code) if rank.exit_code is not None else _VERBS[kind])
         reason = _failure_reason(kind, rank, failures, at)
     reason += _lost_it(kind, rank, failures)
-    failed = Decision(
+    signature = FailureSignature(
+        kind, observation.step, rank.exit_code, signature_cause(what), observation.attempt
+    ).following(observation.previous_failure)
+    return Decision(
         Action.FAIL,
         reason,
         failure=kind,
@@ -656,15 +666,18 @@ def decide(
         exit_code=rank.exit_code,
         restarts=restarts,
         step=observation.step,
+        signature=signature,
     )
-    signature = FailureSignature(
-        kind, observation.step, rank.exit_code, signature_cause(what), observation.attempt
-    ).following(observation.previous_failure)
-    failed = replace(failed, signature=signature)
+
+
+def _recovery(recovery: RecoverySpec, failed: Decision) -> Decision:
+    """What ``recovery`` does about the ``failed`` decision: fail for good (a permanent kind, a failure
+    repeated ``deterministic_failure_limit`` times, restarts exhausted) or restart after the backoff."""
+    kind, signature, reason, restarts = failed.failure, failed.signature, failed.reason, failed.restarts
     if kind in (FailureKind.CONFIG, FailureKind.FENCED):  # the exit code's description says permanent
         return failed
     limit = recovery.deterministic_failure_limit
-    if limit and signature.repeats >= limit:
+    if limit and signature is not None and signature.repeats >= limit:
         return replace(
             failed,
             reason=deterministic_reason(signature, reason),

@@ -176,92 +176,125 @@ class ScenarioTooLarge(ValueError):
     """A scenario needs more than ``MAX_EVENTS`` checkpoints and failures."""
 
 
+class _Failures:
+    """When failures arrive and what each shows: the scenario's script, or the model's draws (a Poisson
+    process at the job's rate, each of a cause drawn by its weight) from the scenario's seed."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self._rng = random.Random(scenario.seed)
+        self._rate = scenario.model.job_rate(scenario.gpus, scenario.failure_scale)
+        self._causes = scenario.model.causes
+        self._weights = [c.count for c in self._causes]
+        self._script = sorted(scenario.scripted) if scenario.scripted is not None else None
+
+    def next_after(self, now: float) -> float:
+        """When the next failure from ``now`` comes (inf: none)."""
+        if self._script is not None:
+            return next((at for at, _ in self._script if at >= now), math.inf)
+        return now + self._rng.expovariate(self._rate) if self._rate > 0 else math.inf
+
+    def kind_at(self, at: float) -> Shows:
+        """What the failure at ``at`` shows."""
+        if self._script is not None:
+            return next(kind for when, kind in self._script if when == at)
+        return self._rng.choices(self._causes, self._weights)[0].kind
+
+
+class _Play:
+    """One play of a scenario: the clock ``t``, the step of the last checkpoint (what a restart resumes),
+    the next failure, the restarts and the attempt, and the outcome counted so far."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.spec, self.costs = scenario.spec, scenario.costs
+        self.end = scenario.days * DAY
+        self.failures = _Failures(scenario)
+        self.cadence = _Cadence(self.spec.checkpoint.policy(), self.costs)
+        self.out = Outcome(wall_seconds=self.end)
+        self.t = 0.0
+        self.kept = 0
+        self.failure_at = self.failures.next_after(self.t)
+        self.restarts = 0
+        self.attempt = 1
+
+    def interval(self) -> bool:
+        """Play up to the next checkpoint, the window's end or the next failure and its recovery; False
+        once the window is over (or the policy gave up)."""
+        costs = self.costs
+        steps = self.cadence.steps_to_next(self.kept)
+        span = steps * costs.step_seconds
+        if self.t + span + costs.save_stall_seconds <= min(self.failure_at, self.end):
+            self.t += span + costs.save_stall_seconds
+            self.kept += steps
+            self.out.stall_seconds += costs.save_stall_seconds
+            self.out.checkpoints += 1
+            self.cadence.saved()
+            if self.cadence.interval is not None:
+                self.out.intervals[self.cadence.interval] += 1
+            return True
+        if self.end <= self.failure_at:
+            # The window ends mid-interval: the steps done so far are kept (the job goes on after it).
+            self.kept += min(steps, int((self.end - self.t) / costs.step_seconds))
+            self.t = self.end
+            return False
+        return self._failure()
+
+    def _failure(self) -> bool:
+        """The failure at ``failure_at``: the time since the last checkpoint is lost; then detection,
+        decision, recovery. False once the window is over or the policy gave up."""
+        out = self.out
+        out.rework_seconds += self.failure_at - self.t
+        kind = self.failures.kind_at(self.failure_at)
+        out.failures += 1
+        out.by_kind[kind.value] += 1
+        self.t = self.failure_at
+        detected = detection_seconds(kind, self.spec, self.costs)
+        out.detection_seconds += min(detected, self.end - self.t)
+        self.t += detected
+        if self.t >= self.end:
+            return False
+        observation = Observation(
+            attempt=self.attempt,
+            ranks=[_observed(kind)],
+            restarts=self.restarts,
+            handled_attempt=self.attempt - 1,
+        )
+        decision = decide(self.spec.recovery, observation)
+        if decision.action is not Action.RESTART:
+            out.gave_up_at, out.gave_up_reason = self.t, decision.reason
+            out.idle_seconds += self.end - self.t
+            self.t = self.end
+            return False
+        self.restarts, self.attempt = decision.restarts, self.attempt + 1
+        backoff = min(decision.delay_seconds, self.end - self.t)
+        out.backoff_seconds += backoff
+        self.t += backoff
+        restart = min(self.costs.restart_seconds, max(0.0, self.end - self.t))
+        out.restart_seconds += restart
+        self.t += restart
+        self.cadence.restart(self.restarts, self.t)
+        self.failure_at = self.failures.next_after(self.t)
+        return True
+
+
 def simulate(scenario: Scenario, max_events: int | None = None) -> Outcome:
     """Play the scenario (see the module docstring); the same scenario and seed give the same outcome.
     Raises ``ScenarioTooLarge`` (naming what to change) past ``max_events`` events (``MAX_EVENTS``)."""
     limit = MAX_EVENTS if max_events is None else max_events
-    spec, costs = scenario.spec, scenario.costs
-    rng = random.Random(scenario.seed)
-    end = scenario.days * DAY
-    rate = scenario.model.job_rate(scenario.gpus, scenario.failure_scale)
-    causes = scenario.model.causes
-    weights = [c.count for c in causes]
-    cadence = _Cadence(spec.checkpoint.policy(), costs)
-    out = Outcome(wall_seconds=end)
-
-    script = sorted(scenario.scripted) if scenario.scripted is not None else None
-
-    def next_failure(now: float) -> float:
-        if script is not None:
-            return next((at for at, _ in script if at >= now), math.inf)
-        return now + rng.expovariate(rate) if rate > 0 else math.inf
-
-    def kind_at(at: float) -> Shows:
-        if script is not None:
-            return next(kind for when, kind in script if when == at)
-        return rng.choices(causes, weights)[0].kind
-
-    t = 0.0
-    kept = 0  # the step of the last checkpoint (what a restart resumes)
-    failure_at = next_failure(t)
-    restarts = 0
-    attempt = 1
+    play = _Play(scenario)
     events = 0
-    while t < end:
+    while play.t < play.end:
         events += 1
         if events > limit:
             raise ScenarioTooLarge(
                 f"more than {limit:,} checkpoints and failures to play: shorten --days, lower --gpus "
                 "or --failure-scale, or lengthen --step-seconds or the checkpoint interval"
             )
-        steps = cadence.steps_to_next(kept)
-        span = steps * costs.step_seconds
-        if t + span + costs.save_stall_seconds <= min(failure_at, end):
-            t += span + costs.save_stall_seconds
-            kept += steps
-            out.stall_seconds += costs.save_stall_seconds
-            out.checkpoints += 1
-            cadence.saved()
-            if cadence.interval is not None:
-                out.intervals[cadence.interval] += 1
-            continue
-        if end <= failure_at:
-            # The window ends mid-interval: the steps done so far are kept (the job goes on after it).
-            kept += min(steps, int((end - t) / costs.step_seconds))
-            t = end
+        if not play.interval():
             break
-        # A failure: the time since the last checkpoint is lost; then detection, decision, recovery.
-        out.rework_seconds += failure_at - t
-        kind = kind_at(failure_at)
-        out.failures += 1
-        out.by_kind[kind.value] += 1
-        t = failure_at
-        detected = detection_seconds(kind, spec, costs)
-        out.detection_seconds += min(detected, end - t)
-        t += detected
-        if t >= end:
-            break
-        observation = Observation(
-            attempt=attempt, ranks=[_observed(kind)], restarts=restarts, handled_attempt=attempt - 1
-        )
-        decision = decide(spec.recovery, observation)
-        if decision.action is not Action.RESTART:
-            out.gave_up_at, out.gave_up_reason = t, decision.reason
-            out.idle_seconds += end - t
-            t = end
-            break
-        restarts, attempt = decision.restarts, attempt + 1
-        backoff = min(decision.delay_seconds, end - t)
-        out.backoff_seconds += backoff
-        t += backoff
-        restart = min(costs.restart_seconds, max(0.0, end - t))
-        out.restart_seconds += restart
-        t += restart
-        cadence.restart(restarts, t)
-        failure_at = next_failure(t)
-    out.kept_steps = kept
-    out.restarts = restarts
-    out.last_interval_steps = cadence.interval
+    out = play.out
+    out.kept_steps = play.kept
+    out.restarts = play.restarts
+    out.last_interval_steps = play.cadence.interval
     out.events = events
     return out
 
@@ -362,10 +395,27 @@ def report(
     """The text ``trainguard simulate`` prints: the inputs with where each came from (``given``: the
     costs set by flag; ``measured``: cost name -> where it was measured), the figures, where the time
     went, the comparison with ``references`` (name, ratio, what) and the plot."""
-    spec, costs, model = scenario.spec, scenario.costs, scenario.model
+    policy = scenario.spec.checkpoint
     measured = measured or {}
+    lines = _input_lines(scenario, _input_rows(scenario, given, measured), measured)
+    lines.append("")
+    lines += _outcome_lines(scenario, outcome, references or [])
+    lines.append("")
+    lines.append(
+        "goodput by checkpoint interval (o: fixed everySteps, * these settings; the dashed lines are the "
+        "published ETTR figures, and goodput is at most ETTR)"
+    )
+    interval = outcome.last_interval_steps
+    chosen_x = float(interval or (policy.every_steps if not policy.auto else 1))
+    refs = [(name, ratio) for name, ratio, _ in references or []]
+    lines += ascii_plot(points, (chosen_x, outcome.goodput(scenario.costs.step_seconds)), refs)
+    return lines
+
+
+def _input_rows(scenario: Scenario, given: set[str], measured: dict[str, str]) -> list[tuple[str, str, str]]:
+    """The inputs table's rows: each input's name, value and where it came from."""
+    spec, costs, model = scenario.spec, scenario.costs, scenario.model
     policy = spec.checkpoint
-    step = costs.step_seconds
 
     def source(name: str) -> str:
         if name in measured:
@@ -385,7 +435,7 @@ def report(
         )
     recovery = spec.recovery
     hang = detection_seconds(Shows.HANG, spec, costs)
-    rows = [
+    return [
         ("GPUs", f"{scenario.gpus:,}", scale("gpus")),
         ("days", f"{scenario.days:g}", scale("days")),
         (
@@ -395,7 +445,7 @@ def report(
             f"x {scenario.failure_scale:g} (--failure-scale)",
         ),
         ("failure kind of each cause", "crash/hang/lost", "assumed (trainguard/core/failure_models.py)"),
-        ("step time", _duration(step), source("step_seconds")),
+        ("step time", _duration(costs.step_seconds), source("step_seconds")),
         ("checkpoint save stall", _duration(costs.save_stall_seconds), source("save_stall_seconds")),
         ("restart to first step", _duration(costs.restart_seconds), source("restart_seconds")),
         ("crash detection", _duration(costs.crash_detection_seconds), source("crash_detection_seconds")),
@@ -405,29 +455,40 @@ def report(
         ("restarts allowed, backoff", f"{recovery.max_restarts}, {recovery.backoff_seconds} s",
          "job: spec.recovery (--max-restarts)"),
     ]  # fmt: skip
+
+
+def _input_lines(scenario: Scenario, rows: list[tuple[str, str, str]], measured: dict[str, str]) -> list[str]:
+    """The report's title and its inputs table."""
     width = max(len(r[0]) for r in rows)
     value_width = max(len(r[1]) for r in rows)
     lines = [
         f"trainguard simulate: {scenario.gpus:,} GPUs for {scenario.days:g} days, failure model "
-        f"{model.name}, seed {scenario.seed}",
+        f"{scenario.model.name}, seed {scenario.seed}",
         "",
         f"{'input':<{width}}  {'value':<{value_width}}  source",
     ]
     lines += [f"{name:<{width}}  {value:<{value_width}}  {where}" for name, value, where in rows]
     if not measured:
         lines.append("Nothing above was measured by this command: give measured costs by flag.")
-    lines.append("")
+    return lines
+
+
+def _outcome_lines(
+    scenario: Scenario, outcome: Outcome, references: list[tuple[str, float, str]]
+) -> list[str]:
+    """The figures: failures and restarts, giving up, checkpoints, goodput and ETTR, where the time went,
+    and the comparison with ``references``."""
+    policy, step = scenario.spec.checkpoint, scenario.costs.step_seconds
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(outcome.by_kind.items()))
-    lines.append(f"failures      {outcome.failures} ({kinds or 'none'}); restarts {outcome.restarts}")
+    lines = [f"failures      {outcome.failures} ({kinds or 'none'}); restarts {outcome.restarts}"]
     if outcome.gave_up_at is not None:
         lines.append(
             f"gave up       after {_duration(outcome.gave_up_at)}: {outcome.gave_up_reason} (the job fails "
             "there; raise recovery.maxRestarts for a job of this scale)"
         )
-    interval = outcome.last_interval_steps
     common = ", ".join(f"{steps} steps x{n}" for steps, n in outcome.intervals.most_common(3))
     lines.append(
-        f"checkpoints   {outcome.checkpoints}; interval at the end {interval} steps"
+        f"checkpoints   {outcome.checkpoints}; interval at the end {outcome.last_interval_steps} steps"
         + (f" (most used: {common})" if policy.auto and common else "")
     )
     goodput, ettr = outcome.goodput(step), outcome.ettr(step)
@@ -444,17 +505,9 @@ def report(
         ("after giving up", outcome.idle_seconds),
     ]
     lines.append("time          " + ", ".join(f"{name} {s / wall:.1%}" for name, s in parts if s > 0))
-    for name, ratio, what in references or []:
+    for name, ratio, what in references:
         side = "above" if ettr >= ratio else "below"
         lines.append(
             f"vs {name:<10} ETTR {side} {ratio:.0%} by {abs(ettr - ratio) * 100:.1f} points ({what})"
         )
-    lines.append("")
-    lines.append(
-        "goodput by checkpoint interval (o: fixed everySteps, * these settings; the dashed lines are the "
-        "published ETTR figures, and goodput is at most ETTR)"
-    )
-    chosen_x = float(interval or (policy.every_steps if not policy.auto else 1))
-    refs = [(name, ratio) for name, ratio, _ in references or []]
-    lines += ascii_plot(points, (chosen_x, goodput), refs)
     return lines
