@@ -32,6 +32,7 @@ from typing import Any
 import kopf
 import kubernetes
 import urllib3
+from trainguard_operator.backends.pytorchjob import PYTORCHJOB
 from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields, write_still_ahead
 from trainguard_operator.inplace import order_signer
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
@@ -48,7 +49,6 @@ from trainguard_operator.reconcile import (
     changed_paths,
     reconcile,
 )
-from trainguard_operator.render import PYTORCHJOB_NAME_LABEL
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 from trainguard_operator.slim_watch import install as slim_kopf_watches
 from trainguard_operator.status import JobStatus
@@ -263,7 +263,8 @@ async def _reconcile(
         return Outcome(rt.settings.crd_retry_seconds, done=True)
     state.read_fresh = False
     cache = rt.watches
-    jobs = None if cache.pytorchjobs.absent else cache.pytorchjobs.of_job(namespace, name)
+    children = cache.children[PYTORCHJOB.kind]
+    jobs = None if children.absent else children.of_job(namespace, name)
     pods = cache.pods.of_job(namespace, name)
     sidecars = await rt.poller.reports(pods_to_poll(body, pods))
     attempt = JobStatus.from_body(body).attempt
@@ -353,36 +354,40 @@ def _record_metrics(metrics: OperatorMetrics, name: str, namespace: str, plan: P
 async def _delete_attempt(
     rt: Runtime, api: KubeApi, body: Mapping[str, Any], old: str, stop_within: int | None
 ) -> None:
-    """Delete the PyTorchJob ``old``; first stop its pods within ``stop_within`` seconds when set."""
+    """Delete the attempt's object ``old``; first stop its pods within ``stop_within`` seconds when set."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    backend = PYTORCHJOB
     if stop_within is not None:
-        # The PyTorchJob's pods as the watch shows them: the restart asks the API server nothing.
+        # The object's pods as the watch shows them: the restart asks the API server nothing.
         pods = [
             str(pod["metadata"]["name"])
             for pod in rt.watches.pods.of_job(namespace, name)
-            if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
+            if pod["metadata"].get("labels", {}).get(backend.pod_owner_label) == old
         ]
         if stopped := await api.stop_pods(namespace, pods, stop_within):
             log.info(
                 "%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, stop_within
             )
-    if await api.delete_pytorchjob(namespace, old):
-        log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
+    if await api.delete_child(backend, namespace, old):
+        log.info("%s/%s: deleted %s %s", namespace, name, backend.kind, old)
 
 
 async def _create_attempt(
     rt: Runtime, api: KubeApi, body: Mapping[str, Any], manifest: dict[str, Any]
 ) -> bool:
-    """Create the attempt's PyTorchJob; whether this call created it (False: it existed already)."""
-    created = await api.create_pytorchjob(manifest)
+    """Create the attempt's object; whether this call created it (False: it existed already)."""
+    backend = PYTORCHJOB
+    created = await api.create_child(backend, manifest)
     verb = "created" if created is not None else "found"
     meta = body["metadata"]
-    log.info("%s/%s: %s PyTorchJob %s", meta["namespace"], meta["name"], verb, manifest["metadata"]["name"])
+    log.info(
+        "%s/%s: %s %s %s", meta["namespace"], meta["name"], verb, backend.kind, manifest["metadata"]["name"]
+    )
     if created is None:
         return False
     # Into the cache at once: the next step must see the attempt its status now records, even before
     # the watch reports it.
-    rt.watches.pytorchjobs.created(created)
+    rt.watches.children[backend.kind].created(created)
     return True
 
 

@@ -22,13 +22,10 @@ from typing import Any
 import aiohttp
 import kopf
 import kubernetes
+from trainguard_operator.backends import Backend
+from trainguard_operator.backends.pytorchjob import PYTORCHJOB
 from trainguard_operator.cache import JobKey, ObjectCache
-from trainguard_operator.render import (
-    JOB_LABEL,
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
-)
+from trainguard_operator.render import JOB_LABEL
 
 from trainguard.core.spec import GROUP, KIND, PLURAL, VERSION
 
@@ -156,17 +153,17 @@ class KubeApi:
             raise
         return found
 
-    async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Create a PyTorchJob and return it as stored (as sent, when the answer has no body); None when
-        one of that name already exists (creation is idempotent)."""
+    async def create_child(self, backend: Backend, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create an attempt's ``backend`` object and return it as stored (as sent, when the answer has
+        no body); None when one of that name already exists (creation is idempotent)."""
         namespace = manifest["metadata"]["namespace"]
         try:
             created: Any = await self._call(
                 self._custom.create_namespaced_custom_object,
-                PYTORCHJOB_GROUP,
-                PYTORCHJOB_VERSION,
+                backend.group,
+                backend.version,
                 namespace,
-                PYTORCHJOB_PLURAL,
+                backend.plural,
                 dict(manifest),
                 _request_timeout=REQUEST_TIMEOUT,
             )
@@ -234,19 +231,20 @@ class KubeApi:
                 stopped += 1
         return stopped
 
-    async def delete_pytorchjob(self, namespace: str, name: str) -> bool:
-        """Delete a PyTorchJob and, in the foreground, its pods; False when it was already gone.
+    async def delete_child(self, backend: Backend, namespace: str, name: str) -> bool:
+        """Delete an attempt's ``backend`` object and, in the foreground, its pods; False when it was
+        already gone.
 
-        Foreground propagation keeps the PyTorchJob listed until its pods are gone, which is what the
-        next attempt waits for.
+        Foreground propagation keeps the object listed until its pods are gone, which is what the next
+        attempt waits for.
         """
         try:
             await self._call(
                 self._custom.delete_namespaced_custom_object,
-                PYTORCHJOB_GROUP,
-                PYTORCHJOB_VERSION,
+                backend.group,
+                backend.version,
                 namespace,
-                PYTORCHJOB_PLURAL,
+                backend.plural,
                 name,
                 propagation_policy="Foreground",
                 _request_timeout=REQUEST_TIMEOUT,
@@ -304,7 +302,15 @@ class WatchedKind:
 
 
 PODS = WatchedKind("pods", "/api/v1", "pods")
-PYTORCHJOBS = WatchedKind("PyTorchJobs", f"/apis/{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}", PYTORCHJOB_PLURAL)
+
+
+def watched_kind(backend: Backend) -> WatchedKind:
+    """The collection of ``backend``'s objects."""
+    return WatchedKind(f"{backend.kind}s", f"/apis/{backend.group}/{backend.version}", backend.plural)
+
+
+#: The backends whose objects are watched.
+WATCHED_BACKENDS: tuple[Backend, ...] = (PYTORCHJOB,)
 
 
 def _ssl_context(configuration: Any) -> ssl.SSLContext:
@@ -342,12 +348,13 @@ class WatchError(Exception):
 
 
 class Watches:
-    """The PyTorchJobs and pods labelled with a job (``JOB_LABEL``), kept in two ``ObjectCache`` by a
-    list, then a watch, per kind and namespace (one cluster-wide pair when ``namespaces`` is empty).
+    """The backends' objects (``WATCHED_BACKENDS``) and the pods labelled with a job (``JOB_LABEL``),
+    kept in an ``ObjectCache`` per kind by a list, then a watch, per kind and namespace (one cluster-wide
+    set when ``namespaces`` is empty).
 
     A watch that ends or breaks is opened again from the last version seen; when the API server no longer
     has that version (410 Gone, or any other watch error) the kind is listed again, which replaces the
-    cache of that scope. A kind the API server does not serve (the PyTorchJob CRD missing) is listed
+    cache of that scope. A kind the API server does not serve (its CRD missing) is listed
     again every ``absent_retry_seconds``. ``on_change`` gets the jobs whose objects changed, after each
     change. At rest this costs the API server open watches and nothing else.
     """
@@ -368,7 +375,8 @@ class Watches:
         self.retry_seconds = retry_seconds
         self.absent_retry_seconds = absent_retry_seconds
         self.pods = ObjectCache()
-        self.pytorchjobs = ObjectCache()
+        #: Each backend's objects, by its kind.
+        self.children: dict[str, ObjectCache] = {b.kind: ObjectCache() for b in WATCHED_BACKENDS}
         self._listed: dict[tuple[str, str | None], asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -378,7 +386,8 @@ class Watches:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=_ssl_context(self.configuration)),
         )
-        for kind, cache in ((PYTORCHJOBS, self.pytorchjobs), (PODS, self.pods)):
+        watched = [(watched_kind(b), self.children[b.kind]) for b in WATCHED_BACKENDS]
+        for kind, cache in (*watched, (PODS, self.pods)):
             for namespace in self.namespaces:
                 self._listed[kind.name, namespace] = asyncio.Event()
                 self._tasks.append(

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard_operator.backends import Backend, ChildPhase
 from trainguard_operator.inplace import OrderTarget
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
@@ -288,22 +289,10 @@ def _reported(pod: Mapping[str, Any], report: SidecarReport | None, attempt: int
     return report.status if report.status.started_at >= launcher.started_at else None
 
 
-def job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    """The PyTorchJob's condition of ``type_`` when it is True, else None."""
-    for condition in status_of(job).get("conditions") or []:
-        if (
-            isinstance(condition, Mapping)
-            and condition.get("type") == type_
-            and condition.get("status") == "True"
-        ):
-            return condition
-    return None
-
-
 # -------------------------------------------------------------------------------------------- gang ---
 @dataclass(frozen=True)
 class GangReading:
-    """The current attempt as its PyTorchJob, pods and sidecars show it: the gang view of what the ranks
+    """The current attempt as its object, pods and sidecars show it: the gang view of what the ranks
     reported, the policy's observation of each rank, and how many pods are running."""
 
     view: GangView
@@ -322,14 +311,15 @@ def read_gang(
     attempt: int,
     replicas: int,
     job_name: str,
+    backend: Backend,
     host_attempt: int | None = None,
 ) -> GangReading:
-    """Read ``attempt`` of the GuardedTrainingJob ``name`` (``job``: its PyTorchJob ``job_name``, None if
-    absent), running in the pods of ``host_attempt`` when it was restarted in place.
+    """Read ``attempt`` of the GuardedTrainingJob ``name`` (``job``: its ``backend`` object ``job_name``,
+    None if absent), running in the pods of ``host_attempt`` when it was restarted in place.
 
-    Two pods for one rank (a replacement beside a terminating one): the failing one counts. A PyTorchJob
-    deleted by someone else is a lost gang; one the training operator marked Succeeded is a gang whose
-    every rank exited 0; one it marked Failed without a failing rank is a lost rank 0.
+    Two pods for one rank (a replacement beside a terminating one): the failing one counts. An object
+    deleted by someone else is a lost gang; one its controller reports succeeded is a gang whose every
+    rank exited 0; one it reports failed without a failing rank is a lost rank 0.
     """
     mine = attempt_pods(pods, name, host_attempt or attempt)
     chosen: dict[int, tuple[WorkerStatus | None, RankObservation]] = {}
@@ -350,25 +340,27 @@ def read_gang(
             places[rank] = (str(meta(pod).get("name", "")), pod_node(pod))
     view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas, timeouts)
     running = sum(1 for p in mine if status_of(p).get("phase") == "Running")
-    return GangReading(view, _job_ranks(job, job_name, chosen, replicas), running, places)
+    return GangReading(view, _job_ranks(job, job_name, backend, chosen, replicas), running, places)
 
 
 def _job_ranks(
     job: Mapping[str, Any] | None,
     job_name: str,
+    backend: Backend,
     chosen: Mapping[int, tuple[WorkerStatus | None, RankObservation]],
     replicas: int,
 ) -> tuple[RankObservation, ...]:
     if job is None or meta(job).get("deletionTimestamp"):
-        why = f"PyTorchJob {job_name} was deleted by someone else"
+        why = f"{backend.kind} {job_name} was deleted by someone else"
         return (RankObservation(rank=0, alive=None, lost=True, reason=why),)
-    if job_condition(job, "Succeeded") is not None:
+    state = backend.state(job)
+    if state.phase is ChildPhase.SUCCEEDED:
         return tuple(RankObservation(rank=r, exit_code=0, alive=None) for r in range(replicas))
     ranks = [chosen[r][1] if r in chosen else RankObservation(rank=r, alive=None) for r in range(replicas)]
-    failed = job_condition(job, "Failed")
+    failed = state.phase is ChildPhase.FAILED
     succeeded = all(r.exit_code == 0 for r in ranks)  # a declared finish, then a teardown crash
-    if failed is not None and not succeeded and not any(classify(r) for r in ranks):
-        why = f"PyTorchJob {job_name} failed: {failed.get('message') or failed.get('reason')}"
+    if failed and not succeeded and not any(classify(r) for r in ranks):
+        why = f"{backend.kind} {job_name} failed: {state.message}"
         ranks[0] = RankObservation(rank=0, alive=None, lost=True, reason=why)
     return tuple(ranks)
 

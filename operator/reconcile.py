@@ -39,6 +39,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
+from trainguard_operator.backends import Backend, RenderRequest
+from trainguard_operator.backends.pytorchjob import PYTORCHJOB
 from trainguard_operator.goodput import job_goodput, job_pace
 from trainguard_operator.inplace_step import InPlace
 from trainguard_operator.pinning import (
@@ -71,9 +73,6 @@ from trainguard_operator.render import (
     FailureHistory,
     Owner,
     RenderError,
-    pytorchjob_name,
-    render_pytorchjob,
-    rendered_world,
     stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
@@ -301,10 +300,12 @@ class StepContext:
     restarts: int
     #: The attempt whose pods run the gang (another than ``attempt`` after a restart in place).
     host: int
-    #: The host attempt's PyTorchJob, and that object when it exists and this job owns it.
+    #: What the attempts run as.
+    backend: Backend
+    #: The host attempt's object, and that object when it exists and this job owns it.
     job_name: str
     current: Mapping[str, Any] | None
-    #: Whether this job's other PyTorchJobs are still there, and those of them to delete.
+    #: Whether this job's other objects are still there, and those of them to delete.
     stale_present: bool
     stale_delete: tuple[str, ...]
 
@@ -335,19 +336,24 @@ def _open(draft: _Draft) -> Plan | StepContext:
         st.phase = Phase.PENDING.value
         # Due now; recorded so that the wait for a leftover PyTorchJob is bounded for attempt 1 too.
         st.next_attempt_at = iso_precise(draft.now)
-    return _context(draft, job.model_copy(update={"spec": effective}), job, draft.world.jobs)
+    return _context(draft, job.model_copy(update={"spec": effective}), job, PYTORCHJOB, draft.world.jobs)
 
 
 def _context(
-    draft: _Draft, job: GuardedTrainingJob, asked: GuardedTrainingJob, jobs: Sequence[Mapping[str, Any]]
+    draft: _Draft,
+    job: GuardedTrainingJob,
+    asked: GuardedTrainingJob,
+    backend: Backend,
+    jobs: Sequence[Mapping[str, Any]],
 ) -> StepContext:
-    """The context of a step on ``job`` (the spec acted on), the attempt recorded, and ``jobs``."""
+    """The context of a step on ``job`` (the spec acted on), the attempt recorded, and ``jobs`` (the
+    objects of ``backend``)."""
     attempt = draft.st.attempt
     assert attempt is not None  # recorded by the opening
     host = draft.st.host_attempt or attempt
-    job_name = pytorchjob_name(draft.name, host)
+    job_name = backend.child_name(draft.name, host)
     labelled = [j for j in jobs if labels(j).get(JOB_LABEL) == draft.name]
-    # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
+    # An object of a deleted namesake (same name, other uid) is on its way out: never adopted.
     current = next((j for j in labelled if meta(j).get("name") == job_name and draft.owns(j)), None)
     stale = [j for j in labelled if j is not current]
     return StepContext(
@@ -357,6 +363,7 @@ def _context(
         attempt=attempt,
         restarts=draft.st.restarts or 0,
         host=host,
+        backend=backend,
         job_name=job_name,
         current=current,
         stale_present=bool(stale),
@@ -429,6 +436,10 @@ class _Step(Trackers, InPlace):
     @property
     def host(self) -> int:
         return self.context.host
+
+    @property
+    def backend(self) -> Backend:
+        return self.context.backend
 
     @property
     def job_name(self) -> str:
@@ -518,23 +529,27 @@ class _Step(Trackers, InPlace):
                 min(self.period, STALE_POLL_SECONDS),
                 delete=self.stale_delete,
                 phase_reason="WaitingForPreviousAttempt",
-                phase_message=f"attempt {self.attempt} waits for the previous attempt's PyTorchJob to go",
+                phase_message=(
+                    f"attempt {self.attempt} waits for the previous attempt's {self.backend.kind} to go"
+                ),
             )
         return self.take_world_size_change().create_attempt()
 
     def create_attempt(self) -> Plan:
-        """Render the attempt's PyTorchJob and plan its creation (BLOCKED when it does not render)."""
+        """Render the attempt's object and plan its creation (BLOCKED when it does not render)."""
         restarting = self.restarts > 0
         try:
-            manifest = render_pytorchjob(
-                self.job,
-                Owner(self.name, self.namespace, self.uid),
-                self.attempt,
-                self.st.remediation,
-                self.settings,
-                checkpoint_seconds=self.st.checkpoint_seconds,
-                history=self.failure_history(),
-                avoid_node=self.st.avoid_node,
+            manifest = self.backend.render(
+                RenderRequest(
+                    self.job,
+                    Owner(self.name, self.namespace, self.uid),
+                    self.attempt,
+                    self.st.remediation,
+                    self.settings,
+                    checkpoint_seconds=self.st.checkpoint_seconds,
+                    history=self.failure_history(),
+                    avoid_node=self.st.avoid_node,
+                )
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
@@ -550,7 +565,7 @@ class _Step(Trackers, InPlace):
         self.event(
             "Normal",
             "AttemptCreated",
-            f"created PyTorchJob {self.job_name} for attempt {self.attempt} "
+            f"created {self.backend.kind} {self.job_name} for attempt {self.attempt} "
             f"({self.job.spec.replicas} replica(s)){extra}",
         )
         return self.plan(
@@ -564,12 +579,12 @@ class _Step(Trackers, InPlace):
             phase_message=self.pods_running_message(0),
         )
 
-    def adopt_world(self, pytorchjob: Mapping[str, Any]) -> _Step:
-        """Pin the world size an adopted PyTorchJob was rendered for, and go on with the spec it makes.
+    def adopt_world(self, child: Mapping[str, Any]) -> _Step:
+        """Pin the world size an adopted object was rendered for, and go on with the spec it makes.
         The step that created it pinned the spec it read, but its status write was lost; the spec read
         since may ask for another world size, which this attempt does not run at (it takes effect at
         the next gang restart)."""
-        world = rendered_world(pytorchjob)
+        world = self.backend.rendered_world(child)
         if world is None or self.st.pinned is None:
             return self
         if all(self.st.pinned.get(key) == value for key, value in world.items()):
@@ -613,6 +628,7 @@ class _Step(Trackers, InPlace):
             attempt=self.attempt,
             replicas=self.job.spec.replicas,
             job_name=self.job_name,
+            backend=self.backend,
             host_attempt=self.st.host_attempt,
         )
         fallback, starting = self.in_place_failure()
@@ -725,7 +741,7 @@ class _Step(Trackers, InPlace):
         return due, message
 
     def restart(self, decision: Decision, recovered: float | None, grace: int) -> Plan:
-        due, message = self.schedule_next(decision, "as a new PyTorchJob")
+        due, message = self.schedule_next(decision, f"as a new {self.backend.kind}")
         straggler = decision.failure is FailureKind.STRAGGLER
         return self.plan(
             PlanAction.RESTART,
