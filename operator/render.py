@@ -355,7 +355,7 @@ def render_pod_template(
     """One replica's pod template: the user's template with trainguard's pieces added (module docstring);
     with ``avoid_node`` (a straggler's node, after ``health.straggler.action: restart``), kept off it."""
     spec = job.spec
-    template = spec.template.model_dump(mode="json", exclude_none=True)
+    template = spec.template.model_dump(mode="json", by_alias=True, exclude_none=True)
     pod = template.setdefault("spec", {})
     if avoid_node:
         _avoid_node(pod, avoid_node)
