@@ -24,6 +24,7 @@ import kopf
 import kubernetes
 from trainguard_operator.backends import Backend
 from trainguard_operator.backends.pytorchjob import PYTORCHJOB
+from trainguard_operator.backends.trainjob import TRAINJOB
 from trainguard_operator.cache import JobKey, ObjectCache
 from trainguard_operator.render import JOB_LABEL
 
@@ -310,7 +311,7 @@ def watched_kind(backend: Backend) -> WatchedKind:
 
 
 #: The backends whose objects are watched.
-WATCHED_BACKENDS: tuple[Backend, ...] = (PYTORCHJOB,)
+WATCHED_BACKENDS: tuple[Backend, ...] = (PYTORCHJOB, TRAINJOB)
 
 
 def _ssl_context(configuration: Any) -> ssl.SSLContext:

@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from trainguard_operator.backends import Backend, RenderRequest
-from trainguard_operator.backends.pytorchjob import PYTORCHJOB
+from trainguard_operator.backends.choice import backend_of, choose
 from trainguard_operator.goodput import job_goodput, job_pace
 from trainguard_operator.inplace_step import InPlace
 from trainguard_operator.pinning import (
@@ -146,6 +146,8 @@ class _Draft:
         self.st = self.old.model_copy(deep=True)
         self.st.observed_generation = generation
         self.events: list[EventNote] = []
+        #: What the attempts run as: the status's, until the opening chooses (``choice.choose``).
+        self.backend: Backend = backend_of(self.old.backend)
 
     # ------------------------------------------------------------------------------------ helpers ---
     def owns(self, obj: Mapping[str, Any]) -> bool:
@@ -187,6 +189,7 @@ class _Draft:
             status=self.st,
             patch=patch,
             requeue_seconds=max(MIN_REQUEUE_SECONDS, requeue),
+            backend=self.backend.kind,
             events=tuple(self.events),
             **extra,
         )
@@ -221,11 +224,12 @@ class _Draft:
         """A final job stays put; a failed one's gang is stopped if it still runs (operator restarted)."""
         phase = Phase(self.st.phase or Phase.FAILED.value)
         delete: tuple[str, ...] = ()
-        if phase is Phase.FAILED and self.world.jobs is not None:
+        objects = self.world.objects(self.backend.kind)
+        if phase is Phase.FAILED and objects is not None:
             # The give-up was recorded but the gang may not have been stopped (operator restarted).
             delete = tuple(
                 str(meta(j).get("name"))
-                for j in self.world.jobs
+                for j in objects
                 if labels(j).get(JOB_LABEL) == self.name
                 and self.owns(j)
                 and not meta(j).get("deletionTimestamp")
@@ -255,15 +259,19 @@ class _Draft:
             phase_message=message,
         )
 
-    def blocked_crd(self) -> Plan:
-        """BLOCKED while the cluster has no PyTorchJob CRD, with the PyTorchJobCRDMissing condition."""
+    def blocked_crd(self, waiting: Sequence[Backend]) -> Plan:
+        """BLOCKED while the cluster serves none of the ``waiting`` backends' CRDs, with the
+        BackendCRDMissing condition (and Event, once) naming each and what installs it."""
+        crds = " nor ".join(f"a {b.kind} CRD ({b.api_version} {b.plural})" for b in waiting)
+        needs = ", or ".join(b.needs for b in waiting)
         message = (
-            "the cluster has no PyTorchJob CRD (kubeflow.org/v1 pytorchjobs): install the Kubeflow "
-            f"training operator; retrying every {self.settings.crd_retry_seconds:g} s"
+            f"the cluster has {'neither ' if len(waiting) > 1 else ''}{crds}: install {needs}; retrying "
+            f"every {self.settings.crd_retry_seconds:g} s"
         )
+        reason = f"{waiting[0].kind}CRDMissing" if len(waiting) == 1 else "NoBackendCRD"
         if self.became_true(ConditionType.CRD_MISSING, message):
-            self.event("Warning", "PyTorchJobCRDMissing", message)
-        self.condition(ConditionType.CRD_MISSING, True, "PyTorchJobCRDMissing", message)
+            self.event("Warning", reason, message)
+        self.condition(ConditionType.CRD_MISSING, True, reason, message)
         return self.plan(PlanAction.BLOCKED, self.settings.crd_retry_seconds, phase_message=message)
 
     def refusals(self, refused: list[str]) -> None:
@@ -272,8 +280,8 @@ class _Draft:
             self.condition(ConditionType.SPEC_CHANGE_REFUSED, False, "SpecMatchesRunningJob")
             return
         message = (
-            f"changes to {', '.join(refused)} are refused while the job runs: template and checkpoint "
-            "are fixed for the job's life, and every attempt keeps using the original values "
+            f"changes to {', '.join(refused)} are refused while the job runs: template, checkpoint and "
+            "backend are fixed for the job's life, and every attempt keeps using the original values "
             "(replicas and nprocPerNode may change: from the next gang restart). "
             "Revert the change, or delete and re-create the job."
         )
@@ -328,15 +336,22 @@ def _open(draft: _Draft) -> Plan | StepContext:
     except ValidationError as exc:
         return draft.blocked_spec(f"{draft.namespace}/{draft.name}: {exc}")
     draft.refusals(refused)
-    if draft.world.jobs is None:
-        return draft.blocked_crd()
-    draft.condition(ConditionType.CRD_MISSING, False, "PyTorchJobCRDFound")
+    world = draft.world
+    backend, waiting = choose(
+        effective.backend, st.backend, st.attempt is not None, lambda kind: world.objects(kind) is not None
+    )
+    objects = world.objects(backend.kind) if backend is not None else None
+    if backend is None or objects is None:
+        return draft.blocked_crd(waiting)
+    draft.backend = backend
+    draft.condition(ConditionType.CRD_MISSING, False, "BackendCRDFound")
     if st.attempt is None:
         st.attempt, st.restarts, st.handled_attempt = 1, 0, 0
         st.phase = Phase.PENDING.value
-        # Due now; recorded so that the wait for a leftover PyTorchJob is bounded for attempt 1 too.
+        st.backend = backend.kind
+        # Due now; recorded so that the wait for a leftover object is bounded for attempt 1 too.
         st.next_attempt_at = iso_precise(draft.now)
-    return _context(draft, job.model_copy(update={"spec": effective}), job, PYTORCHJOB, draft.world.jobs)
+    return _context(draft, job.model_copy(update={"spec": effective}), job, backend, objects)
 
 
 def _context(
@@ -490,7 +505,7 @@ class _Step(Trackers, InPlace):
         self.st.attempt_started_at = iso_precise(at)
         if self.attempt == 1 and self.st.job_started_at is None:
             self.st.job_started_at = self.st.attempt_started_at
-        self.st.pytorch_job = self.job_name
+        setattr(self.st, self.backend.status_field, self.job_name)
         self.st.next_attempt_at = None
         self.st.host_attempt = None
         self.st.in_place_restarts = 0

@@ -69,6 +69,10 @@ class Backend(Protocol):
     needs: str
     #: The label the kind's controller puts on the pods it creates, whose value is the object's name.
     pod_owner_label: str
+    #: The ``JobStatus`` field that names the current attempt's object.
+    status_field: str
+    #: The ``way`` label of the restarts counter for a restart as a new object (``metrics``).
+    restart_way: str
 
     @property
     def api_version(self) -> str:

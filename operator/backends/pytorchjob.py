@@ -43,6 +43,8 @@ class PyTorchJobBackend:
     plural = PYTORCHJOB_PLURAL
     needs = "the Kubeflow training operator"
     pod_owner_label = PYTORCHJOB_NAME_LABEL
+    status_field = "pytorch_job"
+    restart_way = "new_pytorchjob"
 
     @property
     def api_version(self) -> str:
