@@ -114,6 +114,12 @@ def _refuse_uncarried(template: Mapping[str, Any]) -> None:
                 f"spec.template.spec.containers[{WORKER_CONTAINER}].{key}: the TrainJob backend cannot "
                 "carry it; remove it, or set spec.backend: PyTorchJob"
             )
+        if not container.get("command"):
+            raise RenderError(
+                f"spec.template.spec.containers[{WORKER_CONTAINER}].command: the TrainJob backend needs "
+                "the command (the runtime's entrypoint is trainguard's launcher, which runs it), not the "
+                "image's entrypoint; set it, or set spec.backend: PyTorchJob"
+            )
 
 
 def _rendezvous(name: str, world_size: int) -> list[dict[str, Any]]:

@@ -201,6 +201,13 @@ def test_a_template_field_trainer_cannot_carry_is_refused_by_name(
         render_both(manifest)
 
 
+def test_a_worker_without_a_command_of_its_own_is_refused_by_name() -> None:
+    manifest = gtj_manifest()
+    del manifest["spec"]["template"]["spec"]["containers"][0]["command"]
+    with pytest.raises(RenderError, match=r"containers\[pytorch\]\.command"):
+        render_both(manifest)
+
+
 def test_another_container_and_another_probe_period_are_refused_by_name() -> None:
     manifest = gtj_manifest()
     manifest["spec"]["template"]["spec"]["containers"].append({"name": "logger", "image": "busybox"})
