@@ -34,6 +34,9 @@ from trainguard_operator.settings import OperatorSettings
 
 from tests.support.manifests import gtj_manifest, load
 from tests.support.operator_world import T0, UID, Cluster, pod, pod_name, reasons, report
+from tests.unit.test_operator_inplace import SETTINGS as IN_PLACE
+from tests.unit.test_operator_inplace import worker_report
+from trainer_sidecar.contract.inplace import LauncherPhase
 
 KEY = "k" * 64
 SETTINGS = OperatorSettings(sidecar_image="registry.example/trainguard:test", order_key=KEY)
@@ -409,3 +412,43 @@ def test_a_trainjob_adopted_after_a_lost_status_write_pins_its_world_size() -> N
     assert (status.attempt_created, status.train_job, status.backend) == (1, "tiny-lm-1", "TrainJob")
     assert status.pinned is not None
     assert status.pinned["replicas"] == 2
+
+
+# --------------------------------------------------------------------------- restarts in place ---
+def _launchers(cluster: Cluster, attempt: int, host: int = 1, exited: int | None = None) -> dict[str, Any]:
+    """Every rank's sidecar answer with its launcher at ``attempt`` (rank ``exited``: its worker ended
+    137, held for an order), for the pods of ``host``."""
+    answers = {}
+    for rank in range(2):
+        if rank == exited:
+            started = (T0 + timedelta(seconds=59)).timestamp()
+            answer = worker_report(attempt, LauncherPhase.EXITED, alive=False, exit_code=137, started=started)
+        else:
+            answer = worker_report(attempt)
+        answers[pod_name(host, rank, cluster.backend)] = answer
+    return answers
+
+
+@pytest.mark.parametrize("backend", ["PyTorchJob", "TrainJob"])
+def test_a_crash_restarts_the_gang_in_its_trainjob_pods_as_in_a_pytorchjobs(backend: str) -> None:
+    cluster = trainjob_cluster() if backend == "TrainJob" else Cluster.of()
+    cluster.settings = IN_PLACE
+    assert cluster.step(T0).action is PlanAction.CREATE
+    cluster.run_pods(1)
+    assert cluster.step(T0 + timedelta(seconds=5), _launchers(cluster, 1)).action is PlanAction.NOTHING
+    plan = cluster.step(T0 + timedelta(seconds=60), _launchers(cluster, 1, exited=1))
+    assert plan.action is PlanAction.RESTART_IN_PLACE
+    assert plan.backend == backend
+    assert [t.pod for t in plan.orders] == [pod_name(1, rank, backend) for rank in range(2)]
+    assert plan.order is not None
+    assert plan.order.attempt == 2
+    assert plan.delete == ()
+    # The attempt runs in the host attempt's pods, whose object stays: the order's signer is its own.
+    assert getattr(cluster.status, "train_job" if backend == "TrainJob" else "pytorch_job") == "tiny-lm-1"
+    assert cluster.status.host_attempt == 1
+    running = cluster.step(T0 + timedelta(seconds=75), _launchers(cluster, 2))
+    assert (running.action, cluster.status.phase, cluster.status.attempt) == (
+        PlanAction.NOTHING,
+        "Running",
+        2,
+    )
