@@ -36,6 +36,7 @@ from trainguard_operator.status import JobStatus
 
 from tests.support.manifests import gtj_manifest
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.contract.inplace import LauncherPhase, LauncherState
 from trainer_sidecar.contract.status import WorkerStatus
 from trainguard.core.observation import SidecarReport
 
@@ -155,6 +156,32 @@ def report(alive: bool = True, reason: str = "running", **status: Any) -> Sideca
     return SidecarReport(
         reachable=True, alive=alive, reason=reason, status=WorkerStatus.model_validate(worker)
     )
+
+
+def worker_report(
+    attempt: int,
+    phase: LauncherPhase = LauncherPhase.RUNNING,
+    *,
+    alive: bool = True,
+    started: float = T0.timestamp(),
+    status_started: float | None = None,
+    step: int = 100,
+    exit_code: int | None = None,
+    output: str = "",
+) -> SidecarReport:
+    """A sidecar's answer for a pod whose launcher runs ``attempt`` (its worker started at ``started``)."""
+    launcher = LauncherState(
+        attempt=attempt,
+        phase=phase,
+        since=started,
+        updated_at=started,
+        exit_code=exit_code,
+        started_at=None if phase is LauncherPhase.STOPPING else started,
+        output_tail=output,
+    )
+    begun = started + 1 if status_started is None else status_started
+    status = WorkerStatus(phase="running", step=step, started_at=begun, last_step_time=begun + 1)
+    return SidecarReport(reachable=True, alive=alive, reason="ok", status=status, launcher=launcher)
 
 
 @dataclass

@@ -33,14 +33,16 @@ from trainguard_operator.render import (
 from trainguard_operator.settings import OperatorSettings
 
 from tests.support.manifests import gtj_manifest, load
-from tests.support.operator_world import T0, UID, Cluster, pod, pod_name, reasons, report
-from tests.unit.test_operator_inplace import SETTINGS as IN_PLACE
-from tests.unit.test_operator_inplace import worker_report
+from tests.support.operator_world import T0, UID, Cluster, pod, pod_name, reasons, report, worker_report
 from trainer_sidecar.contract.inplace import LauncherPhase
 
 KEY = "k" * 64
 SETTINGS = OperatorSettings(sidecar_image="registry.example/trainguard:test", order_key=KEY)
 OWNER = Owner("tiny-lm", "research", UID)
+#: Restarts in place on, as in test_operator_inplace.
+IN_PLACE = OperatorSettings(
+    stale_attempt_grace_seconds=60, crd_retry_seconds=60, order_key=KEY, order_timeout_seconds=30
+)
 
 
 def render_both(manifest: Mapping[str, Any], attempt: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
