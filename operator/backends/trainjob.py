@@ -77,6 +77,10 @@ _WORKER_FIELDS = frozenset(
     {"name", "image", "command", "args", "env", "resources", "volumeMounts", "securityContext"}
 )
 _REPLACED_WORKER_FIELDS = frozenset({"livenessProbe", "startupProbe"})
+#: The variables Trainer's torch plugin sets and refuses in ``spec.trainer.env``.
+TRAINER_RESERVED_ENV = frozenset(
+    {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+)
 #: Pod spec fields a runtime patch carries (besides the containers, checked on their own).
 _POD_FIELDS = frozenset(
     {
@@ -113,6 +117,12 @@ def _refuse_uncarried(template: Mapping[str, Any]) -> None:
             raise RenderError(
                 f"spec.template.spec.containers[{WORKER_CONTAINER}].{key}: the TrainJob backend cannot "
                 "carry it; remove it, or set spec.backend: PyTorchJob"
+            )
+        reserved = sorted({str(e.get("name")) for e in container.get("env") or []} & TRAINER_RESERVED_ENV)
+        if reserved:
+            raise RenderError(
+                f"spec.template.spec.containers[{WORKER_CONTAINER}].env: {', '.join(reserved)} are "
+                "Trainer's own (it sets them for torchrun and refuses a TrainJob that sets them); remove them"
             )
         if not container.get("command"):
             raise RenderError(

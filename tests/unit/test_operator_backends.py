@@ -206,6 +206,12 @@ def test_a_template_field_trainer_cannot_carry_is_refused_by_name(
         render_both(manifest)
 
 
+def test_a_variable_trainer_sets_itself_is_refused_by_name() -> None:
+    manifest = gtj_manifest(env=[{"name": "PET_NNODES", "value": "4"}, {"name": "LR", "value": "0.1"}])
+    with pytest.raises(RenderError, match=r"containers\[pytorch\]\.env: PET_NNODES"):
+        render_both(manifest)
+
+
 def test_a_worker_without_a_command_of_its_own_is_refused_by_name() -> None:
     manifest = gtj_manifest()
     del manifest["spec"]["template"]["spec"]["containers"][0]["command"]
