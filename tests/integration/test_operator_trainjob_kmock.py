@@ -36,6 +36,7 @@ from tests.support.operator_harness import (
     post,
     scrape,
     status,
+    stored,
     value,
 )
 
@@ -159,6 +160,14 @@ async def test_a_job_on_a_trainer_cluster_runs_as_trainjobs_and_recovers_from_a_
     trainer_cluster: kmock.KubernetesEmulator, sidecars: Sidecars, trainer_env: int
 ) -> None:
     cluster = trainer_cluster
+    # A user's own TrainJob on Trainer's runtime: nothing of trainguard's, so never touched.
+    theirs = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": "their-job", "namespace": NS, "labels": {"team": "nlp"}},
+        "spec": {"runtimeRef": {"name": "torch-distributed"}, "trainer": {"numNodes": 2}},
+    }
+    await post(cluster, TJ_PATH, theirs)
     async with operator():
         await post(cluster, GTJ_PATH, gtj())
         job1 = await eventually(lambda: alive(cluster, TJ, "tiny-lm-1"), what="attempt 1's TrainJob")
@@ -205,3 +214,8 @@ async def test_a_job_on_a_trainer_cluster_runs_as_trainjobs_and_recovers_from_a_
         assert conditions(cluster)["Succeeded"]["status"] == "True"
         await asyncio.sleep(1.0)
         assert creations(cluster, TJ, "tiny-lm-3") == 0
+    untouched = stored(cluster, TJ, "their-job")
+    assert untouched is not None
+    assert not untouched.deleted
+    assert [v for v in untouched.history if v is not None] == [untouched.raw]
+    assert untouched.raw["spec"] == theirs["spec"]
