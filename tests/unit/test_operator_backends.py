@@ -5,6 +5,7 @@ as on the cluster at hand, and that a fault reaches the same decision, status an
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -149,8 +150,24 @@ def test_what_is_per_job_goes_into_trainguards_runtime_patch() -> None:
     (sidecar,) = spec["initContainers"]
     ptj_sidecar = named(ptj_pod(ptj)["spec"]["initContainers"], SIDECAR_CONTAINER)
     assert sidecar == {"name": SIDECAR_CONTAINER, "env": ptj_sidecar["env"]}
-    # Only what Trainer lets a patch set (runtimePatches' PodSpecPatch and ContainerPatch).
-    assert set(node) <= {"name", "env", "volumeMounts", "securityContext"}
+    # Only what Trainer lets a patch set (runtimePatches' PodSpecPatch and ContainerPatch); its admission
+    # refuses env on the node container (the worker's env goes through spec.trainer.env), and a manager
+    # that is not a domain-prefixed path.
+    assert set(node) <= {"name", "volumeMounts", "securityContext"}
+    assert set(spec) <= {
+        "volumes",
+        "initContainers",
+        "containers",
+        "serviceAccountName",
+        "imagePullSecrets",
+        "securityContext",
+        "nodeSelector",
+        "affinity",
+        "tolerations",
+        "schedulingGates",
+        "terminationGracePeriodSeconds",
+    }
+    assert re.fullmatch(r"[a-z0-9.-]+\.[a-z]+/[a-z0-9-]+", PATCH_MANAGER)
 
 
 def test_the_order_token_is_the_trainjobs_own() -> None:
