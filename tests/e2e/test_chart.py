@@ -1083,6 +1083,7 @@ def test_the_runtime_is_the_pod_the_operator_renders_and_restarts_nothing(custom
     assert runtime["spec"]["template"]["spec"]["failurePolicy"] == {"maxRestarts": 0}
     (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
     assert node["template"]["spec"]["backoffLimit"] == 0
+    assert node["replicas"] == 1
     env = {e["name"]: e["value"] for e in _container(custom, "StatefulSet")["env"] if "value" in e}
     settings = OperatorSettings.from_env(
         {k: v for k, v in env.items() if k.startswith("TRAINGUARD_OPERATOR_")}
