@@ -32,10 +32,13 @@ from typing import Any
 import kopf
 import kubernetes
 import urllib3
+from trainguard_operator.backends import Backend
+from trainguard_operator.backends.choice import BACKENDS
+from trainguard_operator.backends.pytorchjob import PYTORCHJOB
 from trainguard_operator.cache import JobKey, fresher_body, without_managed_fields, write_still_ahead
 from trainguard_operator.inplace import order_signer
 from trainguard_operator.kube import KubeApi, Watches, connection_info, is_transient, load_configuration
-from trainguard_operator.metrics import IN_PLACE, NEW_PYTORCHJOB, OperatorMetrics
+from trainguard_operator.metrics import IN_PLACE, OperatorMetrics
 from trainguard_operator.pacing import LastStep, Outcome, wait_before_step
 from trainguard_operator.pods import pods_to_poll
 from trainguard_operator.poll import SidecarPoller
@@ -48,7 +51,6 @@ from trainguard_operator.reconcile import (
     changed_paths,
     reconcile,
 )
-from trainguard_operator.render import PYTORCHJOB_NAME_LABEL
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 from trainguard_operator.slim_watch import install as slim_kopf_watches
 from trainguard_operator.status import JobStatus
@@ -263,12 +265,16 @@ async def _reconcile(
         return Outcome(rt.settings.crd_retry_seconds, done=True)
     state.read_fresh = False
     cache = rt.watches
-    jobs = None if cache.pytorchjobs.absent else cache.pytorchjobs.of_job(namespace, name)
+    held = {
+        kind: None if objects.absent else objects.of_job(namespace, name)
+        for kind, objects in cache.children.items()
+    }
+    jobs = held.pop(PYTORCHJOB.kind, None)
     pods = cache.pods.of_job(namespace, name)
     sidecars = await rt.poller.reports(pods_to_poll(body, pods))
     attempt = JobStatus.from_body(body).attempt
     refusals = state.refusals if attempt is not None and attempt == state.refused_attempt else {}
-    plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC), refusals), rt.settings)
+    plan = reconcile(World(body, jobs, pods, sidecars, datetime.now(UTC), refusals, held), rt.settings)
     await _execute(rt, state, body, plan)
     return Outcome(plan.requeue_seconds, plan.done, plan.clock)
 
@@ -289,9 +295,10 @@ async def _execute(rt: Runtime, state: JobState, body: Mapping[str, Any], plan: 
         await _write_status(rt, state, api, body, plan, post_events=True)
     if plan.order is not None:
         await _give_orders(rt, state, body, plan)
+    backend = BACKENDS[plan.backend]
     for old in plan.delete:
-        await _delete_attempt(rt, api, body, old, plan.stop_pods_within_seconds)
-    created = plan.create is not None and await _create_attempt(rt, api, body, plan.create)
+        await _delete_attempt(rt, api, body, backend, old, plan.stop_pods_within_seconds)
+    created = plan.create is not None and await _create_attempt(rt, api, body, backend, plan.create)
     if created and not plan.write_status_first:
         await _post_events(api, body, plan)
     if not plan.write_status_first:
@@ -340,7 +347,7 @@ def _record_metrics(metrics: OperatorMetrics, name: str, namespace: str, plan: P
     kind = decision.failure.value if decision is not None and decision.failure is not None else "Unknown"
     if plan.action in (PlanAction.RESTART, PlanAction.RESTART_IN_PLACE):
         failure = status.last_failure
-        way = IN_PLACE if plan.action is PlanAction.RESTART_IN_PLACE else NEW_PYTORCHJOB
+        way = IN_PLACE if plan.action is PlanAction.RESTART_IN_PLACE else BACKENDS[plan.backend].restart_way
         metrics.restarted(name, namespace, kind, failure.time if failure else None, way)
     elif plan.action is PlanAction.FALL_BACK:
         metrics.in_place_fallbacks.labels(name, namespace).inc()
@@ -351,38 +358,40 @@ def _record_metrics(metrics: OperatorMetrics, name: str, namespace: str, plan: P
 
 
 async def _delete_attempt(
-    rt: Runtime, api: KubeApi, body: Mapping[str, Any], old: str, stop_within: int | None
+    rt: Runtime, api: KubeApi, body: Mapping[str, Any], backend: Backend, old: str, stop_within: int | None
 ) -> None:
-    """Delete the PyTorchJob ``old``; first stop its pods within ``stop_within`` seconds when set."""
+    """Delete the attempt's object ``old``; first stop its pods within ``stop_within`` seconds when set."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if stop_within is not None:
-        # The PyTorchJob's pods as the watch shows them: the restart asks the API server nothing.
+        # The object's pods as the watch shows them: the restart asks the API server nothing.
         pods = [
             str(pod["metadata"]["name"])
             for pod in rt.watches.pods.of_job(namespace, name)
-            if pod["metadata"].get("labels", {}).get(PYTORCHJOB_NAME_LABEL) == old
+            if pod["metadata"].get("labels", {}).get(backend.pod_owner_label) == old
         ]
         if stopped := await api.stop_pods(namespace, pods, stop_within):
             log.info(
                 "%s/%s: stopping %d pod(s) of %s within %d s", namespace, name, stopped, old, stop_within
             )
-    if await api.delete_pytorchjob(namespace, old):
-        log.info("%s/%s: deleted PyTorchJob %s", namespace, name, old)
+    if await api.delete_child(backend, namespace, old):
+        log.info("%s/%s: deleted %s %s", namespace, name, backend.kind, old)
 
 
 async def _create_attempt(
-    rt: Runtime, api: KubeApi, body: Mapping[str, Any], manifest: dict[str, Any]
+    rt: Runtime, api: KubeApi, body: Mapping[str, Any], backend: Backend, manifest: dict[str, Any]
 ) -> bool:
-    """Create the attempt's PyTorchJob; whether this call created it (False: it existed already)."""
-    created = await api.create_pytorchjob(manifest)
+    """Create the attempt's object; whether this call created it (False: it existed already)."""
+    created = await api.create_child(backend, manifest)
     verb = "created" if created is not None else "found"
     meta = body["metadata"]
-    log.info("%s/%s: %s PyTorchJob %s", meta["namespace"], meta["name"], verb, manifest["metadata"]["name"])
+    log.info(
+        "%s/%s: %s %s %s", meta["namespace"], meta["name"], verb, backend.kind, manifest["metadata"]["name"]
+    )
     if created is None:
         return False
     # Into the cache at once: the next step must see the attempt its status now records, even before
     # the watch reports it.
-    rt.watches.pytorchjobs.created(created)
+    rt.watches.children[backend.kind].created(created)
     return True
 
 
@@ -392,7 +401,8 @@ async def _give_orders(rt: Runtime, state: JobState, body: Mapping[str, Any], pl
     assert plan.order is not None
     meta = body["metadata"]
     key = rt.settings.order_key.get_secret_value()
-    signer = order_signer(key, str(meta.get("uid", "")), str(meta["namespace"]), str(plan.status.pytorch_job))
+    child = getattr(plan.status, BACKENDS[plan.backend].status_field)
+    signer = order_signer(key, str(meta.get("uid", "")), str(meta["namespace"]), str(child))
     answers = await asyncio.gather(*(rt.poller.order(t.ip, t.pod, signer, plan.order) for t in plan.orders))
     refused = {t.pod: why for t, why in zip(plan.orders, answers, strict=True) if why}
     state.refused_attempt, state.refusals = plan.order.attempt, refused

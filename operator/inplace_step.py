@@ -1,6 +1,6 @@
 """A reconcile step's restart of the gang in place, and its fallback: whether a restart can keep the
 gang's pods (``in_place_orders``), the plan that orders every pod's launcher (``restart_in_place``), and,
-for an attempt ordered in place that will not start in its pods, the fallback to a new PyTorchJob
+for an attempt ordered in place that will not start in its pods, the fallback to a new object
 (``in_place_failure``, ``fall_back``). Mixed into ``reconcile._Step``, whose status draft, context and
 plans they use (``_InPlaceStep``); the order itself and the token are ``inplace``'s."""
 
@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any, Protocol
 
+from trainguard_operator.backends import Backend
 from trainguard_operator.inplace import OrderTarget
 from trainguard_operator.pinning import repin_world
 from trainguard_operator.plan import STALE_POLL_SECONDS, Plan, PlanAction, World
@@ -46,6 +47,8 @@ class _InPlaceStep(Protocol):
     def attempt(self) -> int: ...
     @property
     def host(self) -> int: ...
+    @property
+    def backend(self) -> Backend: ...
     @property
     def job_name(self) -> str: ...
     @property
@@ -139,14 +142,14 @@ class InPlace:
         return "", pending
 
     def fall_back(self: _InPlaceStep, why: str, grace: int) -> Plan:
-        """Give up the restart in place of the current attempt: its PyTorchJob goes, and the attempt starts
+        """Give up the restart in place of the current attempt: its object goes, and the attempt starts
         as a new one (the restart was counted when it was decided)."""
         st = self.st
         self.event(
             "Warning",
             "InPlaceRestartFailed",
             f"attempt {self.attempt} cannot start in the pods of attempt {self.host} ({why}): "
-            "it starts as a new PyTorchJob",
+            f"it starts as a new {self.backend.kind}",
         )
         st.host_attempt = None
         st.in_place_restarts = 0
@@ -159,5 +162,5 @@ class InPlace:
             stop_pods_within_seconds=grace,
             write_status_first=True,
             phase_reason="InPlaceRestartFailed",
-            phase_message=f"attempt {self.attempt} starts as a new PyTorchJob: {why}",
+            phase_message=f"attempt {self.attempt} starts as a new {self.backend.kind}: {why}",
         )

@@ -22,13 +22,11 @@ from typing import Any
 import aiohttp
 import kopf
 import kubernetes
+from trainguard_operator.backends import Backend
+from trainguard_operator.backends.pytorchjob import PYTORCHJOB
+from trainguard_operator.backends.trainjob import TRAINJOB
 from trainguard_operator.cache import JobKey, ObjectCache
-from trainguard_operator.render import (
-    JOB_LABEL,
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
-)
+from trainguard_operator.render import JOB_LABEL
 
 from trainguard.core.spec import GROUP, KIND, PLURAL, VERSION
 
@@ -156,17 +154,17 @@ class KubeApi:
             raise
         return found
 
-    async def create_pytorchjob(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Create a PyTorchJob and return it as stored (as sent, when the answer has no body); None when
-        one of that name already exists (creation is idempotent)."""
+    async def create_child(self, backend: Backend, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create an attempt's ``backend`` object and return it as stored (as sent, when the answer has
+        no body); None when one of that name already exists (creation is idempotent)."""
         namespace = manifest["metadata"]["namespace"]
         try:
             created: Any = await self._call(
                 self._custom.create_namespaced_custom_object,
-                PYTORCHJOB_GROUP,
-                PYTORCHJOB_VERSION,
+                backend.group,
+                backend.version,
                 namespace,
-                PYTORCHJOB_PLURAL,
+                backend.plural,
                 dict(manifest),
                 _request_timeout=REQUEST_TIMEOUT,
             )
@@ -234,19 +232,20 @@ class KubeApi:
                 stopped += 1
         return stopped
 
-    async def delete_pytorchjob(self, namespace: str, name: str) -> bool:
-        """Delete a PyTorchJob and, in the foreground, its pods; False when it was already gone.
+    async def delete_child(self, backend: Backend, namespace: str, name: str) -> bool:
+        """Delete an attempt's ``backend`` object and, in the foreground, its pods; False when it was
+        already gone.
 
-        Foreground propagation keeps the PyTorchJob listed until its pods are gone, which is what the
-        next attempt waits for.
+        Foreground propagation keeps the object listed until its pods are gone, which is what the next
+        attempt waits for.
         """
         try:
             await self._call(
                 self._custom.delete_namespaced_custom_object,
-                PYTORCHJOB_GROUP,
-                PYTORCHJOB_VERSION,
+                backend.group,
+                backend.version,
                 namespace,
-                PYTORCHJOB_PLURAL,
+                backend.plural,
                 name,
                 propagation_policy="Foreground",
                 _request_timeout=REQUEST_TIMEOUT,
@@ -296,6 +295,8 @@ class WatchedKind:
     name: str
     prefix: str
     plural: str
+    #: The name of the CRD that serves the kind ("" for a built-in kind).
+    crd: str = ""
 
     def path(self, namespace: str | None) -> str:
         """The collection's path in ``namespace`` (None: every namespace)."""
@@ -304,7 +305,21 @@ class WatchedKind:
 
 
 PODS = WatchedKind("pods", "/api/v1", "pods")
-PYTORCHJOBS = WatchedKind("PyTorchJobs", f"/apis/{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}", PYTORCHJOB_PLURAL)
+CRDS_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def watched_kind(backend: Backend) -> WatchedKind:
+    """The collection of ``backend``'s objects."""
+    return WatchedKind(
+        f"{backend.kind}s",
+        f"/apis/{backend.group}/{backend.version}",
+        backend.plural,
+        crd=f"{backend.plural}.{backend.group}",
+    )
+
+
+#: The backends whose objects are watched.
+WATCHED_BACKENDS: tuple[Backend, ...] = (PYTORCHJOB, TRAINJOB)
 
 
 def _ssl_context(configuration: Any) -> ssl.SSLContext:
@@ -342,14 +357,15 @@ class WatchError(Exception):
 
 
 class Watches:
-    """The PyTorchJobs and pods labelled with a job (``JOB_LABEL``), kept in two ``ObjectCache`` by a
-    list, then a watch, per kind and namespace (one cluster-wide pair when ``namespaces`` is empty).
+    """The backends' objects (``WATCHED_BACKENDS``) and the pods labelled with a job (``JOB_LABEL``),
+    kept in an ``ObjectCache`` per kind by a list, then a watch, per kind and namespace (one cluster-wide
+    set when ``namespaces`` is empty).
 
     A watch that ends or breaks is opened again from the last version seen; when the API server no longer
     has that version (410 Gone, or any other watch error) the kind is listed again, which replaces the
-    cache of that scope. A kind the API server does not serve (the PyTorchJob CRD missing) is listed
-    again every ``absent_retry_seconds``. ``on_change`` gets the jobs whose objects changed, after each
-    change. At rest this costs the API server open watches and nothing else.
+    cache of that scope. A kind the API server does not serve (its CRD missing) is listed again when
+    a watch of its CRD sees it come (``_until_crd``). ``on_change`` gets the jobs whose objects
+    changed, after each change. At rest this costs the API server open watches and nothing else.
     """
 
     def __init__(
@@ -368,7 +384,8 @@ class Watches:
         self.retry_seconds = retry_seconds
         self.absent_retry_seconds = absent_retry_seconds
         self.pods = ObjectCache()
-        self.pytorchjobs = ObjectCache()
+        #: Each backend's objects, by its kind.
+        self.children: dict[str, ObjectCache] = {b.kind: ObjectCache() for b in WATCHED_BACKENDS}
         self._listed: dict[tuple[str, str | None], asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -378,7 +395,8 @@ class Watches:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=_ssl_context(self.configuration)),
         )
-        for kind, cache in ((PYTORCHJOBS, self.pytorchjobs), (PODS, self.pods)):
+        watched = [(watched_kind(b), self.children[b.kind]) for b in WATCHED_BACKENDS]
+        for kind, cache in (*watched, (PODS, self.pods)):
             for namespace in self.namespaces:
                 self._listed[kind.name, namespace] = asyncio.Event()
                 self._tasks.append(
@@ -415,8 +433,8 @@ class Watches:
             try:
                 if version is None:
                     version = await self._list(kind, cache, namespace)
-                    if version is None:  # the kind is not served: list again later
-                        await asyncio.sleep(self.absent_retry_seconds)
+                    if version is None:  # the kind is not served: list again once its CRD comes
+                        await self._until_crd(kind)
                         continue
                 version = await self._watch(kind, cache, namespace, version)
                 if version is None:
@@ -429,6 +447,63 @@ class Watches:
                 # Connection lost (an API server restart, say): watch again from the last version seen.
                 log.info("the watch of %s %s broke (%s); watching again", kind.name, where, exc)
                 await asyncio.sleep(self.retry_seconds)
+
+    async def _until_crd(self, kind: WatchedKind) -> None:
+        """Wait until the CRD of a kind not served is created or changes: one list of it, then a watch
+        from there, which costs the API server nothing at rest (a cluster without Trainer, say, is
+        never polled for TrainJobs). A CRD that exists already (not yet established), a kind with no
+        CRD, or a CRD that cannot be read is looked at again after ``absent_retry_seconds``."""
+        assert self._session is not None
+        selector = {"fieldSelector": f"metadata.name={kind.crd}"}
+        try:
+            if not kind.crd:
+                raise WatchError(404, "a built-in kind")
+            async with self._session.get(
+                self.server + CRDS_PATH,
+                params=selector,
+                headers=_auth_headers(self.configuration),
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+            ) as response:
+                if response.status != 200:
+                    raise WatchError(response.status, await response.text())
+                listed = json.loads(await response.read())
+        except WatchError:
+            await asyncio.sleep(self.absent_retry_seconds)
+            return
+        if any((i.get("metadata") or {}).get("name") == kind.crd for i in listed.get("items") or []):
+            await asyncio.sleep(self.absent_retry_seconds)
+            return
+        params = {**selector, "watch": "true", "timeoutSeconds": str(WATCH_SECONDS)}
+        version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+        if version:
+            params["resourceVersion"] = version
+        await self._watch_crd(kind.crd, params)
+
+    async def _watch_crd(self, name: str, params: Mapping[str, str]) -> None:
+        """Watch the CRDs until one named ``name`` is added or changed, or the watch ends."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=REQUEST_TIMEOUT, sock_read=WATCH_SECONDS + WATCH_SILENCE_SECONDS
+        )
+        async with self._session.get(
+            self.server + CRDS_PATH, params=params, headers=_auth_headers(self.configuration), timeout=timeout
+        ) as response:
+            if response.status != 200:  # 410 Gone among others: list again
+                await asyncio.sleep(self.absent_retry_seconds)
+                return
+            buffer = b""
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    event = json.loads(line) if line.strip() else {}
+                    obj = event.get("object")
+                    if (
+                        isinstance(obj, dict)
+                        and event.get("type") in ("ADDED", "MODIFIED")
+                        and (obj.get("metadata") or {}).get("name") == name
+                    ):
+                        return
 
     async def _list(self, kind: WatchedKind, cache: ObjectCache, namespace: str | None) -> str | None:
         """List the kind into the cache; its version, or None when the kind is not served."""

@@ -21,10 +21,11 @@ from trainguard_operator.status import JobStatus, Phase, parse_time
 from trainer_sidecar.contract.fields import surfaced
 
 LABELS = ("job", "namespace")
-#: How a gang restart was carried out: in the gang's own pods, or as a new PyTorchJob.
+#: How a gang restart was carried out: in the gang's own pods, or as a new PyTorchJob or TrainJob.
 IN_PLACE = "in_place"
 NEW_PYTORCHJOB = "new_pytorchjob"
-RESTART_WAYS = (IN_PLACE, NEW_PYTORCHJOB)
+NEW_TRAINJOB = "new_trainjob"
+RESTART_WAYS = (IN_PLACE, NEW_PYTORCHJOB, NEW_TRAINJOB)
 
 #: The gauges of the operator's own status numbers: status attribute, metric name, help.
 JOB_GAUGES = (
@@ -63,7 +64,7 @@ class OperatorMetrics:
         self.restarts = self._counter(
             "trainguard_job_restarts",
             "Whole-gang restarts started by this operator, by way: in_place (the gang's pods kept) or "
-            "new_pytorchjob.",
+            "new_pytorchjob, new_trainjob.",
             (*LABELS, "way"),
         )
         self.in_place_fallbacks = self._counter(

@@ -9,7 +9,7 @@ from typing import Any
 from trainguard.core.spec import GuardedTrainingJobSpec
 
 #: Spec fields pinned when a job starts (see ``spec_change``); every other field may change at once.
-IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint")
+IMMUTABLE_FIELDS = ("replicas", "nprocPerNode", "template", "checkpoint", "backend")
 #: Pinned fields a change of which is accepted and takes effect at the next gang restart (the world
 #: size: checkpoints resume under another one); the others are fixed for the life of the job.
 RESIZABLE_FIELDS = ("replicas", "nprocPerNode")
@@ -53,7 +53,8 @@ def spec_change(
     them, see ``repin_world``; the checkpoint resumes under the new world size, its shards resharded and
     its data position carried in samples). Refused: ``template`` (a new image or command mid-run would
     resume checkpoints with different code) and ``checkpoint`` (a new claim or path would start over
-    from nothing while the old checkpoints are orphaned).
+    from nothing while the old checkpoints are orphaned) and ``backend`` (the attempts' objects are of
+    one kind for the job's life).
     """
     # Both sides without nulls: a pin stored before nulls were dropped compares equal to its spec too. A
     # field pinned by nothing (a job pinned before the field existed) keeps the spec's value.

@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from trainguard_operator.inplace import OrderTarget
+from trainguard_operator.render import PYTORCHJOB_KIND
 from trainguard_operator.status import JobStatus
 
 from trainer_sidecar.contract.inplace import RestartOrder
@@ -52,8 +53,9 @@ class World:
     """Everything one reconcile step looks at, as read just before it.
 
     ``jobs`` are the PyTorchJobs labelled with this GuardedTrainingJob (None: the PyTorchJob CRD is not
-    installed); ``pods`` the pods labelled with it (any attempt); ``sidecars`` the ``/status`` answers of
-    the current attempt's pods, by pod name.
+    installed); ``children`` the objects of the other backends labelled with it, by kind (a kind absent
+    or None: its CRD is not installed); ``pods`` the pods labelled with it (any attempt); ``sidecars``
+    the ``/status`` answers of the current attempt's pods, by pod name.
     """
 
     body: Mapping[str, Any]
@@ -64,6 +66,11 @@ class World:
     #: Pods whose sidecar refused or did not take the current attempt's order, with why (the executor's
     #: memory of its last orders; empty after an operator restart, when the order's timeout decides).
     order_refusals: Mapping[str, str] = field(default_factory=dict)
+    children: Mapping[str, Sequence[Mapping[str, Any]] | None] = field(default_factory=dict)
+
+    def objects(self, kind: str) -> Sequence[Mapping[str, Any]] | None:
+        """The job's objects of the backend ``kind`` (None: its CRD is not installed)."""
+        return self.jobs if kind == PYTORCHJOB_KIND else self.children.get(kind)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class Plan:
     status: JobStatus
     patch: dict[str, Any]
     requeue_seconds: float
+    #: The kind of the objects ``create`` and ``delete`` are (the backend's).
+    backend: str = PYTORCHJOB_KIND
     create: dict[str, Any] | None = None
     delete: tuple[str, ...] = ()
     #: When set, the pods of the PyTorchJobs in ``delete`` are deleted first, with this grace. A broken

@@ -14,6 +14,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard_operator.backends import Backend, ChildPhase
+from trainguard_operator.backends.trainjob import (
+    COMPLETION_INDEX,
+    RANKS_BY_COMPLETION_INDEX,
+    WORKER_CONTAINER_LABEL,
+)
 from trainguard_operator.inplace import OrderTarget
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
@@ -73,10 +79,13 @@ def as_int(value: Any) -> int | None:
 
 # -------------------------------------------------------------------------------------------- pods ---
 def pod_rank(pod: Mapping[str, Any]) -> int | None:
-    """The node rank of a training-operator pod: Worker i is rank i in a Workers-only PyTorchJob (its pods
-    carry ``RANK_LAYOUT_LABEL``, see ``render``); in one an earlier operator rendered, Master 0 is rank 0
-    and Worker i is rank i+1. None for a pod that is neither."""
+    """The node rank of an attempt's pod: its completion index in a TrainJob's (their
+    ``RANK_LAYOUT_LABEL`` says so); Worker i is rank i in a Workers-only PyTorchJob (its pods carry
+    ``RANK_LAYOUT_LABEL``, see ``render``); in one an earlier operator rendered, Master 0 is rank 0 and
+    Worker i is rank i+1. None for a pod that is none of these."""
     found_labels = labels(pod)
+    if found_labels.get(RANK_LAYOUT_LABEL) == RANKS_BY_COMPLETION_INDEX:
+        return _completion_index(pod)
     kind = str(found_labels.get(REPLICA_TYPE_LABEL, "")).lower()
     index = as_int(found_labels.get(REPLICA_INDEX_LABEL))
     if kind not in ("master", "worker") or index is None:
@@ -91,6 +100,16 @@ def pod_rank(pod: Mapping[str, Any]) -> int | None:
     return index if kind == "master" else index + 1
 
 
+def _completion_index(pod: Mapping[str, Any]) -> int | None:
+    """An Indexed Job's pod's completion index (its label, or on older clusters its annotation)."""
+    annotations = meta(pod).get("annotations")
+    found = labels(pod).get(COMPLETION_INDEX)
+    if found is None and isinstance(annotations, Mapping):
+        found = annotations.get(COMPLETION_INDEX)
+    index = as_int(found)
+    return index if index is not None and index >= 0 else None
+
+
 def attempt_pods(pods: Iterable[Mapping[str, Any]], job: str, attempt: int) -> list[Mapping[str, Any]]:
     """The pods of ``attempt`` of the GuardedTrainingJob ``job``."""
     # Filtered here too: the label selector of the list call is the API server's job, but nothing is
@@ -102,6 +121,14 @@ def attempt_pods(pods: Iterable[Mapping[str, Any]], job: str, attempt: int) -> l
     ]
 
 
+def worker_container(pod: Mapping[str, Any]) -> str:
+    """The name of ``pod``'s training container: the one its ``WORKER_CONTAINER_LABEL`` names (a
+    TrainJob's pods: ``node``, Trainer's name), else ``pytorch``. A label, not the default-container
+    annotation it repeats: the watches keep a pod's labels, not its annotations (``cache.kept``)."""
+    named = labels(pod).get(WORKER_CONTAINER_LABEL)
+    return named if isinstance(named, str) and named else WORKER_CONTAINER
+
+
 def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
     for item in status_of(pod).get("containerStatuses") or []:
         if isinstance(item, Mapping) and item.get("name") == name:
@@ -111,7 +138,7 @@ def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | 
 
 def container_terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The worker container's ``state.terminated`` once it ended, else None."""
-    container = _container_status(pod, WORKER_CONTAINER)
+    container = _container_status(pod, worker_container(pod))
     state = container.get("state") if container else None
     terminated = state.get("terminated") if isinstance(state, Mapping) else None
     return terminated if isinstance(terminated, Mapping) else None
@@ -189,7 +216,7 @@ def _exit_reason(pod: Mapping[str, Any], code: int, report: SidecarReport | None
 
 def worker_restarts(pod: Mapping[str, Any]) -> int:
     """How often the kubelet restarted the worker container (0 when it never did)."""
-    container = _container_status(pod, WORKER_CONTAINER) or {}
+    container = _container_status(pod, worker_container(pod)) or {}
     return max(0, as_int(container.get("restartCount")) or 0)
 
 
@@ -232,14 +259,14 @@ def pod_process(pod: Mapping[str, Any], report: SidecarReport | None, attempt: i
             exit_reason=_exit_reason(pod, code, report),
             ended_at=finished.timestamp() if finished is not None else None,
         )
-    container = _container_status(pod, WORKER_CONTAINER) or {}
+    container = _container_status(pod, worker_container(pod)) or {}
     restarted = as_int(container.get("restartCount")) or 0
     if restarted > 0:
         last_state = container.get("lastState")
         previous = last_state.get("terminated") if isinstance(last_state, Mapping) else None
         code_before = previous.get("exitCode") if isinstance(previous, Mapping) else None
         return ProcessState(
-            lost=f"container {WORKER_CONTAINER} was restarted in place ({restarted}x, last exit "
+            lost=f"container {worker_container(pod)} was restarted in place ({restarted}x, last exit "
             f"{code_before}); a lone rank cannot rejoin the gang"
         )
     phase = status_of(pod).get("phase")
@@ -288,22 +315,10 @@ def _reported(pod: Mapping[str, Any], report: SidecarReport | None, attempt: int
     return report.status if report.status.started_at >= launcher.started_at else None
 
 
-def job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    """The PyTorchJob's condition of ``type_`` when it is True, else None."""
-    for condition in status_of(job).get("conditions") or []:
-        if (
-            isinstance(condition, Mapping)
-            and condition.get("type") == type_
-            and condition.get("status") == "True"
-        ):
-            return condition
-    return None
-
-
 # -------------------------------------------------------------------------------------------- gang ---
 @dataclass(frozen=True)
 class GangReading:
-    """The current attempt as its PyTorchJob, pods and sidecars show it: the gang view of what the ranks
+    """The current attempt as its object, pods and sidecars show it: the gang view of what the ranks
     reported, the policy's observation of each rank, and how many pods are running."""
 
     view: GangView
@@ -322,14 +337,15 @@ def read_gang(
     attempt: int,
     replicas: int,
     job_name: str,
+    backend: Backend,
     host_attempt: int | None = None,
 ) -> GangReading:
-    """Read ``attempt`` of the GuardedTrainingJob ``name`` (``job``: its PyTorchJob ``job_name``, None if
-    absent), running in the pods of ``host_attempt`` when it was restarted in place.
+    """Read ``attempt`` of the GuardedTrainingJob ``name`` (``job``: its ``backend`` object ``job_name``,
+    None if absent), running in the pods of ``host_attempt`` when it was restarted in place.
 
-    Two pods for one rank (a replacement beside a terminating one): the failing one counts. A PyTorchJob
-    deleted by someone else is a lost gang; one the training operator marked Succeeded is a gang whose
-    every rank exited 0; one it marked Failed without a failing rank is a lost rank 0.
+    Two pods for one rank (a replacement beside a terminating one): the failing one counts. An object
+    deleted by someone else is a lost gang; one its controller reports succeeded is a gang whose every
+    rank exited 0; one it reports failed without a failing rank is a lost rank 0.
     """
     mine = attempt_pods(pods, name, host_attempt or attempt)
     chosen: dict[int, tuple[WorkerStatus | None, RankObservation]] = {}
@@ -350,25 +366,27 @@ def read_gang(
             places[rank] = (str(meta(pod).get("name", "")), pod_node(pod))
     view = observe_gang({rank: status for rank, (status, _) in chosen.items()}, replicas, timeouts)
     running = sum(1 for p in mine if status_of(p).get("phase") == "Running")
-    return GangReading(view, _job_ranks(job, job_name, chosen, replicas), running, places)
+    return GangReading(view, _job_ranks(job, job_name, backend, chosen, replicas), running, places)
 
 
 def _job_ranks(
     job: Mapping[str, Any] | None,
     job_name: str,
+    backend: Backend,
     chosen: Mapping[int, tuple[WorkerStatus | None, RankObservation]],
     replicas: int,
 ) -> tuple[RankObservation, ...]:
     if job is None or meta(job).get("deletionTimestamp"):
-        why = f"PyTorchJob {job_name} was deleted by someone else"
+        why = f"{backend.kind} {job_name} was deleted by someone else"
         return (RankObservation(rank=0, alive=None, lost=True, reason=why),)
-    if job_condition(job, "Succeeded") is not None:
+    state = backend.state(job)
+    if state.phase is ChildPhase.SUCCEEDED:
         return tuple(RankObservation(rank=r, exit_code=0, alive=None) for r in range(replicas))
     ranks = [chosen[r][1] if r in chosen else RankObservation(rank=r, alive=None) for r in range(replicas)]
-    failed = job_condition(job, "Failed")
+    failed = state.phase is ChildPhase.FAILED
     succeeded = all(r.exit_code == 0 for r in ranks)  # a declared finish, then a teardown crash
-    if failed is not None and not succeeded and not any(classify(r) for r in ranks):
-        why = f"PyTorchJob {job_name} failed: {failed.get('message') or failed.get('reason')}"
+    if failed and not succeeded and not any(classify(r) for r in ranks):
+        why = f"{backend.kind} {job_name} failed: {state.message}"
         ranks[0] = RankObservation(rank=0, alive=None, lost=True, reason=why)
     return tuple(ranks)
 

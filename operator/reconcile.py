@@ -39,6 +39,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
+from trainguard_operator.backends import Backend, RenderRequest
+from trainguard_operator.backends.choice import backend_of, choose
 from trainguard_operator.goodput import job_goodput, job_pace
 from trainguard_operator.inplace_step import InPlace
 from trainguard_operator.pinning import (
@@ -71,9 +73,6 @@ from trainguard_operator.render import (
     FailureHistory,
     Owner,
     RenderError,
-    pytorchjob_name,
-    render_pytorchjob,
-    rendered_world,
     stop_grace_seconds,
 )
 from trainguard_operator.settings import OperatorSettings
@@ -147,6 +146,8 @@ class _Draft:
         self.st = self.old.model_copy(deep=True)
         self.st.observed_generation = generation
         self.events: list[EventNote] = []
+        #: What the attempts run as: the status's, until the opening chooses (``choice.choose``).
+        self.backend: Backend = backend_of(self.old.backend)
 
     # ------------------------------------------------------------------------------------ helpers ---
     def owns(self, obj: Mapping[str, Any]) -> bool:
@@ -188,6 +189,7 @@ class _Draft:
             status=self.st,
             patch=patch,
             requeue_seconds=max(MIN_REQUEUE_SECONDS, requeue),
+            backend=self.backend.kind,
             events=tuple(self.events),
             **extra,
         )
@@ -222,11 +224,12 @@ class _Draft:
         """A final job stays put; a failed one's gang is stopped if it still runs (operator restarted)."""
         phase = Phase(self.st.phase or Phase.FAILED.value)
         delete: tuple[str, ...] = ()
-        if phase is Phase.FAILED and self.world.jobs is not None:
+        objects = self.world.objects(self.backend.kind)
+        if phase is Phase.FAILED and objects is not None:
             # The give-up was recorded but the gang may not have been stopped (operator restarted).
             delete = tuple(
                 str(meta(j).get("name"))
-                for j in self.world.jobs
+                for j in objects
                 if labels(j).get(JOB_LABEL) == self.name
                 and self.owns(j)
                 and not meta(j).get("deletionTimestamp")
@@ -256,15 +259,19 @@ class _Draft:
             phase_message=message,
         )
 
-    def blocked_crd(self) -> Plan:
-        """BLOCKED while the cluster has no PyTorchJob CRD, with the PyTorchJobCRDMissing condition."""
+    def blocked_crd(self, waiting: Sequence[Backend]) -> Plan:
+        """BLOCKED while the cluster serves none of the ``waiting`` backends' CRDs, with the
+        BackendCRDMissing condition (and Event, once) naming each and what installs it."""
+        crds = " nor ".join(f"a {b.kind} CRD ({b.api_version} {b.plural})" for b in waiting)
+        needs = ", or ".join(b.needs for b in waiting)
         message = (
-            "the cluster has no PyTorchJob CRD (kubeflow.org/v1 pytorchjobs): install the Kubeflow "
-            f"training operator; retrying every {self.settings.crd_retry_seconds:g} s"
+            f"the cluster has {'neither ' if len(waiting) > 1 else ''}{crds}: install {needs}; retrying "
+            f"every {self.settings.crd_retry_seconds:g} s"
         )
+        reason = f"{waiting[0].kind}CRDMissing" if len(waiting) == 1 else "NoBackendCRD"
         if self.became_true(ConditionType.CRD_MISSING, message):
-            self.event("Warning", "PyTorchJobCRDMissing", message)
-        self.condition(ConditionType.CRD_MISSING, True, "PyTorchJobCRDMissing", message)
+            self.event("Warning", reason, message)
+        self.condition(ConditionType.CRD_MISSING, True, reason, message)
         return self.plan(PlanAction.BLOCKED, self.settings.crd_retry_seconds, phase_message=message)
 
     def refusals(self, refused: list[str]) -> None:
@@ -273,8 +280,8 @@ class _Draft:
             self.condition(ConditionType.SPEC_CHANGE_REFUSED, False, "SpecMatchesRunningJob")
             return
         message = (
-            f"changes to {', '.join(refused)} are refused while the job runs: template and checkpoint "
-            "are fixed for the job's life, and every attempt keeps using the original values "
+            f"changes to {', '.join(refused)} are refused while the job runs: template, checkpoint and "
+            "backend are fixed for the job's life, and every attempt keeps using the original values "
             "(replicas and nprocPerNode may change: from the next gang restart). "
             "Revert the change, or delete and re-create the job."
         )
@@ -301,10 +308,12 @@ class StepContext:
     restarts: int
     #: The attempt whose pods run the gang (another than ``attempt`` after a restart in place).
     host: int
-    #: The host attempt's PyTorchJob, and that object when it exists and this job owns it.
+    #: What the attempts run as.
+    backend: Backend
+    #: The host attempt's object, and that object when it exists and this job owns it.
     job_name: str
     current: Mapping[str, Any] | None
-    #: Whether this job's other PyTorchJobs are still there, and those of them to delete.
+    #: Whether this job's other objects are still there, and those of them to delete.
     stale_present: bool
     stale_delete: tuple[str, ...]
 
@@ -327,27 +336,39 @@ def _open(draft: _Draft) -> Plan | StepContext:
     except ValidationError as exc:
         return draft.blocked_spec(f"{draft.namespace}/{draft.name}: {exc}")
     draft.refusals(refused)
-    if draft.world.jobs is None:
-        return draft.blocked_crd()
-    draft.condition(ConditionType.CRD_MISSING, False, "PyTorchJobCRDFound")
+    world = draft.world
+    backend, waiting = choose(
+        effective.backend, st.backend, st.attempt is not None, lambda kind: world.objects(kind) is not None
+    )
+    objects = world.objects(backend.kind) if backend is not None else None
+    if backend is None or objects is None:
+        return draft.blocked_crd(waiting)
+    draft.backend = backend
+    draft.condition(ConditionType.CRD_MISSING, False, "BackendCRDFound")
     if st.attempt is None:
         st.attempt, st.restarts, st.handled_attempt = 1, 0, 0
         st.phase = Phase.PENDING.value
-        # Due now; recorded so that the wait for a leftover PyTorchJob is bounded for attempt 1 too.
+        st.backend = backend.kind
+        # Due now; recorded so that the wait for a leftover object is bounded for attempt 1 too.
         st.next_attempt_at = iso_precise(draft.now)
-    return _context(draft, job.model_copy(update={"spec": effective}), job, draft.world.jobs)
+    return _context(draft, job.model_copy(update={"spec": effective}), job, backend, objects)
 
 
 def _context(
-    draft: _Draft, job: GuardedTrainingJob, asked: GuardedTrainingJob, jobs: Sequence[Mapping[str, Any]]
+    draft: _Draft,
+    job: GuardedTrainingJob,
+    asked: GuardedTrainingJob,
+    backend: Backend,
+    jobs: Sequence[Mapping[str, Any]],
 ) -> StepContext:
-    """The context of a step on ``job`` (the spec acted on), the attempt recorded, and ``jobs``."""
+    """The context of a step on ``job`` (the spec acted on), the attempt recorded, and ``jobs`` (the
+    objects of ``backend``)."""
     attempt = draft.st.attempt
     assert attempt is not None  # recorded by the opening
     host = draft.st.host_attempt or attempt
-    job_name = pytorchjob_name(draft.name, host)
+    job_name = backend.child_name(draft.name, host)
     labelled = [j for j in jobs if labels(j).get(JOB_LABEL) == draft.name]
-    # A PyTorchJob of a deleted namesake (same name, other uid) is on its way out: never adopted.
+    # An object of a deleted namesake (same name, other uid) is on its way out: never adopted.
     current = next((j for j in labelled if meta(j).get("name") == job_name and draft.owns(j)), None)
     stale = [j for j in labelled if j is not current]
     return StepContext(
@@ -357,6 +378,7 @@ def _context(
         attempt=attempt,
         restarts=draft.st.restarts or 0,
         host=host,
+        backend=backend,
         job_name=job_name,
         current=current,
         stale_present=bool(stale),
@@ -431,6 +453,10 @@ class _Step(Trackers, InPlace):
         return self.context.host
 
     @property
+    def backend(self) -> Backend:
+        return self.context.backend
+
+    @property
     def job_name(self) -> str:
         return self.context.job_name
 
@@ -479,7 +505,7 @@ class _Step(Trackers, InPlace):
         self.st.attempt_started_at = iso_precise(at)
         if self.attempt == 1 and self.st.job_started_at is None:
             self.st.job_started_at = self.st.attempt_started_at
-        self.st.pytorch_job = self.job_name
+        setattr(self.st, self.backend.status_field, self.job_name)
         self.st.next_attempt_at = None
         self.st.host_attempt = None
         self.st.in_place_restarts = 0
@@ -518,23 +544,27 @@ class _Step(Trackers, InPlace):
                 min(self.period, STALE_POLL_SECONDS),
                 delete=self.stale_delete,
                 phase_reason="WaitingForPreviousAttempt",
-                phase_message=f"attempt {self.attempt} waits for the previous attempt's PyTorchJob to go",
+                phase_message=(
+                    f"attempt {self.attempt} waits for the previous attempt's {self.backend.kind} to go"
+                ),
             )
         return self.take_world_size_change().create_attempt()
 
     def create_attempt(self) -> Plan:
-        """Render the attempt's PyTorchJob and plan its creation (BLOCKED when it does not render)."""
+        """Render the attempt's object and plan its creation (BLOCKED when it does not render)."""
         restarting = self.restarts > 0
         try:
-            manifest = render_pytorchjob(
-                self.job,
-                Owner(self.name, self.namespace, self.uid),
-                self.attempt,
-                self.st.remediation,
-                self.settings,
-                checkpoint_seconds=self.st.checkpoint_seconds,
-                history=self.failure_history(),
-                avoid_node=self.st.avoid_node,
+            manifest = self.backend.render(
+                RenderRequest(
+                    self.job,
+                    Owner(self.name, self.namespace, self.uid),
+                    self.attempt,
+                    self.st.remediation,
+                    self.settings,
+                    checkpoint_seconds=self.st.checkpoint_seconds,
+                    history=self.failure_history(),
+                    avoid_node=self.st.avoid_node,
+                )
             )
         except RenderError as exc:
             return self.blocked_spec(str(exc))
@@ -550,7 +580,7 @@ class _Step(Trackers, InPlace):
         self.event(
             "Normal",
             "AttemptCreated",
-            f"created PyTorchJob {self.job_name} for attempt {self.attempt} "
+            f"created {self.backend.kind} {self.job_name} for attempt {self.attempt} "
             f"({self.job.spec.replicas} replica(s)){extra}",
         )
         return self.plan(
@@ -564,12 +594,12 @@ class _Step(Trackers, InPlace):
             phase_message=self.pods_running_message(0),
         )
 
-    def adopt_world(self, pytorchjob: Mapping[str, Any]) -> _Step:
-        """Pin the world size an adopted PyTorchJob was rendered for, and go on with the spec it makes.
+    def adopt_world(self, child: Mapping[str, Any]) -> _Step:
+        """Pin the world size an adopted object was rendered for, and go on with the spec it makes.
         The step that created it pinned the spec it read, but its status write was lost; the spec read
         since may ask for another world size, which this attempt does not run at (it takes effect at
         the next gang restart)."""
-        world = rendered_world(pytorchjob)
+        world = self.backend.rendered_world(child)
         if world is None or self.st.pinned is None:
             return self
         if all(self.st.pinned.get(key) == value for key, value in world.items()):
@@ -613,6 +643,7 @@ class _Step(Trackers, InPlace):
             attempt=self.attempt,
             replicas=self.job.spec.replicas,
             job_name=self.job_name,
+            backend=self.backend,
             host_attempt=self.st.host_attempt,
         )
         fallback, starting = self.in_place_failure()
@@ -725,7 +756,7 @@ class _Step(Trackers, InPlace):
         return due, message
 
     def restart(self, decision: Decision, recovered: float | None, grace: int) -> Plan:
-        due, message = self.schedule_next(decision, "as a new PyTorchJob")
+        due, message = self.schedule_next(decision, f"as a new {self.backend.kind}")
         straggler = decision.failure is FailureKind.STRAGGLER
         return self.plan(
             PlanAction.RESTART,

@@ -112,6 +112,18 @@ class Owner:
     uid: str
 
 
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    """The owner reference of an attempt's object: the GuardedTrainingJob, its controller."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
 def is_dns1035_label(value: str) -> bool:
     """Whether ``value`` is a DNS-1035 label (what Service names must be)."""
     return len(value) <= 63 and bool(_DNS1035.match(value))
@@ -175,7 +187,7 @@ def _env_map(env: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, 
     return {str(item.get("name")): item for item in env or []}
 
 
-def _replacing_env(
+def replacing_env(
     existing: Sequence[Mapping[str, Any]] | None, owned: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The user's env without the variables ``owned`` names, then ``owned`` (values or ``valueFrom``)."""
@@ -189,7 +201,7 @@ def _worker_env(
     """The worker's env: the user's, trainguard's own variables replacing any of the same name (as the
     local runner does: the status path and settings must agree with the sidecar and the spec), then the
     NCCL defaults the user did not set."""
-    result = _replacing_env(existing, [{"name": name, "value": value} for name, value in owned.items()])
+    result = replacing_env(existing, [{"name": name, "value": value} for name, value in owned.items()])
     user = _env_map(existing)
     result += [{"name": name, "value": value} for name, value in defaults.items() if name not in user]
     return result
@@ -355,7 +367,7 @@ def render_pod_template(
     """One replica's pod template: the user's template with trainguard's pieces added (module docstring);
     with ``avoid_node`` (a straggler's node, after ``health.straggler.action: restart``), kept off it."""
     spec = job.spec
-    template = spec.template.model_dump(mode="json", exclude_none=True)
+    template = spec.template.model_dump(mode="json", by_alias=True, exclude_none=True)
     pod = template.setdefault("spec", {})
     if avoid_node:
         _avoid_node(pod, avoid_node)
@@ -467,10 +479,10 @@ def _add_rendezvous(template: dict[str, Any], pytorchjob: str, world_size: int) 
         {"name": "RANK", "valueFrom": rank},
         {"name": "PET_NODE_RANK", "valueFrom": copy.deepcopy(rank)},
     ]
-    worker["env"] = _replacing_env(worker.get("env"), owned)
+    worker["env"] = replacing_env(worker.get("env"), owned)
 
 
-def _add_launcher(
+def add_launcher(
     template: dict[str, Any], job: GuardedTrainingJob, settings: OperatorSettings, signer: OrderSigner
 ) -> None:
     """Run the worker command under the launcher, and tell the sidecar the order token's digest, the key
@@ -535,7 +547,7 @@ def render_pytorchjob(
     _add_rendezvous(template, name, job.spec.replicas * job.spec.nproc_per_node)
     if settings.restarts_in_place:
         signer = order_signer(settings.order_key.get_secret_value(), owner.uid, owner.namespace, name)
-        _add_launcher(template, job, settings, signer)
+        add_launcher(template, job, settings, signer)
     replicas = {REPLICA_TYPE: {"replicas": job.spec.replicas, "restartPolicy": "Never", "template": template}}
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,
@@ -544,16 +556,7 @@ def render_pytorchjob(
             "name": name,
             "namespace": owner.namespace,
             "labels": labels,
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": KIND,
-                    "name": owner.name,
-                    "uid": owner.uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [owner_reference(owner)],
         },
         "spec": {
             "pytorchReplicaSpecs": replicas,

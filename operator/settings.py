@@ -88,6 +88,10 @@ class OperatorSettings(BaseModel):
     #: Keep a warm spare (torch imported) beside each worker for a restart in place, where the worker
     #: container's memory limit leaves room for it (the launcher looks).
     warm_spares: bool = True
+    #: The ClusterTrainingRuntime a GuardedTrainingJob's TrainJobs name (the chart's guarded runtime).
+    trainjob_runtime: str = Field("trainguard-torch-distributed", min_length=1, max_length=253)
+    #: The liveness probe period of that runtime: a TrainJob job must ask for this one.
+    trainjob_probe_period_seconds: int = Field(10, ge=1, le=3600)
 
     @property
     def restarts_in_place(self) -> bool:

@@ -49,7 +49,7 @@ class ConditionType(StrEnum):
     FAILED = "Failed"
     SPEC_INVALID = "SpecInvalid"
     SPEC_CHANGE_REFUSED = "SpecChangeRefused"
-    CRD_MISSING = "PyTorchJobCRDMissing"
+    CRD_MISSING = "BackendCRDMissing"
     DROP_RATE_HIGH = "DropRateHigh"
 
 
@@ -113,7 +113,13 @@ class JobStatus(GuardedTrainingJobStatus):
     attempt_created: int = Field(0, ge=0, description="The last attempt whose PyTorchJob was created.")
     attempt_started_at: str | None = Field(None, description="When the current attempt was created.")
     next_attempt_at: str | None = Field(None, description="When the pending attempt may be created.")
+    backend: str | None = Field(
+        None,
+        description="What the job's attempts run as (PyTorchJob or TrainJob), chosen when its first attempt "
+        "was created (unset with an attempt: PyTorchJob, the only backend before there were two).",
+    )
     pytorch_job: str | None = Field(None, description="The current attempt's PyTorchJob.")
+    train_job: str | None = Field(None, description="The current attempt's TrainJob.")
     host_attempt: int | None = Field(
         None,
         ge=1,
@@ -127,8 +133,8 @@ class JobStatus(GuardedTrainingJobStatus):
     remediation: RemediationOrder | None = Field(None, description="Handed to the current attempt.")
     pinned: dict[str, Any] | None = Field(
         None,
-        description="replicas, nprocPerNode, template and checkpoint as the job started: changes are "
-        "refused.",
+        description="replicas, nprocPerNode, template, checkpoint and backend as the job started: changes "
+        "are refused.",
     )
     recovering_since: str | None = Field(None, description="Failure time of the recovery in progress.")
     samples_seen: int | None = None
@@ -275,7 +281,7 @@ def phase_conditions(
     """Running, Restarting, Succeeded, Failed and the Ready summary, all consistent with ``phase``.
 
     Ready is True while the job runs without a pending recovery or has succeeded, and never while a
-    SpecInvalid, PyTorchJobCRDMissing or SpecChangeRefused condition is True.
+    SpecInvalid, BackendCRDMissing or SpecChangeRefused condition is True.
     """
     result = list(conditions)
     for type_, own in (

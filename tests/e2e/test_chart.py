@@ -13,7 +13,7 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "monitoring": {"force": True, "labels": {"release": "kube-prometheus-stack"}},
     "dashboard": {"enabled": True},
     "restartInPlace": {"existingSecret": "team-order-key"},
+    "trainJobRuntime": {"install": True},
 }
 
 
@@ -86,6 +87,12 @@ RBAC_CONTRACT: tuple[Need, ...] = (
         "pytorchjobs",
         "get list watch create delete patch",
         "one PyTorchJob per attempt, deleted on a gang restart",
+    ),
+    _need(
+        "trainer.kubeflow.org",
+        "trainjobs",
+        "list watch create delete",
+        "or one TrainJob per attempt (Kubeflow Trainer v2), deleted on a gang restart",
     ),
     _need(
         "",
@@ -307,6 +314,19 @@ def validate_object(obj: dict[str, Any], version: str) -> None:
         return
     if obj["kind"] in MONITORING_KINDS:
         return  # test_prometheus_operator_objects_decode_strictly
+    if obj["kind"] == "ClusterTrainingRuntime":
+        # Trainer's own schema is not the chart's to ship: each replicated job's template is checked as
+        # the batch/v1 Job JobSet makes of it (its pod strictly, as any pod).
+        for replicated in obj["spec"]["template"]["spec"]["replicatedJobs"]:
+            name = f"{obj['metadata']['name']}-{replicated['name']}"
+            job = {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": name},
+                **replicated["template"],
+            }
+            validate_object(job, version)
+        return
     try:
         kubernetes_validate.validate(obj, version, strict=True)
     except kubernetes_validate.ValidationError as exc:  # a jsonschema.ValidationError
@@ -385,7 +405,9 @@ def test_templates_are_named_component_kind(custom: Rendered) -> None:
     for source, obj in zip(custom.sources, custom.objects, strict=True):
         component, _, kind = Path(source).stem.partition("-")
         assert kind == obj["kind"].lower(), f"{source} renders a {obj['kind']}"
-        assert component in {"operator", "sidecar", "crd", "peering", "alerts", "dashboard"}, source
+        assert component in {"operator", "sidecar", "crd", "peering", "alerts", "dashboard", "runtime"}, (
+            source
+        )
     files = {p.name for p in (CHART / "templates").iterdir()}
     assert {f for f in files if not re.fullmatch(r"_\w+\.tpl|NOTES\.txt|[a-z]+-[a-z]+\.yaml", f)} == set()
 
@@ -492,13 +514,16 @@ def restricted_violations(pod: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def pod_specs(objects: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def pod_specs(objects: Iterable[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
     for obj in objects:
         kind = obj["kind"]
         if kind == "Pod":
             yield obj["metadata"]["name"], obj["spec"]
         elif kind in {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}:
             yield f"{kind}/{obj['metadata']['name']}", obj["spec"]["template"]["spec"]
+        elif kind == "ClusterTrainingRuntime":
+            for replicated in obj["spec"]["template"]["spec"]["replicatedJobs"]:
+                yield f"{kind}/{replicated['name']}", replicated["template"]["spec"]["template"]["spec"]
         elif kind == "CronJob":
             yield f"{kind}/{obj['metadata']['name']}", obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
 
@@ -637,7 +662,10 @@ def test_rbac_grants_exactly_the_contract(mode: tuple[dict[str, Any], Rendered])
         clusterwide=clusterwide, peering=operator.get("replicas", 1) > 1, namespaces=namespaces
     )
     service_account = rendered.one("ServiceAccount")["metadata"]["name"]
-    pods = [spec for _, spec in pod_specs(rendered.objects)]
+    # The operator's pods (the runtime's are the workers', run as their TrainJobs say).
+    pods = [
+        spec for _, spec in pod_specs(o for o in rendered.objects if o["kind"] != "ClusterTrainingRuntime")
+    ]
     assert {p["serviceAccountName"] for p in pods} == {service_account}
     actual = rendered_grants(rendered, service_account)
     assert actual - expected == set(), "the chart grants more than the operator uses"
@@ -885,6 +913,8 @@ def _nested(dotted: str, value: Any) -> dict[str, Any]:
         ("alerts.checkpointStale.maxAgeSeconds", -60, "minimum: got -60, want 60"),
         ("alerts.rollbackRate.window", "an hour", "does not match pattern"),
         ("crds.keep", "maybe", "got string, want boolean"),
+        ("trainJobRuntime.install", "yes", "value must be one of"),
+        ("trainJobRuntime.probePeriodSeconds", 0, "minimum: got 0, want 1"),
     ],
 )
 def test_the_schema_refuses_bad_values(key: str, value: Any, message: str, tmp: Path) -> None:
@@ -1011,3 +1041,96 @@ def test_notes_say_what_was_installed(tmp: Path) -> None:
     assert "serves every namespace" in text
     assert "stays in place on helm uninstall" in text
     assert "set monitoring.force=true" in text
+
+
+# --------------------------------------------------------------------------------------------------
+# Kubeflow Trainer v2: trainguard's ClusterTrainingRuntime
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_runtime_is_installed_when_the_cluster_has_trainer_or_when_asked(
+    default: Rendered, tmp: Path
+) -> None:
+    assert default.of_kind("ClusterTrainingRuntime") == []
+    detected = render(None, tmp, "--api-versions", "trainer.kubeflow.org/v1alpha1")
+    assert detected.one("ClusterTrainingRuntime")["metadata"]["name"] == "trainguard-torch-distributed"
+    assert render({"trainJobRuntime": {"install": True}}, tmp).of_kind("ClusterTrainingRuntime")
+    off = render(
+        {"trainJobRuntime": {"install": False}}, tmp, "--api-versions", "trainer.kubeflow.org/v1alpha1"
+    )
+    assert off.of_kind("ClusterTrainingRuntime") == []
+
+
+def _runtime_pod(rendered: Rendered) -> dict[str, Any]:
+    (node,) = rendered.one("ClusterTrainingRuntime")["spec"]["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == "node"
+    assert node["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    pod: dict[str, Any] = node["template"]["spec"]["template"]
+    return pod
+
+
+def test_the_runtime_is_the_pod_the_operator_renders_and_restarts_nothing(custom: Rendered) -> None:
+    """The runtime holds what the operator adds to a PyTorchJob's pods (its sidecar, status volume,
+    probe and launcher), from the operator's own render with the chart's settings; JobSet, Job and
+    the kubelet restart nothing."""
+    from trainguard_operator.inplace import order_wait_seconds
+    from trainguard_operator.render import Owner, render_pytorchjob
+    from trainguard_operator.settings import OperatorSettings
+
+    from tests.support.manifests import gtj_manifest, load
+
+    runtime = custom.one("ClusterTrainingRuntime")
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert node["template"]["spec"]["backoffLimit"] == 0
+    assert node["replicas"] == 1
+    env = {e["name"]: e["value"] for e in _container(custom, "StatefulSet")["env"] if "value" in e}
+    settings = OperatorSettings.from_env(
+        {k: v for k, v in env.items() if k.startswith("TRAINGUARD_OPERATOR_")}
+        | {"TRAINGUARD_OPERATOR_ORDER_KEY": "k" * 64}
+    )
+    assert settings.trainjob_runtime == runtime["metadata"]["name"]
+    period = settings.trainjob_probe_period_seconds
+    manifest = gtj_manifest(health={"hangTimeoutSeconds": 300, "probePeriodSeconds": period})
+    rendered = render_pytorchjob(load(manifest), Owner("tiny-lm", "research", "uid"), 1, None, settings)
+    theirs = rendered["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    ours = _runtime_pod(custom)["spec"]
+    assert ours["restartPolicy"] == theirs["restartPolicy"] == "Never"
+    status_volume = next(v for v in theirs["volumes"] if v["name"] == "trainguard-status")
+    assert ours["volumes"] == [status_volume]
+    (sidecar,) = ours["initContainers"]
+    their_sidecar = next(c for c in theirs["initContainers"] if c["name"] == "trainguard-sidecar")
+    for key in set(their_sidecar) - {"env"}:
+        assert sidecar[key] == their_sidecar[key], key
+    their_env = {e["name"]: e for e in their_sidecar["env"]}
+    for item in sidecar["env"]:
+        assert their_env[item["name"]] == item
+    (worker,) = ours["containers"]
+    their_worker = next(c for c in theirs["containers"] if c["name"] == "pytorch")
+    assert worker["name"] == "node"
+    assert worker["livenessProbe"] == their_worker["livenessProbe"]
+    assert [m for m in their_worker["volumeMounts"] if m["name"] == "trainguard-status"] == worker[
+        "volumeMounts"
+    ]
+    assert worker["command"] == [
+        "trainguard-launch",
+        "--order-wait-seconds",
+        str(order_wait_seconds(period)),
+        "--",
+    ]
+    assert (
+        their_worker["command"][their_worker["command"].index("--order-wait-seconds") + 1]
+        == worker["command"][2]
+    )
+
+
+def test_the_runtimes_probe_period_is_the_operators(tmp: Path) -> None:
+    rendered = render(
+        {"trainJobRuntime": {"install": True, "probePeriodSeconds": 3, "name": "tg-torch"}}, tmp
+    )
+    assert rendered.one("ClusterTrainingRuntime")["metadata"]["name"] == "tg-torch"
+    probe = _runtime_pod(rendered)["spec"]["containers"][0]["livenessProbe"]
+    assert (probe["periodSeconds"], probe["timeoutSeconds"]) == (3, 3)
+    env = {e["name"]: e.get("value") for e in _container(rendered, "Deployment")["env"]}
+    assert env["TRAINGUARD_OPERATOR_TRAINJOB_PROBE_PERIOD_SECONDS"] == "3"
+    assert env["TRAINGUARD_OPERATOR_TRAINJOB_RUNTIME"] == "tg-torch"

@@ -253,18 +253,17 @@ async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_opera
     async with operator():
         await post(cluster, GTJ_PATH, gtj())
         await post(cluster, GTJ_PATH, invalid)
-        missing = await eventually(
-            lambda: conditions(cluster).get("PyTorchJobCRDMissing"), what="CRD condition"
-        )
-        assert missing["status"] == "True"
+        missing = await eventually(lambda: conditions(cluster).get("BackendCRDMissing"), what="CRD condition")
+        assert (missing["status"], missing["reason"]) == ("True", "NoBackendCRD")
         assert "kubeflow.org/v1 pytorchjobs" in missing["message"]
+        assert "trainer.kubeflow.org/v1alpha1 trainjobs" in missing["message"]
         assert conditions(cluster)["Ready"]["status"] == "False"
         spec_invalid = await eventually(lambda: conditions(cluster, "broken").get("SpecInvalid"))
         assert spec_invalid["status"] == "True"
         assert "spec.checkpoint.claimName" in spec_invalid["message"]
         assert "spec.checkpoint.mountPath" in spec_invalid["message"]
         await eventually(lambda: "SpecInvalid" in event_reasons(cluster, "broken"), what="SpecInvalid event")
-        await eventually(lambda: "PyTorchJobCRDMissing" in event_reasons(cluster), what="CRD event")
+        await eventually(lambda: "NoBackendCRD" in event_reasons(cluster), what="CRD event")
         # Retried with a delay, not in a hot loop: ~1 s apart (crdRetrySeconds) for a few seconds.
         before = len(cluster)
         await asyncio.sleep(2.0)
@@ -273,7 +272,7 @@ async def test_missing_crd_invalid_spec_and_refused_change_do_not_stop_the_opera
         # The Kubeflow training operator gets installed: the job starts, the broken one still does not.
         await install_crd(cluster, pytorchjob_crd())
         await eventually(lambda: alive(cluster, PTJ, "tiny-lm-1"), what="the PyTorchJob once the CRD exists")
-        await eventually(lambda: conditions(cluster)["PyTorchJobCRDMissing"]["status"] == "False")
+        await eventually(lambda: conditions(cluster)["BackendCRDMissing"]["status"] == "False")
         assert alive(cluster, PTJ, "broken-1") is None
         # kopf has finished the creation (its handler retried while the CRD was missing) before the
         # change: a change made while it still retries is admitted as part of the creation.

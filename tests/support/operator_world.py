@@ -1,6 +1,7 @@
-"""An in-memory "API server" for the pure reconcile step: a GuardedTrainingJob, its PyTorchJobs and its
-pods as the real one stores them (objects and their status), the pods and sidecar answers a scenario
-sets, and one reconcile step carried out on that state in the executor's order (``Cluster.step``)."""
+"""An in-memory "API server" for the pure reconcile step: a GuardedTrainingJob, its PyTorchJobs (or
+TrainJobs) and its pods as the real one stores them (objects and their status), the pods and sidecar
+answers a scenario sets, and one reconcile step carried out on that state in the executor's order
+(``Cluster.step``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import yaml
+from trainguard_operator.backends.trainjob import (
+    COMPLETION_INDEX,
+    JOBSET_NAME_LABEL,
+    RANKS_BY_COMPLETION_INDEX,
+    TRAINJOB_KIND,
+    WORKER_CONTAINER_LABEL,
+)
 from trainguard_operator.reconcile import Plan, World, reconcile
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
@@ -28,6 +36,7 @@ from trainguard_operator.status import JobStatus
 
 from tests.support.manifests import gtj_manifest
 from tests.support.paths import REPO_ROOT
+from trainer_sidecar.contract.inplace import LauncherPhase, LauncherState
 from trainer_sidecar.contract.status import WorkerStatus
 from trainguard.core.observation import SidecarReport
 
@@ -69,9 +78,11 @@ def pod(
     container_reason: str | None = None,
     finished_at: str | None = None,
     job: str = "tiny-lm",
+    backend: str = "PyTorchJob",
     **status: Any,
 ) -> dict[str, Any]:
-    """A pod as the training operator creates it and the kubelet reports it."""
+    """A pod as the training operator (``backend`` TrainJob: JobSet's Job controller) creates it and the
+    kubelet reports it."""
     state: dict[str, Any] = {"running": {"startedAt": "2030-01-01T00:00:00Z"}}
     if exit_code is not None:
         state = {
@@ -83,6 +94,8 @@ def pod(
         if finished_at is not None:
             state["terminated"]["finishedAt"] = finished_at
         phase = "Succeeded" if exit_code == 0 else "Failed"
+    if backend == TRAINJOB_KIND:
+        return _trainjob_pod(attempt, rank, job, phase, state, status)
     return {
         "metadata": {
             "name": f"{pytorchjob_name(job, attempt)}-worker-{rank}",
@@ -104,12 +117,71 @@ def pod(
     }
 
 
+def _trainjob_pod(
+    attempt: int, rank: int, job: str, phase: str, state: dict[str, Any], status: dict[str, Any]
+) -> dict[str, Any]:
+    child = pytorchjob_name(job, attempt)
+    return {
+        "metadata": {
+            "name": pod_name(attempt, rank, TRAINJOB_KIND, job),
+            "namespace": "research",
+            "labels": {
+                JOB_LABEL: job,
+                ATTEMPT_LABEL: str(attempt),
+                RANK_LAYOUT_LABEL: RANKS_BY_COMPLETION_INDEX,
+                COMPLETION_INDEX: str(rank),
+                JOBSET_NAME_LABEL: child,
+                WORKER_CONTAINER_LABEL: "node",
+            },
+            "annotations": {COMPLETION_INDEX: str(rank), "kubectl.kubernetes.io/default-container": "node"},
+        },
+        "status": {
+            "phase": phase,
+            "podIP": f"10.0.0.{rank + 1}",
+            "containerStatuses": [{"name": "node", "restartCount": 0, "state": state}],
+            **status,
+        },
+    }
+
+
+def pod_name(attempt: int, rank: int, backend: str = "PyTorchJob", job: str = "tiny-lm") -> str:
+    """The name of rank ``rank``'s pod of ``attempt`` (JobSet's ``<jobset>-node-0-<index>-<suffix>``)."""
+    child = pytorchjob_name(job, attempt)
+    return f"{child}-node-0-{rank}-x7k2p" if backend == TRAINJOB_KIND else f"{child}-worker-{rank}"
+
+
 def report(alive: bool = True, reason: str = "running", **status: Any) -> SidecarReport:
     """A sidecar's /status answer."""
     worker = {"phase": "running", "step": 100, "started_at": 1.0, "last_step_time": 2.0, **status}
     return SidecarReport(
         reachable=True, alive=alive, reason=reason, status=WorkerStatus.model_validate(worker)
     )
+
+
+def worker_report(
+    attempt: int,
+    phase: LauncherPhase = LauncherPhase.RUNNING,
+    *,
+    alive: bool = True,
+    started: float = T0.timestamp(),
+    status_started: float | None = None,
+    step: int = 100,
+    exit_code: int | None = None,
+    output: str = "",
+) -> SidecarReport:
+    """A sidecar's answer for a pod whose launcher runs ``attempt`` (its worker started at ``started``)."""
+    launcher = LauncherState(
+        attempt=attempt,
+        phase=phase,
+        since=started,
+        updated_at=started,
+        exit_code=exit_code,
+        started_at=None if phase is LauncherPhase.STOPPING else started,
+        output_tail=output,
+    )
+    begun = started + 1 if status_started is None else status_started
+    status = WorkerStatus(phase="running", step=step, started_at=begun, last_step_time=begun + 1)
+    return SidecarReport(reachable=True, alive=alive, reason="ok", status=status, launcher=launcher)
 
 
 @dataclass
@@ -122,6 +194,9 @@ class Cluster:
     crd: bool = True
     history: list[Plan] = field(default_factory=list)
     settings: OperatorSettings = SETTINGS
+    #: Whether the TrainJob CRD is served, and the kind of the pods ``run_pods`` makes.
+    trainjob_crd: bool = False
+    backend: str = "PyTorchJob"
 
     @classmethod
     def of(cls, manifest: dict[str, Any] | None = None) -> Cluster:
@@ -141,9 +216,14 @@ class Cluster:
         sidecars: Mapping[str, SidecarReport] | None = None,
         refusals: Mapping[str, str] | None = None,
     ) -> World:
+        def of(kind: str, served: bool) -> list[dict[str, Any]] | None:
+            found = [copy.deepcopy(j) for j in self.jobs.values() if j.get("kind", "PyTorchJob") == kind]
+            return found if served else None
+
         return World(
             body=copy.deepcopy(self.body),
-            jobs=[copy.deepcopy(j) for j in self.jobs.values()] if self.crd else None,
+            jobs=of("PyTorchJob", self.crd),
+            children={TRAINJOB_KIND: of(TRAINJOB_KIND, self.trainjob_crd)},
             pods=copy.deepcopy(self.pods),
             sidecars=dict(sidecars or {}),
             now=now,
@@ -196,7 +276,7 @@ class Cluster:
         return self.jobs[pytorchjob_name("tiny-lm", attempt)]
 
     def run_pods(self, attempt: int, replicas: int = 2) -> None:
-        self.pods += [pod(attempt, rank) for rank in range(replicas)]
+        self.pods += [pod(attempt, rank, backend=self.backend) for rank in range(replicas)]
 
     def set_pod(self, replacement: dict[str, Any]) -> None:
         name = replacement["metadata"]["name"]

@@ -18,6 +18,7 @@ PACKAGES = {
     "trainguard/core": "**trainguard/core/**",
     "trainguard/local": "**trainguard/local/**",
     "operator": "**operator/**",
+    "operator/backends": "**operator/backends/**",
 }
 
 

@@ -24,7 +24,7 @@ from trainguard_operator.render import SIDECAR_CONTAINER, Owner, render_pytorchj
 from trainguard_operator.settings import OperatorSettings, OperatorSettingsError
 
 from tests.support.manifests import gtj_manifest
-from tests.support.operator_world import T0, UID, Cluster, pod, reasons
+from tests.support.operator_world import T0, UID, Cluster, pod, reasons, worker_report
 from trainer_sidecar.contract.env import (
     ATTEMPT_ENV,
     ORDER_SIGNING_KEY_ENV,
@@ -35,13 +35,11 @@ from trainer_sidecar.contract.env import (
 from trainer_sidecar.contract.inplace import (
     LAUNCHER_MODULE,
     LauncherPhase,
-    LauncherState,
     Refusal,
     RestartOrder,
     StopMode,
     check_order,
 )
-from trainer_sidecar.contract.status import WorkerStatus
 from trainguard.core.observation import SidecarReport
 from trainguard.core.spec import parse_job
 
@@ -50,32 +48,6 @@ SETTINGS = OperatorSettings(
     stale_attempt_grace_seconds=60, crd_retry_seconds=60, order_key=KEY, order_timeout_seconds=30
 )
 WALL0 = T0.timestamp()
-
-
-def worker_report(
-    attempt: int,
-    phase: LauncherPhase = LauncherPhase.RUNNING,
-    *,
-    alive: bool = True,
-    started: float = WALL0,
-    status_started: float | None = None,
-    step: int = 100,
-    exit_code: int | None = None,
-    output: str = "",
-) -> SidecarReport:
-    """A sidecar's answer for a pod whose launcher runs ``attempt`` (its worker started at ``started``)."""
-    launcher = LauncherState(
-        attempt=attempt,
-        phase=phase,
-        since=started,
-        updated_at=started,
-        exit_code=exit_code,
-        started_at=None if phase is LauncherPhase.STOPPING else started,
-        output_tail=output,
-    )
-    begun = started + 1 if status_started is None else status_started
-    status = WorkerStatus(phase="running", step=step, started_at=begun, last_step_time=begun + 1)
-    return SidecarReport(reachable=True, alive=alive, reason="ok", status=status, launcher=launcher)
 
 
 def both(attempt: int, name: str = "tiny-lm-1", **fields: Any) -> dict[str, SidecarReport]:

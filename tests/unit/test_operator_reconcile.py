@@ -863,21 +863,25 @@ def test_a_pin_read_back_from_the_api_server_is_no_spec_change() -> None:
     assert spec_change(changed, spec)[1]
 
 
-def test_missing_pytorchjob_crd_is_a_condition_not_a_crash_nor_a_hot_loop() -> None:
+def test_missing_backend_crds_are_a_condition_not_a_crash_nor_a_hot_loop() -> None:
     cluster = Cluster.of()
     cluster.crd = False
     plan = cluster.step(T0)
     assert plan.action is PlanAction.BLOCKED
     assert plan.requeue_seconds == SETTINGS.crd_retry_seconds
     assert plan.create is None
-    assert condition(cluster.status, "PyTorchJobCRDMissing") == ("True", "PyTorchJobCRDMissing")
-    assert condition(cluster.status, "Ready") == ("False", "PyTorchJobCRDMissing")
-    assert reasons(plan) == ["PyTorchJobCRDMissing"]
+    # spec.backend Auto, and neither CRD: the condition and its one Event name both, and what installs each.
+    assert condition(cluster.status, "BackendCRDMissing") == ("True", "NoBackendCRD")
+    assert condition(cluster.status, "Ready") == ("False", "BackendCRDMissing")
+    assert reasons(plan) == ["NoBackendCRD"]
+    message = plan.events[0].message
+    assert "kubeflow.org/v1 pytorchjobs" in message
+    assert "trainer.kubeflow.org/v1alpha1 trainjobs" in message
     assert cluster.step(T0 + timedelta(seconds=60)).events == ()
     cluster.crd = True
     plan = cluster.step(T0 + timedelta(seconds=120))
     assert plan.action is PlanAction.CREATE
-    assert condition(cluster.status, "PyTorchJobCRDMissing")[0] == "False"
+    assert condition(cluster.status, "BackendCRDMissing") == ("False", "BackendCRDFound")
 
 
 def test_an_invalid_spec_is_refused_with_the_field_named_and_nothing_created() -> None:

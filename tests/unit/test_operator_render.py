@@ -29,6 +29,7 @@ from trainguard_operator.render import (
     RenderError,
     is_dns1035_label,
     pytorchjob_name,
+    render_pod_template,
     render_pytorchjob,
     rendered_world,
     stop_grace_seconds,
@@ -557,3 +558,12 @@ def test_the_stop_grace_fits_the_longest_checkpoint_write_seen() -> None:
         assert schema_errors(manifest) == []
         for _, template in containers(manifest):
             assert template["spec"]["terminationGracePeriodSeconds"] == grace
+
+
+def test_the_users_working_directory_reaches_the_pod_under_its_kubernetes_name() -> None:
+    manifest = gtj_manifest()
+    manifest["spec"]["template"]["spec"]["containers"][0]["workingDir"] = "/workspace"
+    template = render_pod_template(load(manifest), 1, None, SETTINGS)
+    worker = named(template["spec"]["containers"], "pytorch")
+    assert worker["workingDir"] == "/workspace"
+    assert "working_dir" not in worker

@@ -440,6 +440,8 @@ def pydantic_accepts(job_spec: dict[str, Any]) -> bool:
 def _candidates(node: dict[str, Any]) -> list[Any]:
     """Values on and around a leaf's bounds, and values of the wrong type."""
     wrong = [True, "7", None, [1]]
+    if node.get("enum"):
+        return [*node["enum"], str(node["enum"][0]).lower(), "", *wrong]
     if node.get("x-kubernetes-int-or-string"):
         return [0, 1, 10**9, 10**9 + 1, "auto", "Auto", "", 2.5, *wrong]
     if node.get("type") == "integer":
@@ -474,7 +476,9 @@ _TEMPLATES = [
     {"spec": {"containers": []}},
 ]
 _SECTIONS = {
-    name: _section(node) | st.sampled_from([None, 3])
+    # A leaf of the spec itself (backend) takes its candidates; a section, its fields'.
+    name: (_section(node) if "properties" in node else st.sampled_from(_candidates(node)))
+    | st.sampled_from([None, 3])
     for name, node in SPEC_SCHEMA["properties"].items()
     if name not in ("template", "checkpoint", "replicas", "nprocPerNode")
 }

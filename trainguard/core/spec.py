@@ -330,6 +330,10 @@ class PodTemplate(BaseModel):
     spec: PodSpec
 
 
+#: What a job's attempts may run as (``GuardedTrainingJobSpec.backend``).
+Backend = Literal["Auto", "PyTorchJob", "TrainJob"]
+
+
 class GuardedTrainingJobSpec(_Model):
     """What the user asks for: a guarded distributed PyTorch job."""
 
@@ -349,6 +353,13 @@ class GuardedTrainingJobSpec(_Model):
         description="Worker processes per pod (one per GPU): above 1, each pod runs the command under "
         "torchrun with this many processes, and the job has replicas x nprocPerNode ranks (at most 256, "
         "the sidecar's limit).",
+    )
+    backend: Backend = Field(
+        "Auto",
+        description="What each attempt runs as: a Kubeflow training operator PyTorchJob (kubeflow.org/v1), "
+        "a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) on trainguard's runtime, or Auto: "
+        "the one whose CRD the cluster serves when the job starts (PyTorchJob when both are). Chosen once, "
+        "for the job's life.",
     )
     template: PodTemplate
     checkpoint: CheckpointSpec

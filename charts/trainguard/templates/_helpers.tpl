@@ -101,6 +101,16 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/*
+"true" when trainguard's ClusterTrainingRuntime is rendered: trainJobRuntime.install true, or auto and
+the cluster serves trainer.kubeflow.org/v1alpha1 (Kubeflow Trainer v2; `helm template` needs
+--api-versions).
+*/}}
+{{- define "trainguard.trainJobRuntime" -}}
+{{- $install := .Values.trainJobRuntime.install -}}
+{{- if or (eq (toString $install) "true") (and (eq (toString $install) "auto") (.Capabilities.APIVersions.Has "trainer.kubeflow.org/v1alpha1")) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
 "true" when the Prometheus Operator's objects are rendered: the cluster serves monitoring.coreos.com/v1
 (helm install/upgrade see the real API list; `helm template` needs --api-versions), or monitoring.force.
 */}}

@@ -83,6 +83,11 @@ spec:
           value: {{ .Values.restartInPlace.maxPerPyTorchJob | quote }}
         - name: TRAINGUARD_OPERATOR_WARM_SPARES
           value: {{ .Values.restartInPlace.warmSpares | quote }}
+        # The ClusterTrainingRuntime a job's TrainJobs name, and its probe period (trainJobRuntime).
+        - name: TRAINGUARD_OPERATOR_TRAINJOB_RUNTIME
+          value: {{ .Values.trainJobRuntime.name | quote }}
+        - name: TRAINGUARD_OPERATOR_TRAINJOB_PROBE_PERIOD_SECONDS
+          value: {{ .Values.trainJobRuntime.probePeriodSeconds | quote }}
         {{- if gt (int .Values.restartInPlace.maxPerPyTorchJob) 0 }}
         - name: TRAINGUARD_OPERATOR_ORDER_KEY
           valueFrom:

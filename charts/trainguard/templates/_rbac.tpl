@@ -26,6 +26,12 @@ rendered Roles and ClusterRoles grant less or more, in both scopes.
 - apiGroups: ["kubeflow.org"]
   resources: ["pytorchjobs"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
+# Or one Kubeflow Trainer v2 TrainJob per attempt (spec.backend TrainJob): created on trainguard's
+# runtime, listed and watched by the job's label (also to learn whether the cluster has Trainer),
+# deleted (foreground) when the gang restarts. The JobSets under them are not read: their pods are.
+- apiGroups: ["trainer.kubeflow.org"]
+  resources: ["trainjobs"]
+  verbs: ["list", "watch", "create", "delete"]
 # The workers' pods: phase, container exit codes, and the IPs of the sidecars the operator polls; and
 # the pods of a broken gang, stopped with a short grace before a restart.
 - apiGroups: [""]
@@ -52,7 +58,7 @@ rendered Roles and ClusterRoles grant less or more, in both scopes.
 {{/* Rules on cluster-scoped resources: always in a ClusterRole. */}}
 {{- define "trainguard.rbac.clusterRules" -}}
 # kopf checks which CRDs exist (its own and the watched ones); the operator reports a missing
-# PyTorchJob CRD on the job instead of failing blindly.
+# backend CRD (PyTorchJob, TrainJob) on the job instead of failing blindly.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["get", "list", "watch"]
