@@ -41,7 +41,9 @@ def objects(dataset: Counted) -> tuple[torch.nn.Module, torch.optim.Optimizer, A
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=True, seed=3
+    )
     return model, optimizer, scheduler, DataLoader(dataset, batch_size=BATCH, sampler=sampler), sampler
 
 
@@ -73,7 +75,7 @@ def plain(skips: set[tuple[int, int]], epochs: int = EPOCHS) -> dict[str, Any]:
             if (epoch, index) in skips:
                 continue
             optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.autograd.backward(torch.nn.functional.mse_loss(model(x), y))
             optimizer.step()
         best = max(best, score(model, dataset))
         scheduler.step()

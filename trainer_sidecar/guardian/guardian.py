@@ -586,14 +586,20 @@ class Guardian:
         self.feed.attach(loader)
         return loader
 
-    def track(self, name: str, stateful: Stateful) -> None:
+    def track(self, name: str | None = None, stateful: Stateful | None = None, **named: Stateful) -> None:
         """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
         StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
         rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
+        Several at once by keyword: ``track(scheduler=scheduler, best=Variables(globals(), "best_acc1"))``.
         Raises ConfigError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
         int, float, bool, None and tensors can)."""
         with self._adoption():
-            self.feed.track(name, stateful)
+            if (name is None) != (stateful is None) or (name is None and not named):
+                raise ConfigError("guardian.track(name, stateful) or guardian.track(name=stateful, ...)")
+            if name is not None and stateful is not None:
+                named = {name: stateful, **named}
+            for key, value in named.items():
+                self.feed.track(key, value)
 
     def attach_loader(self, loader: GuardedLoader) -> None:
         """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
