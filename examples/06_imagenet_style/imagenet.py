@@ -88,7 +88,7 @@ def main() -> None:
 
 
 def main_worker(args: argparse.Namespace) -> None:
-    global best_acc1, guardian
+    global best_acc1
     if args.distributed:
         dist.init_process_group(backend="gloo", init_method="env://")
     model: nn.Module = tiny_convnet()
@@ -120,7 +120,7 @@ def main_worker(args: argparse.Namespace) -> None:
     train_loader = DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler)
     val_loader = DataLoader(val_dataset, batch_size=args.batch_size, sampler=val_sampler)
     accuracies = []
-    guardian = Guardian(model, optimizer)
+    guardian = args.guardian = Guardian(model, optimizer)  # train() reaches it through args
     guardian.track(scheduler=scheduler, best_acc1=Variables(globals(), "best_acc1"))
     for epoch in guardian.epochs(args.epochs, start=args.start_epoch):
         train_sampler.set_epoch(epoch)
@@ -163,7 +163,7 @@ def train(
     top1 = AverageMeter("Acc@1")
     # switch to train mode
     model.train()
-    for i, (images, target) in enumerate(guardian.batches(train_loader)):
+    for i, (images, target) in enumerate(args.guardian.batches(train_loader)):
         # compute output
         output = model(images)
         loss = criterion(output, target)
@@ -172,7 +172,7 @@ def train(
         top1.update(accuracy(output, target), images.size(0))
         # compute gradient and do SGD step
         optimizer.zero_grad()
-        guardian.step(loss)
+        args.guardian.step(loss)
         if i % args.print_freq == 0:
             print(f"Epoch: [{epoch}][{i}] {losses} {top1}", flush=True)
 
