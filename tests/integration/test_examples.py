@@ -334,3 +334,29 @@ def test_a_finished_imagenet_job_rerun_trains_nothing(
     # is its last step's), with the same accuracy.
     assert again[1]["accuracies"] in ([], whole["accuracies"][-1:])
     assert numbers(again[1]) == numbers(whole)
+
+
+def test_a_rollback_across_an_epoch_end_under_torchrun_ends_like_a_run_that_skips_the_same_batches(
+    tmp_path: Path,
+) -> None:
+    # Two ranks of 8 batches an epoch each; rank 1's NaN losses at steps 6-8 (epoch 0's last two batches,
+    # epoch 1's first) roll both ranks back to the snapshot at step 4, before epoch 0's end.
+    def torchrun() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+
+    def run(name: str, faults: str = "") -> tuple[int, dict[str, Any] | None, str]:
+        args = ["--out-dir", str(tmp_path / f"{name}-out")]
+        return run_script(IMAGENET / "imagenet.py", args, imagenet_env(tmp_path / name, faults), torchrun())
+
+    rolled = run("rolled", "nan_loss@6x3:1")
+    assert rolled[0] == 0, rolled[2][-3000:]
+    assert "rolled back from step 9 to step 4" in rolled[2], rolled[2][-3000:]
+    dead = (tmp_path / "rolled" / "dead-letter.jsonl").read_text()
+    (tmp_path / "skipping").mkdir()
+    (tmp_path / "skipping" / "dead-letter.jsonl").write_text(dead)
+    skipping = run("skipping")
+    assert skipping[0] == 0, skipping[2][-3000:]
+    assert numbers(rolled[1]) == numbers(skipping[1])
+    assert rolled[1] is not None
+    assert rolled[1]["scheduler"]["last_epoch"] == 4

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from trainer_sidecar import ConfigError, Guardian, GuardianSettings, Variables
+from trainer_sidecar import CheckpointStore, ConfigError, Guardian, GuardianSettings, Variables
 
 SAMPLES, BATCH, EPOCHS = 32, 4, 3  # 8 batches an epoch
 
@@ -236,3 +236,32 @@ def test_variables_track_a_module_global() -> None:
     assert namespace["best_acc1"] == 0.25
     with pytest.raises(ConfigError, match="missing"):
         Variables({}, "missing").state_dict()
+
+
+def test_an_epochs_data_ends_with_its_last_checkpoint_durable(tmp_path: Path) -> None:
+    # The checkpoint of an epoch's last step is written in the background; a crash in the evaluation
+    # that follows would lose it, so the end of the epoch's data waits for it.
+    dataset = Counted()
+    model, optimizer, scheduler, loader, sampler = objects(dataset)
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=settings(everySteps=8))
+    guardian.track(scheduler=scheduler)
+    durable = []
+    for epoch in guardian.epochs(2):
+        sampler.set_epoch(epoch)
+        for x, y in guardian.batches(loader):
+            guardian.step(torch.nn.functional.mse_loss(model(x), y))
+        durable.append(CheckpointStore(tmp_path, world_size=1).newest_valid())
+        scheduler.step()
+    assert durable == [8, 16]
+
+
+def test_track_takes_several_objects_by_name_or_refuses_a_half_call() -> None:
+    dataset = Counted()
+    model, optimizer, scheduler, _, _ = objects(dataset)
+    guardian = Guardian(model, optimizer, settings=settings())
+    namespace = {"best": 1.0}
+    guardian.track(scheduler=scheduler, best=Variables(namespace, "best"))
+    assert set(guardian.feed.rollback_state()) == {"scheduler", "best"}
+    with pytest.raises(ConfigError, match="track"):
+        guardian.track("alone")
+    guardian.close()
