@@ -25,6 +25,7 @@ back to ``atexit``.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -34,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NoReturn
+from typing import NoReturn, ParamSpec, TypeVar
 
 from trainer_sidecar.checkpoint import CheckpointError, FencedError
 from trainer_sidecar.contract.exitcodes import ExitCode
@@ -45,6 +46,8 @@ from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.reporting import StatusReporter
 
 log = logging.getLogger("trainguard")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "Diverged",
@@ -58,6 +61,7 @@ __all__ = [
     "disarm_at_exit",
     "end_worker",
     "exit_plan",
+    "noting_escapes",
 ]
 
 
@@ -98,6 +102,24 @@ def crash_message(error: BaseException | None) -> str:
     if frames:
         message += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
     return message
+
+
+def noting_escapes(method: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a guardian method so that an exception escaping it is kept on the guardian
+    (``_escaped``) before it goes on: a worker under ``torch.multiprocessing.spawn`` ends with
+    ``sys.exit(1)`` over any exception (its wrapper catches it), so the interpreter sets no
+    ``sys.last_value`` and the exit hook would take a crash (a peer's death breaking DDP's all-reduce in
+    the backward pass, or the step's collective) for a loop that ended without ``finish``."""
+
+    @functools.wraps(method)
+    def noted(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            args[0]._escaped = exc  # type: ignore[attr-defined]  # the guardian, as self
+            raise
+
+    return noted
 
 
 _armed: weakref.WeakMethod[Callable[[bool], None]] | None = None

@@ -68,6 +68,7 @@ from trainer_sidecar.guardian.ending import (
     disarm_at_exit,
     end_worker,
     exit_plan,
+    noting_escapes,
 )
 from trainer_sidecar.guardian.epochs import EpochLoop
 from trainer_sidecar.guardian.faults import FaultInjector
@@ -263,6 +264,7 @@ class Guardian:
         self._micro = 0
         self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
         self._epoch_loop: EpochLoop | None = None  # the loop iterates ``epochs`` and ``batches``
+        self._escaped: Exception | None = None  # see ``ending.noting_escapes``
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
@@ -754,6 +756,7 @@ class Guardian:
                 raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
 
     # ---------------------------------------------------------------------------------------- step ---
+    @noting_escapes
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch's ``loss``: exactly what the loop would call ``.backward()`` on.
 
@@ -783,6 +786,7 @@ class Guardian:
         self._micro += 1
         self._mark(Activity.LOOP)
 
+    @noting_escapes
     def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
         """Check, clip and step the optimizer (or skip the update, or roll back) at a step boundary.
 
@@ -1410,6 +1414,7 @@ class Guardian:
         unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
         if self._life.ended:
             return
+        crashed = crashed or self._escaped is not None  # under mp.spawn: its sys.exit(1)
         step = self.counters.step
         plan = exit_plan(
             crashed=crashed, distributed=self.gang.distributed, step=step, max_steps=self.max_steps
@@ -1442,7 +1447,8 @@ class Guardian:
             # failure is told from a transient one), and where the exception left the training thread
             # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
             # victims (trainguard.core.policy).
-            self._end.report(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
+            error = getattr(sys, "last_value", None) or self._escaped
+            self._end.report(Phase.FAILED, crash_message(error), 1)
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             return
         newest = self.checkpoints.checkpointed_step

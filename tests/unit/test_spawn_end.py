@@ -1,0 +1,64 @@
+"""A worker under ``torch.multiprocessing.spawn`` that crashes (issue 39, item 5): spawn's wrapper catches
+the exception and ends the process with ``sys.exit(1)``, so the interpreter records no unhandled
+exception; the guardian still reports the crash, with the exception that escaped its step (a peer's
+death breaking DDP's all-reduce in the backward pass, here one backward that raises), never ``finished``
+and never as a loop that merely ended without ``finish``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from trainer_sidecar.contract.status import Phase, read_status
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.multiprocessing as mp
+
+    from trainer_sidecar import Guardian
+
+
+    class PeerGone(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+
+
+    def worker(index, directory):
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        guardian = Guardian(
+            model, optimizer, checkpoint_dir=f"{directory}/ckpt", status_file=f"{directory}/status.json"
+        )
+        for step in range(5):
+            loss = model(torch.ones(1, 2)).sum()
+            guardian.step(PeerGone.apply(loss) if step == 3 else loss)
+
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(sys.argv[1],), nprocs=1)
+    """
+)
+
+
+def test_a_crash_under_mp_spawn_is_reported_as_a_crash_with_its_exception(tmp_path: Path) -> None:
+    script = tmp_path / "spawned.py"
+    script.write_text(WORKER)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "ProcessExitedException" in done.stderr or "ProcessRaisedException" in done.stderr
+    status, error = read_status(tmp_path / "status.json")
+    assert status is not None, error
+    assert status.phase is Phase.FAILED, status
+    assert "Connection closed by peer" in status.message
+    assert "without guardian.finish()" not in done.stderr
