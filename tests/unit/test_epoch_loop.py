@@ -36,7 +36,9 @@ class Counted(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.x[index], self.y[index]
 
 
-def objects(dataset: Counted) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, DataLoader[Any], Any]:
+def objects(
+    dataset: Counted, workers: int = 0
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, DataLoader[Any], Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -44,7 +46,8 @@ def objects(dataset: Counted) -> tuple[torch.nn.Module, torch.optim.Optimizer, A
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataset, num_replicas=1, rank=0, shuffle=True, seed=3
     )
-    return model, optimizer, scheduler, DataLoader(dataset, batch_size=BATCH, sampler=sampler), sampler
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers)
+    return model, optimizer, scheduler, loader, sampler
 
 
 def score(model: torch.nn.Module, dataset: Counted) -> float:
@@ -98,11 +101,12 @@ def guarded(
     stop_after: int | None = None,
     dataset: Counted | None = None,
     config: GuardianSettings | None = None,
+    workers: int = 0,
 ) -> dict[str, Any]:
     """The same loop adopted: ``poisoned`` batches give a NaN loss; ``stop_after`` steps end the process's
     loop early (a crash: the guardian is closed, not finished)."""
     dataset = dataset or Counted()
-    model, optimizer, scheduler, loader, sampler = objects(dataset)
+    model, optimizer, scheduler, loader, sampler = objects(dataset, workers)
     guardian = Guardian(model, optimizer, checkpoint_dir=directory, settings=config or settings())
     guardian.track("scheduler", scheduler)
     namespace = {"best": -math.inf}
@@ -155,6 +159,11 @@ def test_the_adopted_loop_trains_bit_for_bit_like_the_plain_one() -> None:
         pytest.param({(0, 6), (0, 7), (1, 0)}, id="across-an-epoch-end"),
         # Epoch 0's last batch and epoch 1's first two: the snapshot at step 8 is the epoch's last.
         pytest.param({(0, 7), (1, 0), (1, 1)}, id="from-the-last-batch-of-an-epoch"),
+        # Epoch 1's first three: the snapshot at step 8 is epoch 0's last batch; its loop state is taken
+        # when the next step begins, after epoch 0's end, which therefore does not run again.
+        pytest.param({(1, 0), (1, 1), (1, 2)}, id="snapshot-at-the-last-batch-of-an-epoch"),
+        # Epoch 1's last two and epoch 2's first: the same across the second epoch's end.
+        pytest.param({(1, 6), (1, 7), (2, 0)}, id="across-the-second-epoch-end"),
         pytest.param({(1, 2), (1, 3), (1, 4)}, id="within-an-epoch"),
     ],
 )
@@ -265,3 +274,8 @@ def test_track_takes_several_objects_by_name_or_refuses_a_half_call() -> None:
     with pytest.raises(ConfigError, match="track"):
         guardian.track("alone")
     guardian.close()
+
+
+def test_a_resume_mid_epoch_with_loader_workers_ends_like_the_uninterrupted_loop(tmp_path: Path) -> None:
+    assert guarded(tmp_path, stop_after=13, workers=2)["stopped"] == 13
+    assert_same(guarded(tmp_path, workers=2), plain(set()))
