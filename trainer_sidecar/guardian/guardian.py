@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,6 +66,7 @@ from trainer_sidecar.guardian.ending import (
     crash_message,
     disarm_at_exit,
     end_worker,
+    exit_error,
     exit_plan,
     noting_escapes,
 )
@@ -264,7 +264,6 @@ class Guardian:
         self._micro = 0
         self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
         self._epoch_loop: EpochLoop | None = None  # the loop iterates ``epochs`` and ``batches``
-        self._escaped: Exception | None = None  # see ``ending.noting_escapes``
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
@@ -1414,7 +1413,6 @@ class Guardian:
         unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
         if self._life.ended:
             return
-        crashed = crashed or self._escaped is not None  # under mp.spawn: its sys.exit(1)
         step = self.counters.step
         plan = exit_plan(
             crashed=crashed, distributed=self.gang.distributed, step=step, max_steps=self.max_steps
@@ -1447,8 +1445,7 @@ class Guardian:
             # failure is told from a transient one), and where the exception left the training thread
             # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
             # victims (trainguard.core.policy).
-            error = getattr(sys, "last_value", None) or self._escaped
-            self._end.report(Phase.FAILED, crash_message(error), 1)
+            self._end.report(Phase.FAILED, crash_message(exit_error()), 1)
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             return
         newest = self.checkpoints.checkpointed_step
