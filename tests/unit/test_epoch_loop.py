@@ -7,12 +7,13 @@ loop that skips the same batches; a resumed epoch loads none of the batches it s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from trainer_sidecar import CheckpointStore, ConfigError, Guardian, GuardianSettings, Variables
 
@@ -234,6 +235,14 @@ def test_batches_outside_epochs_or_twice_in_an_epoch_is_refused() -> None:
             next(iter(guardian.batches(loader)))
     with pytest.raises(ConfigError, match="epochs"):
         next(iter(guardian.epochs(-1)))
+    stream = DataLoader(Stream(), batch_size=2)
+    with pytest.raises(ConfigError, match="IterableDataset"):
+        next(iter(guardian.batches(stream)))
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from torch.zeros(4, 1)
 
 
 def test_variables_track_a_module_global() -> None:

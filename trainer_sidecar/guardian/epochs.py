@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from trainer_sidecar.guardian.config import ConfigError
 
@@ -196,6 +196,12 @@ class EpochLoop:
         if not isinstance(loader, DataLoader):
             raise ConfigError(
                 f"guardian.batches() takes the loop's training DataLoader, got {type(loader).__name__}"
+            )
+        if isinstance(loader.dataset, IterableDataset):
+            raise ConfigError(
+                "guardian.batches(loader): the DataLoader is over an IterableDataset, which has no index to "
+                "resume an epoch at; keep iterating it and give the guardian its state instead: torchdata's "
+                "StatefulDataLoader with guardian.track(...)"
             )
         if not self._running:
             raise ConfigError(
