@@ -6,12 +6,17 @@ and never as a loop that merely ended without ``finish``."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+from trainer_sidecar.checkpoint import CheckpointStore
 from trainer_sidecar.contract.status import Phase, read_status
+from trainguard.local.launch import wait_for_group
 
 WORKER = textwrap.dedent(
     """
@@ -62,3 +67,48 @@ def test_a_crash_under_mp_spawn_is_reported_as_a_crash_with_its_exception(tmp_pa
     assert status.phase is Phase.FAILED, status
     assert "Connection closed by peer" in status.message
     assert "without guardian.finish()" not in done.stderr
+
+
+STOPPED = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    import torch.multiprocessing as mp
+
+    from trainer_sidecar import Guardian, GuardianSettings
+
+
+    def worker(index, directory):
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        settings = GuardianSettings.model_validate({"checkpoint": {"everySteps": 100000}})
+        guardian = Guardian(model, optimizer, checkpoint_dir=f"{directory}/ckpt", settings=settings)
+        while True:
+            guardian.step(model(torch.ones(1, 2)).sum())
+            if guardian.step_count == 5:
+                print("stepping", flush=True)
+            time.sleep(0.01)
+
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(sys.argv[1],), nprocs=1)
+    """
+)
+
+
+def test_a_stopped_spawn_gang_writes_its_stop_checkpoint_when_its_group_is_waited_for(tmp_path: Path) -> None:
+    # SIGTERM to the worker's process group (what trainguard run sends): spawn's parent dies of it at
+    # once; its worker stops at the next step boundary with a checkpoint, if it is given the time.
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED)
+    leader = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert leader.stdout is not None
+    assert leader.stdout.readline().strip() == b"stepping"
+    os.killpg(leader.pid, signal.SIGTERM)
+    leader.wait(timeout=60)
+    assert wait_for_group(leader, time.monotonic() + 60)
+    newest = CheckpointStore(tmp_path / "ckpt", world_size=1).newest_valid()
+    assert newest is not None
+    assert newest >= 5
