@@ -360,3 +360,19 @@ def test_a_rollback_across_an_epoch_end_under_torchrun_ends_like_a_run_that_skip
     assert numbers(rolled[1]) == numbers(skipping[1])
     assert rolled[1] is not None
     assert rolled[1]["scheduler"]["last_epoch"] == 4
+
+
+def test_the_imagenet_loops_own_resume_continues_under_the_guardian(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    # The loop's own --resume (its checkpoint.pth.tar after 2 of the 4 epochs, written without the
+    # guardian) gives guardian.epochs its start while the guardian has no checkpoint of its own.
+    out = tmp_path / "own"
+    first = run_script(IMAGENET / "imagenet_plain.py", ["--epochs", "2", "--out-dir", str(out)])
+    assert first[0] == 0, first[2][-3000:]
+    args = ["--resume", str(out / "checkpoint.pth.tar"), "--out-dir", str(out)]
+    resumed = run_script(IMAGENET / "imagenet.py", args, imagenet_env(tmp_path / "ckpt"))
+    assert resumed[0] == 0, resumed[2][-3000:]
+    assert resumed[1] is not None
+    assert numbers(resumed[1]) == numbers(imagenet_whole[1])
+    assert resumed[1]["accuracies"] == imagenet_whole[1]["accuracies"][2:]  # epochs 2 and 3 only

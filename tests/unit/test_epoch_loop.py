@@ -166,6 +166,8 @@ def test_the_adopted_loop_trains_bit_for_bit_like_the_plain_one() -> None:
         # Epoch 1's last two and epoch 2's first: the same across the second epoch's end.
         pytest.param({(1, 6), (1, 7), (2, 0)}, id="across-the-second-epoch-end"),
         pytest.param({(1, 2), (1, 3), (1, 4)}, id="within-an-epoch"),
+        # The rollback at an epoch's very last batch: its data ends right after, and its end runs once.
+        pytest.param({(1, 5), (1, 6), (1, 7)}, id="at-the-last-batch-of-an-epoch"),
     ],
 )
 def test_a_rollback_ends_like_an_uninterrupted_loop_that_skips_the_same_batches(
