@@ -290,3 +290,17 @@ def test_track_takes_several_objects_by_name_or_refuses_a_half_call() -> None:
 def test_a_resume_mid_epoch_with_loader_workers_ends_like_the_uninterrupted_loop(tmp_path: Path) -> None:
     assert guarded(tmp_path, stop_after=13, workers=2)["stopped"] == 13
     assert_same(guarded(tmp_path, workers=2), plain(set()))
+
+
+def test_a_start_epoch_of_the_loops_own_gives_way_to_the_guardians_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    guarded(tmp_path, stop_after=13)  # the checkpoint of step 12: epoch 1
+    dataset = Counted()
+    model, optimizer, *_ = objects(dataset)
+    guardian = Guardian(model, optimizer, checkpoint_dir=tmp_path, settings=settings())
+    with caplog.at_level("WARNING"):
+        epochs = iter(guardian.epochs(EPOCHS, start=2))
+        assert next(epochs) == 1
+    assert "start=2) is not used" in caplog.text
+    guardian.close()

@@ -168,6 +168,12 @@ class EpochLoop:
         if not position.restored:
             position.epoch = start
             position.restored = True  # from now on the epoch is the guardian's
+        elif start not in (0, position.epoch):
+            log.warning(
+                "guardian.epochs(start=%d) is not used: the guardian's own checkpoint is in epoch %d and "
+                "takes over (its weights, optimizer, data position and what the loop tracks)",
+                start, position.epoch,
+            )  # fmt: skip
         self._running = True
         try:
             while position.epoch < epochs:
