@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     )
     from trainer_sidecar.contract.status import Phase, WorkerStatus
     from trainer_sidecar.guardian.data import GuardedLoader
+    from trainer_sidecar.guardian.feed import Variables
     from trainer_sidecar.guardian.guardian import ConfigError, Diverged, Guardian, StepOutcome
 
 _EXPORTS = {
@@ -37,6 +38,7 @@ _EXPORTS = {
     "Remediation": "contract.settings",
     "Phase": "contract.status",
     "WorkerStatus": "contract.status",
+    "Variables": "guardian.feed",
 }
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "Phase",
     "Remediation",
     "StepOutcome",
+    "Variables",
     "WorkerStatus",
 ]
 

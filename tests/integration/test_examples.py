@@ -219,3 +219,160 @@ def test_a_crash_resumes_the_word_language_model_exactly(tmp_path: Path) -> None
     assert third[1]["val_losses"] == whole[1]["val_losses"][2:]  # epochs 3 (its end again) and 4
     assert third[1]["test_loss"] == whole[1]["test_loss"]
     assert third[1]["last_losses"] == whole[1]["last_losses"]
+
+
+IMAGENET = REPO_ROOT / "examples" / "06_imagenet_style"
+# 4 epochs of 16 batches (128 images, 8 a batch): 64 steps, the learning rate decayed after epoch 2.
+EPOCH_STEPS = 16
+
+
+def imagenet_env(checkpoints: Path, faults: str = "", **guard: Any) -> dict[str, str]:
+    settings: dict[str, Any] = {
+        "checkpoint": {"everySteps": EPOCH_STEPS, "snapshotEverySteps": 4},
+        # A rollback changes nothing but the state, so that a run without one can match it.
+        "remediation": {"lrScale": 1.0, "maxGradNorm": None},
+        "guard": guard,
+    }
+    return {
+        "TRAINGUARD_CHECKPOINT_DIR": str(checkpoints),
+        "TRAINGUARD_SETTINGS": json.dumps(settings),
+        "TRAINGUARD_FAULTS": faults,
+    }
+
+
+def run_imagenet(
+    tmp_path: Path, name: str, env: dict[str, str], script: str = "imagenet.py"
+) -> tuple[int, dict[str, Any] | None, str]:
+    return run_script(IMAGENET / script, ["--out-dir", str(tmp_path / f"{name}-out")], env)
+
+
+def numbers(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """What must agree with the uninterrupted run: the weights (buffers too), lr, scheduler, best_acc1."""
+    assert summary is not None
+    return {key: summary[key] for key in ("weights", "lr", "scheduler", "best_acc1")}
+
+
+@pytest.fixture(scope="module")
+def imagenet_whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("imagenet-whole")
+    code, summary, err = run_imagenet(directory, "whole", imagenet_env(directory / "ckpt"))
+    assert code == 0, err[-3000:]
+    assert summary is not None
+    return directory, summary
+
+
+def test_the_guarded_imagenet_loop_trains_like_the_plain_one(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    plain = run_imagenet(tmp_path, "plain", {}, "imagenet_plain.py")
+    assert plain[0] == 0, plain[2][-3000:]
+    # The guardian's defaults clip nothing and the loop's own iteration is untouched: bit for bit.
+    assert imagenet_whole[1] == plain[1]
+    assert plain[1] is not None
+    accuracies = plain[1]["accuracies"]
+    assert max(accuracies) == plain[1]["best_acc1"] > accuracies[-1]  # the best is not the last epoch's
+
+
+def test_a_rollback_across_an_epoch_end_ends_like_a_run_that_skips_the_same_batches(tmp_path: Path) -> None:
+    # NaN losses at steps 14 and 15 (epoch 0's last two batches) and 16 (epoch 1's first): the third in
+    # a row rolls back to the snapshot at step 12, before epoch 0's end (validate, scheduler.step(), the
+    # best score), which runs again from there.
+    rolled = run_imagenet(tmp_path, "rolled", imagenet_env(tmp_path / "rolled", "nan_loss@14x3"))
+    assert rolled[0] == 0, rolled[2][-3000:]
+    assert "rolled back from step 17 to step 12" in rolled[2], rolled[2][-3000:]
+    # The uninterrupted run skips the batches the rollback did (its dead letters), by index.
+    dead = (tmp_path / "rolled" / "dead-letter.jsonl").read_text()
+    skipped = {(entry["epoch"], entry["batch"]) for entry in map(json.loads, dead.splitlines())}
+    assert skipped == {(0, 12), (0, 13), (0, 14), (0, 15), (1, 0)}
+    (tmp_path / "skipping").mkdir()
+    (tmp_path / "skipping" / "dead-letter.jsonl").write_text(dead)
+    skipping = run_imagenet(tmp_path, "skipping", imagenet_env(tmp_path / "skipping"))
+    assert skipping[0] == 0, skipping[2][-3000:]
+    assert "rolled back" not in skipping[2]
+    assert numbers(rolled[1]) == numbers(skipping[1])
+    assert rolled[1] is not None
+    assert rolled[1]["scheduler"]["last_epoch"] == 4  # not one decay off
+
+
+def test_a_crash_mid_epoch_resumes_the_imagenet_loop_exactly(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    env = imagenet_env(tmp_path / "ckpt", "crash@40")
+    first = run_imagenet(tmp_path, "crashed", env)
+    assert first[0] == -9  # SIGKILL at step 40, mid-epoch 2: the last checkpoint is step 32's
+    second = run_imagenet(tmp_path, "crashed", env)
+    assert second[0] == 0, second[2][-3000:]
+    assert "resumed from the clean checkpoint at step 32 " in second[2], second[2][-3000:]
+    assert numbers(second[1]) == numbers(imagenet_whole[1])
+
+
+def test_a_crash_after_an_epoch_end_resumes_from_that_epochs_checkpoint(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    # SIGKILL at epoch 1's first step, right after epoch 0's validate() and save: the checkpoint of
+    # epoch 0's last step (16) was made durable before validate() began, so it is the one resumed
+    # (a write still in flight used to be lost, resuming from the one before); epoch 0's end runs again
+    # from the state before it.
+    env = imagenet_env(tmp_path / "ckpt", "crash@16")
+    assert run_imagenet(tmp_path, "crashed", env)[0] == -9
+    resumed = run_imagenet(tmp_path, "crashed", env)
+    assert resumed[0] == 0, resumed[2][-3000:]
+    assert "resumed from the clean checkpoint at step 16 " in resumed[2], resumed[2][-3000:]
+    assert numbers(resumed[1]) == numbers(imagenet_whole[1])
+    assert resumed[1] is not None
+    assert resumed[1]["accuracies"] == imagenet_whole[1]["accuracies"]  # epoch 0's end again, then 1-3
+
+
+def test_a_finished_imagenet_job_rerun_trains_nothing(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    directory, whole = imagenet_whole
+    again = run_imagenet(tmp_path, "again", imagenet_env(directory / "ckpt"))
+    assert again[0] == 0, again[2][-3000:]
+    assert again[1] is not None
+    # No batch trained: at most the last epoch's end ran again, from the state before it (its checkpoint
+    # is its last step's), with the same accuracy.
+    assert again[1]["accuracies"] in ([], whole["accuracies"][-1:])
+    assert numbers(again[1]) == numbers(whole)
+
+
+def test_a_rollback_across_an_epoch_end_under_torchrun_ends_like_a_run_that_skips_the_same_batches(
+    tmp_path: Path,
+) -> None:
+    # Two ranks of 8 batches an epoch each; rank 1's NaN losses at steps 6-8 (epoch 0's last two batches,
+    # epoch 1's first) roll both ranks back to the snapshot at step 4, before epoch 0's end.
+    def torchrun() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+
+    def run(name: str, faults: str = "") -> tuple[int, dict[str, Any] | None, str]:
+        args = ["--out-dir", str(tmp_path / f"{name}-out")]
+        return run_script(IMAGENET / "imagenet.py", args, imagenet_env(tmp_path / name, faults), torchrun())
+
+    rolled = run("rolled", "nan_loss@6x3:1")
+    assert rolled[0] == 0, rolled[2][-3000:]
+    assert "rolled back from step 9 to step 4" in rolled[2], rolled[2][-3000:]
+    dead = (tmp_path / "rolled" / "dead-letter.jsonl").read_text()
+    (tmp_path / "skipping").mkdir()
+    (tmp_path / "skipping" / "dead-letter.jsonl").write_text(dead)
+    skipping = run("skipping")
+    assert skipping[0] == 0, skipping[2][-3000:]
+    assert numbers(rolled[1]) == numbers(skipping[1])
+    assert rolled[1] is not None
+    assert rolled[1]["scheduler"]["last_epoch"] == 4
+
+
+def test_the_imagenet_loops_own_resume_continues_under_the_guardian(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    # The loop's own --resume (its checkpoint.pth.tar after 2 of the 4 epochs, written without the
+    # guardian) gives guardian.epochs its start while the guardian has no checkpoint of its own.
+    out = tmp_path / "own"
+    first = run_script(IMAGENET / "imagenet_plain.py", ["--epochs", "2", "--out-dir", str(out)])
+    assert first[0] == 0, first[2][-3000:]
+    args = ["--resume", str(out / "checkpoint.pth.tar"), "--out-dir", str(out)]
+    resumed = run_script(IMAGENET / "imagenet.py", args, imagenet_env(tmp_path / "ckpt"))
+    assert resumed[0] == 0, resumed[2][-3000:]
+    assert resumed[1] is not None
+    assert numbers(resumed[1]) == numbers(imagenet_whole[1])
+    assert resumed[1]["accuracies"] == imagenet_whole[1]["accuracies"][2:]  # epochs 2 and 3 only

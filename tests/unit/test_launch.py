@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -245,3 +246,45 @@ def test_an_exit_described_with_its_detail_says_nothing_twice(
     description: str, detail: str, joined: str
 ) -> None:
     assert with_detail(description, detail) == joined
+
+
+LEADER = """
+import signal, subprocess, sys, time
+child = '''
+import signal, sys, time
+def stop(*_):
+    time.sleep(float(sys.argv[2]))  # a stop checkpoint's write
+    open(sys.argv[1], "w").write("checkpointed")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+while True:
+    time.sleep(0.01)
+'''
+worker = subprocess.Popen([sys.executable, "-c", child, sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE)
+worker.stdout.readline()
+print("ready", flush=True)
+time.sleep(60)  # dies of the SIGTERM at once, as torch.multiprocessing.spawn's parent does
+"""
+
+
+@pytest.mark.parametrize(("write_seconds", "gone"), [(0.5, True), (30.0, False)])
+def test_a_stopped_group_is_waited_for_after_its_leader_dies(
+    tmp_path: Path, write_seconds: float, gone: bool
+) -> None:
+    marker = tmp_path / "marker"
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER, str(marker), str(write_seconds)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    assert leader.stdout.readline().strip() == b"ready"
+    os.killpg(leader.pid, signal.SIGTERM)
+    leader.wait(timeout=30)
+    assert leader.returncode == -signal.SIGTERM
+    assert launch.wait_for_group(leader, time.monotonic() + 3) is gone
+    launch.signal_group(leader, signal.SIGKILL)
+    # The leader's worker was given the grace its stop checkpoint needed, or (a write that outlasts the
+    # grace) it was not waited for beyond it.
+    assert (marker.exists() and marker.read_text() == "checkpointed") is gone

@@ -83,3 +83,18 @@ def test_the_adoption_diff_in_the_readme_is_the_real_one() -> None:
     # The README leaves out the module docstring's change; every code change is shown, as it is (blank
     # lines aside: two diff tools may place an added blank line differently).
     assert shown == [line for line in real if '"""' not in line and "is the same loop" not in line]
+
+
+def test_the_epoch_loops_adoption_diff_in_the_readme_is_the_real_one() -> None:
+    example = REPO_ROOT / "examples" / "06_imagenet_style"
+    before = (example / "imagenet_plain.py").read_text().splitlines()
+    after = (example / "imagenet.py").read_text().splitlines()
+    real = [
+        line
+        for line in difflib.unified_diff(before, after, lineterm="", n=0)
+        if line[:1] in "+-" and line[1:].strip() and not line.startswith(("+++", "---"))
+    ]
+    block = README.split("### A loop with epochs", 1)[1].split("```diff\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in block.splitlines() if line[:1] in "+-" and line[1:].strip()]
+    # The module docstring's change aside (its lines name the other file), every change as it is.
+    assert shown == [line for line in real if "imagenet" not in line and "is the same loop" not in line]

@@ -25,6 +25,7 @@ back to ``atexit``.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -34,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NoReturn
+from typing import NoReturn, ParamSpec, TypeVar
 
 from trainer_sidecar.checkpoint import CheckpointError, FencedError
 from trainer_sidecar.contract.exitcodes import ExitCode
@@ -45,6 +46,8 @@ from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.reporting import StatusReporter
 
 log = logging.getLogger("trainguard")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "Diverged",
@@ -57,7 +60,9 @@ __all__ = [
     "crash_message",
     "disarm_at_exit",
     "end_worker",
+    "exit_error",
     "exit_plan",
+    "noting_escapes",
 ]
 
 
@@ -100,6 +105,32 @@ def crash_message(error: BaseException | None) -> str:
     return message
 
 
+def noting_escapes(method: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a guardian method so that an exception escaping it is kept (``exit_error``) before it
+    goes on: a worker under ``torch.multiprocessing.spawn`` ends with ``sys.exit(1)`` over any exception
+    (its wrapper catches it), so the interpreter sets no ``sys.last_value`` and the exit hook would take
+    a crash (a peer's death breaking DDP's all-reduce in the backward pass, or the step's collective) for
+    a loop that ended without ``finish``."""
+
+    @functools.wraps(method)
+    def noted(*args: P.args, **kwargs: P.kwargs) -> R:
+        global _escaped
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            _escaped = exc
+            raise
+
+    return noted
+
+
+def exit_error() -> BaseException | None:
+    """The exception the process exits over: the one the interpreter printed (``sys.last_value``), or
+    one that escaped a guardian call since the guardian was armed (``noting_escapes``)."""
+    return getattr(sys, "last_value", None) or _escaped
+
+
+_escaped: BaseException | None = None
 _armed: weakref.WeakMethod[Callable[[bool], None]] | None = None
 _armed_pid: int | None = None
 _registered = False
@@ -110,8 +141,8 @@ def arm_at_exit(on_exit: Callable[[bool], None]) -> None:
 
     ``on_exit`` is a bound method, held weakly; arming another replaces it (the newest guardian of the
     process is the one training). A child forked from this process never calls it."""
-    global _armed, _armed_pid, _registered
-    _armed = weakref.WeakMethod(on_exit)
+    global _armed, _armed_pid, _registered, _escaped
+    _armed, _escaped = weakref.WeakMethod(on_exit), None
     _armed_pid = os.getpid()
     if not _registered:
         register = getattr(threading, "_register_atexit", None)
@@ -140,7 +171,7 @@ def _at_exit() -> None:
     if on_exit is None:
         return
     # The interpreter sets sys.last_value when it printed an unhandled exception, before atexit runs.
-    crashed = getattr(sys, "last_value", None) is not None
+    crashed = exit_error() is not None
     try:
         on_exit(crashed)
     except Exception:  # an exit hook must not hide the process's own outcome behind a second traceback

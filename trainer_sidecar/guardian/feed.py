@@ -10,6 +10,7 @@ guardian restores anyway).
 from __future__ import annotations
 
 import copy
+from collections.abc import MutableMapping
 from typing import Any, NamedTuple, Protocol
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
@@ -104,8 +105,33 @@ def rolls_back(stateful: object) -> bool:
     """Whether a tracked object goes back with the weights on a rollback: everything (a scheduler the loop
     steps, a best score, the loop's own counters) except a DataLoader (torchdata's StatefulDataLoader):
     a rollback does not rewind the data, it skips the window that led to it, as for the guardian's own
-    loader (and a DataLoader's restored state would only apply to its next epoch's iterator)."""
-    return not isinstance(stateful, DataLoader)
+    loader (and a DataLoader's restored state would only apply to its next epoch's iterator), nor an
+    object that says it does not (``rolls_back = False``: the epoch loop's data frontier)."""
+    return not isinstance(stateful, DataLoader) and getattr(stateful, "rolls_back", True) is not False
+
+
+class Variables:
+    """Variables of a namespace (a module's ``globals()``: PyTorch's ImageNet example keeps ``best_acc1``
+    there) as one tracked object: ``guardian.track("best", Variables(globals(), "best_acc1"))`` checkpoints
+    them, and a resume or a rollback assigns them back in the namespace."""
+
+    def __init__(self, namespace: MutableMapping[str, Any], *names: str) -> None:
+        if not names:
+            raise ConfigError("Variables(namespace, *names) needs at least one variable name")
+        self.namespace, self.names = namespace, names
+
+    def state_dict(self) -> dict[str, Any]:
+        """The variables' current values, by name (an unset one is refused, naming it)."""
+        missing = [name for name in self.names if name not in self.namespace]
+        if missing:
+            raise ConfigError(f"Variables: {', '.join(missing)} not set in the namespace given")
+        return {name: self.namespace[name] for name in self.names}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Assign the saved values back."""
+        for name in self.names:
+            if name in state:
+                self.namespace[name] = state[name]
 
 
 class TakenOver(NamedTuple):

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,8 +66,11 @@ from trainer_sidecar.guardian.ending import (
     crash_message,
     disarm_at_exit,
     end_worker,
+    exit_error,
     exit_plan,
+    noting_escapes,
 )
+from trainer_sidecar.guardian.epochs import EpochLoop
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
@@ -261,6 +263,7 @@ class Guardian:
         self.nan_location: str | None = None
         self._micro = 0
         self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
+        self._epoch_loop: EpochLoop | None = None  # the loop iterates ``epochs`` and ``batches``
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
@@ -584,14 +587,20 @@ class Guardian:
         self.feed.attach(loader)
         return loader
 
-    def track(self, name: str, stateful: Stateful) -> None:
+    def track(self, name: str | None = None, stateful: Stateful | None = None, **named: Stateful) -> None:
         """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
         StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
         rank's own file, and restore it on resume, so a loop's own data resumes exactly where it was.
+        Several at once by keyword: ``track(scheduler=scheduler, best=Variables(globals(), "best_acc1"))``.
         Raises ConfigError at once when its state cannot be checkpointed (only dicts, lists, tuples, str,
         int, float, bool, None and tensors can)."""
         with self._adoption():
-            self.feed.track(name, stateful)
+            if (name is None) != (stateful is None) or (name is None and not named):
+                raise ConfigError("guardian.track(name, stateful) or guardian.track(name=stateful, ...)")
+            if name is not None and stateful is not None:
+                named = {name: stateful, **named}
+            for key, value in named.items():
+                self.feed.track(key, value)
 
     def attach_loader(self, loader: GuardedLoader) -> None:
         """Keep ``loader``'s position in checkpoints (and restore a resumed position into it)."""
@@ -667,6 +676,62 @@ class Guardian:
             except UncleanState as exc:
                 log.warning("%s; training on", exc)
 
+    def epochs(self, epochs: int, start: int = 0) -> Iterator[int]:
+        """Yield the epochs to run, ``start`` (the loop's own resume, used while the guardian has no
+        checkpoint of its own) to ``epochs - 1``, then ``finish``; with ``batches`` inside::
+
+            for epoch in guardian.epochs(args.epochs, start=args.start_epoch):  # was: range(start, epochs)
+                sampler.set_epoch(epoch)
+                train(guardian.batches(train_loader))   # was: train(train_loader)
+                validate(...); scheduler.step(); save(...)
+
+        The end of the data is the end of training (the step count does not decide it). A resume starts
+        at the checkpoint's epoch and batch; a finished job yields nothing (or only its last epoch's end
+        again, from the state before it). After a rollback into an earlier epoch, the loop's next epoch
+        end is that epoch's, from its state before (a tracked scheduler and best score went back with
+        the weights), and the epochs after it come again, without the batches already consumed
+        (``trainer_sidecar.guardian.epochs``)."""
+        self._driven = True
+        loop = self._epochs()
+        while True:
+            yield from loop.epochs(epochs, start)
+            try:
+                self.finish()
+                return
+            except UncleanState as exc:
+                log.warning("%s; training on", exc)
+
+    def batches(self, loader: DataLoader[Any]) -> Iterator[Any]:
+        """Yield the batches of the loop's own training ``loader`` that the current epoch of ``epochs``
+        has not consumed, as the loader makes them (its sampler, ``set_epoch``, collate and workers): all
+        of them in an epoch begun afresh, bit for bit the loop's own iteration; in a resumed epoch from
+        the next batch on, skipped by index without loading one; never a dead-lettered batch. Raises
+        ConfigError outside ``epochs`` or when called twice in one epoch (an evaluation iterates its own
+        loader). An epoch's data that runs out waits for a checkpoint still in flight, so a crash in the
+        evaluation that follows resumes from it."""
+        return self._epochs().batches(loader)
+
+    def _epochs(self) -> EpochLoop:
+        if self._epoch_loop is None:
+            self._epoch_loop = EpochLoop(
+                self.feed.track,
+                lambda epoch, batch: self.dead_letters.is_dead(epoch, batch),
+                lambda epoch, batch: setattr(self, "_current_batch", BatchRef(epoch, batch)),
+                self._epoch_data_done,
+            )
+        return self._epoch_loop
+
+    def _epoch_data_done(self) -> None:
+        if not self.checkpoints.writing:
+            return
+        with self.busy("checkpoint: the epoch's last write"):
+            try:
+                self.checkpoints.wait()
+            except FencedError as exc:
+                self._end.fenced(exc)
+            except CheckpointError as exc:
+                log.error("the checkpoint written at the end of an epoch's data failed: %s", exc)
+
     def _batches_until(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
         empty_epochs = 0
         mark = self._mark
@@ -690,6 +755,7 @@ class Guardian:
                 raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
 
     # ---------------------------------------------------------------------------------------- step ---
+    @noting_escapes
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch's ``loss``: exactly what the loop would call ``.backward()`` on.
 
@@ -719,6 +785,7 @@ class Guardian:
         self._micro += 1
         self._mark(Activity.LOOP)
 
+    @noting_escapes
     def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
         """Check, clip and step the optimizer (or skip the update, or roll back) at a step boundary.
 
@@ -1378,7 +1445,7 @@ class Guardian:
             # failure is told from a transient one), and where the exception left the training thread
             # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
             # victims (trainguard.core.policy).
-            self._end.report(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
+            self._end.report(Phase.FAILED, crash_message(exit_error()), 1)
             self.checkpoints.close()  # a clean checkpoint in flight is still worth having
             return
         newest = self.checkpoints.checkpointed_step

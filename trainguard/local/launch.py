@@ -20,6 +20,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
@@ -136,6 +137,21 @@ def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
     """Send ``sig`` to the process group ``proc`` leads (its session: see ``spawn``); gone is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+def wait_for_group(proc: subprocess.Popen[Any], deadline: float) -> bool:
+    """Wait until no process is left in the group ``proc`` led, or until ``deadline`` (``time.monotonic``);
+    True when none is. The leader may exit before the processes it started: the parent of
+    ``torch.multiprocessing.spawn`` dies of a SIGTERM at once, while its workers, told too, write their
+    stop checkpoint."""
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def resolve_command(command: Sequence[str], *, field: str, cwd: Path | None, path: str | None) -> list[str]:

@@ -65,6 +65,7 @@ from trainguard.local.launch import (
     resolve_command,
     signal_group,
     spawn,
+    wait_for_group,
 )
 from trainguard.local.rundir import CheckpointLock, make_dir_inside, new_run_folder, plain_name
 from trainguard.local.sidecars import TERMINATION_MESSAGE_FILE, RankProcesses, SidecarProcess
@@ -518,6 +519,7 @@ class LocalRunner(GangSupervisor):
         for worker in workers:
             try:
                 worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+                wait_for_group(worker, deadline)  # mp.spawn's workers outlive their parent's SIGTERM
             except subprocess.TimeoutExpired:
                 signal_group(worker, signal.SIGKILL)
                 worker.wait()
