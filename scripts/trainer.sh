@@ -4,9 +4,9 @@
 # scripts/control-plane.sh builds the rest of the test cluster, and the manifests the tests install,
 # copied from the same modules. Everything is cached under ~/.cache/trainguard/ (or $TRAINGUARD_CACHE):
 #
-#   bin/jobset-<version>/jobset                  JobSet's controller manager (the module's root package)
-#   bin/trainer-controller-manager-<version>/... Trainer's (cmd/trainer-controller-manager)
-#   bin/trainer-<key>/{jobset,trainer-controller-manager}   symlinks to the above; <key> hashes the versions
+#   bin/trainer-<key>/jobset                     JobSet's controller manager (the module's root package)
+#   bin/trainer-<key>/trainer-controller-manager Trainer's (cmd/trainer-controller-manager); <key>
+#                                                hashes both versions: a bump builds afresh
 #   kubeflow/trainer-<version>/                  Trainer's CRDs (manifests/base/crds), its shipped
 #                                                torch-distributed ClusterTrainingRuntime
 #                                                (manifests/base/runtimes) and webhook configurations
@@ -16,8 +16,8 @@
 #   go/{mod,build,path}                          shared with scripts/control-plane.sh and scripts/tools.sh
 #
 # Versions: Trainer v2.3.0 is the newest release; its go.mod requires sigs.k8s.io/jobset v0.12.0, which
-# is therefore the JobSet controller built. Neither module has replace directives, so each builds with a
-# wrapper module (see build below).
+# is therefore the JobSet controller built (checked against that go.mod). Neither module has replace
+# directives; both build in one wrapper module (see build below).
 #
 # Usage:
 #   bash scripts/trainer.sh [build]        build and fetch what is missing; print the bin directory
@@ -33,7 +33,7 @@ TRAINER_VERSION=v2.3.0
 JOBSET_VERSION=v0.12.0
 
 cache=${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}
-key=$(printf 'trainer %s\njobset %s\n' "$TRAINER_VERSION" "$JOBSET_VERSION" | sha256sum | cut -c1-12)
+key=$(printf 'trainer %s\njobset %s\nbuilt together\n' "$TRAINER_VERSION" "$JOBSET_VERSION" | sha256sum | cut -c1-12)
 bin_dir="$cache/bin/trainer-$key"
 trainer_dir="$cache/kubeflow/trainer-$TRAINER_VERSION"
 jobset_dir="$cache/kubeflow/jobset-$JOBSET_VERSION"
@@ -124,47 +124,48 @@ if command -v flock >/dev/null; then
   flock 9
 fi
 
-# build NAME VERSION MODULE PACKAGE LDFLAGS: PACKAGE of MODULE@VERSION, compiled as a dependency of a small
-# wrapper module made in a temp dir outside the clone (`go install pkg@version` would also list the
-# module's versions to look for a deprecation, and the Go module proxy reached here refuses version
-# lists of these modules with 403), into a temp dir, then an atomic rename into bin/NAME-VERSION/, so an
-# interrupted build leaves nothing half-made behind. The wrapper requires the module alone, so every
-# dependency is at the version the module's own go.mod chose.
+# Both binaries in one `go build`, as dependencies of a small wrapper module made in a temp dir outside the
+# clone that requires Trainer alone: JobSet is built in Trainer's module graph, the one Trainer is tested
+# against, so its dependencies are at Trainer's (patch-newer) versions and every package the two share
+# (client-go, controller-runtime, the APIs: most of either) compiles once. Measured cold on 2 busy cores,
+# side by side with the control plane's build: 602.6 s for JobSet and 511.3 s for Trainer built apart.
+# (`go install pkg@version` is no option: it lists the module's versions to look for a deprecation,
+# which the Go module proxy reached here refuses with 403.) Into a temp dir, then an atomic rename into
+# bin/trainer-<key>/, so an interrupted build leaves nothing half-made behind.
 build() {
-  local name=$1 version=$2 module=$3 package=$4 ldflags=$5
-  local dir="$cache/bin/$name-$version" started tmp work go_line
-  if [ -x "$dir/$name" ]; then
-    log "$name $version: cached in $dir"
+  local started tmp work go_line required gomod
+  if [ -x "$bin_dir/jobset" ] && [ -x "$bin_dir/trainer-controller-manager" ]; then
+    log "jobset $JOBSET_VERSION, trainer-controller-manager $TRAINER_VERSION: cached in $bin_dir"
     return 0
   fi
   started=$(now)
-  go_line=$(cd "${TMPDIR:-/tmp}" && go mod download -json "$module@$version" |
-    sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' | xargs grep -m1 '^go ')
-  work=$(mktemp -d "${TMPDIR:-/tmp}/trainguard-build-$name.XXXXXX")
-  printf 'module trainguard.invalid/build/%s\n\n%s\n\nrequire %s %s\n' "$name" "$go_line" "$module" "$version" \
-    >"$work/go.mod"
-  log "$name $version: go build $package (cold machine: several minutes)"
-  tmp=$(mktemp -d "$cache/bin/.$name-$version.XXXXXX")
-  chmod 755 "$tmp"
-  if ! (cd "$work" && go build -trimpath -ldflags "-s -w $ldflags" -o "$tmp/$name" "$package"); then
-    rm -rf "$tmp" "$work"
-    log "error: building $name $version failed (see above)"
+  gomod=$(cd "${TMPDIR:-/tmp}" && go mod download -json "github.com/kubeflow/trainer/v2@$TRAINER_VERSION" |
+    sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+  required=$(sed -n 's#^[[:space:]]*sigs\.k8s\.io/jobset \(v[^ ]*\).*#\1#p' "$gomod")
+  if [ "$required" != "$JOBSET_VERSION" ]; then
+    log "error: Trainer $TRAINER_VERSION requires sigs.k8s.io/jobset ${required:-(none)}, not $JOBSET_VERSION"
     return 1
   fi
-  rm -rf "$dir" "$work"
-  mv "$tmp" "$dir"
-  log "$name $version: built in $(since "$started")"
+  go_line=$(grep -m1 '^go ' "$gomod")
+  work=$(mktemp -d "${TMPDIR:-/tmp}/trainguard-build-trainer.XXXXXX")
+  printf 'module trainguard.invalid/build/trainer\n\n%s\n\nrequire github.com/kubeflow/trainer/v2 %s\n' \
+    "$go_line" "$TRAINER_VERSION" >"$work/go.mod"
+  log "jobset $JOBSET_VERSION, trainer-controller-manager $TRAINER_VERSION: go build (cold machine: several minutes)"
+  tmp=$(mktemp -d "$cache/bin/.trainer-$key.XXXXXX")
+  chmod 755 "$tmp"
+  # JobSet's main package is its module's root; its version is stamped as its Makefile does.
+  if ! (cd "$work" && go build -trimpath -o "$tmp/" \
+    -ldflags "-s -w -X sigs.k8s.io/jobset/pkg/version.GitVersion=$JOBSET_VERSION" \
+    sigs.k8s.io/jobset github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager); then
+    rm -rf "$tmp" "$work"
+    log "error: building JobSet $JOBSET_VERSION and Trainer $TRAINER_VERSION failed (see above)"
+    return 1
+  fi
+  rm -rf "$bin_dir" "$work"
+  mv "$tmp" "$bin_dir"
+  log "jobset $JOBSET_VERSION, trainer-controller-manager $TRAINER_VERSION: built in $(since "$started")"
 }
 
-# JobSet's main package is its module's root; its version is stamped as its Makefile does.
-build jobset "$JOBSET_VERSION" sigs.k8s.io/jobset sigs.k8s.io/jobset \
-  "-X sigs.k8s.io/jobset/pkg/version.GitVersion=$JOBSET_VERSION"
-build trainer-controller-manager "$TRAINER_VERSION" github.com/kubeflow/trainer/v2 \
-  github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager ""
-
-mkdir -p "$bin_dir"
-ln -sfn "../jobset-$JOBSET_VERSION/jobset" "$bin_dir/jobset"
-ln -sfn "../trainer-controller-manager-$TRAINER_VERSION/trainer-controller-manager" \
-  "$bin_dir/trainer-controller-manager"
-log "jobset $JOBSET_VERSION, trainer-controller-manager $TRAINER_VERSION: ready in $(since "$total")"
+build
+log "ready in $(since "$total")"
 echo "$bin_dir"
