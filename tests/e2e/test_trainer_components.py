@@ -10,27 +10,26 @@ defaulted by JobSet's webhook, and that JobSet becomes its indexed Job (JobSet's
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 from tests.support import trainer
+from tests.support.cluster import wait_for
 from tests.support.controlplane import ControlPlane
 from tests.support.trainer import Trainer
 
-from .test_controlplane_components import Api, wait_for
-
-GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
+TIMEOUT = 60.0
 
 
-@pytest.fixture(scope="module")
-def api(control_plane: ControlPlane, kubeflow_trainer: Trainer) -> Iterator[Api]:
-    """Clients for the control plane, once Trainer runs on it."""
-    apis = Api(control_plane)
-    yield apis
-    apis.client.close()
+def read(plane: ControlPlane, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """One object as JSON, or None while it does not exist."""
+    result = plane.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    if result.returncode != 0:
+        assert "NotFound" in result.stderr, result.stderr
+        return None
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
 
 
 def test_both_controllers_are_ready_and_their_crds_established(
@@ -55,36 +54,35 @@ def test_both_controllers_are_ready_and_their_crds_established(
     assert '"torch"' in runtime, runtime
 
 
-def read_jobset(api: Api, namespace: str, name: str) -> dict[str, Any] | None:
-    """The JobSet ``namespace/name``, or None while it does not exist."""
-    reader = api.custom.get_namespaced_custom_object
-    return api.read(reader, "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)
-
-
 def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env") or []}
 
 
-def test_a_trainjob_becomes_a_defaulted_jobset_and_its_indexed_job(api: Api) -> None:
+def test_a_trainjob_becomes_a_defaulted_jobset_and_its_indexed_job(
+    control_plane: ControlPlane, kubeflow_trainer: Trainer
+) -> None:
     """A TrainJob of 2 nodes on torch-distributed becomes a JobSet of the same name, owned by it, whose
     node container has torchrun's environment (PET_*), and which JobSet's defaulting webhook completed
     (success policy, startup order, DNS hostnames: its controller relies on them); the JobSet becomes
     one indexed Job of 2 completions."""
+    plane = control_plane
     namespace = f"trainjob-{uuid.uuid4().hex[:6]}"
-    api.core.create_namespace({"metadata": {"name": namespace}})
+    plane.kubectl("create", "namespace", namespace)
     name = "tiny"
     job = {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "runtimeRef": {"name": trainer.TORCH_RUNTIME_NAME},
             "trainer": {"image": "x", "command": ["true"], "numNodes": 2, "numProcPerNode": 1},
         },
     }
     try:
-        created = api.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "trainjobs", job)
-        jobset = wait_for("the JobSet", lambda: read_jobset(api, namespace, name))
+        plane.kubectl("create", "-f", "-", stdin=json.dumps(job))
+        created = read(plane, "trainjob", name, namespace)
+        assert created is not None
+        jobset = wait_for("the JobSet", lambda: read(plane, "jobset", name, namespace), TIMEOUT)
         owners = jobset["metadata"]["ownerReferences"]
         assert [(o["kind"], o["uid"]) for o in owners] == [("TrainJob", created["metadata"]["uid"])]
         spec = jobset["spec"]
@@ -96,14 +94,10 @@ def test_a_trainjob_becomes_a_defaulted_jobset_and_its_indexed_job(api: Api) -> 
         env = _env(container)
         assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("2", "1")
         assert env["PET_MASTER_ADDR"] == f"{name}-node-0-0.{name}"
-        from kubernetes import client
-
-        batch: Any = client.BatchV1Api(api.client)
         indexed = wait_for(
-            "the JobSet's Job",
-            lambda: api.read(batch.read_namespaced_job, f"{name}-node-0", namespace),
+            "the JobSet's Job", lambda: read(plane, "job", f"{name}-node-0", namespace), TIMEOUT
         )
         assert indexed["spec"]["completionMode"] == "Indexed"
         assert (indexed["spec"]["completions"], indexed["spec"]["parallelism"]) == (2, 2)
     finally:
-        api.core.delete_namespace(namespace)
+        plane.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
