@@ -5,9 +5,10 @@ kube-controller-manager, kube-scheduler, a node with containerd, the kubelet, ku
 and on it JobSet v0.12.0's controller and Trainer v2.3.0's controller manager (``tests/support/
 trainer.py``), built from the Go module proxy, with their CRDs, webhooks and Trainer's own
 ``torch-distributed`` ClusterTrainingRuntime from their modules. The TrainJob is what a Trainer user
-writes: the runtime's name, an image (the example's ``tiny-lm``, which the PyTorchJob tests run too: the
-project's locked CPU torch, user 1000), a command, two nodes. Its two pods find each other through the JobSet's headless
-Service, as torchrun's static rendezvous at ``PET_MASTER_ADDR`` needs, and all-reduce over gloo.
+writes: the runtime's name, an image (the example's ``tiny-lm``, which the PyTorchJob tests run too:
+the project's locked CPU torch, user 1000), a command, two nodes. Its two pods find each other through
+the JobSet's headless Service, as torchrun's static rendezvous at ``PET_MASTER_ADDR`` needs, and
+all-reduce over gloo.
 """
 
 from __future__ import annotations
