@@ -314,6 +314,8 @@ def start(plane: ControlPlane, directory: Path | None = None, *, timeout: float 
     jobset_dir, trainer_dir = jobset_manifests(), trainer_manifests()
     seconds["jobset-crd"] = install_crds(plane, [jobset_dir / JOBSET_CRD], JOBSET_KINDS, timeout)
     jobset, port = _start_manager(plane, directory / "jobset", jobset_configuration, timeout=timeout)
+    # Until Trainer's manager runs, ``manager`` is JobSet's process too, so that a failed start stops
+    # (and unregisters) what ran; stopping a stopped process is a no-op.
     running = Trainer(plane=plane, jobset=jobset, manager=jobset, startup_seconds=seconds)
     try:
         seconds["jobset"] = plane.startup_seconds.get("jobset", 0.0)
