@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import cluster, controlplane
+from tests.support import cluster, controlplane, trainer
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +56,30 @@ def e2e_cluster(
             pytest.fail(reason)
         pytest.skip(reason)
     running = cluster.start(control_plane, tmp_path_factory.mktemp("cluster"))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeflow_trainer(control_plane: controlplane.ControlPlane) -> Iterator[trainer.Trainer]:
+    """Kubeflow Trainer v2 on the session's control plane (``trainer``): the JobSet controller and
+    Trainer's controller manager as host processes, their CRDs and webhooks installed, and Trainer's
+    shipped ``torch-distributed`` ClusterTrainingRuntime applied.
+
+    The binaries come from ``bash scripts/trainer.sh`` (which ``.ci/run`` runs), or from the directory
+    in ``TRAINGUARD_TRAINER_BIN``. Without them the tests that use this fixture are skipped on a
+    developer's machine and fail under CI. Both are stopped at the end of the session, their webhook
+    configurations removed first.
+    """
+    directory = trainer.bin_dir()
+    reason = trainer.why_not_runnable(directory)
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    running = trainer.start(control_plane, directory)
     try:
         yield running
     finally:
