@@ -35,7 +35,7 @@ from trainer_sidecar.checkpoint import CheckpointError, EpochOwner, FencedError
 from trainer_sidecar.contract.compute import ComputeWindow
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.identity import job_identity
-from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
+from trainer_sidecar.contract.settings import GuardianSettings
 from trainer_sidecar.contract.status import (
     Activity,
     Phase,
@@ -49,12 +49,13 @@ from trainer_sidecar.guardian.busy import (
     EvalChange,
     StepProgress,
     evaluation_change,
+    held,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
 from trainer_sidecar.guardian.collectives import unwatch as unwatch_collectives
 from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
-from trainer_sidecar.guardian.counters import GuardCounters, describe_clip
+from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.guardian.ending import (
     Diverged,
@@ -79,7 +80,6 @@ from trainer_sidecar.guardian.judge import (
     Action,
     StepReading,
     Verdict,
-    judge_saved_state,
     judge_step,
 )
 from trainer_sidecar.guardian.localize import NaNLocator
@@ -93,9 +93,8 @@ from trainer_sidecar.guardian.pauses import (
     pause_threshold,
 )
 from trainer_sidecar.guardian.progress import ProgressClock
-from trainer_sidecar.guardian.recovery import RecoveryMixin
+from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
-from trainer_sidecar.guardian.snapshot import Snapshot
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 
@@ -126,7 +125,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian(RecoveryMixin):
+class Guardian:
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -223,11 +222,6 @@ class Guardian(RecoveryMixin):
         self.feed = DataFeed()
         self._current_batch: BatchRef | None = None
         self._step_batches: list[BatchRef] = []
-        self._window_batches: list[BatchRef] = []
-        self._snapshot = Snapshot()
-        # Parameters and optimizer state are copied while the next forward and backward run, until the
-        # loop is seen changing them in place between steps without ``settle`` (see ``settle``).
-        self._copies_in_background = True
         self._locator = NaNLocator(self.module)
         self._reporter = StatusReporter(
             config.status_file,
@@ -250,18 +244,31 @@ class Guardian(RecoveryMixin):
         )
         self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
         self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
+        self._recovery = self._recovery_of(validate)
+
+    def _recovery_of(self, validate: Callable[[], float] | None) -> Recovery:
+        return Recovery(
+            self.settings,
+            self.training,
+            self.counters,
+            self.feed,
+            self.dead_letters,
+            self.checkpoints,
+            self._end,
+            (self._life, self._reporter, self._progress, self._busy),
+            self._mark,
+            validate,
+        )
 
     def _loop_state(self) -> None:
         """The state of the loop the guardian follows: its step, its data, its stop and what the activity
         watch infers; set once at construction, before anything reads it."""
-        self.busy_since: float | None = None
         self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
         self.last_grad_norm: float | None = None
         self.started_at = time.time()
         self.resumed_step = 0
         self.nan_location: str | None = None
         self._micro = 0
-        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._loss_sum: torch.Tensor | None = None
@@ -287,9 +294,9 @@ class Guardian(RecoveryMixin):
             self.dead_letters.load()
 
     def _begin(self) -> None:
-        if not self._snapshot.taken:
-            self._take_snapshot()  # the starting weights are the first thing a rollback can return to
-        self._apply_orchestrator_remediation()
+        if not self._recovery.snapshot.taken:
+            self._recovery.take_snapshot()  # the starting weights: the first a rollback can return to
+        self._recovery.apply_orchestrator_remediation(self.config.remediation)
         self._stop.acquire()
         self._holding_stop = True
         if self.gang.distributed:
@@ -316,18 +323,8 @@ class Guardian(RecoveryMixin):
         around the evaluation only rank 0 runs is enough). Usable as a decorator as well."""
         with self._adoption():
             section = self._busy.enter(reason, seconds)
-        before = self._mark(Activity.BUSY)
-        self._publish(force=True)
-        try:
+        with held(self._busy, section, self._mark, lambda: self._publish(force=True), self._progress):
             yield
-        finally:
-            self._mark(before)
-            self._busy.leave(section)
-            if self._busy.since is None:
-                # The end of a busy stretch is progress, as a rollback's is: without it, the first status
-                # after an evaluation longer than the hang timeout reads "no step for" that long.
-                self._progress.pause_ended()
-            self._publish(force=True)
 
     def _step_progress(self) -> StepProgress:
         return (self.counters.step, self.counters.iterations)
@@ -462,6 +459,11 @@ class Guardian(RecoveryMixin):
     def exit_code(self) -> int | None:
         """The exit code the worker ends with, once it is known."""
         return self._life.exit_code
+
+    @property
+    def busy_since(self) -> float | None:
+        """When the rollback under way began (unix seconds; None: none)."""
+        return self._life.busy_since
 
     @property
     def last_step_time(self) -> float | None:
@@ -615,7 +617,7 @@ class Guardian(RecoveryMixin):
         (see ``Guardian``). Should the final state not be clean, the guardian rolls back and goes on.
         """
         end = self._declare_end(max_steps)
-        self._driven = True
+        self._recovery.driven = True  # the loop iterates ``steps`` or ``run``: the counter is the guardian's
         while True:
             while self.counters.step < end:
                 before = self.counters.iterations
@@ -655,7 +657,7 @@ class Guardian(RecoveryMixin):
         goes on until it is.
         """
         max_steps = self._declare_end(max_steps)
-        self._driven = True
+        self._recovery.driven = True  # the loop iterates ``steps`` or ``run``: the counter is the guardian's
         if isinstance(loader, DataLoader):
             loader = self.loader(loader)
         if self.feed.loader is not loader:
@@ -746,7 +748,7 @@ class Guardian(RecoveryMixin):
         if self.checkpoints.fenced is not None:
             self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._loss_sum is not None
-        self._snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
+        self._recovery.snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
         stop = self._stop.requested or self._stop_deferred
         agreed = self._meter.measure(self._loss_sum, self.counters.step, stop, self.gang)
         reading = agreed.reading
@@ -794,7 +796,7 @@ class Guardian(RecoveryMixin):
         reason = f"past max_steps={self.max_steps}: not applied (training is over)"
         if not self._past_end_warned:
             self._past_end_warned = True
-            self._log_gang(logging.WARNING, "step %d is %s", self.counters.step, reason)
+            self.gang.log(logging.WARNING, "step %d is %s", self.counters.step, reason)
         return StepOutcome(boundary=True, applied=False, reason=reason)
 
     def _rng_may_be_saved(self) -> bool:
@@ -861,7 +863,7 @@ class Guardian(RecoveryMixin):
         if not self.checkpoints.enabled:
             what = "no checkpoint directory"
         message = f"stopped by {received.name} at step {self.counters.step}; {what}"
-        self._log_gang(logging.WARNING, "%s", message)
+        self.gang.log(logging.WARNING, "%s", message)
         code = 128 + int(received)
         self._end.report(Phase.STOPPED, message, code)
         self._release()
@@ -889,10 +891,10 @@ class Guardian(RecoveryMixin):
         counters.step += 1
         self.last_grad_norm = reading.grad_norm
         self._progress.stepped()
-        self._window_batches.extend(batches)
+        self._recovery.kept(batches)
         if self._locator.armed:
             self._located(self._locator.after_good_step())
-        unclean = self._save_if_due(time_due)
+        unclean = self._recovery.save_if_due(time_due, counters.step == self.max_steps)
         self._mark(Activity.LOOP)  # what a periodic status says until the next mark is published
         self._publish()
         return StepOutcome(
@@ -919,7 +921,7 @@ class Guardian(RecoveryMixin):
         counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
         self.last_grad_norm = reading.grad_norm
         self._progress.stepped()
-        self._log_gang(
+        self.gang.log(
             logging.WARNING,
             "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
             counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
@@ -934,7 +936,7 @@ class Guardian(RecoveryMixin):
         if verdict.cause == NON_FINITE_LOSS:
             self._localize(replay, locally_nonfinite)
         self._forensics(verdict.cause, reading, batches)
-        self._carry_out(verdict)
+        self._recovery.carry_out(verdict)
         self._mark(Activity.LOOP)
         self._publish(force=True)
         return StepOutcome(
@@ -942,9 +944,23 @@ class Guardian(RecoveryMixin):
             reason=verdict.reason, rolled_back=verdict.action is Action.ROLL_BACK,
         )  # fmt: skip
 
-    def _log_gang(self, level: int, message: str, *args: object) -> None:
-        """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
-        log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
+    def settle(self) -> None:
+        """Wait until the snapshot and checkpoint copies running in the background have read the state.
+
+        The guardian copies parameters and optimizer state while the next forward and backward passes
+        run, and waits only before the next optimizer step. A loop that changes parameters or optimizer
+        state in place between steps (weight clamping, a manual re-initialisation) calls this first; on
+        a GPU the current stream waits, not the host. A loop that does not is noticed at the next step
+        (by the tensors' version counters): nothing torn is kept, and copies are synchronous after."""
+        self._recovery.settle()
+
+    def save_checkpoint(self) -> bool:
+        """Start an asynchronous checkpoint of the current step if the whole state is clean.
+
+        Returns False without a checkpoint directory, or when the state is not clean (then the guardian
+        rolled back, or diverged). Every rank must call it at the same step (it agrees collectively).
+        """
+        return self._recovery.save_checkpoint()
 
     # ------------------------------------------------------------------------- localisation, forensics ---
     def _localize(self, replay: Callable[[], Any] | None, locally_nonfinite: bool) -> None:
@@ -997,25 +1013,26 @@ class Guardian(RecoveryMixin):
             if self._start_step is not None:
                 self._continue_at(self._start_step)
             return None
-        checkpoint, self.counters = resumed
+        checkpoint, counters = resumed
+        self.counters.adopt(counters)
         self.resumed_step = checkpoint.step
         self._reporter.carry(self.counters.pace)
-        self._take_snapshot()
-        self._log_gang(
+        self._recovery.take_snapshot()
+        self.gang.log(
             logging.WARNING,
             "resumed from the clean checkpoint at step %d (%s)",
             checkpoint.step,
             self.checkpoint_dir,
         )
         if self._start_step is not None and self._start_step != checkpoint.step:
-            self._log_gang(
+            self.gang.log(
                 logging.WARNING,
                 "start_step=%d is not used: the guardian's own checkpoint at step %d takes over (its "
                 "weights, optimizer, data position and counters replace what the loop loaded)",
                 self._start_step,
                 checkpoint.step,
             )
-        self._check_validation("resume")
+        self._recovery.validated("resume")
         return checkpoint.step
 
     def _continue_at(self, step: int) -> None:
@@ -1029,14 +1046,14 @@ class Guardian(RecoveryMixin):
         self.resumed_step = step
         scheduler = self.training.scheduler
         if scheduler is not None and scheduler.last_epoch != step:
-            self._log_gang(
+            self.gang.log(
                 logging.WARNING,
                 "start_step=%d but the scheduler given to the guardian has stepped %d times: load its "
                 "state_dict from the loop's checkpoint too, or the schedule restarts",
                 step,
                 scheduler.last_epoch,
             )
-        self._log_gang(
+        self.gang.log(
             logging.WARNING,
             "no checkpoint of the guardian's own yet: continuing at start_step=%d as the loop says",
             step,
@@ -1047,7 +1064,7 @@ class Guardian(RecoveryMixin):
         """The worker's current status, as published to the sidecar."""
         data = self.feed.loader.counters if self.feed.loader is not None else None
         counters = self.counters
-        busy = self._busy.view(self.phase, self.busy_since, self._step_progress())
+        busy = self._busy.view(self.phase, self._life.busy_since, self._step_progress())
         activity, activity_since = self._activity.current
         compute, best_compute = self._compute.reading()
         return WorkerStatus(
@@ -1111,13 +1128,13 @@ class Guardian(RecoveryMixin):
             final = self.counters.step
             # Checked even when the final checkpoint is written already (at a declared max_steps, or by
             # cadence): the loop may have changed the state in place after its last step.
-            if self._unclean_state() is not None:
+            if self._recovery.unclean_state() is not None:
                 raise UncleanState(
                     f"the final state at step {final} holds non-finite values; rolled back to step "
                     f"{self.counters.step}"
                 )
             if not self.checkpoints.saved(final):
-                self._save_checkpoint()
+                self._recovery.save()
             try:
                 self.checkpoints.close()
             except FencedError as exc:
@@ -1208,4 +1225,3 @@ class Guardian(RecoveryMixin):
         if opened is not None:
             self._busy.leave(opened[0])
         self._busy.stop()
-
