@@ -43,12 +43,8 @@ from trainer_sidecar.contract.status import (
 )
 from trainer_sidecar.guardian.activity import ActivityTracker
 from trainer_sidecar.guardian.busy import (
-    EVAL_MODE_REASON,
-    STEP_ACTIVITIES,
     BusySections,
-    EvalChange,
     StepProgress,
-    evaluation_change,
     held,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
@@ -71,7 +67,7 @@ from trainer_sidecar.guardian.ending import (
     exit_plan,
 )
 from trainer_sidecar.guardian.faults import FaultInjector
-from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
+from trainer_sidecar.guardian.feed import DataFeed, Stateful
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
 from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.judge import (
@@ -82,21 +78,19 @@ from trainer_sidecar.guardian.judge import (
     Verdict,
     judge_step,
 )
+from trainer_sidecar.guardian.loading import LoadingMixin
 from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.measure import StepMeasure
 from trainer_sidecar.guardian.pauses import (
-    PauseChange,
     PauseKind,
-    PauseLook,
     ThreadClock,
-    pause_change,
-    pause_threshold,
 )
 from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
+from trainer_sidecar.guardian.watch import ActivityWatchMixin
 
 log = logging.getLogger("trainguard")
 
@@ -125,7 +119,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian:
+class Guardian(ActivityWatchMixin, LoadingMixin):
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -326,106 +320,6 @@ class Guardian:
         with held(self._busy, section, self._mark, lambda: self._publish(force=True), self._progress):
             yield
 
-    def _step_progress(self) -> StepProgress:
-        return (self.counters.step, self.counters.iterations)
-
-    def _watch_training_thread(self, period: float) -> float | None:
-        """The activity watch's look (every ``period``, from its own thread): an evaluation inferred from
-        the model's eval mode (``_watch_evaluation``), else a pause the guardian can see
-        (``_watch_pause``); one implicit section at a time. Returns when the status changed, or None."""
-        share = None if self._thread_clock is None else self._thread_clock.share()  # sampled every look
-        if self._pause is None:
-            changed = self._watch_evaluation(period)
-            if changed is not None or self._evaluation is not None:
-                return changed
-        return self._watch_pause(share)
-
-    def _watch_pause(self, cpu_share: float | None) -> float | None:
-        """Open or close the section of a pause the guardian can see (``guardian.pauses``: a long fetch
-        from its loader, a long step computing): the pause is no hang and no step gap. Returns when the
-        status changed (unix seconds: a section opens as of the pause's start, so the gap it ends is not
-        the watch's delay), or None."""
-        progress = self._step_progress()  # first: a step after this makes the section stale, not missed
-        activity, since = self._activity.current
-        now, age = time.time(), time.monotonic() - self._busy.last_progress
-        look = PauseLook(self.phase, activity, now - since, age, cpu_share)
-        opened = self._pause
-        change = pause_change(
-            None if opened is None else opened[2],
-            opened is not None and progress != opened[1],
-            look,
-            pause_threshold(self._reporter.pace.longest),
-        )
-        if change in (PauseChange.BEGIN_DATA, PauseChange.BEGIN_COMPUTING):
-            kind = PauseKind.DATA if change is PauseChange.BEGIN_DATA else PauseKind.COMPUTING
-            self._pause = (self._busy.enter_implicit(kind.value, progress), progress, kind)
-            return since if kind is PauseKind.DATA else now - age
-        if opened is None or change is PauseChange.NONE:
-            return None
-        self._pause = None
-        self._busy.leave(opened[0])
-        if change is PauseChange.END and self.phase is Phase.RUNNING and self._busy.since is None:
-            self._progress.pause_ended(now)  # the end of the pause is progress (see ``busy``)
-        return now
-
-    def _watch_evaluation(self, period: float) -> float | None:
-        """Open or close the implicit evaluation section (``busy.evaluation_change``); called by the
-        activity watch's thread every ``period``, never by the training thread, so a step pays nothing
-        for it. Reads the model's ``training`` flag (a plain attribute: fine from another thread; the
-        thread-local ``torch.no_grad`` is not visible from here). Returns when the status changed (unix
-        seconds: an evaluation began after the loop's code did and after the last look that found the model
-        in train mode, so the watch's delay is no step gap), or None when it did not."""
-        progress = self._step_progress()  # first: a step after this makes the section stale, not missed
-        current = self._activity.current
-        activity, since = current
-        eval_mode = not self.module.training
-        now = time.time()
-        if not eval_mode:
-            self._train_mode_seen = now
-        if (
-            eval_mode
-            and activity in STEP_ACTIVITIES
-            and self.phase is Phase.RUNNING  # a rollback's validation runs in a step, in eval mode
-            and self._activity.current is current  # the mode was read inside that very activity
-            and not self._trains_in_eval_mode
-        ):
-            self._trains_in_eval_mode = True
-            log.info("the model is trained in eval mode: eval mode no longer counts as an evaluation")
-        opened = self._evaluation
-        change = evaluation_change(
-            None if opened is None else opened[1],
-            progress,
-            self.phase,
-            activity,
-            now - since,
-            period,
-            eval_mode,
-            self._trains_in_eval_mode,
-        )
-        if change is EvalChange.BEGIN:
-            self._evaluation = (self._busy.enter_implicit(EVAL_MODE_REASON, progress), progress)
-            return max(since, self._train_mode_seen)  # it began after both
-        if opened is None or change is EvalChange.NONE:
-            return None
-        self._evaluation = None
-        self._busy.leave(opened[0])
-        stepped = progress != opened[1]  # the step set the step time itself
-        if not stepped and self.phase is Phase.RUNNING and self._busy.since is None:
-            # The end of the pause is progress, as a busy section's is (see ``busy``), also when the
-            # watch first sees the next step's work (model.train() and a backward within one look):
-            # until that step's own status, this one must not carry the step time from before it.
-            self._progress.pause_ended(now)
-        return now
-
-    def _peer_changed(self) -> None:
-        """The busy peer this rank waits for appeared or went (the peer watch's thread)."""
-        if self.phase is Phase.RUNNING and not self._busy.waiting and self._busy.since is None:
-            # The end of the wait is progress, as the end of a busy section is: the status that says
-            # "running" again must not carry the step time from before the wait, which the sidecar
-            # would count against the hang timeout until this rank's next step.
-            self._progress.pause_ended()
-        self._publish(force=True)
-
     # --------------------------------------------------------------------------- counters, compat ---
     @property
     def rank(self) -> int:
@@ -546,47 +440,6 @@ class Guardian:
                 dataset, batch_size, shuffle, seed, collate_fn, num_workers, drop_last, {}, False
             )
 
-    def _guarded_loader(
-        self,
-        dataset: SizedDataset | DataLoader[Any],
-        batch_size: int | None,
-        shuffle: bool,
-        seed: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        num_workers: int,
-        drop_last: bool,
-        loading: dict[str, Any],
-        pad_shards: bool,
-    ) -> GuardedLoader:
-        if isinstance(dataset, DataLoader):
-            over = taken_over(dataset)
-            dataset, batch_size, shuffle, collate_fn, num_workers, loading = over[:6]
-            drop_last, pad_shards = over.drop_last, over.pad_shards
-        assert not isinstance(dataset, DataLoader)
-        if batch_size is None:
-            raise ConfigError(
-                "Guardian.loader() needs batch_size= for a dataset (a DataLoader brings its own)"
-            )
-        loader = GuardedLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            collate_fn=collate_fn,
-            num_workers=num_workers,
-            loading=loading,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=drop_last,
-            pad_shards=pad_shards,
-            dead_letters=self.dead_letters,
-            inject_bad_sample=self._faults.bad_sample_hook(lambda: self.counters.step)
-            if self._faults.active
-            else None,
-        )
-        self.feed.attach(loader)
-        return loader
-
     def track(self, name: str, stateful: Stateful) -> None:
         """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
         StatefulDataLoader, a sampler or a data stream of the loop's own) in every checkpoint, in this
@@ -669,28 +522,6 @@ class Guardian:
                 return
             except UncleanState as exc:
                 log.warning("%s; training on", exc)
-
-    def _batches_until(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
-        empty_epochs = 0
-        mark = self._mark
-        while self.counters.step < max_steps:
-            yielded = False
-            mark(Activity.DATA)  # an epoch's start (a shuffle, the loader's workers) is the loader's too
-            batches = iter(loader)
-            while True:
-                mark(Activity.DATA)
-                batch = next(batches, None)
-                mark(Activity.LOOP)
-                if batch is None:
-                    break
-                yielded = True
-                self._current_batch = BatchRef(batch.epoch, batch.index, batch.sample_ids)
-                yield batch.data
-                if self.counters.step >= max_steps and self._micro == 0:
-                    return
-            empty_epochs = 0 if yielded else empty_epochs + 1
-            if empty_epochs >= 2:
-                raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
 
     # ---------------------------------------------------------------------------------------- step ---
     def backward(self, loss: torch.Tensor) -> None:
