@@ -44,7 +44,6 @@ from trainer_sidecar.contract.status import (
 from trainer_sidecar.guardian.activity import ActivityTracker
 from trainer_sidecar.guardian.busy import (
     BusySections,
-    StepProgress,
     held,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
@@ -78,19 +77,15 @@ from trainer_sidecar.guardian.judge import (
     Verdict,
     judge_step,
 )
-from trainer_sidecar.guardian.loading import LoadingMixin
+from trainer_sidecar.guardian.loading import Accumulation, Loading
 from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.measure import StepMeasure
-from trainer_sidecar.guardian.pauses import (
-    PauseKind,
-    ThreadClock,
-)
 from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
-from trainer_sidecar.guardian.watch import ActivityWatchMixin
+from trainer_sidecar.guardian.watch import ActivityWatch
 
 log = logging.getLogger("trainguard")
 
@@ -119,7 +114,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian(ActivityWatchMixin, LoadingMixin):
+class Guardian:
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -214,8 +209,6 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         self._life = Lifecycle()
         self._loop_state()
         self.feed = DataFeed()
-        self._current_batch: BatchRef | None = None
-        self._step_batches: list[BatchRef] = []
         self._locator = NaNLocator(self.module)
         self._reporter = StatusReporter(
             config.status_file,
@@ -237,8 +230,14 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
         self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
+        self._loading = Loading(
+            self.feed, self.dead_letters, self._faults, self.counters, self.gang, self._mark, self._acc
+        )
         self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
         self._recovery = self._recovery_of(validate)
+        self._watch = ActivityWatch(
+            self._activity, self._busy, self.counters, self._life, self.module, self._reporter, self._progress
+        )
 
     def _recovery_of(self, validate: Callable[[], float] | None) -> Recovery:
         return Recovery(
@@ -262,21 +261,10 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         self.started_at = time.time()
         self.resumed_step = 0
         self.nan_location: str | None = None
-        self._micro = 0
+        self._acc = Accumulation()  # the step being accumulated (its micro-batches so far)
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
-        self._loss_sum: torch.Tensor | None = None
         self._stop_deferred = False  # see ``step``
-        # The evaluation inferred from the model's eval mode (``_watch_evaluation``, the watch's thread
-        # alone): its section's token and the progress it began at; and whether the loop trains in eval
-        # mode (then eval mode says nothing).
-        self._evaluation: tuple[object, StepProgress] | None = None
-        self._trains_in_eval_mode = False
-        self._train_mode_seen = time.time()  # the watch's last look that found the model in train mode
-        # A pause the watch sees (``guardian.pauses``): its section's token, the progress it began at and
-        # its kind; and the training thread's CPU clock (set when the loop begins).
-        self._pause: tuple[object, StepProgress, PauseKind] | None = None
-        self._thread_clock: ThreadClock | None = None
         self._stop = STOP
         self._holding_stop = False
 
@@ -294,14 +282,14 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         self._stop.acquire()
         self._holding_stop = True
         if self.gang.distributed:
-            self._busy.watch_peers(self.rank, self._peer_changed)
+            self._busy.watch_peers(self.rank, self._watch.peer_changed)
         self.phase = Phase.RUNNING
         # The loop's own torch.distributed collectives, from here on, mark their waits on this thread.
         self._collectives = watch_collectives(self._activity)
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
-        self._thread_clock = ThreadClock(threading.get_ident())  # the training thread calls _begin
-        self._reporter.watch_activity(lambda: self.phase, look=self._watch_training_thread)
+        self._watch.begin(threading.get_ident())  # the training thread calls _begin
+        self._reporter.watch_activity(lambda: self._life.phase, look=self._watch.look)
         arm_at_exit(self._at_exit)
 
     # ---------------------------------------------------------------------------------------- busy ---
@@ -436,7 +424,7 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         not share out evenly over the ranks.
         """
         with self._adoption():
-            return self._guarded_loader(
+            return self._loading.guarded(
                 dataset, batch_size, shuffle, seed, collate_fn, num_workers, drop_last, {}, False
             )
 
@@ -516,7 +504,7 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         if self.feed.loader is not loader:
             self.feed.attach(loader)
         while True:
-            yield from self._batches_until(loader, max_steps)
+            yield from self._loading.batches_until(loader, max_steps)
             try:
                 self.finish()
                 return
@@ -537,7 +525,7 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         """
         with self._adoption():
             check_loss(loss)
-        if self._micro == 0 and self._faults.active:
+        if self._acc.micro == 0 and self._faults.active:
             # An injected hang or crash stands for one in the loop's forward pass: before the backward.
             loss = self._faults.loss_hook(loss, self.counters.step)
         self._mark(Activity.BACKWARD)
@@ -547,10 +535,11 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         # A one-element loss of any shape ([1] from a loop's own reduction) is its scalar: the step's
         # measures are stacked with 0-dim tensors.
         detached = loss.detach().float().reshape(())
-        self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
-        if self._current_batch is not None:
-            self._step_batches.append(self._current_batch)
-        self._micro += 1
+        acc = self._acc
+        acc.loss_sum = detached if acc.micro == 0 or acc.loss_sum is None else acc.loss_sum + detached
+        if acc.current is not None:
+            acc.batches.append(acc.current)
+        acc.micro += 1
         self._mark(Activity.LOOP)
 
     def step(self, loss: torch.Tensor | None = None, replay: Callable[[], Any] | None = None) -> StepOutcome:
@@ -564,12 +553,12 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         """
         if loss is not None:
             self.backward(loss)
-            if self._micro < self.accumulation_steps:
+            if self._acc.micro < self.accumulation_steps:
                 return StepOutcome(boundary=False)
-        elif self._micro == 0:
+        elif self._acc.micro == 0:
             self._refuse_step_without_backward()
         self._mark(Activity.STEP)
-        self._micro = 0
+        self._acc.micro = 0
         if self.max_steps is not None and self.counters.step >= self.max_steps:
             return self._past_the_end()
         if self._faults.active:
@@ -578,13 +567,13 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
             self._check_adoption()
         if self.checkpoints.fenced is not None:
             self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
-        assert self._loss_sum is not None
+        assert self._acc.loss_sum is not None
         self._recovery.snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
         stop = self._stop.requested or self._stop_deferred
-        agreed = self._meter.measure(self._loss_sum, self.counters.step, stop, self.gang)
+        agreed = self._meter.measure(self._acc.loss_sum, self.counters.step, stop, self.gang)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
-        batches, self._step_batches = self._step_batches, []
+        batches, self._acc.batches = self._acc.batches, []
         if verdict.action is Action.APPLY:
             outcome = self._apply(verdict, reading, agreed.current_norm, batches, agreed.checkpoint_due)
         else:
@@ -622,7 +611,7 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         rank holds the same step, so every rank refuses alike, without a collective."""
         self.training.unscale()  # a GradScaler's update needs its inf checks recorded
         self.training.drop_update()
-        self._loss_sum, self._step_batches = None, []
+        self._acc.loss_sum, self._acc.batches = None, []
         self._mark(Activity.LOOP)
         reason = f"past max_steps={self.max_steps}: not applied (training is over)"
         if not self._past_end_warned:
@@ -895,7 +884,7 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
         """The worker's current status, as published to the sidecar."""
         data = self.feed.loader.counters if self.feed.loader is not None else None
         counters = self.counters
-        busy = self._busy.view(self.phase, self._life.busy_since, self._step_progress())
+        busy = self._busy.view(self.phase, self._life.busy_since, self._watch.progress())
         activity, activity_since = self._activity.current
         compute, best_compute = self._compute.reading()
         return WorkerStatus(
@@ -1052,7 +1041,5 @@ class Guardian(ActivityWatchMixin, LoadingMixin):
             self._holding_stop = False
             self._stop.release()
         self._reporter.stop_watching()  # first: the watch opens and closes the inferred evaluation
-        opened, self._evaluation = self._evaluation, None
-        if opened is not None:
-            self._busy.leave(opened[0])
+        self._watch.withdraw()
         self._busy.stop()
