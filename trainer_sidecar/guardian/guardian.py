@@ -200,16 +200,9 @@ class Guardian:
         # Each step's own compute (the marks' sum of own work between boundaries), kept in memory.
         self._compute = ComputeWindow(config.settings.compute_window_steps)
         self.gang = replace(Gang.current(), tracker=self._activity)
-        self.training = TrainingObjects(model, optimizer, scheduler, scaler)
-        self.model, self.module, self.optimizer = model, self.training.module, optimizer
-        self.accumulation_steps = accumulation_steps
-        self.validate = validate
-        self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
         # The phase, message and exit code the status publishes; whether the worker ended.
         self._life = Lifecycle()
         self._loop_state()
-        self.feed = DataFeed()
-        self._locator = NaNLocator(self.module)
         self._reporter = StatusReporter(
             config.status_file,
             config.settings.status_interval_seconds,
@@ -218,14 +211,29 @@ class Guardian:
             self._activity,
         )
         self._end = WorkerEnd(self._life, self.gang, self._reporter)
-        self.training.refuse_loop_steps(self._end.misused)
+        self.training = TrainingObjects(model, optimizer, scheduler, scaler, refuse=self._end.misused)
+        self.model, self.module, self.optimizer = model, self.training.module, optimizer
+        self.accumulation_steps = accumulation_steps
+        self.validate = validate
+        self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
+        self.feed = DataFeed()
+        self._locator = NaNLocator(self.module)
         self._busy = BusySections()
         self.checkpoint_dir = config.checkpoint_dir
+        self._collaborators(config, validate)
+
+    def _collaborators(self, config: GuardianConfig, validate: Callable[[], float] | None) -> None:
+        """The collaborators that work on the training objects, the counters and the status parts."""
         self.checkpoints = CheckpointManager(
-            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
+            config.checkpoint_dir,
+            config.settings.checkpoint,
+            self.gang,
+            self.training,
+            self.feed,
+            self.counters,
+            self._stop,
+            (config.restarts, config.run_seconds),
         )
-        self.checkpoints.rng_wanted = self._rng_may_be_saved
-        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
@@ -233,24 +241,14 @@ class Guardian:
         self._loading = Loading(
             self.feed, self.dead_letters, self._faults, self.counters, self.gang, self._mark, self._acc
         )
-        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
-        self._recovery = self._recovery_of(validate)
+        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark, self.gang)
+        status = (self._life, self._reporter, self._progress, self._busy)
+        self._recovery = Recovery(
+            *(config.settings, self.training, self.counters, self.feed, self.dead_letters),
+            *(self.checkpoints, self._end, status, self._mark, validate),
+        )
         self._watch = ActivityWatch(
             self._activity, self._busy, self.counters, self._life, self.module, self._reporter, self._progress
-        )
-
-    def _recovery_of(self, validate: Callable[[], float] | None) -> Recovery:
-        return Recovery(
-            self.settings,
-            self.training,
-            self.counters,
-            self.feed,
-            self.dead_letters,
-            self.checkpoints,
-            self._end,
-            (self._life, self._reporter, self._progress, self._busy),
-            self._mark,
-            validate,
         )
 
     def _loop_state(self) -> None:
@@ -264,7 +262,6 @@ class Guardian:
         self._acc = Accumulation()  # the step being accumulated (its micro-batches so far)
         self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
-        self._stop_deferred = False  # see ``step``
         self._stop = STOP
         self._holding_stop = False
 
@@ -341,6 +338,15 @@ class Guardian:
     def exit_code(self) -> int | None:
         """The exit code the worker ends with, once it is known."""
         return self._life.exit_code
+
+    @property
+    def max_steps(self) -> int | None:
+        """The run's declared last step (None: not declared): see ``Guardian``."""
+        return self.checkpoints.last_step
+
+    @max_steps.setter
+    def max_steps(self, max_steps: int | None) -> None:
+        self.checkpoints.last_step = max_steps  # the checkpoint of the last step keeps the generators
 
     @property
     def busy_since(self) -> float | None:
@@ -531,7 +537,7 @@ class Guardian:
         self._mark(Activity.BACKWARD)
         with self._adoption():
             self.training.backward(loss)
-        self._meter.after_backward(self.gang)
+        self._meter.after_backward()
         # A one-element loss of any shape ([1] from a loop's own reduction) is its scalar: the step's
         # measures are stacked with 0-dim tensors.
         detached = loss.detach().float().reshape(())
@@ -569,8 +575,8 @@ class Guardian:
             self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._acc.loss_sum is not None
         self._recovery.snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
-        stop = self._stop.requested or self._stop_deferred
-        agreed = self._meter.measure(self._acc.loss_sum, self.counters.step, stop, self.gang)
+        stop = self._stop.requested or self.checkpoints.stop_deferred
+        agreed = self._meter.measure(self._acc.loss_sum, self.counters.step, stop)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._acc.batches = self._acc.batches, []
@@ -583,11 +589,11 @@ class Guardian:
         # After this boundary's checkpoint decision, so that the next forward pass foresees the new cadence.
         self.checkpoints.adopt(agreed.interval)
         if agreed.stop:
-            if agreed.rng_missing and self.checkpoints.enabled and not self._stop_deferred:
+            if agreed.rng_missing and self.checkpoints.enabled and not self.checkpoints.stop_deferred:
                 # Some rank's last forward pass did not keep the random generators (the signal came after
                 # it): every rank keeps them at the next one, and the gang stops at the next boundary, so
                 # that the checkpoint resumes a loop that draws its batches from them exactly.
-                self._stop_deferred = True
+                self.checkpoints.stop_deferred = True
             else:
                 self._stop_now()
         self._mark(Activity.LOOP)
@@ -618,19 +624,6 @@ class Guardian:
             self._past_end_warned = True
             self.gang.log(logging.WARNING, "step %d is %s", self.counters.step, reason)
         return StepOutcome(boundary=True, applied=False, reason=reason)
-
-    def _rng_may_be_saved(self) -> bool:
-        """Asked at every forward pass: whether the coming step boundary may write a checkpoint for
-        which the random generators must be kept as of this forward pass: the step cadence's, a stop's
-        (this rank was told to stop, or the gang deferred its stop to keep them), the run's last step.
-        (The time cadence the checkpoint manager foresees itself.)"""
-        step = self.counters.step
-        return (
-            self.checkpoints.may_save_after(step)
-            or self._stop.requested
-            or self._stop_deferred
-            or (self.max_steps is not None and step + 1 >= self.max_steps)
-        )
 
     def _refuse_step_without_backward(self) -> None:
         """``step()`` without a loss and no ``backward(loss)`` since the last step: the loop backwards its
