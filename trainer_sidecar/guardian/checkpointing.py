@@ -36,7 +36,7 @@ from trainer_sidecar.guardian.config import ConfigError
 from trainer_sidecar.guardian.counters import CountersError, GuardCounters
 from trainer_sidecar.guardian.feed import DataFeed
 from trainer_sidecar.guardian.gang import Gang
-from trainer_sidecar.guardian.resume import claim_gang_epoch, restore_newest
+from trainer_sidecar.guardian.resume import NewestRestorable, claim_gang_epoch
 from trainer_sidecar.guardian.stopping import StopRequest
 from trainer_sidecar.guardian.training import StateMismatch, TrainingObjects
 from trainer_sidecar.tensors.rng import RngStateError, rng_state, set_rng_state
@@ -368,24 +368,22 @@ class CheckpointManager:
         (``guardian.resume``). One of another model or optimizer is a ConfigError (nothing is deleted)."""
         if self.store is None:
             return None
-        restored: dict[str, GuardCounters] = {}
-
-        def restore(checkpoint: CheckpointId) -> bool:
-            counters = self._try_restore(checkpoint, spike_window)
-            if counters is None:
-                return False
-            restored["counters"] = counters
-            return True
-
-        resumed = restore_newest(self.store, self.gang, restore)
+        search = NewestRestorable(self.store, self.gang)
+        counters: GuardCounters | None = None
+        while (candidate := search.candidate()) is not None:
+            counters = self._try_restore(candidate, spike_window)
+            if search.restored(candidate, counters is not None):
+                break
+        resumed = search.done()
         if resumed.damaged:
             passed = "; ".join(resumed.passed_over) or "on another rank (see its log)"
             self.store.hold_pruning(f"this start passed over damaged checkpoints: {passed}")
         checkpoint = resumed.checkpoint
         if checkpoint is None:
             return None
+        assert counters is not None  # every rank restored it, this one too
         self.checkpointed_step = checkpoint.step
-        return checkpoint, restored["counters"]
+        return checkpoint, counters
 
     def _try_restore(self, checkpoint: CheckpointId, spike_window: int) -> GuardCounters | None:
         """Load and apply one checkpoint; None (with the reason logged) when its content is unusable.
