@@ -574,7 +574,7 @@ class Guardian:
         if self.checkpoints.fenced is not None:
             self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
         assert self._acc.loss_sum is not None
-        self._recovery.snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
+        self._recovery.step_begins()
         stop = self._stop.requested or self.checkpoints.stop_deferred
         agreed = self._meter.measure(self._acc.loss_sum, self.counters.step, stop)
         reading = agreed.reading

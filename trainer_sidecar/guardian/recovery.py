@@ -90,6 +90,11 @@ class Recovery:
         with held(self._busy, section, self._mark, self._publish, self._progress):
             yield
 
+    def step_begins(self) -> None:
+        """A step begins: the snapshot takes the loop's own state (tracked objects, learning rates) as the
+        loop left it after the snapshot's step, once (``Snapshot.complete_loop_state``)."""
+        self.snapshot.complete_loop_state(self.feed.rollback_state, self.training.optimizer)
+
     def kept(self, batches: list[BatchRef]) -> None:
         """A step of ``batches`` was kept: they join the window a rollback skips."""
         self._window_batches.extend(batches)
@@ -159,7 +164,9 @@ class Recovery:
             self.training.module,
             self.training.optimizer,
             self.training.small_state(),
-            {"counters": self.counters.copy(), "tracked": self.feed.rollback_state()},
+            # The tracked objects' state is taken once, as the loop leaves it after this step: when the next
+            # step begins (``step_begins``), or by a rollback that comes first.
+            {"counters": self.counters.copy()},
             background=self._copies_in_background,
         )
         self._window_batches.clear()
@@ -234,6 +241,7 @@ class Recovery:
         self._publish()
         from_step = self.counters.step
         self.settle()
+        self.step_begins()  # no step began since the snapshot: the loop's state is as it left it after
         self.training.load_small_state(self.snapshot.restore(self.training.module, self.training.optimizer))
         self.counters.rewind_to(self.snapshot.extra["counters"])
         self.feed.roll_back(self.snapshot.extra["tracked"])  # a per-epoch scheduler agrees with the lr
