@@ -19,19 +19,17 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from trainer_sidecar.checkpoint import CheckpointError, EpochOwner, FencedError
+from trainer_sidecar.checkpoint import EpochOwner, FencedError
 from trainer_sidecar.contract.compute import ComputeWindow
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.identity import job_identity
@@ -47,42 +45,34 @@ from trainer_sidecar.guardian.busy import (
     held,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
-from trainer_sidecar.guardian.collectives import unwatch as unwatch_collectives
 from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.guardian.ending import (
     Diverged,
-    ExitPlan,
     Fenced,
     Lifecycle,
     UncleanState,
     WorkerEnd,
     arm_at_exit,
-    crash_message,
-    disarm_at_exit,
     end_worker,
-    exit_plan,
 )
 from trainer_sidecar.guardian.faults import FaultInjector
 from trainer_sidecar.guardian.feed import DataFeed, Stateful
-from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
 from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.judge import (
-    NON_FINITE_GRADIENTS,
-    NON_FINITE_LOSS,
     Action,
-    StepReading,
-    Verdict,
     judge_step,
 )
 from trainer_sidecar.guardian.loading import Accumulation, Loading
 from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.measure import StepMeasure
+from trainer_sidecar.guardian.pipeline import PipelineMixin, StepOutcome
 from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
+from trainer_sidecar.guardian.shutdown import ShutdownMixin
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 from trainer_sidecar.guardian.watch import ActivityWatch
@@ -90,18 +80,6 @@ from trainer_sidecar.guardian.watch import ActivityWatch
 log = logging.getLogger("trainguard")
 
 __all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one call to ``Guardian.step`` did."""
-
-    boundary: bool
-    applied: bool = False
-    loss: float = math.nan
-    grad_norm: float = math.nan
-    reason: str = ""
-    rolled_back: bool = False
 
 
 def _step_number(name: str, value: int | None) -> int | None:
@@ -114,7 +92,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian:
+class Guardian(PipelineMixin, ShutdownMixin):
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -600,31 +578,6 @@ class Guardian:
         self._compute.lap(self._activity.own)
         return outcome
 
-    def _slow_down(self) -> None:
-        """The ``slow`` fault: stretch this step's own compute so far (the loop's forward and backward) by
-        its factor, with a sleep in the guardian's step, before the step's collective: the rank's own work,
-        as a slow machine's would be."""
-        factor = self._faults.slow_factor(self.counters.step)
-        if factor > 1.0:
-            time.sleep((factor - 1.0) * self._compute.since_lap(self._activity.own))
-
-    def _past_the_end(self) -> StepOutcome:
-        """A step boundary once ``max_steps`` steps are kept: nothing is applied, counted or saved.
-
-        A loop that tests its end after the step (nanoGPT's ``iter_num += 1; if iter_num > max_iters:
-        break``) trains once more on every start: rerunning a finished job would train (and, at its
-        end, checkpoint) one more step each time. The declared end is the guardian's to keep; every
-        rank holds the same step, so every rank refuses alike, without a collective."""
-        self.training.unscale()  # a GradScaler's update needs its inf checks recorded
-        self.training.drop_update()
-        self._acc.loss_sum, self._acc.batches = None, []
-        self._mark(Activity.LOOP)
-        reason = f"past max_steps={self.max_steps}: not applied (training is over)"
-        if not self._past_end_warned:
-            self._past_end_warned = True
-            self.gang.log(logging.WARNING, "step %d is %s", self.counters.step, reason)
-        return StepOutcome(boundary=True, applied=False, reason=reason)
-
     def _refuse_step_without_backward(self) -> None:
         """``step()`` without a loss and no ``backward(loss)`` since the last step: the loop backwards its
         loss itself (still ``loss.backward()``), or forgot it. Either way the guardian saw no loss to judge
@@ -660,103 +613,6 @@ class Guardian:
         except ConfigError as error:
             self._end.misused(error)
 
-    def _stop_now(self) -> None:
-        """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
-        last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
-        received = self._stop.signal or signal.SIGTERM
-        saved = self.checkpoints.saved(self.counters.step)
-        if not saved and self.checkpoints.enabled and self.counters.history.consecutive_bad == 0:
-            saved = self.save_checkpoint()
-        try:
-            self.checkpoints.close()
-        except FencedError as exc:
-            self._end.fenced(exc)
-        self.gang.barrier()
-        what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
-        if not self.checkpoints.enabled:
-            what = "no checkpoint directory"
-        message = f"stopped by {received.name} at step {self.counters.step}; {what}"
-        self.gang.log(logging.WARNING, "%s", message)
-        code = 128 + int(received)
-        self._end.report(Phase.STOPPED, message, code)
-        self._release()
-        end_worker(self.gang, code, SystemExit(code))
-
-    def _apply(
-        self,
-        verdict: Verdict,
-        reading: StepReading,
-        current_norm: float,
-        batches: list[BatchRef],
-        time_due: bool = False,
-    ) -> StepOutcome:
-        counters = self.counters
-        self.settle()
-        self.training.apply_update(
-            current_norm,
-            counters.max_grad_norm,
-            self._meter.grads,
-            self._meter.norm,
-            lr_scale=counters.lr_scale,
-        )
-        counters.history, counters.explosion_pattern = verdict.history, None
-        counters.optimizer_steps += 1
-        counters.step += 1
-        self.last_grad_norm = reading.grad_norm
-        self._progress.stepped()
-        self._recovery.kept(batches)
-        if self._locator.armed:
-            self._located(self._locator.after_good_step())
-        unclean = self._recovery.save_if_due(time_due, counters.step == self.max_steps)
-        self._mark(Activity.LOOP)  # what a periodic status says until the next mark is published
-        self._publish()
-        return StepOutcome(
-            boundary=True, applied=unclean is None, loss=reading.loss, grad_norm=reading.grad_norm,
-            reason=unclean.reason if unclean else "", rolled_back=unclean is not None,
-        )  # fmt: skip
-
-    def _reject(
-        self,
-        verdict: Verdict,
-        reading: StepReading,
-        batches: list[BatchRef],
-        replay: Callable[[], Any] | None,
-        locally_nonfinite: bool,
-    ) -> StepOutcome:
-        """A bad step: nothing reaches the weights; then skip, roll back or diverge as the judge says."""
-        self.training.drop_update()
-        counters = self.counters
-        in_a_row = counters.history.consecutive_bad + int(verdict.counts_as_bad)
-        counters.history = verdict.history
-        counters.skipped_steps += 1
-        counters.step += 1
-        counters.spikes += int(verdict.spike)
-        counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
-        self.last_grad_norm = reading.grad_norm
-        self._progress.stepped()
-        self.gang.log(
-            logging.WARNING,
-            "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
-            counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
-            in_a_row, f", pattern {verdict.pattern}" if verdict.pattern else "",
-        )  # fmt: skip
-        if verdict.cause in (NON_FINITE_LOSS, NON_FINITE_GRADIENTS):
-            for batch in batches:
-                self.dead_letters.add(
-                    batch.epoch, batch.index, write=self.rank == 0, step=counters.step - 1,
-                    reason=verdict.reason, kind="non-finite", span=self.feed.span(batch.epoch, batch.index),
-                )  # fmt: skip
-        if verdict.cause == NON_FINITE_LOSS:
-            self._localize(replay, locally_nonfinite)
-        self._forensics(verdict.cause, reading, batches)
-        self._recovery.carry_out(verdict)
-        self._mark(Activity.LOOP)
-        self._publish(force=True)
-        return StepOutcome(
-            boundary=True, applied=False, loss=reading.loss, grad_norm=reading.grad_norm,
-            reason=verdict.reason, rolled_back=verdict.action is Action.ROLL_BACK,
-        )  # fmt: skip
-
     def settle(self) -> None:
         """Wait until the snapshot and checkpoint copies running in the background have read the state.
 
@@ -776,36 +632,6 @@ class Guardian:
         return self._recovery.save_checkpoint()
 
     # ------------------------------------------------------------------------- localisation, forensics ---
-    def _localize(self, replay: Callable[[], Any] | None, locally_nonfinite: bool) -> None:
-        if self.nan_location is not None or not locally_nonfinite:
-            return
-        budget = self.settings.guard.max_consecutive_bad_steps
-        self._located(self._locator.after_nonfinite_loss(replay, budget))
-
-    def _located(self, where: str | None) -> None:
-        if where is not None:
-            self.nan_location = where
-            log.warning("NaN localisation: first non-finite output from %s", where)
-
-    def _forensics(self, reason: str, reading: StepReading, batches: list[BatchRef]) -> None:
-        if self.checkpoint_dir is None:
-            return
-        history = self.counters.history
-        anomaly = Anomaly(
-            step=self.counters.step - 1,
-            iteration=history.iteration,
-            rank=self.rank,
-            reason=reason,
-            loss=reading.loss,
-            grad_norm=reading.grad_norm,
-            explosion_pattern=self.counters.explosion_pattern,
-            nan_location=self.nan_location,
-            batches=batches,
-            losses=history.losses,
-            grad_norms=history.grad_norms,
-        )
-        write_bundle(self.checkpoint_dir, anomaly)
-
     # ------------------------------------------------------------------------------------- resume ---
     def resume(self) -> int | None:
         """Restore the newest checkpoint every rank can load (weights, optimizer, scheduler, scaler, RNG,
@@ -963,76 +789,3 @@ class Guardian:
         self._life.ended = True
         self._release()
         self.checkpoints.close()
-
-    def _at_exit(self, crashed: bool) -> None:
-        """The interpreter exits and the loop neither finished nor closed the guardian
-        (``trainer_sidecar.guardian.ending``): finish when the end is known and reached; never report an
-        unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
-        if self._life.ended:
-            return
-        step = self.counters.step
-        plan = exit_plan(
-            crashed=crashed, distributed=self.gang.distributed, step=step, max_steps=self.max_steps
-        )
-        if plan is ExitPlan.FINISH and not self.gang.distributed:
-            try:
-                self.finish()  # one process: nothing to agree with anyone
-                return
-            except UncleanState as exc:
-                self._end.exit_short(f"{exc}; the job is not done")
-        if plan is ExitPlan.FINISH:
-            # The final checkpoint was started at the step boundary that reached max_steps, on every
-            # rank; here each rank only waits for its own writes (no collective: see ending.py).
-            self._release()
-            if self.checkpoints.enabled and not self.checkpoints.saved(step):
-                self._end.exit_short(f"no final checkpoint of step {step} was started")
-            try:
-                self.checkpoints.close()  # raises unless this rank's files of it are durable
-            except FencedError as exc:
-                self._end.fenced(exc)
-            except CheckpointError as exc:
-                self._end.exit_short(f"the final checkpoint of step {step} failed: {exc}")
-            self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
-            return
-        self._release()
-        if plan is ExitPlan.CRASHED:
-            # One final status and termination message, written before the wait for a checkpoint in
-            # flight (which may be long, or fail): the step it failed at and why (the periodic status
-            # may be steps behind, and whether a crash repeats at the same step is how a deterministic
-            # failure is told from a transient one), and where the exception left the training thread
-            # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
-            # victims (trainguard.core.policy).
-            self._end.report(Phase.FAILED, crash_message(getattr(sys, "last_value", None)), 1)
-            self.checkpoints.close()  # a clean checkpoint in flight is still worth having
-            return
-        newest = self.checkpoints.checkpointed_step
-        if plan is ExitPlan.UNDECLARED:
-            self.checkpoints.close()
-            log.error(
-                "the loop ended at step %d without guardian.finish(); in a gang the final steps cannot "
-                "be saved at exit (newest checkpoint: %s) and the worker is not reported finished: "
-                "iterate guardian.steps(max_steps) or declare Guardian(..., max_steps=N)",
-                step,
-                newest,
-            )
-            return
-        if not self.gang.distributed and self.checkpoints.enabled and not self.checkpoints.saved(step):
-            self.save_checkpoint()  # one process: the clean state it stopped at, so a restart goes on
-        self.checkpoints.close()
-        self._end.exit_short(
-            f"the loop ended at step {step} of max_steps={self.max_steps} without guardian.finish() "
-            f"({self.counters.rollbacks} rollbacks: a loop counter of its own drifts after one; "
-            "iterate guardian.steps(max_steps), or call guardian.finish() to end early)"
-        )
-
-    def _release(self) -> None:
-        """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
-        evaluation the watch inferred and still holds open (the peers would read this rank busy on)."""
-        disarm_at_exit(self._at_exit)
-        unwatch_collectives(self._collectives)
-        if self._holding_stop:
-            self._holding_stop = False
-            self._stop.release()
-        self._reporter.stop_watching()  # first: the watch opens and closes the inferred evaluation
-        self._watch.withdraw()
-        self._busy.stop()
