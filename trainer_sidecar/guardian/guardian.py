@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainer_sidecar.checkpoint import EpochOwner, FencedError
+from trainer_sidecar.checkpoint import EpochOwner
 from trainer_sidecar.contract.compute import ComputeWindow
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.identity import job_identity
@@ -45,7 +45,6 @@ from trainer_sidecar.guardian.busy import (
     held,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
-from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
 from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
@@ -55,7 +54,6 @@ from trainer_sidecar.guardian.ending import (
     Lifecycle,
     UncleanState,
     WorkerEnd,
-    arm_at_exit,
     end_worker,
 )
 from trainer_sidecar.guardian.faults import FaultInjector
@@ -68,11 +66,11 @@ from trainer_sidecar.guardian.judge import (
 from trainer_sidecar.guardian.loading import Accumulation, Loading
 from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.measure import StepMeasure
-from trainer_sidecar.guardian.pipeline import PipelineMixin, StepOutcome
+from trainer_sidecar.guardian.pipeline import StepOutcome, StepPipeline
 from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
-from trainer_sidecar.guardian.shutdown import ShutdownMixin
+from trainer_sidecar.guardian.shutdown import Shutdown
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 from trainer_sidecar.guardian.watch import ActivityWatch
@@ -92,7 +90,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian(PipelineMixin, ShutdownMixin):
+class Guardian:
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -174,7 +172,6 @@ class Guardian(PipelineMixin, ShutdownMixin):
         # Where the training thread is: marked at the guardian's calls, published with the status.
         self._activity = ActivityTracker(Activity.CHECKPOINT)
         self._mark = self._activity.mark
-        self._collectives: object = None  # the watch of the loop's collectives (``_begin``)
         # Each step's own compute (the marks' sum of own work between boundaries), kept in memory.
         self._compute = ComputeWindow(config.settings.compute_window_steps)
         self.gang = replace(Gang.current(), tracker=self._activity)
@@ -220,28 +217,39 @@ class Guardian(PipelineMixin, ShutdownMixin):
             self.feed, self.dead_letters, self._faults, self.counters, self.gang, self._mark, self._acc
         )
         self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark, self.gang)
+        self._step_collaborators(config, validate)
+
+    def _step_collaborators(self, config: GuardianConfig, validate: Callable[[], float] | None) -> None:
+        """The collaborators of the step, its recovery, the watch and the ending."""
         status = (self._life, self._reporter, self._progress, self._busy)
         self._recovery = Recovery(
             *(config.settings, self.training, self.counters, self.feed, self.dead_letters),
             *(self.checkpoints, self._end, status, self._mark, validate),
         )
+        self._pipeline = StepPipeline(
+            *(config.settings, self.training, self.counters),
+            (self._meter, self._recovery, self.checkpoints, self._locator, self._faults),
+            (self.feed, self.dead_letters, self._acc),
+            (self._life, self._reporter, self._progress, self._activity, self._compute),
+            self.gang,
+        )
         self._watch = ActivityWatch(
             self._activity, self._busy, self.counters, self._life, self.module, self._reporter, self._progress
+        )
+        ending = (self._life, self._reporter, self._watch, self._busy, self._activity)
+        self._shutdown = Shutdown(
+            self.checkpoints, self._recovery, self.counters, self._end, ending, self._stop
         )
 
     def _loop_state(self) -> None:
         """The state of the loop the guardian follows: its step, its data, its stop and what the activity
         watch infers; set once at construction, before anything reads it."""
         self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
-        self.last_grad_norm: float | None = None
         self.started_at = time.time()
         self.resumed_step = 0
-        self.nan_location: str | None = None
         self._acc = Accumulation()  # the step being accumulated (its micro-batches so far)
-        self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
         self._stop = STOP
-        self._holding_stop = False
 
     def _open_checkpoints(self) -> None:
         job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
@@ -254,18 +262,15 @@ class Guardian(PipelineMixin, ShutdownMixin):
         if not self._recovery.snapshot.taken:
             self._recovery.take_snapshot()  # the starting weights: the first a rollback can return to
         self._recovery.apply_orchestrator_remediation(self.config.remediation)
-        self._stop.acquire()
-        self._holding_stop = True
+        self._shutdown.hold_stop()
         if self.gang.distributed:
             self._busy.watch_peers(self.rank, self._watch.peer_changed)
         self.phase = Phase.RUNNING
-        # The loop's own torch.distributed collectives, from here on, mark their waits on this thread.
-        self._collectives = watch_collectives(self._activity)
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
         self._watch.begin(threading.get_ident())  # the training thread calls _begin
         self._reporter.watch_activity(lambda: self._life.phase, look=self._watch.look)
-        arm_at_exit(self._at_exit)
+        self._shutdown.watch(self._at_exit)  # and the loop's own collectives mark their waits from here on
 
     # ---------------------------------------------------------------------------------------- busy ---
     @contextmanager
@@ -325,6 +330,16 @@ class Guardian(PipelineMixin, ShutdownMixin):
     @max_steps.setter
     def max_steps(self, max_steps: int | None) -> None:
         self.checkpoints.last_step = max_steps  # the checkpoint of the last step keeps the generators
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The newest step's gradient norm (None before the first)."""
+        return self._pipeline.last_grad_norm
+
+    @property
+    def nan_location(self) -> str | None:
+        """The module whose output went non-finite first, once the localisation found it."""
+        return self._pipeline.nan_location
 
     @property
     def busy_since(self) -> float | None:
@@ -544,9 +559,9 @@ class Guardian(PipelineMixin, ShutdownMixin):
         self._mark(Activity.STEP)
         self._acc.micro = 0
         if self.max_steps is not None and self.counters.step >= self.max_steps:
-            return self._past_the_end()
+            return self._pipeline.past_the_end(self.max_steps)
         if self._faults.active:
-            self._slow_down()
+            self._pipeline.slow_down()
         if not self._adoption_checked:
             self._check_adoption()
         if self.checkpoints.fenced is not None:
@@ -559,9 +574,10 @@ class Guardian(PipelineMixin, ShutdownMixin):
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
         batches, self._acc.batches = self._acc.batches, []
         if verdict.action is Action.APPLY:
-            outcome = self._apply(verdict, reading, agreed.current_norm, batches, agreed.checkpoint_due)
+            when = (agreed.checkpoint_due, self.max_steps)
+            outcome = self._pipeline.apply(verdict, reading, agreed.current_norm, batches, when)
         else:
-            outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
+            outcome = self._pipeline.reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
         self.checkpoints.boundary()
         # After this boundary's checkpoint decision, so that the next forward pass foresees the new cadence.
@@ -573,7 +589,7 @@ class Guardian(PipelineMixin, ShutdownMixin):
                 # that the checkpoint resumes a loop that draws its batches from them exactly.
                 self.checkpoints.stop_deferred = True
             else:
-                self._stop_now()
+                self._shutdown.stop_now()
         self._mark(Activity.LOOP)
         self._compute.lap(self._activity.own)
         return outcome
@@ -722,7 +738,7 @@ class Guardian(PipelineMixin, ShutdownMixin):
             local_rank=self.config.local_rank,
             local_world_size=self.config.local_world_size,
             loss=_json_float(counters.last_loss),
-            grad_norm=_json_float(self.last_grad_norm),
+            grad_norm=_json_float(self._pipeline.last_grad_norm),
             lr_scale=counters.lr_scale,
             max_grad_norm=counters.max_grad_norm,
             steps_total=counters.iterations,
@@ -760,32 +776,13 @@ class Guardian(PipelineMixin, ShutdownMixin):
         stopping). Raises UncleanState (after rolling back) when the final state is not finite: the job
         is not done.
         """
-        self.settle()  # the loop may have changed the state in place since its last step
-        self._mark(Activity.CHECKPOINT)
-        if self.checkpoints.enabled:
-            self.checkpoints.wait()  # a save of this very step may still be in flight
-            final = self.counters.step
-            # Checked even when the final checkpoint is written already (at a declared max_steps, or by
-            # cadence): the loop may have changed the state in place after its last step.
-            if self._recovery.unclean_state() is not None:
-                raise UncleanState(
-                    f"the final state at step {final} holds non-finite values; rolled back to step "
-                    f"{self.counters.step}"
-                )
-            if not self.checkpoints.saved(final):
-                self._recovery.save()
-            try:
-                self.checkpoints.close()
-            except FencedError as exc:
-                self._end.fenced(exc)
-        # No rank reports success before every rank's final checkpoint is durable, and ranks leave
-        # together (a rank tearing down gloo while a peer is still in it can abort the peer).
-        self.gang.barrier()
-        self._release()
-        self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+        self._shutdown.finish()
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
-        self._life.ended = True
-        self._release()
-        self.checkpoints.close()
+        self._shutdown.close()
+
+    def _at_exit(self, crashed: bool) -> None:
+        """The interpreter exits and the loop neither finished nor closed the guardian (``Shutdown.at_exit``:
+        the hook is armed on the guardian, held weakly, so a guardian dropped earlier is never touched)."""
+        self._shutdown.at_exit(crashed)

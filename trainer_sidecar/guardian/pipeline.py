@@ -1,8 +1,13 @@
 """The step pipeline's verdict carried out: a kept step applied, a bad one rejected.
 
-(Moved verbatim out of ``guardian.py``; reshaped into a collaborator in the next commit.)
+After the measurement (``guardian.measure``) and the judge (``guardian.judge``), ``StepPipeline`` applies a
+kept step (the clipped, remediated update; the counters; a snapshot and a checkpoint when due, through
+``guardian.recovery``) or rejects a bad one (nothing reaches the weights; the batches of a non-finite
+step dead-lettered; the first non-finite module named; a forensics bundle; then skip, roll back or
+diverge as the verdict says). A step boundary past the declared end is refused.
+
+Built by the Guardian with what it works on, called only by it.
 """
-# mypy: disable-error-code="attr-defined"
 
 from __future__ import annotations
 
@@ -13,9 +18,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainer_sidecar.contract.compute import ComputeWindow
+from trainer_sidecar.contract.settings import GuardianSettings
 from trainer_sidecar.contract.status import Activity
+from trainer_sidecar.guardian.activity import ActivityTracker
+from trainer_sidecar.guardian.checkpointing import CheckpointManager
+from trainer_sidecar.guardian.counters import GuardCounters
+from trainer_sidecar.guardian.data import DeadLetters
+from trainer_sidecar.guardian.ending import Lifecycle
+from trainer_sidecar.guardian.faults import FaultInjector
+from trainer_sidecar.guardian.feed import DataFeed
 from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
+from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.judge import NON_FINITE_GRADIENTS, NON_FINITE_LOSS, Action, StepReading, Verdict
+from trainer_sidecar.guardian.loading import Accumulation
+from trainer_sidecar.guardian.localize import NaNLocator
+from trainer_sidecar.guardian.measure import StepMeasure
+from trainer_sidecar.guardian.progress import ProgressClock
+from trainer_sidecar.guardian.recovery import Recovery
+from trainer_sidecar.guardian.reporting import StatusReporter
+from trainer_sidecar.guardian.training import TrainingObjects
 
 log = logging.getLogger("trainguard")
 
@@ -32,10 +54,35 @@ class StepOutcome:
     rolled_back: bool = False
 
 
-class PipelineMixin:
-    """The Guardian's step pipeline methods (moved verbatim)."""
+class StepPipeline:
+    """Carries out a step's verdict: ``apply`` a kept step, ``reject`` a bad one, ``past_the_end`` refuse
+    one after the declared end. ``last_grad_norm`` is the newest step's norm, ``nan_location`` the module
+    whose output went non-finite first (once found)."""
 
-    def _slow_down(self) -> None:
+    def __init__(
+        self,
+        settings: GuardianSettings,
+        training: TrainingObjects,
+        counters: GuardCounters,
+        parts: tuple[StepMeasure, Recovery, CheckpointManager, NaNLocator, FaultInjector],
+        data: tuple[DataFeed, DeadLetters, Accumulation],
+        status: tuple[Lifecycle, StatusReporter, ProgressClock, ActivityTracker, ComputeWindow],
+        gang: Gang,
+    ) -> None:
+        self.settings, self.training, self.counters, self.gang = settings, training, counters, gang
+        self._meter, self._recovery, self._checkpoints, self._locator, self._faults = parts
+        self.feed, self.dead_letters, self._acc = data
+        self._life, self._reporter, self._progress, self._activity, self._compute = status
+        self._mark = self._activity.mark
+        self.checkpoint_dir = self._checkpoints.directory
+        self.last_grad_norm: float | None = None
+        self.nan_location: str | None = None
+        self._past_end_warned = False
+
+    def _publish(self, force: bool = False) -> None:
+        self._reporter.publish(self._life.phase, force)
+
+    def slow_down(self) -> None:
         """The ``slow`` fault: stretch this step's own compute so far (the loop's forward and backward) by
         its factor, with a sleep in the guardian's step, before the step's collective: the rank's own work,
         as a slow machine's would be."""
@@ -43,7 +90,7 @@ class PipelineMixin:
         if factor > 1.0:
             time.sleep((factor - 1.0) * self._compute.since_lap(self._activity.own))
 
-    def _past_the_end(self) -> StepOutcome:
+    def past_the_end(self, max_steps: int | None) -> StepOutcome:
         """A step boundary once ``max_steps`` steps are kept: nothing is applied, counted or saved.
 
         A loop that tests its end after the step (nanoGPT's ``iter_num += 1; if iter_num > max_iters:
@@ -54,22 +101,25 @@ class PipelineMixin:
         self.training.drop_update()
         self._acc.loss_sum, self._acc.batches = None, []
         self._mark(Activity.LOOP)
-        reason = f"past max_steps={self.max_steps}: not applied (training is over)"
+        reason = f"past max_steps={max_steps}: not applied (training is over)"
         if not self._past_end_warned:
             self._past_end_warned = True
             self.gang.log(logging.WARNING, "step %d is %s", self.counters.step, reason)
         return StepOutcome(boundary=True, applied=False, reason=reason)
 
-    def _apply(
+    def apply(
         self,
         verdict: Verdict,
         reading: StepReading,
         current_norm: float,
         batches: list[BatchRef],
-        time_due: bool = False,
+        when: tuple[bool, int | None],
     ) -> StepOutcome:
+        """A kept step: the update applied, counted, snapshot and checkpoint when due (``when``: whether the
+        gang agreed a checkpoint is due by time, and the run's declared last step)."""
+        time_due, last_step = when
         counters = self.counters
-        self.settle()
+        self._recovery.settle()
         self.training.apply_update(
             current_norm,
             counters.max_grad_norm,
@@ -85,7 +135,7 @@ class PipelineMixin:
         self._recovery.kept(batches)
         if self._locator.armed:
             self._located(self._locator.after_good_step())
-        unclean = self._recovery.save_if_due(time_due, counters.step == self.max_steps)
+        unclean = self._recovery.save_if_due(time_due, counters.step == last_step)
         self._mark(Activity.LOOP)  # what a periodic status says until the next mark is published
         self._publish()
         return StepOutcome(
@@ -93,7 +143,7 @@ class PipelineMixin:
             reason=unclean.reason if unclean else "", rolled_back=unclean is not None,
         )  # fmt: skip
 
-    def _reject(
+    def reject(
         self,
         verdict: Verdict,
         reading: StepReading,
@@ -121,7 +171,7 @@ class PipelineMixin:
         if verdict.cause in (NON_FINITE_LOSS, NON_FINITE_GRADIENTS):
             for batch in batches:
                 self.dead_letters.add(
-                    batch.epoch, batch.index, write=self.rank == 0, step=counters.step - 1,
+                    batch.epoch, batch.index, write=self.gang.rank == 0, step=counters.step - 1,
                     reason=verdict.reason, kind="non-finite", span=self.feed.span(batch.epoch, batch.index),
                 )  # fmt: skip
         if verdict.cause == NON_FINITE_LOSS:
@@ -153,7 +203,7 @@ class PipelineMixin:
         anomaly = Anomaly(
             step=self.counters.step - 1,
             iteration=history.iteration,
-            rank=self.rank,
+            rank=self.gang.rank,
             reason=reason,
             loss=reading.loss,
             grad_norm=reading.grad_norm,
