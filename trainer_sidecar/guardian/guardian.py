@@ -71,6 +71,7 @@ from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.shutdown import Shutdown
+from trainer_sidecar.guardian.starting import StartMixin
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 from trainer_sidecar.guardian.watch import ActivityWatch
@@ -90,7 +91,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian:
+class Guardian(StartMixin):
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -663,56 +664,7 @@ class Guardian:
         generators and counters together, and overwrites what the loop loaded (a warning names both
         steps when they differ).
         """
-        resumed = self.checkpoints.resume(self.settings.guard.loss_spike_window)
-        if resumed is None:
-            if self._start_step is not None:
-                self._continue_at(self._start_step)
-            return None
-        checkpoint, counters = resumed
-        self.counters.adopt(counters)
-        self.resumed_step = checkpoint.step
-        self._reporter.carry(self.counters.pace)
-        self._recovery.take_snapshot()
-        self.gang.log(
-            logging.WARNING,
-            "resumed from the clean checkpoint at step %d (%s)",
-            checkpoint.step,
-            self.checkpoint_dir,
-        )
-        if self._start_step is not None and self._start_step != checkpoint.step:
-            self.gang.log(
-                logging.WARNING,
-                "start_step=%d is not used: the guardian's own checkpoint at step %d takes over (its "
-                "weights, optimizer, data position and counters replace what the loop loaded)",
-                self._start_step,
-                checkpoint.step,
-            )
-        self._recovery.validated("resume")
-        return checkpoint.step
-
-    def _continue_at(self, step: int) -> None:
-        """Continue a run whose earlier steps the guardian did not see (the loop loaded its own checkpoint):
-        ``step_count`` starts at ``step``. The weights, optimizer and scheduler are whatever the loop loaded
-        before the guardian was made; the starting snapshot (a rollback's floor) is taken of them. Data:
-        a loop drawing its own batches draws on as it would; a loader given to the guardian starts at the
-        beginning of its order (epoch 0), since the earlier run's order was not the guardian's. From the
-        guardian's first checkpoint on, step, weights and data position are saved together."""
-        self.counters.step = step
-        self.resumed_step = step
-        scheduler = self.training.scheduler
-        if scheduler is not None and scheduler.last_epoch != step:
-            self.gang.log(
-                logging.WARNING,
-                "start_step=%d but the scheduler given to the guardian has stepped %d times: load its "
-                "state_dict from the loop's checkpoint too, or the schedule restarts",
-                step,
-                scheduler.last_epoch,
-            )
-        self.gang.log(
-            logging.WARNING,
-            "no checkpoint of the guardian's own yet: continuing at start_step=%d as the loop says",
-            step,
-        )
+        return self._resume_from()
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
