@@ -71,7 +71,7 @@ from trainer_sidecar.guardian.progress import ProgressClock
 from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.shutdown import Shutdown
-from trainer_sidecar.guardian.starting import StartMixin
+from trainer_sidecar.guardian.starting import Start
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 from trainer_sidecar.guardian.watch import ActivityWatch
@@ -91,7 +91,7 @@ def _json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-class Guardian(StartMixin):
+class Guardian:
     """Guards one worker's training loop: finite checks, clipping, spikes, rollback, checkpoints, status.
 
     Promises: a non-finite or spiking step never reaches the weights; every rank takes the same
@@ -145,13 +145,16 @@ class Guardian(StartMixin):
                 )
             self._wire(model, optimizer, scheduler, scaler, config, accumulation_steps, validate)
             self.max_steps = _step_number("max_steps", max_steps)
-            self._start_step = _step_number("start_step", start_step)
+            self._start = Start(
+                *(self.settings, self.training, self.counters, self.checkpoints),
+                *(self._recovery, self._reporter, _step_number("start_step", start_step)),
+            )
             self._open_checkpoints()
             self._publish(force=True)
             if resume:
                 self.resume()
-            elif self._start_step is not None:
-                self._continue_at(self._start_step)
+            elif start_step is not None:
+                self._start.continue_at(start_step)
         except ConfigError as exc:
             report_config_error(config, exc)
             end_worker(Gang.current(), ExitCode.CONFIG_ERROR, exc)
@@ -247,7 +250,6 @@ class Guardian(StartMixin):
         watch infers; set once at construction, before anything reads it."""
         self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
         self.started_at = time.time()
-        self.resumed_step = 0
         self._acc = Accumulation()  # the step being accumulated (its micro-batches so far)
         self._adoption_checked = False  # see ``_check_adoption``
         self._stop = STOP
@@ -341,6 +343,11 @@ class Guardian(StartMixin):
     def nan_location(self) -> str | None:
         """The module whose output went non-finite first, once the localisation found it."""
         return self._pipeline.nan_location
+
+    @property
+    def resumed_step(self) -> int:
+        """The step this attempt started at (0: a fresh start)."""
+        return self._start.resumed_step
 
     @property
     def busy_since(self) -> float | None:
@@ -659,12 +666,12 @@ class Guardian(StartMixin):
         checkpoint of another model or optimizer is a configuration error (nothing is deleted).
 
         With no checkpoint of its own and the constructor's ``start_step=N``, the run continues at step N
-        (``_continue_at``) and None is returned. Once the guardian has a checkpoint of its own,
+        (``Start.continue_at``) and None is returned. Once the guardian has a checkpoint of its own,
         ``start_step`` is not used: that checkpoint holds weights, optimizer, data position, random
         generators and counters together, and overwrites what the loop loaded (a warning names both
         steps when they differ).
         """
-        return self._resume_from()
+        return self._start.resume()
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
@@ -681,7 +688,7 @@ class Guardian(StartMixin):
             phase=busy.phase,
             started_at=self.started_at,
             step=counters.step,
-            resumed_step=self.resumed_step,
+            resumed_step=self._start.resumed_step,
             last_step_time=self._progress.last,
             busy_since=busy.since,
             busy_reason=busy.reason,
