@@ -17,7 +17,6 @@ is decided by the pure step judge (``trainer_sidecar.guardian.judge``); the Guar
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -72,6 +71,7 @@ from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
 from trainer_sidecar.guardian.shutdown import Shutdown
 from trainer_sidecar.guardian.starting import Start
+from trainer_sidecar.guardian.status_view import StatusView
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
 from trainer_sidecar.guardian.watch import ActivityWatch
@@ -85,10 +85,6 @@ def _step_number(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ConfigError(f"{name} must be a step number (an integer of at least 0), got {value!r}")
     return value
-
-
-def _json_float(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
 
 
 class Guardian:
@@ -148,6 +144,12 @@ class Guardian:
             self._start = Start(
                 *(self.settings, self.training, self.counters, self.checkpoints),
                 *(self._recovery, self._reporter, _step_number("start_step", start_step)),
+            )
+            self._view = StatusView(
+                *(self.config, self.gang, self.counters, self.feed, self.checkpoints),
+                (self._life, self._busy, self._watch, self._activity, self._compute, self._progress),
+                (self._pipeline, self._start),
+                self.started_at,
             )
             self._open_checkpoints()
             self._publish(force=True)
@@ -248,8 +250,8 @@ class Guardian:
     def _loop_state(self) -> None:
         """The state of the loop the guardian follows: its step, its data, its stop and what the activity
         watch infers; set once at construction, before anything reads it."""
-        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
         self.started_at = time.time()
+        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
         self._acc = Accumulation()  # the step being accumulated (its micro-batches so far)
         self._adoption_checked = False  # see ``_check_adoption``
         self._stop = STOP
@@ -676,52 +678,7 @@ class Guardian:
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
         """The worker's current status, as published to the sidecar."""
-        data = self.feed.loader.counters if self.feed.loader is not None else None
-        counters = self.counters
-        busy = self._busy.view(self.phase, self._life.busy_since, self._watch.progress())
-        activity, activity_since = self._activity.current
-        compute, best_compute = self._compute.reading()
-        return WorkerStatus(
-            rank=self.rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
-            phase=busy.phase,
-            started_at=self.started_at,
-            step=counters.step,
-            resumed_step=self._start.resumed_step,
-            last_step_time=self._progress.last,
-            busy_since=busy.since,
-            busy_reason=busy.reason,
-            busy_seconds=busy.seconds,
-            busy_sections=list(busy.sections),
-            local_rank=self.config.local_rank,
-            local_world_size=self.config.local_world_size,
-            loss=_json_float(counters.last_loss),
-            grad_norm=_json_float(self._pipeline.last_grad_norm),
-            lr_scale=counters.lr_scale,
-            max_grad_norm=counters.max_grad_norm,
-            steps_total=counters.iterations,
-            skipped_steps=counters.skipped_steps,
-            consecutive_bad_steps=counters.history.consecutive_bad,
-            rollbacks=counters.rollbacks,
-            spikes=counters.spikes,
-            samples_seen=data.seen if data else 0,
-            samples_dropped=data.dropped if data else 0,
-            explosion_pattern=counters.explosion_pattern,
-            last_clean_checkpoint=self.checkpoints.last_clean,
-            message=self.message,
-            exit_code=self._life.exit_code,
-            checkpoint_seconds=self.checkpoints.last_write_seconds,
-            max_steps=self.max_steps,
-            checkpoint_every_steps=self.checkpoints.interval,
-            checkpoint_cadence=self.checkpoints.cadence,
-            checkpoint_stall_seconds=self.checkpoints.stall_seconds or None,
-            checkpoint_write_since=self.checkpoints.writing_since,
-            activity=activity,
-            activity_since=activity_since,
-            compute_seconds=compute,
-            best_compute_seconds=best_compute,
-        )
+        return self._view.status()
 
     def _publish(self, force: bool = False) -> None:
         self._reporter.publish(self.phase, force)
