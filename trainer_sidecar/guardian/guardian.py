@@ -657,7 +657,6 @@ class Guardian:
         """
         return self._recovery.save_checkpoint()
 
-    # ------------------------------------------------------------------------- localisation, forensics ---
     # ------------------------------------------------------------------------------------- resume ---
     def resume(self) -> int | None:
         """Restore the newest checkpoint every rank can load (weights, optimizer, scheduler, scaler, RNG,
