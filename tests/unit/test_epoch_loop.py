@@ -116,7 +116,7 @@ def guarded(
     for epoch in guardian.epochs(EPOCHS):
         sampler.set_epoch(epoch)
         for x, y in guardian.batches(loader):
-            current = guardian._current_batch
+            current = guardian._acc.current
             assert current is not None
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()

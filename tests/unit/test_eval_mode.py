@@ -231,12 +231,12 @@ def test_an_evaluation_that_ends_in_the_next_backward_pass_restarts_the_hang_clo
     stop_the_watch(guardian)
     model.eval()
     time.sleep(0.6)
-    assert guardian._watch_evaluation(0.5) is not None
+    assert guardian._watch.evaluation(0.5) is not None
     assert guardian.status().phase is Phase.BUSY
     ended = time.time()
     model.train()
     guardian._mark(Activity.BACKWARD)
-    assert guardian._watch_evaluation(0.5) is not None
+    assert guardian._watch.evaluation(0.5) is not None
     status = guardian.status()
     assert status.phase is Phase.RUNNING
     assert status.last_step_time is not None
@@ -252,10 +252,10 @@ def test_a_loop_that_trains_in_eval_mode_has_no_inferred_evaluations(tmp_path: P
     stop_the_watch(guardian)
     model.eval()
     guardian._mark(Activity.BACKWARD)  # as the watch would see a backward pass in eval mode
-    assert guardian._watch_evaluation(0.5) is None
+    assert guardian._watch.evaluation(0.5) is None
     guardian._mark(Activity.LOOP)
     time.sleep(0.6)
-    assert guardian._watch_evaluation(0.5) is None
+    assert guardian._watch.evaluation(0.5) is None
     assert guardian.status().phase is Phase.RUNNING
     guardian.close()
 
@@ -290,7 +290,7 @@ def test_the_end_of_a_wait_for_a_busy_peer_restarts_the_hang_clock(
     monkeypatch.setattr(busy, "default_store", lambda: store)
     monkeypatch.setattr(busy, "WATCH_SECONDS", 0.1)
     guardian, _, status_file, sidecar = learned_guardian(tmp_path)
-    guardian._busy.watch_peers(1, guardian._peer_changed)  # as a distributed guardian's start does
+    guardian._busy.watch_peers(1, guardian._watch.peer_changed)  # as a distributed guardian's start does
     peer = PeerBoard(store, 0)
     peer.announce("eval", None)
     waiting = wait_for(status_file, lambda s: s.phase is Phase.BUSY)
@@ -316,7 +316,7 @@ def test_an_inferred_evaluation_open_when_the_guardian_ends_is_withdrawn_from_th
     store = FakeStore()
     monkeypatch.setattr(busy, "default_store", lambda: store)
     guardian, model, status_file, _ = learned_guardian(tmp_path)
-    guardian._busy.watch_peers(0, guardian._peer_changed)  # as a distributed guardian's start does
+    guardian._busy.watch_peers(0, guardian._watch.peer_changed)  # as a distributed guardian's start does
     peer = PeerBoard(store, 1)
     model.eval()
     assert evaluating(wait_for(status_file, evaluating))

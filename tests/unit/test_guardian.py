@@ -2081,7 +2081,7 @@ def test_a_rank_blocked_in_the_steps_collective_has_published_that_it_waits(tmp_
             assert release.wait(60)
             return values.to(self.device, copy=True) * self.world_size
 
-    guardian.gang = PeerNeverComes(rank=0, world_size=2, tracker=guardian.gang.tracker)
+    guardian._meter.gang = PeerNeverComes(rank=0, world_size=2, tracker=guardian.gang.tracker)
     loss = loss_of(model)
     before = time.time()
     stepping = threading.Thread(target=guardian.step, args=(loss,))

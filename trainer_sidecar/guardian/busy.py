@@ -25,7 +25,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -42,6 +43,7 @@ from trainer_sidecar.contract.status import (
     Phase,
 )
 from trainer_sidecar.guardian.config import ConfigError
+from trainer_sidecar.guardian.progress import ProgressClock
 
 log = logging.getLogger(__name__)
 
@@ -366,3 +368,27 @@ class BusySections:
         reason = f"waiting for rank {peer.rank}: {peer.reason}"
         waiting = BusySection(reason=reason[:MAX_BUSY_REASON_CHARS], since=self._peer_noticed, seconds=left)
         return BusyView(Phase.BUSY, self._peer_noticed, waiting.reason, left, (waiting,))
+
+
+@contextmanager
+def held(
+    sections: BusySections,
+    section: object,
+    mark: Callable[[Activity], Activity],
+    publish: Callable[[], None],
+    progress: ProgressClock,
+) -> Iterator[None]:
+    """Inside: the training thread is busy in ``section`` (entered already): marked ``Activity.BUSY`` and
+    published (``publish``: at once); after, the section is left and the activity goes back."""
+    before = mark(Activity.BUSY)
+    publish()
+    try:
+        yield
+    finally:
+        mark(before)
+        sections.leave(section)
+        if sections.since is None:
+            # The end of a busy stretch is progress, as a rollback's is: without it, the first status
+            # after an evaluation longer than the hang timeout reads "no step for" that long.
+            progress.pause_ended()
+        publish()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,8 @@ from trainer_sidecar.guardian.config import ConfigError
 from trainer_sidecar.guardian.counters import CountersError, GuardCounters
 from trainer_sidecar.guardian.feed import DataFeed
 from trainer_sidecar.guardian.gang import Gang
-from trainer_sidecar.guardian.resume import claim_gang_epoch, restore_newest
+from trainer_sidecar.guardian.resume import NewestRestorable, claim_gang_epoch
+from trainer_sidecar.guardian.stopping import StopRequest
 from trainer_sidecar.guardian.training import StateMismatch, TrainingObjects
 from trainer_sidecar.tensors.rng import RngStateError, rng_state, set_rng_state
 
@@ -64,12 +64,16 @@ class CheckpointManager:
         gang: Gang,
         training: TrainingObjects,
         feed: DataFeed,
+        counters: GuardCounters,
+        stop: StopRequest,
+        history: tuple[int, float] = (0, 0.0),
     ) -> None:
         self.directory = directory
         self.policy = policy
         self.gang = gang
         self.training = training
         self.feed = feed
+        self._counters, self._stop = counters, stop
         self.store: CheckpointStore | None = None
         # The step of the last checkpoint started (or resumed from): the same on every rank, unlike what
         # each rank's store has seen complete, so decisions taken on it need no agreement.
@@ -77,9 +81,11 @@ class CheckpointManager:
         self._clock = time.monotonic()  # when the last checkpoint started (for every_seconds)
         self._started_at: float | None = None  # wall-clock time the last background write started
         self._rng_after_forward: dict[str, Any] | None = None  # see ``_capture_rng``
-        #: Asked at every forward pass: whether the coming step boundary may write a checkpoint (the
-        #: guardian's ``_rng_may_be_saved``, which knows about stops and the run's last step).
-        self.rng_wanted: Callable[[], bool] = lambda: False
+        #: The run's declared last step (None: not declared yet), and whether the gang deferred a stop to
+        #: keep the random generators: either makes the coming boundary checkpoint (``_rng_wanted``). The
+        #: guardian sets both.
+        self.last_step: int | None = None
+        self.stop_deferred = False
         #: Capture at every forward pass: set once a checkpoint was written at a boundary no forward pass
         #: had foreseen (``save_checkpoint`` of the loop's own, a time cadence slower than predicted).
         self._rng_always = False
@@ -97,8 +103,7 @@ class CheckpointManager:
         self._stall = 0.0
         self._stalled = 0.0  # stall seconds since the last boundary
         #: This job's restarts and run time before this attempt (from the runner), for the failure rate.
-        self.failures = 0
-        self.run_seconds = 0.0
+        self.failures, self.run_seconds = history
 
     @property
     def enabled(self) -> bool:
@@ -138,8 +143,21 @@ class CheckpointManager:
         """After every forward pass: keep the generators' state when the coming boundary may save it, and
         forget an older one otherwise (a save then takes them as they are at the save). Reading them
         costs about 50 us to 0.35 ms (NumPy's state most of it), so this is not done at every step."""
-        wanted = self._rng_always or self._time_near_due() or self.rng_wanted()
+        wanted = self._rng_always or self._time_near_due() or self._rng_wanted()
         self._rng_after_forward = rng_state() if wanted else None
+
+    def _rng_wanted(self) -> bool:
+        """Asked at every forward pass: whether the coming step boundary may write a checkpoint for
+        which the random generators must be kept as of this forward pass: the step cadence's, a stop's
+        (this rank was told to stop, or the gang deferred its stop to keep them), the run's last step.
+        (The time cadence is foreseen by ``_time_near_due``.)"""
+        step = self._counters.step
+        return (
+            self.may_save_after(step)
+            or self._stop.requested
+            or self.stop_deferred
+            or (self.last_step is not None and step + 1 >= self.last_step)
+        )
 
     @property
     def rng_captured(self) -> bool:
@@ -350,24 +368,22 @@ class CheckpointManager:
         (``guardian.resume``). One of another model or optimizer is a ConfigError (nothing is deleted)."""
         if self.store is None:
             return None
-        restored: dict[str, GuardCounters] = {}
-
-        def restore(checkpoint: CheckpointId) -> bool:
-            counters = self._try_restore(checkpoint, spike_window)
-            if counters is None:
-                return False
-            restored["counters"] = counters
-            return True
-
-        resumed = restore_newest(self.store, self.gang, restore)
+        search = NewestRestorable(self.store, self.gang)
+        counters: GuardCounters | None = None
+        while (candidate := search.candidate()) is not None:
+            counters = self._try_restore(candidate, spike_window)
+            if search.restored(candidate, counters is not None):
+                break
+        resumed = search.done()
         if resumed.damaged:
             passed = "; ".join(resumed.passed_over) or "on another rank (see its log)"
             self.store.hold_pruning(f"this start passed over damaged checkpoints: {passed}")
         checkpoint = resumed.checkpoint
         if checkpoint is None:
             return None
+        assert counters is not None  # every rank restored it, this one too
         self.checkpointed_step = checkpoint.step
-        return checkpoint, restored["counters"]
+        return checkpoint, counters
 
     def _try_restore(self, checkpoint: CheckpointId, spike_window: int) -> GuardCounters | None:
         """Load and apply one checkpoint; None (with the reason logged) when its content is unusable.

@@ -9,7 +9,7 @@ skipped steps, spikes, rollbacks, the remediation applied, the pace the hang dea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -145,6 +145,11 @@ class GuardCounters:
         """Clip to at most ``limit`` from now on (None: unchanged); a loop not clipped until now is clipped
         to ``limit``."""
         self.max_grad_norm = clip_within(self.max_grad_norm, limit)
+
+    def adopt(self, restored: GuardCounters) -> None:
+        """Become ``restored`` (a checkpoint's counters) in place: every holder of this object sees them."""
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, getattr(restored, name))
 
     def copy(self) -> GuardCounters:
         """An independent copy (the history is immutable; the list is copied)."""

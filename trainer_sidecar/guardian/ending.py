@@ -229,12 +229,14 @@ def end_worker(gang: Gang, code: int, error: SystemExit) -> NoReturn:
 @dataclass
 class Lifecycle:
     """The worker's phase, message and exit code as its status publishes them, and whether it has ended
-    (finished, closed, stopped or failed: nothing left for the exit hook)."""
+    (finished, closed, stopped or failed: nothing left for the exit hook); ``busy_since``: when the
+    rollback under way began (None: none)."""
 
     phase: Phase = Phase.STARTING
     message: str = ""
     exit_code: int | None = None
     ended: bool = False
+    busy_since: float | None = None
 
 
 class WorkerEnd:

@@ -13,6 +13,7 @@ A gang made with an ``ActivityTracker`` marks its self-contained collectives (``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from trainer_sidecar.contract.status import Activity
 from trainer_sidecar.guardian.activity import ActivityTracker
 
 CPU = torch.device("cpu")
+log = logging.getLogger("trainguard")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class Gang:
     def distributed(self) -> bool:
         """Whether there are other ranks to agree with."""
         return self.world_size > 1
+
+    def log(self, level: int, message: str, *args: object) -> None:
+        """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
+        log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
 
     def all_reduce(
         self, values: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM

@@ -17,14 +17,12 @@ is decided by the pure step judge (``trainer_sidecar.guardian.judge``); the Guar
 from __future__ import annotations
 
 import logging
-import math
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +32,7 @@ from trainer_sidecar.checkpoint import CheckpointError, EpochOwner, FencedError
 from trainer_sidecar.contract.compute import ComputeWindow
 from trainer_sidecar.contract.exitcodes import ExitCode
 from trainer_sidecar.contract.identity import job_identity
-from trainer_sidecar.contract.settings import GuardianSettings, Remediation, RemediationOrder
+from trainer_sidecar.contract.settings import GuardianSettings
 from trainer_sidecar.contract.status import (
     Activity,
     Phase,
@@ -42,89 +40,54 @@ from trainer_sidecar.contract.status import (
 )
 from trainer_sidecar.guardian.activity import ActivityTracker
 from trainer_sidecar.guardian.busy import (
-    EVAL_MODE_REASON,
-    STEP_ACTIVITIES,
     BusySections,
-    EvalChange,
-    StepProgress,
-    evaluation_change,
+    held,
 )
 from trainer_sidecar.guardian.checkpointing import CheckpointManager
-from trainer_sidecar.guardian.collectives import unwatch as unwatch_collectives
-from trainer_sidecar.guardian.collectives import watch as watch_collectives
 from trainer_sidecar.guardian.config import ConfigError, GuardianConfig, report_config_error
-from trainer_sidecar.guardian.counters import GuardCounters, describe_clip
+from trainer_sidecar.guardian.counters import GuardCounters
 from trainer_sidecar.guardian.data import DEAD_LETTER_NAME, DeadLetters, GuardedLoader, SizedDataset
 from trainer_sidecar.guardian.ending import (
     Diverged,
-    ExitPlan,
     Fenced,
     Lifecycle,
     UncleanState,
     WorkerEnd,
-    arm_at_exit,
-    crash_message,
-    disarm_at_exit,
     end_worker,
-    exit_error,
-    exit_plan,
     noting_escapes,
 )
 from trainer_sidecar.guardian.epochs import EpochLoop
 from trainer_sidecar.guardian.faults import FaultInjector
-from trainer_sidecar.guardian.feed import DataFeed, Stateful, taken_over
-from trainer_sidecar.guardian.forensics import Anomaly, BatchRef, write_bundle
+from trainer_sidecar.guardian.feed import DataFeed, Stateful
+from trainer_sidecar.guardian.forensics import BatchRef
 from trainer_sidecar.guardian.gang import Gang
 from trainer_sidecar.guardian.judge import (
-    NON_FINITE_GRADIENTS,
-    NON_FINITE_LOSS,
     Action,
-    StepReading,
-    Verdict,
-    judge_saved_state,
     judge_step,
 )
+from trainer_sidecar.guardian.loading import Accumulation, Loading
 from trainer_sidecar.guardian.localize import NaNLocator
 from trainer_sidecar.guardian.measure import StepMeasure
-from trainer_sidecar.guardian.pauses import (
-    PauseChange,
-    PauseKind,
-    PauseLook,
-    ThreadClock,
-    pause_change,
-    pause_threshold,
-)
+from trainer_sidecar.guardian.pipeline import StepOutcome, StepPipeline
 from trainer_sidecar.guardian.progress import ProgressClock
+from trainer_sidecar.guardian.recovery import Recovery
 from trainer_sidecar.guardian.reporting import StatusReporter
-from trainer_sidecar.guardian.snapshot import Snapshot
+from trainer_sidecar.guardian.shutdown import Shutdown
+from trainer_sidecar.guardian.starting import Start
+from trainer_sidecar.guardian.status_view import StatusView
 from trainer_sidecar.guardian.stopping import STOP
 from trainer_sidecar.guardian.training import TrainingObjects, caller, check_loss, check_training_objects
+from trainer_sidecar.guardian.watch import ActivityWatch
 
 log = logging.getLogger("trainguard")
 
 __all__ = ["ConfigError", "Diverged", "Fenced", "Guardian", "StepOutcome", "UncleanState"]
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one call to ``Guardian.step`` did."""
-
-    boundary: bool
-    applied: bool = False
-    loss: float = math.nan
-    grad_norm: float = math.nan
-    reason: str = ""
-    rolled_back: bool = False
-
-
 def _step_number(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ConfigError(f"{name} must be a step number (an integer of at least 0), got {value!r}")
     return value
-
-
-def _json_float(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
 
 
 class Guardian:
@@ -181,13 +144,22 @@ class Guardian:
                 )
             self._wire(model, optimizer, scheduler, scaler, config, accumulation_steps, validate)
             self.max_steps = _step_number("max_steps", max_steps)
-            self._start_step = _step_number("start_step", start_step)
+            self._start = Start(
+                *(self.settings, self.training, self.counters, self.checkpoints),
+                *(self._recovery, self._reporter, _step_number("start_step", start_step)),
+            )
+            self._view = StatusView(
+                *(self.config, self.gang, self.counters, self.feed, self.checkpoints),
+                (self._life, self._busy, self._watch, self._activity, self._compute, self._progress),
+                (self._pipeline, self._start),
+                self.started_at,
+            )
             self._open_checkpoints()
             self._publish(force=True)
             if resume:
                 self.resume()
-            elif self._start_step is not None:
-                self._continue_at(self._start_step)
+            elif start_step is not None:
+                self._start.continue_at(start_step)
         except ConfigError as exc:
             report_config_error(config, exc)
             end_worker(Gang.current(), ExitCode.CONFIG_ERROR, exc)
@@ -209,27 +181,12 @@ class Guardian:
         # Where the training thread is: marked at the guardian's calls, published with the status.
         self._activity = ActivityTracker(Activity.CHECKPOINT)
         self._mark = self._activity.mark
-        self._collectives: object = None  # the watch of the loop's collectives (``_begin``)
         # Each step's own compute (the marks' sum of own work between boundaries), kept in memory.
         self._compute = ComputeWindow(config.settings.compute_window_steps)
         self.gang = replace(Gang.current(), tracker=self._activity)
-        self.training = TrainingObjects(model, optimizer, scheduler, scaler)
-        self.model, self.module, self.optimizer = model, self.training.module, optimizer
-        self.accumulation_steps = accumulation_steps
-        self.validate = validate
-        self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
         # The phase, message and exit code the status publishes; whether the worker ended.
         self._life = Lifecycle()
         self._loop_state()
-        self.feed = DataFeed()
-        self._current_batch: BatchRef | None = None
-        self._step_batches: list[BatchRef] = []
-        self._window_batches: list[BatchRef] = []
-        self._snapshot = Snapshot()
-        # Parameters and optimizer state are copied while the next forward and backward run, until the
-        # loop is seen changing them in place between steps without ``settle`` (see ``settle``).
-        self._copies_in_background = True
-        self._locator = NaNLocator(self.module)
         self._reporter = StatusReporter(
             config.status_file,
             config.settings.status_interval_seconds,
@@ -238,48 +195,70 @@ class Guardian:
             self._activity,
         )
         self._end = WorkerEnd(self._life, self.gang, self._reporter)
-        self.training.refuse_loop_steps(self._end.misused)
+        self.training = TrainingObjects(model, optimizer, scheduler, scaler, refuse=self._end.misused)
+        self.model, self.module, self.optimizer = model, self.training.module, optimizer
+        self.accumulation_steps = accumulation_steps
+        self.validate = validate
+        self.counters = GuardCounters(max_grad_norm=config.settings.guard.max_grad_norm)
+        self.feed = DataFeed()
+        self._locator = NaNLocator(self.module)
         self._busy = BusySections()
         self.checkpoint_dir = config.checkpoint_dir
+        self._collaborators(config, validate)
+
+    def _collaborators(self, config: GuardianConfig, validate: Callable[[], float] | None) -> None:
+        """The collaborators that work on the training objects, the counters and the status parts."""
         self.checkpoints = CheckpointManager(
-            config.checkpoint_dir, config.settings.checkpoint, self.gang, self.training, self.feed
+            config.checkpoint_dir,
+            config.settings.checkpoint,
+            self.gang,
+            self.training,
+            self.feed,
+            self.counters,
+            self._stop,
+            (config.restarts, config.run_seconds),
         )
-        self.checkpoints.rng_wanted = self._rng_may_be_saved
-        self.checkpoints.failures, self.checkpoints.run_seconds = config.restarts, config.run_seconds
         self.dead_letters = DeadLetters(
             self.checkpoint_dir / DEAD_LETTER_NAME if self.checkpoint_dir else None
         )
         self._faults = FaultInjector(config.faults, self.gang.rank, self.checkpoint_dir)
-        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark)
+        self._loading = Loading(
+            self.feed, self.dead_letters, self._faults, self.counters, self.gang, self._mark, self._acc
+        )
+        self._meter = StepMeasure(self.training, self.checkpoints, self._faults, self._mark, self.gang)
+        self._step_collaborators(config, validate)
+
+    def _step_collaborators(self, config: GuardianConfig, validate: Callable[[], float] | None) -> None:
+        """The collaborators of the step, its recovery, the watch and the ending."""
+        status = (self._life, self._reporter, self._progress, self._busy)
+        self._recovery = Recovery(
+            *(config.settings, self.training, self.counters, self.feed, self.dead_letters),
+            *(self.checkpoints, self._end, status, self._mark, validate),
+        )
+        self._pipeline = StepPipeline(
+            *(config.settings, self.training, self.counters),
+            (self._meter, self._recovery, self.checkpoints, self._locator, self._faults),
+            (self.feed, self.dead_letters, self._acc),
+            (self._life, self._reporter, self._progress, self._activity, self._compute),
+            self.gang,
+        )
+        self._watch = ActivityWatch(
+            self._activity, self._busy, self.counters, self._life, self.module, self._reporter, self._progress
+        )
+        ending = (self._life, self._reporter, self._watch, self._busy, self._activity)
+        self._shutdown = Shutdown(
+            self.checkpoints, self._recovery, self.counters, self._end, ending, self._stop
+        )
 
     def _loop_state(self) -> None:
         """The state of the loop the guardian follows: its step, its data, its stop and what the activity
         watch infers; set once at construction, before anything reads it."""
-        self.busy_since: float | None = None
-        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
-        self.last_grad_norm: float | None = None
         self.started_at = time.time()
-        self.resumed_step = 0
-        self.nan_location: str | None = None
-        self._micro = 0
-        self._driven = False  # the loop iterates ``steps`` or ``run``: the guardian's counter is its own
+        self._progress = ProgressClock()  # the only writer of progress time (``last_step_time``)
+        self._acc = Accumulation()  # the step being accumulated (its micro-batches so far)
         self._epoch_loop: EpochLoop | None = None  # the loop iterates ``epochs`` and ``batches``
-        self._past_end_warned = False
         self._adoption_checked = False  # see ``_check_adoption``
-        self._loss_sum: torch.Tensor | None = None
-        self._stop_deferred = False  # see ``step``
-        # The evaluation inferred from the model's eval mode (``_watch_evaluation``, the watch's thread
-        # alone): its section's token and the progress it began at; and whether the loop trains in eval
-        # mode (then eval mode says nothing).
-        self._evaluation: tuple[object, StepProgress] | None = None
-        self._trains_in_eval_mode = False
-        self._train_mode_seen = time.time()  # the watch's last look that found the model in train mode
-        # A pause the watch sees (``guardian.pauses``): its section's token, the progress it began at and
-        # its kind; and the training thread's CPU clock (set when the loop begins).
-        self._pause: tuple[object, StepProgress, PauseKind] | None = None
-        self._thread_clock: ThreadClock | None = None
         self._stop = STOP
-        self._holding_stop = False
 
     def _open_checkpoints(self) -> None:
         job = job_identity(self.config.namespace, self.config.job)  # namespace/name: what makes it unique
@@ -289,21 +268,18 @@ class Guardian:
             self.dead_letters.load()
 
     def _begin(self) -> None:
-        if not self._snapshot.taken:
-            self._take_snapshot()  # the starting weights are the first thing a rollback can return to
-        self._apply_orchestrator_remediation()
-        self._stop.acquire()
-        self._holding_stop = True
+        if not self._recovery.snapshot.taken:
+            self._recovery.take_snapshot()  # the starting weights: the first a rollback can return to
+        self._recovery.apply_orchestrator_remediation(self.config.remediation)
+        self._shutdown.hold_stop()
         if self.gang.distributed:
-            self._busy.watch_peers(self.rank, self._peer_changed)
+            self._busy.watch_peers(self.rank, self._watch.peer_changed)
         self.phase = Phase.RUNNING
-        # The loop's own torch.distributed collectives, from here on, mark their waits on this thread.
-        self._collectives = watch_collectives(self._activity)
         self._mark(Activity.LOOP)  # the loop's code runs next
         self._publish(force=True)
-        self._thread_clock = ThreadClock(threading.get_ident())  # the training thread calls _begin
-        self._reporter.watch_activity(lambda: self.phase, look=self._watch_training_thread)
-        arm_at_exit(self._at_exit)
+        self._watch.begin(threading.get_ident())  # the training thread calls _begin
+        self._reporter.watch_activity(lambda: self._life.phase, look=self._watch.look)
+        self._shutdown.watch(self._at_exit)  # and the loop's own collectives mark their waits from here on
 
     # ---------------------------------------------------------------------------------------- busy ---
     @contextmanager
@@ -318,118 +294,8 @@ class Guardian:
         around the evaluation only rank 0 runs is enough). Usable as a decorator as well."""
         with self._adoption():
             section = self._busy.enter(reason, seconds)
-        before = self._mark(Activity.BUSY)
-        self._publish(force=True)
-        try:
+        with held(self._busy, section, self._mark, lambda: self._publish(force=True), self._progress):
             yield
-        finally:
-            self._mark(before)
-            self._busy.leave(section)
-            if self._busy.since is None:
-                # The end of a busy stretch is progress, as a rollback's is: without it, the first status
-                # after an evaluation longer than the hang timeout reads "no step for" that long.
-                self._progress.pause_ended()
-            self._publish(force=True)
-
-    def _step_progress(self) -> StepProgress:
-        return (self.counters.step, self.counters.iterations)
-
-    def _watch_training_thread(self, period: float) -> float | None:
-        """The activity watch's look (every ``period``, from its own thread): an evaluation inferred from
-        the model's eval mode (``_watch_evaluation``), else a pause the guardian can see
-        (``_watch_pause``); one implicit section at a time. Returns when the status changed, or None."""
-        share = None if self._thread_clock is None else self._thread_clock.share()  # sampled every look
-        if self._pause is None:
-            changed = self._watch_evaluation(period)
-            if changed is not None or self._evaluation is not None:
-                return changed
-        return self._watch_pause(share)
-
-    def _watch_pause(self, cpu_share: float | None) -> float | None:
-        """Open or close the section of a pause the guardian can see (``guardian.pauses``: a long fetch
-        from its loader, a long step computing): the pause is no hang and no step gap. Returns when the
-        status changed (unix seconds: a section opens as of the pause's start, so the gap it ends is not
-        the watch's delay), or None."""
-        progress = self._step_progress()  # first: a step after this makes the section stale, not missed
-        activity, since = self._activity.current
-        now, age = time.time(), time.monotonic() - self._busy.last_progress
-        look = PauseLook(self.phase, activity, now - since, age, cpu_share)
-        opened = self._pause
-        change = pause_change(
-            None if opened is None else opened[2],
-            opened is not None and progress != opened[1],
-            look,
-            pause_threshold(self._reporter.pace.longest),
-        )
-        if change in (PauseChange.BEGIN_DATA, PauseChange.BEGIN_COMPUTING):
-            kind = PauseKind.DATA if change is PauseChange.BEGIN_DATA else PauseKind.COMPUTING
-            self._pause = (self._busy.enter_implicit(kind.value, progress), progress, kind)
-            return since if kind is PauseKind.DATA else now - age
-        if opened is None or change is PauseChange.NONE:
-            return None
-        self._pause = None
-        self._busy.leave(opened[0])
-        if change is PauseChange.END and self.phase is Phase.RUNNING and self._busy.since is None:
-            self._progress.pause_ended(now)  # the end of the pause is progress (see ``busy``)
-        return now
-
-    def _watch_evaluation(self, period: float) -> float | None:
-        """Open or close the implicit evaluation section (``busy.evaluation_change``); called by the
-        activity watch's thread every ``period``, never by the training thread, so a step pays nothing
-        for it. Reads the model's ``training`` flag (a plain attribute: fine from another thread; the
-        thread-local ``torch.no_grad`` is not visible from here). Returns when the status changed (unix
-        seconds: an evaluation began after the loop's code did and after the last look that found the model
-        in train mode, so the watch's delay is no step gap), or None when it did not."""
-        progress = self._step_progress()  # first: a step after this makes the section stale, not missed
-        current = self._activity.current
-        activity, since = current
-        eval_mode = not self.module.training
-        now = time.time()
-        if not eval_mode:
-            self._train_mode_seen = now
-        if (
-            eval_mode
-            and activity in STEP_ACTIVITIES
-            and self.phase is Phase.RUNNING  # a rollback's validation runs in a step, in eval mode
-            and self._activity.current is current  # the mode was read inside that very activity
-            and not self._trains_in_eval_mode
-        ):
-            self._trains_in_eval_mode = True
-            log.info("the model is trained in eval mode: eval mode no longer counts as an evaluation")
-        opened = self._evaluation
-        change = evaluation_change(
-            None if opened is None else opened[1],
-            progress,
-            self.phase,
-            activity,
-            now - since,
-            period,
-            eval_mode,
-            self._trains_in_eval_mode,
-        )
-        if change is EvalChange.BEGIN:
-            self._evaluation = (self._busy.enter_implicit(EVAL_MODE_REASON, progress), progress)
-            return max(since, self._train_mode_seen)  # it began after both
-        if opened is None or change is EvalChange.NONE:
-            return None
-        self._evaluation = None
-        self._busy.leave(opened[0])
-        stepped = progress != opened[1]  # the step set the step time itself
-        if not stepped and self.phase is Phase.RUNNING and self._busy.since is None:
-            # The end of the pause is progress, as a busy section's is (see ``busy``), also when the
-            # watch first sees the next step's work (model.train() and a backward within one look):
-            # until that step's own status, this one must not carry the step time from before it.
-            self._progress.pause_ended(now)
-        return now
-
-    def _peer_changed(self) -> None:
-        """The busy peer this rank waits for appeared or went (the peer watch's thread)."""
-        if self.phase is Phase.RUNNING and not self._busy.waiting and self._busy.since is None:
-            # The end of the wait is progress, as the end of a busy section is: the status that says
-            # "running" again must not carry the step time from before the wait, which the sidecar
-            # would count against the hang timeout until this rank's next step.
-            self._progress.pause_ended()
-        self._publish(force=True)
 
     # --------------------------------------------------------------------------- counters, compat ---
     @property
@@ -464,6 +330,35 @@ class Guardian:
     def exit_code(self) -> int | None:
         """The exit code the worker ends with, once it is known."""
         return self._life.exit_code
+
+    @property
+    def max_steps(self) -> int | None:
+        """The run's declared last step (None: not declared): see ``Guardian``."""
+        return self.checkpoints.last_step
+
+    @max_steps.setter
+    def max_steps(self, max_steps: int | None) -> None:
+        self.checkpoints.last_step = max_steps  # the checkpoint of the last step keeps the generators
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The newest step's gradient norm (None before the first)."""
+        return self._pipeline.last_grad_norm
+
+    @property
+    def nan_location(self) -> str | None:
+        """The module whose output went non-finite first, once the localisation found it."""
+        return self._pipeline.nan_location
+
+    @property
+    def resumed_step(self) -> int:
+        """The step this attempt started at (0: a fresh start)."""
+        return self._start.resumed_step
+
+    @property
+    def busy_since(self) -> float | None:
+        """When the rollback under way began (unix seconds; None: none)."""
+        return self._life.busy_since
 
     @property
     def last_step_time(self) -> float | None:
@@ -542,50 +437,9 @@ class Guardian:
         not share out evenly over the ranks.
         """
         with self._adoption():
-            return self._guarded_loader(
+            return self._loading.guarded(
                 dataset, batch_size, shuffle, seed, collate_fn, num_workers, drop_last, {}, False
             )
-
-    def _guarded_loader(
-        self,
-        dataset: SizedDataset | DataLoader[Any],
-        batch_size: int | None,
-        shuffle: bool,
-        seed: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        num_workers: int,
-        drop_last: bool,
-        loading: dict[str, Any],
-        pad_shards: bool,
-    ) -> GuardedLoader:
-        if isinstance(dataset, DataLoader):
-            over = taken_over(dataset)
-            dataset, batch_size, shuffle, collate_fn, num_workers, loading = over[:6]
-            drop_last, pad_shards = over.drop_last, over.pad_shards
-        assert not isinstance(dataset, DataLoader)
-        if batch_size is None:
-            raise ConfigError(
-                "Guardian.loader() needs batch_size= for a dataset (a DataLoader brings its own)"
-            )
-        loader = GuardedLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            collate_fn=collate_fn,
-            num_workers=num_workers,
-            loading=loading,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=drop_last,
-            pad_shards=pad_shards,
-            dead_letters=self.dead_letters,
-            inject_bad_sample=self._faults.bad_sample_hook(lambda: self.counters.step)
-            if self._faults.active
-            else None,
-        )
-        self.feed.attach(loader)
-        return loader
 
     def track(self, name: str | None = None, stateful: Stateful | None = None, **named: Stateful) -> None:
         """Keep ``stateful`` (anything with ``state_dict`` and ``load_state_dict``: torchdata's
@@ -623,7 +477,7 @@ class Guardian:
         (see ``Guardian``). Should the final state not be clean, the guardian rolls back and goes on.
         """
         end = self._declare_end(max_steps)
-        self._driven = True
+        self._recovery.driven = True  # the loop iterates ``steps`` or ``run``: the counter is the guardian's
         while True:
             while self.counters.step < end:
                 before = self.counters.iterations
@@ -663,13 +517,13 @@ class Guardian:
         goes on until it is.
         """
         max_steps = self._declare_end(max_steps)
-        self._driven = True
+        self._recovery.driven = True  # the loop iterates ``steps`` or ``run``: the counter is the guardian's
         if isinstance(loader, DataLoader):
             loader = self.loader(loader)
         if self.feed.loader is not loader:
             self.feed.attach(loader)
         while True:
-            yield from self._batches_until(loader, max_steps)
+            yield from self._loading.batches_until(loader, max_steps)
             try:
                 self.finish()
                 return
@@ -691,7 +545,7 @@ class Guardian:
         end is that epoch's, from its state before (a tracked scheduler and best score went back with
         the weights), and the epochs after it come again, without the batches already consumed
         (``trainer_sidecar.guardian.epochs``)."""
-        self._driven = True
+        self._recovery.driven = True  # the loop iterates ``epochs``: the counter is the guardian's
         loop = self._epochs()
         while True:
             yield from loop.epochs(epochs, start)
@@ -716,7 +570,7 @@ class Guardian:
             self._epoch_loop = EpochLoop(
                 self.feed.track,
                 lambda epoch, batch: self.dead_letters.is_dead(epoch, batch),
-                lambda epoch, batch: setattr(self, "_current_batch", BatchRef(epoch, batch)),
+                lambda epoch, batch: setattr(self._acc, "current", BatchRef(epoch, batch)),
                 self._epoch_data_done,
             )
         return self._epoch_loop
@@ -731,28 +585,6 @@ class Guardian:
                 self._end.fenced(exc)
             except CheckpointError as exc:
                 log.error("the checkpoint written at the end of an epoch's data failed: %s", exc)
-
-    def _batches_until(self, loader: GuardedLoader, max_steps: int) -> Iterator[Any]:
-        empty_epochs = 0
-        mark = self._mark
-        while self.counters.step < max_steps:
-            yielded = False
-            mark(Activity.DATA)  # an epoch's start (a shuffle, the loader's workers) is the loader's too
-            batches = iter(loader)
-            while True:
-                mark(Activity.DATA)
-                batch = next(batches, None)
-                mark(Activity.LOOP)
-                if batch is None:
-                    break
-                yielded = True
-                self._current_batch = BatchRef(batch.epoch, batch.index, batch.sample_ids)
-                yield batch.data
-                if self.counters.step >= max_steps and self._micro == 0:
-                    return
-            empty_epochs = 0 if yielded else empty_epochs + 1
-            if empty_epochs >= 2:
-                raise RuntimeError("the loader yields no batch (every batch dead-lettered or dataset empty)")
 
     # ---------------------------------------------------------------------------------------- step ---
     @noting_escapes
@@ -769,20 +601,21 @@ class Guardian:
         """
         with self._adoption():
             check_loss(loss)
-        if self._micro == 0 and self._faults.active:
+        if self._acc.micro == 0 and self._faults.active:
             # An injected hang or crash stands for one in the loop's forward pass: before the backward.
             loss = self._faults.loss_hook(loss, self.counters.step)
         self._mark(Activity.BACKWARD)
         with self._adoption():
             self.training.backward(loss)
-        self._meter.after_backward(self.gang)
+        self._meter.after_backward()
         # A one-element loss of any shape ([1] from a loop's own reduction) is its scalar: the step's
         # measures are stacked with 0-dim tensors.
         detached = loss.detach().float().reshape(())
-        self._loss_sum = detached if self._micro == 0 or self._loss_sum is None else self._loss_sum + detached
-        if self._current_batch is not None:
-            self._step_batches.append(self._current_batch)
-        self._micro += 1
+        acc = self._acc
+        acc.loss_sum = detached if acc.micro == 0 or acc.loss_sum is None else acc.loss_sum + detached
+        if acc.current is not None:
+            acc.batches.append(acc.current)
+        acc.micro += 1
         self._mark(Activity.LOOP)
 
     @noting_escapes
@@ -797,84 +630,47 @@ class Guardian:
         """
         if loss is not None:
             self.backward(loss)
-            if self._micro < self.accumulation_steps:
+            if self._acc.micro < self.accumulation_steps:
                 return StepOutcome(boundary=False)
-        elif self._micro == 0:
+        elif self._acc.micro == 0:
             self._refuse_step_without_backward()
         self._mark(Activity.STEP)
-        self._micro = 0
+        self._acc.micro = 0
         if self.max_steps is not None and self.counters.step >= self.max_steps:
-            return self._past_the_end()
+            return self._pipeline.past_the_end(self.max_steps)
         if self._faults.active:
-            self._slow_down()
+            self._pipeline.slow_down()
         if not self._adoption_checked:
             self._check_adoption()
         if self.checkpoints.fenced is not None:
             self._end.fenced(self.checkpoints.fenced)  # a save in the background met a newer writer's claim
-        assert self._loss_sum is not None
-        self._snapshot.complete_loop_state(self.feed.rollback_state, self.optimizer)
-        stop = self._stop.requested or self._stop_deferred
-        agreed = self._meter.measure(self._loss_sum, self.counters.step, stop, self.gang)
+        assert self._acc.loss_sum is not None
+        self._recovery.step_begins()
+        stop = self._stop.requested or self.checkpoints.stop_deferred
+        agreed = self._meter.measure(self._acc.loss_sum, self.counters.step, stop)
         reading = agreed.reading
         verdict = judge_step(self.settings.guard, self.counters.history, reading)
-        batches, self._step_batches = self._step_batches, []
+        batches, self._acc.batches = self._acc.batches, []
         if verdict.action is Action.APPLY:
-            outcome = self._apply(verdict, reading, agreed.current_norm, batches, agreed.checkpoint_due)
+            when = (agreed.checkpoint_due, self.max_steps)
+            outcome = self._pipeline.apply(verdict, reading, agreed.current_norm, batches, when)
         else:
-            outcome = self._reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
+            outcome = self._pipeline.reject(verdict, reading, batches, replay, agreed.locally_nonfinite)
         self._busy.progressed()
         self.checkpoints.boundary()
         # After this boundary's checkpoint decision, so that the next forward pass foresees the new cadence.
         self.checkpoints.adopt(agreed.interval)
         if agreed.stop:
-            if agreed.rng_missing and self.checkpoints.enabled and not self._stop_deferred:
+            if agreed.rng_missing and self.checkpoints.enabled and not self.checkpoints.stop_deferred:
                 # Some rank's last forward pass did not keep the random generators (the signal came after
                 # it): every rank keeps them at the next one, and the gang stops at the next boundary, so
                 # that the checkpoint resumes a loop that draws its batches from them exactly.
-                self._stop_deferred = True
+                self.checkpoints.stop_deferred = True
             else:
-                self._stop_now()
+                self._shutdown.stop_now()
         self._mark(Activity.LOOP)
         self._compute.lap(self._activity.own)
         return outcome
-
-    def _slow_down(self) -> None:
-        """The ``slow`` fault: stretch this step's own compute so far (the loop's forward and backward) by
-        its factor, with a sleep in the guardian's step, before the step's collective: the rank's own work,
-        as a slow machine's would be."""
-        factor = self._faults.slow_factor(self.counters.step)
-        if factor > 1.0:
-            time.sleep((factor - 1.0) * self._compute.since_lap(self._activity.own))
-
-    def _past_the_end(self) -> StepOutcome:
-        """A step boundary once ``max_steps`` steps are kept: nothing is applied, counted or saved.
-
-        A loop that tests its end after the step (nanoGPT's ``iter_num += 1; if iter_num > max_iters:
-        break``) trains once more on every start: rerunning a finished job would train (and, at its
-        end, checkpoint) one more step each time. The declared end is the guardian's to keep; every
-        rank holds the same step, so every rank refuses alike, without a collective."""
-        self.training.unscale()  # a GradScaler's update needs its inf checks recorded
-        self.training.drop_update()
-        self._loss_sum, self._step_batches = None, []
-        self._mark(Activity.LOOP)
-        reason = f"past max_steps={self.max_steps}: not applied (training is over)"
-        if not self._past_end_warned:
-            self._past_end_warned = True
-            self._log_gang(logging.WARNING, "step %d is %s", self.counters.step, reason)
-        return StepOutcome(boundary=True, applied=False, reason=reason)
-
-    def _rng_may_be_saved(self) -> bool:
-        """Asked at every forward pass: whether the coming step boundary may write a checkpoint for
-        which the random generators must be kept as of this forward pass: the step cadence's, a stop's
-        (this rank was told to stop, or the gang deferred its stop to keep them), the run's last step.
-        (The time cadence the checkpoint manager foresees itself.)"""
-        step = self.counters.step
-        return (
-            self.checkpoints.may_save_after(step)
-            or self._stop.requested
-            or self._stop_deferred
-            or (self.max_steps is not None and step + 1 >= self.max_steps)
-        )
 
     def _refuse_step_without_backward(self) -> None:
         """``step()`` without a loss and no ``backward(loss)`` since the last step: the loop backwards its
@@ -911,178 +707,6 @@ class Guardian:
         except ConfigError as error:
             self._end.misused(error)
 
-    def _stop_now(self) -> None:
-        """Every rank was told, at this same boundary, that some rank must stop: save a checkpoint when the
-        last step was clean (and wait until it is durable), then exit with 128 + the signal's number."""
-        received = self._stop.signal or signal.SIGTERM
-        saved = self.checkpoints.saved(self.counters.step)
-        if not saved and self.checkpoints.enabled and self.counters.history.consecutive_bad == 0:
-            saved = self.save_checkpoint()
-        try:
-            self.checkpoints.close()
-        except FencedError as exc:
-            self._end.fenced(exc)
-        self.gang.barrier()
-        what = "a checkpoint is written" if saved else "no checkpoint: the last step was not clean"
-        if not self.checkpoints.enabled:
-            what = "no checkpoint directory"
-        message = f"stopped by {received.name} at step {self.counters.step}; {what}"
-        self._log_gang(logging.WARNING, "%s", message)
-        code = 128 + int(received)
-        self._end.report(Phase.STOPPED, message, code)
-        self._release()
-        end_worker(self.gang, code, SystemExit(code))
-
-    def _apply(
-        self,
-        verdict: Verdict,
-        reading: StepReading,
-        current_norm: float,
-        batches: list[BatchRef],
-        time_due: bool = False,
-    ) -> StepOutcome:
-        counters = self.counters
-        self.settle()
-        self.training.apply_update(
-            current_norm,
-            counters.max_grad_norm,
-            self._meter.grads,
-            self._meter.norm,
-            lr_scale=counters.lr_scale,
-        )
-        counters.history, counters.explosion_pattern = verdict.history, None
-        counters.optimizer_steps += 1
-        counters.step += 1
-        self.last_grad_norm = reading.grad_norm
-        self._progress.stepped()
-        self._window_batches.extend(batches)
-        if self._locator.armed:
-            self._located(self._locator.after_good_step())
-        unclean = self._save_if_due(time_due)
-        self._mark(Activity.LOOP)  # what a periodic status says until the next mark is published
-        self._publish()
-        return StepOutcome(
-            boundary=True, applied=unclean is None, loss=reading.loss, grad_norm=reading.grad_norm,
-            reason=unclean.reason if unclean else "", rolled_back=unclean is not None,
-        )  # fmt: skip
-
-    def _reject(
-        self,
-        verdict: Verdict,
-        reading: StepReading,
-        batches: list[BatchRef],
-        replay: Callable[[], Any] | None,
-        locally_nonfinite: bool,
-    ) -> StepOutcome:
-        """A bad step: nothing reaches the weights; then skip, roll back or diverge as the judge says."""
-        self.training.drop_update()
-        counters = self.counters
-        in_a_row = counters.history.consecutive_bad + int(verdict.counts_as_bad)
-        counters.history = verdict.history
-        counters.skipped_steps += 1
-        counters.step += 1
-        counters.spikes += int(verdict.spike)
-        counters.explosion_pattern = verdict.pattern or counters.explosion_pattern
-        self.last_grad_norm = reading.grad_norm
-        self._progress.stepped()
-        self._log_gang(
-            logging.WARNING,
-            "step %d skipped: %s (loss %.4g, grad norm %.4g, %d bad in a row%s)",
-            counters.step - 1, verdict.reason, reading.loss, reading.grad_norm,
-            in_a_row, f", pattern {verdict.pattern}" if verdict.pattern else "",
-        )  # fmt: skip
-        if verdict.cause in (NON_FINITE_LOSS, NON_FINITE_GRADIENTS):
-            for batch in batches:
-                self.dead_letters.add(
-                    batch.epoch, batch.index, write=self.rank == 0, step=counters.step - 1,
-                    reason=verdict.reason, kind="non-finite", span=self.feed.span(batch.epoch, batch.index),
-                )  # fmt: skip
-        if verdict.cause == NON_FINITE_LOSS:
-            self._localize(replay, locally_nonfinite)
-        self._forensics(verdict.cause, reading, batches)
-        self._carry_out(verdict)
-        self._mark(Activity.LOOP)
-        self._publish(force=True)
-        return StepOutcome(
-            boundary=True, applied=False, loss=reading.loss, grad_norm=reading.grad_norm,
-            reason=verdict.reason, rolled_back=verdict.action is Action.ROLL_BACK,
-        )  # fmt: skip
-
-    def _carry_out(self, verdict: Verdict) -> None:
-        if verdict.action is Action.DIVERGE:
-            self._end.diverge(verdict.reason, self.checkpoints)
-        elif verdict.action is Action.ROLL_BACK:
-            self._rollback(verdict.reason)
-
-    # --------------------------------------------------------------------- snapshots, checkpoints ---
-    def _save_if_due(self, time_due: bool = False) -> Verdict | None:
-        """After a kept step: snapshot and checkpoint when due (by steps, or by time as the gang agreed), if
-        the whole state is finite. Returns the verdict that rolled back (or diverged) when the state was
-        not clean, else None."""
-        policy = self.settings.checkpoint
-        step = self.counters.step
-        snapshot_due = step % policy.snapshot_every_steps == 0
-        # The declared end is checkpointed where every rank is, at its step boundary: at exit a gang may
-        # no longer agree on anything (``trainer_sidecar.guardian.ending``).
-        checkpoint_due = self.checkpoints.due(step, time_due or step == self.max_steps)
-        if not (snapshot_due or checkpoint_due):
-            return None
-        unclean = self._unclean_state()
-        if unclean is not None:
-            return unclean
-        # A checkpoint is a snapshot too: a rollback never returns behind the newest clean checkpoint.
-        self._take_snapshot()
-        if checkpoint_due:
-            self._save_checkpoint()
-        if step == self.max_steps:
-            # No next step to overlap the copies with, and what follows the end often changes the weights
-            # in place (loading the best model to test it): the copies land before the loop goes on.
-            self.settle()
-        return None
-
-    def _unclean_state(self) -> Verdict | None:
-        """None when the whole training state is finite on every rank (one collective, one host sync; a
-        second of each only when the fast screen cannot prove it finite: a real NaN, or huge values).
-
-        When it is not, the judge decides (roll back at once, or diverge when the budget is spent), the
-        verdict is carried out and returned."""
-        finite = not self._agreed_flag(self.training.maybe_nonfinite_flag)
-        if not finite:
-            # The screen can overflow on large finite values: only the exact check may call a state unclean
-            # (every rank saw the same screen, so every rank takes this second collective alike).
-            finite = not self._agreed_flag(self.training.nonfinite_flag)
-        verdict = judge_saved_state(self.settings.guard, self.counters.history, finite)
-        if verdict.action is Action.APPLY:
-            return None
-        self._log_gang(
-            logging.ERROR,
-            "step %d: the training state holds non-finite values; it is not saved",
-            self.counters.step,
-        )
-        self.counters.history = verdict.history
-        self.message = verdict.reason
-        self._carry_out(verdict)
-        return verdict
-
-    def _agreed_flag(self, flag: Callable[[], torch.Tensor]) -> bool:
-        """Whether ``flag()`` (a 0-dim 0.0/1.0 tensor) is set on any rank: one collective, one host sync."""
-        local = flag().reshape(1)
-        with self.gang.waiting():
-            return bool(self.gang.all_reduce(local, _MAX).item())
-
-    def _take_snapshot(self) -> None:
-        # Parameters and optimizer state are copied while the next forward and backward passes run; the
-        # next optimizer step (or a rollback) waits for the copy first (``_settle_copies``).
-        self._snapshot.capture(
-            self.counters.step,
-            self.module,
-            self.optimizer,
-            self.training.small_state(),
-            {"counters": self.counters.copy(), "tracked": self.feed.rollback_state()},
-            background=self._copies_in_background,
-        )
-        self._window_batches.clear()
-
     def settle(self) -> None:
         """Wait until the snapshot and checkpoint copies running in the background have read the state.
 
@@ -1091,44 +715,7 @@ class Guardian:
         state in place between steps (weight clamping, a manual re-initialisation) calls this first; on
         a GPU the current stream waits, not the host. A loop that does not is noticed at the next step
         (by the tensors' version counters): nothing torn is kept, and copies are synchronous after."""
-        snapshot_changed = self._snapshot.settle()
-        checkpoint_changed = self.checkpoints.settle()
-        if snapshot_changed or checkpoint_changed:
-            self._changed_before_settle(checkpoint_changed)
-
-    def _changed_before_settle(self, checkpoint_changed: bool) -> None:
-        """The loop changed parameters or optimizer state in place after a step without calling ``settle``
-        first, so a background copy may hold part of the change. The snapshot has copied the state again
-        (as it is now); a checkpoint whose copy had not landed first is not written. Every later copy is
-        synchronous: one stall per snapshot and checkpoint, and no torn copy again."""
-        if self._copies_in_background:
-            self._log_gang(
-                logging.WARNING,
-                "step %d: the training loop changed parameters or optimizer state in place between steps "
-                "without calling guardian.settle() first; snapshots and checkpoints are copied "
-                "synchronously from now on%s",
-                self.counters.step,
-                f" (the checkpoint of step {self.checkpoints.checkpointed_step} may be lost)"
-                if checkpoint_changed
-                else "",
-            )
-        self._copies_in_background = False
-
-    def _save_checkpoint(self) -> None:
-        stable = self.training.stable_storage() if self._copies_in_background else None
-        before = self._mark(Activity.CHECKPOINT)
-        try:
-            if self.checkpoints.writing:
-                # A save waits for the previous write still in flight (checkpoints slower than their
-                # cadence): a pause of the checkpoint's length, declared so that no learned hang deadline
-                # (``contract.hang``) takes it for a hang; its end is progress.
-                with self.busy("checkpoint: waiting for the previous write"):
-                    self.checkpoints.wait()
-            self.counters.pace = self._reporter.pace
-            self.checkpoints.save(self.counters, stable, self.rank)
-        except FencedError as exc:
-            self._end.fenced(exc)
-        self._mark(before)
+        self._recovery.settle()
 
     def save_checkpoint(self) -> bool:
         """Start an asynchronous checkpoint of the current step if the whole state is clean.
@@ -1136,119 +723,7 @@ class Guardian:
         Returns False without a checkpoint directory, or when the state is not clean (then the guardian
         rolled back, or diverged). Every rank must call it at the same step (it agrees collectively).
         """
-        if not self.checkpoints.enabled or self._unclean_state() is not None:
-            return False
-        self._save_checkpoint()
-        return True
-
-    # ----------------------------------------------------------------------------------- rollback ---
-    def _rollback(self, reason: str) -> None:
-        # A rollback makes no steps for a while (the restore, then the held-out validation, which may take
-        # minutes on a large model): the status says so, and the sidecar gives it the startup grace
-        # instead of the hang timeout.
-        self.phase = Phase.ROLLING_BACK
-        self.busy_since = time.time()
-        self._publish(force=True)
-        from_step = self.counters.step
-        self.settle()
-        self.training.load_small_state(self._snapshot.restore(self.module, self.optimizer))
-        self.counters.rewind_to(self._snapshot.extra["counters"])
-        self.feed.roll_back(self._snapshot.extra["tracked"])  # a per-epoch scheduler agrees with the lr
-        # The data does not rewind: the window that led here is skipped, and remembered for replays.
-        for batch in self._window_batches:
-            span = self.feed.span(batch.epoch, batch.index)
-            self.dead_letters.add(
-                batch.epoch, batch.index, write=self.rank == 0, kind="rolled-back window", span=span
-            )
-        self.counters.rollbacks += 1
-        self._remediate(self.settings.remediation)
-        # The restored state is clean; re-snapshot it so a further rollback compounds the remediation.
-        self._take_snapshot()
-        self._log_gang(
-            logging.WARNING,
-            "rolled back from step %d to step %d after %s; lr scale now %.4g, %s",
-            from_step, self.counters.step, reason, self.counters.lr_scale,
-            describe_clip(self.counters.max_grad_norm),
-        )  # fmt: skip
-        if not self._driven:
-            # The loop is not iterating ``guardian.steps()``/``run()``, so it may count steps of its own:
-            # such a counter now runs ahead of the model (the schedule shifts, fewer steps are kept).
-            self._log_gang(
-                logging.WARNING,
-                "step_count went back to %d: a loop that counts its own steps must take guardian.step_count "
-                "again (for iter_num in guardian.steps(max_iters): ... cannot drift)",
-                self.counters.step,
-            )
-        self._check_validation("rollback")
-        # Every rank stays "rolling back" until the slowest one has validated: otherwise the faster
-        # ranks would wait for it in their next all-reduce and look hung.
-        self.gang.barrier()
-        self.phase = Phase.RUNNING
-        self.busy_since = None
-        self._progress.stepped()  # the rollback itself is progress: the hang clock restarts
-        self._publish(force=True)
-
-    def _remediate(self, remediation: Remediation) -> None:
-        # The learning rates are scaled when the optimizer steps (``TrainingObjects.apply_update``), so a
-        # loop that sets its own learning rate every iteration cannot undo the remediation.
-        self.counters.lr_scale *= remediation.lr_scale
-        self.counters.tighten_clip(remediation.max_grad_norm)
-
-    def _apply_orchestrator_remediation(self) -> None:
-        order: RemediationOrder | None = self.config.remediation
-        if order is None or order.id in self.counters.remediations_applied:
-            return
-        self._remediate(order)
-        self.counters.remediations_applied.append(order.id)
-        self._log_gang(
-            logging.WARNING,
-            "applied remediation %s from the orchestrator: lr scale %.4g, %s",
-            order.id,
-            self.lr_scale,
-            describe_clip(self.max_grad_norm),
-        )
-
-    def _log_gang(self, level: int, message: str, *args: object) -> None:
-        """Log a decision the whole gang took alike: once, from rank 0 (the other ranks at debug level)."""
-        log.log(level if self.rank == 0 else logging.DEBUG, message, *args)
-
-    def _check_validation(self, when: str) -> None:
-        if self.validate is None:
-            return
-        value = float(self.validate())
-        self.message = f"held-out loss after {when}: {value:.4g}"
-        log.info("%s", self.message)
-
-    # ------------------------------------------------------------------------- localisation, forensics ---
-    def _localize(self, replay: Callable[[], Any] | None, locally_nonfinite: bool) -> None:
-        if self.nan_location is not None or not locally_nonfinite:
-            return
-        budget = self.settings.guard.max_consecutive_bad_steps
-        self._located(self._locator.after_nonfinite_loss(replay, budget))
-
-    def _located(self, where: str | None) -> None:
-        if where is not None:
-            self.nan_location = where
-            log.warning("NaN localisation: first non-finite output from %s", where)
-
-    def _forensics(self, reason: str, reading: StepReading, batches: list[BatchRef]) -> None:
-        if self.checkpoint_dir is None:
-            return
-        history = self.counters.history
-        anomaly = Anomaly(
-            step=self.counters.step - 1,
-            iteration=history.iteration,
-            rank=self.rank,
-            reason=reason,
-            loss=reading.loss,
-            grad_norm=reading.grad_norm,
-            explosion_pattern=self.counters.explosion_pattern,
-            nan_location=self.nan_location,
-            batches=batches,
-            losses=history.losses,
-            grad_norms=history.grad_norms,
-        )
-        write_bundle(self.checkpoint_dir, anomaly)
+        return self._recovery.save_checkpoint()
 
     # ------------------------------------------------------------------------------------- resume ---
     def resume(self) -> int | None:
@@ -1260,110 +735,17 @@ class Guardian:
         checkpoint of another model or optimizer is a configuration error (nothing is deleted).
 
         With no checkpoint of its own and the constructor's ``start_step=N``, the run continues at step N
-        (``_continue_at``) and None is returned. Once the guardian has a checkpoint of its own,
+        (``Start.continue_at``) and None is returned. Once the guardian has a checkpoint of its own,
         ``start_step`` is not used: that checkpoint holds weights, optimizer, data position, random
         generators and counters together, and overwrites what the loop loaded (a warning names both
         steps when they differ).
         """
-        resumed = self.checkpoints.resume(self.settings.guard.loss_spike_window)
-        if resumed is None:
-            if self._start_step is not None:
-                self._continue_at(self._start_step)
-            return None
-        checkpoint, self.counters = resumed
-        self.resumed_step = checkpoint.step
-        self._reporter.carry(self.counters.pace)
-        self._take_snapshot()
-        self._log_gang(
-            logging.WARNING,
-            "resumed from the clean checkpoint at step %d (%s)",
-            checkpoint.step,
-            self.checkpoint_dir,
-        )
-        if self._start_step is not None and self._start_step != checkpoint.step:
-            self._log_gang(
-                logging.WARNING,
-                "start_step=%d is not used: the guardian's own checkpoint at step %d takes over (its "
-                "weights, optimizer, data position and counters replace what the loop loaded)",
-                self._start_step,
-                checkpoint.step,
-            )
-        self._check_validation("resume")
-        return checkpoint.step
-
-    def _continue_at(self, step: int) -> None:
-        """Continue a run whose earlier steps the guardian did not see (the loop loaded its own checkpoint):
-        ``step_count`` starts at ``step``. The weights, optimizer and scheduler are whatever the loop loaded
-        before the guardian was made; the starting snapshot (a rollback's floor) is taken of them. Data:
-        a loop drawing its own batches draws on as it would; a loader given to the guardian starts at the
-        beginning of its order (epoch 0), since the earlier run's order was not the guardian's. From the
-        guardian's first checkpoint on, step, weights and data position are saved together."""
-        self.counters.step = step
-        self.resumed_step = step
-        scheduler = self.training.scheduler
-        if scheduler is not None and scheduler.last_epoch != step:
-            self._log_gang(
-                logging.WARNING,
-                "start_step=%d but the scheduler given to the guardian has stepped %d times: load its "
-                "state_dict from the loop's checkpoint too, or the schedule restarts",
-                step,
-                scheduler.last_epoch,
-            )
-        self._log_gang(
-            logging.WARNING,
-            "no checkpoint of the guardian's own yet: continuing at start_step=%d as the loop says",
-            step,
-        )
+        return self._start.resume()
 
     # ------------------------------------------------------------------------------------- status ---
     def status(self) -> WorkerStatus:
         """The worker's current status, as published to the sidecar."""
-        data = self.feed.loader.counters if self.feed.loader is not None else None
-        counters = self.counters
-        busy = self._busy.view(self.phase, self.busy_since, self._step_progress())
-        activity, activity_since = self._activity.current
-        compute, best_compute = self._compute.reading()
-        return WorkerStatus(
-            rank=self.rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
-            phase=busy.phase,
-            started_at=self.started_at,
-            step=counters.step,
-            resumed_step=self.resumed_step,
-            last_step_time=self._progress.last,
-            busy_since=busy.since,
-            busy_reason=busy.reason,
-            busy_seconds=busy.seconds,
-            busy_sections=list(busy.sections),
-            local_rank=self.config.local_rank,
-            local_world_size=self.config.local_world_size,
-            loss=_json_float(counters.last_loss),
-            grad_norm=_json_float(self.last_grad_norm),
-            lr_scale=counters.lr_scale,
-            max_grad_norm=counters.max_grad_norm,
-            steps_total=counters.iterations,
-            skipped_steps=counters.skipped_steps,
-            consecutive_bad_steps=counters.history.consecutive_bad,
-            rollbacks=counters.rollbacks,
-            spikes=counters.spikes,
-            samples_seen=data.seen if data else 0,
-            samples_dropped=data.dropped if data else 0,
-            explosion_pattern=counters.explosion_pattern,
-            last_clean_checkpoint=self.checkpoints.last_clean,
-            message=self.message,
-            exit_code=self._life.exit_code,
-            checkpoint_seconds=self.checkpoints.last_write_seconds,
-            max_steps=self.max_steps,
-            checkpoint_every_steps=self.checkpoints.interval,
-            checkpoint_cadence=self.checkpoints.cadence,
-            checkpoint_stall_seconds=self.checkpoints.stall_seconds or None,
-            checkpoint_write_since=self.checkpoints.writing_since,
-            activity=activity,
-            activity_since=activity_since,
-            compute_seconds=compute,
-            best_compute_seconds=best_compute,
-        )
+        return self._view.status()
 
     def _publish(self, force: bool = False) -> None:
         self._reporter.publish(self.phase, force)
@@ -1377,110 +759,13 @@ class Guardian:
         stopping). Raises UncleanState (after rolling back) when the final state is not finite: the job
         is not done.
         """
-        self.settle()  # the loop may have changed the state in place since its last step
-        self._mark(Activity.CHECKPOINT)
-        if self.checkpoints.enabled:
-            self.checkpoints.wait()  # a save of this very step may still be in flight
-            final = self.counters.step
-            # Checked even when the final checkpoint is written already (at a declared max_steps, or by
-            # cadence): the loop may have changed the state in place after its last step.
-            if self._unclean_state() is not None:
-                raise UncleanState(
-                    f"the final state at step {final} holds non-finite values; rolled back to step "
-                    f"{self.counters.step}"
-                )
-            if not self.checkpoints.saved(final):
-                self._save_checkpoint()
-            try:
-                self.checkpoints.close()
-            except FencedError as exc:
-                self._end.fenced(exc)
-        # No rank reports success before every rank's final checkpoint is durable, and ranks leave
-        # together (a rank tearing down gloo while a peer is still in it can abort the peer).
-        self.gang.barrier()
-        self._release()
-        self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
+        self._shutdown.finish()
 
     def close(self) -> None:
         """Wait for a checkpoint in flight without marking the job finished (for interrupted loops)."""
-        self._life.ended = True
-        self._release()
-        self.checkpoints.close()
+        self._shutdown.close()
 
     def _at_exit(self, crashed: bool) -> None:
-        """The interpreter exits and the loop neither finished nor closed the guardian
-        (``trainer_sidecar.guardian.ending``): finish when the end is known and reached; never report an
-        unhandled exception as finished; exit 1, loudly, when the declared end was not reached."""
-        if self._life.ended:
-            return
-        step = self.counters.step
-        plan = exit_plan(
-            crashed=crashed, distributed=self.gang.distributed, step=step, max_steps=self.max_steps
-        )
-        if plan is ExitPlan.FINISH and not self.gang.distributed:
-            try:
-                self.finish()  # one process: nothing to agree with anyone
-                return
-            except UncleanState as exc:
-                self._end.exit_short(f"{exc}; the job is not done")
-        if plan is ExitPlan.FINISH:
-            # The final checkpoint was started at the step boundary that reached max_steps, on every
-            # rank; here each rank only waits for its own writes (no collective: see ending.py).
-            self._release()
-            if self.checkpoints.enabled and not self.checkpoints.saved(step):
-                self._end.exit_short(f"no final checkpoint of step {step} was started")
-            try:
-                self.checkpoints.close()  # raises unless this rank's files of it are durable
-            except FencedError as exc:
-                self._end.fenced(exc)
-            except CheckpointError as exc:
-                self._end.exit_short(f"the final checkpoint of step {step} failed: {exc}")
-            self._end.report(Phase.FINISHED, self.message, ExitCode.SUCCEEDED)
-            return
-        self._release()
-        if plan is ExitPlan.CRASHED:
-            # One final status and termination message, written before the wait for a checkpoint in
-            # flight (which may be long, or fail): the step it failed at and why (the periodic status
-            # may be steps behind, and whether a crash repeats at the same step is how a deterministic
-            # failure is told from a transient one), and where the exception left the training thread
-            # (a collective a dead peer broke, or its own work), which tells a crash's cause from its
-            # victims (trainguard.core.policy).
-            self._end.report(Phase.FAILED, crash_message(exit_error()), 1)
-            self.checkpoints.close()  # a clean checkpoint in flight is still worth having
-            return
-        newest = self.checkpoints.checkpointed_step
-        if plan is ExitPlan.UNDECLARED:
-            self.checkpoints.close()
-            log.error(
-                "the loop ended at step %d without guardian.finish(); in a gang the final steps cannot "
-                "be saved at exit (newest checkpoint: %s) and the worker is not reported finished: "
-                "iterate guardian.steps(max_steps) or declare Guardian(..., max_steps=N)",
-                step,
-                newest,
-            )
-            return
-        if not self.gang.distributed and self.checkpoints.enabled and not self.checkpoints.saved(step):
-            self.save_checkpoint()  # one process: the clean state it stopped at, so a restart goes on
-        self.checkpoints.close()
-        self._end.exit_short(
-            f"the loop ended at step {step} of max_steps={self.max_steps} without guardian.finish() "
-            f"({self.counters.rollbacks} rollbacks: a loop counter of its own drifts after one; "
-            "iterate guardian.steps(max_steps), or call guardian.finish() to end early)"
-        )
-
-    def _release(self) -> None:
-        """Stop watching peers and put back the signal handlers (the guardian's work is over); withdraw an
-        evaluation the watch inferred and still holds open (the peers would read this rank busy on)."""
-        disarm_at_exit(self._at_exit)
-        unwatch_collectives(self._collectives)
-        if self._holding_stop:
-            self._holding_stop = False
-            self._stop.release()
-        self._reporter.stop_watching()  # first: the watch opens and closes the inferred evaluation
-        opened, self._evaluation = self._evaluation, None
-        if opened is not None:
-            self._busy.leave(opened[0])
-        self._busy.stop()
-
-
-_MAX = torch.distributed.ReduceOp.MAX
+        """The interpreter exits and the loop neither finished nor closed the guardian (``Shutdown.at_exit``:
+        the hook is armed on the guardian, held weakly, so a guardian dropped earlier is never touched)."""
+        self._shutdown.at_exit(crashed)

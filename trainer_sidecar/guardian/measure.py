@@ -40,7 +40,8 @@ class Agreed:
     #: The total norm of the gradients as they are now (after a clip of the loop's own): what the
     #: guardian's clipping works from. ``reading.grad_norm`` is the one the backward pass produced.
     current_norm: float
-    #: Whether any rank's last forward pass did not keep the random generators (``_rng_may_be_saved``).
+    #: Whether any rank's last forward pass did not keep the random generators (see the checkpoint
+    #: manager's ``_rng_wanted``).
     rng_missing: bool = False
     #: The checkpoint interval rank 0 chose (``everySteps: auto``; 0: none), the same on every rank.
     interval: int = 0
@@ -59,8 +60,10 @@ class StepMeasure:
         checkpoints: CheckpointManager,
         faults: FaultInjector,
         mark: Callable[[Activity], Activity],
+        gang: Gang,
     ) -> None:
         self._training, self._checkpoints, self._faults = training, checkpoints, faults
+        self.gang = gang
         self._mark = mark
         self.grads: list[torch.Tensor] = []  # this rank's local gradients of the step being measured
         self.norm = torch.zeros(())  # the step's total norm on the device, for clipping without a sync
@@ -71,10 +74,10 @@ class StepMeasure:
         self._norm_at_backward: torch.Tensor | None = None
         self.measure_at_backward = True
 
-    def measure(self, step_loss: torch.Tensor, step: int, stop: bool, gang: Gang) -> Agreed:
+    def measure(self, step_loss: torch.Tensor, step: int, stop: bool) -> Agreed:
         """Unscale, the fused total norm, one collective and one host sync: the step's agreed numbers,
         whether this rank's own loss was non-finite, and whether any rank was told to stop (``stop``:
-        this one was). ``step`` is the number of the step being measured, ``gang`` the rank's gang.
+        this one was). ``step`` is the number of the step being measured.
 
         Alone, the norm is this process's. In a gang each rank contributes the squared norm of its local
         gradients, each value counted once over the world (``TrainingObjects.norm_contribution``: a DDP
@@ -82,12 +85,12 @@ class StepMeasure:
         norm is the square root: the true global norm over shards, NaN on every rank when any shard holds
         a NaN, and still one small collective."""
         # Before anything of the guardian's own changes the gradients.
-        pre_clip = self._pre_clip_norm(step, gang)
+        pre_clip = self._pre_clip_norm(step)
         if self._faults.active:
             self._faults.grad_hook(self._training.params, step)
         self._training.unscale()
         self.grads = self._training.local_grads()
-        distributed = gang.distributed
+        gang, distributed = self.gang, self.gang.distributed
         # The clipping multiply waits for the host sync below and is skipped when the norm is already
         # within bounds (or the step is skipped anyway).
         norm_part = self._norm_part(self.grads, gang)
@@ -139,11 +142,11 @@ class StepMeasure:
             return self._training.norm_contribution(gang.world_size)
         return torch.nn.utils.get_total_norm(grads, foreach=True)
 
-    def after_backward(self, gang: Gang) -> None:
+    def after_backward(self) -> None:
         """After a backward: remember the gradients (and their version counters), and while the loop is
         known to change them before the step, measure their norm now, unscaled (no host sync). Costs one
         norm per micro-batch only in a loop that clips (or unscales) the gradients itself."""
-        grads = self._training.local_grads()
+        gang, grads = self.gang, self._training.local_grads()
         self._grad_marks = [(g, g._version) for g in grads]
         if not self.measure_at_backward:
             self._norm_at_backward = None
@@ -164,7 +167,7 @@ class StepMeasure:
             for g, (marked, version) in zip(grads, marks, strict=True)
         )
 
-    def _pre_clip_norm(self, step: int, gang: Gang) -> torch.Tensor | None:
+    def _pre_clip_norm(self, step: int) -> torch.Tensor | None:
         """The norm part of the gradients as the backward left them, when the loop has changed them since
         (its own clip would otherwise blind the spike check: a x100 gradient clipped to 1 reads as 1);
         None when it has not (the norm measured now is the same). Learns whether to measure at backward:
@@ -174,7 +177,7 @@ class StepMeasure:
         measured, self._norm_at_backward = self._norm_at_backward, None
         if changed and measured is None:
             log.log(
-                logging.WARNING if gang.rank == 0 else logging.DEBUG,
+                logging.WARNING if self.gang.rank == 0 else logging.DEBUG,
                 "step %d: the training loop changed the gradients between guardian.backward() and "
                 "guardian.step() (its own clip_grad_norm_?); their norm is measured after each backward "
                 "from now on, so that the spike check sees the norm before the loop's clip",

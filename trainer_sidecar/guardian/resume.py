@@ -19,7 +19,6 @@ history stays for a human to look at.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +47,7 @@ class GangClaim:
 
 @dataclass
 class Resumed:
-    """What ``restore_newest`` restored (None: a fresh start) and what it passed over on this rank.
+    """What ``NewestRestorable`` restored (None: a fresh start) and what it passed over on this rank.
 
     ``damaged`` is agreed by the gang: True when any rank passed over a checkpoint (or found checkpoints
     but none valid)."""
@@ -117,37 +116,56 @@ def agree_checkpoint(
             return None
 
 
-def restore_newest(store: CheckpointStore, gang: Gang, restore: Callable[[CheckpointId], bool]) -> Resumed:
-    """Agree on a checkpoint and ``restore`` it on every rank; when ``restore`` returns False on any rank
-    (its content does not load), every rank moves on to the next older one. Returns the checkpoint
-    restored (None for a fresh start) with what was passed over on the way; ``damaged`` (the same on
-    every rank) says whether any rank passed over anything, or found checkpoints but none valid."""
-    resumed = Resumed(None)
-    bound: CheckpointId | None = None
-    while True:
-        checkpoint = agree_checkpoint(store, gang, bound, resumed.passed_over)
+class NewestRestorable:
+    """The gang's search for the newest checkpoint every rank restores, driven by its caller, which
+    restores each ``candidate`` itself and says how it went (``restored``): nothing here calls back.
+
+    Every rank asks for the same candidates in the same order (each one agreed, ``agree_checkpoint``);
+    when the content of one does not load on some rank, every rank moves on to the next older one.
+    ``done`` says what was restored (None: a fresh start) and what was passed over on the way, with
+    ``damaged`` (the same on every rank): whether any rank passed over anything, or found checkpoints
+    but none valid."""
+
+    def __init__(self, store: CheckpointStore, gang: Gang) -> None:
+        self._store, self._gang = store, gang
+        self._resumed = Resumed(None)
+        self._bound: CheckpointId | None = None
+        self._over = False
+
+    def candidate(self) -> CheckpointId | None:
+        """The next checkpoint to restore, the same on every rank; None: the search is over."""
+        if self._over:
+            return None
+        checkpoint = agree_checkpoint(self._store, self._gang, self._bound, self._resumed.passed_over)
         if checkpoint is None:
-            if store.steps():
-                resumed.passed_over.append("checkpoints exist but none is valid")
+            self._over = True
+            if self._store.steps():
+                self._resumed.passed_over.append("checkpoints exist but none is valid")
                 log.error(
                     "checkpoints exist under %s but none is valid: starting from scratch; nothing there is "
                     "deleted in this run",
-                    store.root,
+                    self._store.root,
                 )
-            break
-        ok = restore(checkpoint)
+        return checkpoint
+
+    def restored(self, checkpoint: CheckpointId, ok: bool) -> bool:
+        """This rank restored ``checkpoint`` (``ok``) or could not: whether every rank did (then the search
+        is over, on it)."""
         if not ok:
-            resumed.passed_over.append(f"{checkpoint.dir_name}: does not load (see above)")
-        (restored,) = gang.agree_min([int(ok)])
+            self._resumed.passed_over.append(f"{checkpoint.dir_name}: does not load (see above)")
+        (restored,) = self._gang.agree_min([int(ok)])
         if restored == 1:
-            resumed.checkpoint = checkpoint
-            break
-        bound = _just_below(checkpoint)
-        if bound is None:
-            break
-    (damaged,) = gang.agree_max([int(bool(resumed.passed_over))])
-    resumed.damaged = damaged == 1
-    return resumed
+            self._resumed.checkpoint, self._over = checkpoint, True
+            return True
+        self._bound = _just_below(checkpoint)
+        self._over = self._bound is None
+        return False
+
+    def done(self) -> Resumed:
+        """What the search restored and passed over (one collective: every rank calls it once, at the end)."""
+        (damaged,) = self._gang.agree_max([int(bool(self._resumed.passed_over))])
+        self._resumed.damaged = damaged == 1
+        return self._resumed
 
 
 def _just_below(checkpoint: CheckpointId) -> CheckpointId | None:

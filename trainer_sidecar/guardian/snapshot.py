@@ -7,9 +7,11 @@ only, and restores into them in place. Restoring copies the buffers back into th
 optimizer keeps its own storage and nothing is reallocated.
 
 The loop's own state (its tracked objects, and the learning rates in the optimizer's param groups) is
-taken once more when the next step begins (``complete_loop_state``): what the loop does between two steps
-(a per-epoch ``scheduler.step()``, a best score after an evaluation) belongs with the weights of the step
-before, so a rollback restores a learning rate and a tracked scheduler that agree.
+taken when the next step begins (``complete_loop_state``; the guardian's recovery also asks for it before
+a rollback that comes first, and leaves the tracked objects out of the capture, so they are copied once):
+what the loop does between two steps (a per-epoch ``scheduler.step()``, a best score after an evaluation)
+belongs with the weights of the step before, so a rollback restores a learning rate and a tracked
+scheduler that agree.
 """
 
 from __future__ import annotations

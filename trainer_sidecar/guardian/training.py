@@ -236,7 +236,8 @@ class TrainingObjects:
 
     The model may be replicated (a plain module, DistributedDataParallel) or sharded (FSDP2's
     ``fully_shard``, HSDP): then parameters, gradients and optimizer state are DTensors, and everything
-    here works on this rank's local tensors (``trainer_sidecar.tensors.sharding``).
+    here works on this rank's local tensors (``trainer_sidecar.tensors.sharding``). With ``refuse``, the
+    loop's own optimizer steps are refused from the start (``refuse_loop_steps``).
     """
 
     def __init__(
@@ -245,6 +246,8 @@ class TrainingObjects:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         scaler: torch.amp.GradScaler | None,
+        *,
+        refuse: Callable[[ConfigError], None] | None = None,
     ) -> None:
         self.model = model
         self.module = unwrap(model)
@@ -262,6 +265,8 @@ class TrainingObjects:
         self._stepping = False
         self._report: Callable[[ConfigError], None] = lambda error: None
         self._scheduler_epoch = _progress(scheduler)
+        if refuse is not None:
+            self.refuse_loop_steps(refuse)
 
     def refuse_loop_steps(self, report: Callable[[ConfigError], None]) -> None:
         """Make the loop's own ``optimizer.step()`` (or ``scaler.step(optimizer)``) raise ConfigError,
