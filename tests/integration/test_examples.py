@@ -222,6 +222,7 @@ def test_a_crash_resumes_the_word_language_model_exactly(tmp_path: Path) -> None
 
 
 IMAGENET = REPO_ROOT / "examples" / "06_imagenet_style"
+WORKERS = REPO_ROOT / "tests" / "support" / "workers"
 # 4 epochs of 16 batches (128 images, 8 a batch): 64 steps, the learning rate decayed after epoch 2.
 EPOCH_STEPS = 16
 
@@ -321,6 +322,26 @@ def test_a_crash_after_an_epoch_end_resumes_from_that_epochs_checkpoint(
     assert numbers(resumed[1]) == numbers(imagenet_whole[1])
     assert resumed[1] is not None
     assert resumed[1]["accuracies"] == imagenet_whole[1]["accuracies"]  # epoch 0's end again, then 1-3
+
+
+def test_a_crash_inside_validate_resumes_from_the_checkpoint_of_the_epochs_last_step(
+    imagenet_whole: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    # SIGKILL inside epoch 0's validate(), the loop's own evaluation, right after the epoch's data ran
+    # out: the checkpoint of its last step (16), started in the background at that step, was waited for
+    # before the data's end returned, so the restart resumes from it rather than from nothing.
+    marker = tmp_path / "crashed-once"
+    crashing = [sys.executable, str(WORKERS / "crash_in_validate.py"), str(marker)]
+    env = imagenet_env(tmp_path / "ckpt")
+    first = run_script(IMAGENET / "imagenet.py", ["--out-dir", str(tmp_path / "out")], env, crashing)
+    assert first[0] == -9, first[2][-3000:]
+    assert marker.exists()
+    resumed = run_script(IMAGENET / "imagenet.py", ["--out-dir", str(tmp_path / "out")], env, crashing)
+    assert resumed[0] == 0, resumed[2][-3000:]
+    assert f"resumed from the clean checkpoint at step {EPOCH_STEPS} " in resumed[2], resumed[2][-3000:]
+    assert numbers(resumed[1]) == numbers(imagenet_whole[1])
+    assert resumed[1] is not None
+    assert resumed[1]["accuracies"] == imagenet_whole[1]["accuracies"]
 
 
 def test_a_finished_imagenet_job_rerun_trains_nothing(
