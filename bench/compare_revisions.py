@@ -5,7 +5,8 @@ at the same time. This checks out ``--base`` (default ``HEAD~1``) into a tempora
 its own thin virtualenv (``scripts/bootstrap.sh``: the shared dependencies, that revision's code), then
 runs the chosen benchmark ``--rounds`` times in each tree, alternating base and head and starting each
 round with the other one, so that a load that comes and goes falls on both. Each run's last JSON line is
-kept; for every numeric key both trees print, the medians of base and head and head/base are printed.
+kept; for every numeric key both trees print (nested ones joined by dots), the medians of base and
+head and head/base are printed.
 
     python -m bench.compare_revisions --base 80f4cb8 --bench guard_overhead -- --repetitions 20
     python -m bench.compare_revisions --base 80f4cb8 --bench recovery_local -- --runs 1
@@ -80,11 +81,27 @@ def run_bench(tree: Path, bench: str, bench_args: Sequence[str]) -> dict[str, ob
     return last_json(done.stdout, str(tree))
 
 
+def flatten(figures: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+    """Nested objects' keys joined by dots (``median.crash.warm.recover_s``), except a benchmark's raw
+    ``runs``, whose lists are not figures."""
+    flat: dict[str, object] = {}
+    for key, value in figures.items():
+        if key == "runs" and not prefix:
+            continue
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def numeric_keys(runs: Sequence[Mapping[str, object]]) -> dict[str, list[float]]:
-    """Every top-level key whose value is a number (not a bool) in every run, with its values."""
+    """Every key (nested ones joined by dots) whose value is a number (not a bool) in every run, with
+    its values."""
+    flat = [flatten(run) for run in runs]
     keys: dict[str, list[float]] = {}
-    for key in runs[0]:
-        values = [run.get(key) for run in runs]
+    for key in flat[0]:
+        values = [run.get(key) for run in flat]
         if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             keys[key] = [float(v) for v in values]  # type: ignore[arg-type]
     return keys
@@ -131,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"bench.{args.bench}: base {commit[:10]} against head, {args.rounds} alternating rounds (medians)")
     for key, row in table.items():
         ratio = "-" if row["head_over_base"] is None else f"x{row['head_over_base']:.4f}"
-        print(f"  {key:48s} base {row['base']:<14.6g} head {row['head']:<14.6g} head/base {ratio}")
+        print(f"  {key:56s} base {row['base']:<14.6g} head {row['head']:<14.6g} head/base {ratio}")
     print(json.dumps({"base": commit, "head": "working tree", "keys": table, "runs": runs}))
 
 

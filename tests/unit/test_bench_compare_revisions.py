@@ -46,3 +46,11 @@ def test_only_keys_numeric_in_every_run_are_compared_and_head_over_base_is_of_me
         "x": {"base": 2.0, "head": 3.0, "head_over_base": 1.5},
         "y": {"base": 0.0, "head": 6.0, "head_over_base": None},
     }
+
+
+def test_nested_figures_are_compared_by_dotted_keys_and_raw_runs_are_not() -> None:
+    base = [{"median": {"crash": {"recover_s": 2.0}}, "runs": {"crash": [{"recover_s": 9.0}]}}]
+    head = [{"median": {"crash": {"recover_s": 3.0}}, "runs": {"crash": [{"recover_s": 9.0}]}}]
+    assert compare(base, head) == {
+        "median.crash.recover_s": {"base": 2.0, "head": 3.0, "head_over_base": 1.5}
+    }
