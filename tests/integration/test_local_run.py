@@ -395,8 +395,10 @@ def test_a_command_that_runs_torchrun_itself_is_not_declared_hung_and_finishes(t
     # nprocPerNode stays 1 (the README allows it): the command launches torchrun with two processes,
     # which write status-0.json and status-1.json beside the status.json the sidecar was told of. The
     # run lasts well beyond the startup grace: a sidecar that waited for status.json alone failed the
-    # pod's liveness then, and the runner restarted the gang until its restarts ran out.
-    grace, steps, step_sleep = 20, 100, 0.25
+    # pod's liveness then, and the runner restarted the gang until its restarts ran out. The grace is
+    # the first status's too: torchrun and its two workers importing torch take past 20 s on a loaded
+    # 2-core machine, so it is 45 s (the default is 600), and the steps outlast it.
+    grace, steps, step_sleep = 45, 200, 0.25
     path = job(tmp_path, steps=steps, replicas=1, hang_timeout=5, step_sleep=step_sleep)
     document = yaml.safe_load(path.read_text())
     spec = document["spec"]
