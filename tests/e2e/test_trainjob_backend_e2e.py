@@ -49,6 +49,8 @@ PROBE_PERIOD = 1
 #: A hang is a few seconds without a step here, as in test_cluster_e2e's in-place scenarios.
 HEALTH = {"hangTimeoutSeconds": 4, "startupGraceSeconds": 120, "probePeriodSeconds": PROBE_PERIOD}
 RUNTIME = "trainguard-torch-distributed"
+#: Rank 1 hangs here in attempt 2, after the crash of attempt 1 at step 30 (each fault fires once).
+HANG_STEP = 45
 
 
 def trainjob_example(**kwargs: Any) -> list[dict[str, Any]]:
@@ -186,15 +188,15 @@ def trainer_objects(cluster: Cluster, namespace: str) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_a_job_run_as_trainjobs_recovers_a_crashed_rank_from_its_checkpoint_and_succeeds(
+def test_a_job_run_as_trainjobs_recovers_a_crashed_rank_and_a_hung_one_from_its_checkpoints(
     e2e_cluster: Cluster, kubeflow_trainer: Trainer, namespace: JobNamespace
 ) -> None:
-    """Rank 1 crashes at step 30 of attempt 1: the operator restarts the gang (in its pods, or as a new
-    TrainJob, as its policy picks), attempt 2 resumes from the checkpoint written before the crash and
-    trains to step 60; the job Succeeds, and so does the last attempt's TrainJob, by Trainer's own
-    status."""
+    """Rank 1 crashes at step 30 of attempt 1, and hangs at step 45 of attempt 2: each time the operator
+    restarts the gang (in its pods, or as a new TrainJob, as its policy picks; a hang in place), the next
+    attempt resumes from the checkpoint written before the fault, and attempt 3 trains to step 60; the
+    job Succeeds, and so does the last TrainJob, by Trainer's own status."""
     cluster = e2e_cluster
-    namespace.apply(trainjob_example(faults="crash@30:1"))
+    namespace.apply(trainjob_example(faults=f"crash@30:1,hang@{HANG_STEP}:1"))
     first = namespace.wait(
         "attempt 1's TrainJob", lambda: cluster.get("trainjob", f"{JOB}-1", namespace.name), timeout=120
     )
@@ -208,20 +210,28 @@ def test_a_job_run_as_trainjobs_recovers_a_crashed_rank_from_its_checkpoint_and_
     assert job["status"]["trainJob"] == f"{JOB}-1", job["status"]
 
     try:
-        status, diagnostics = namespace.succeeded(timeout=420, restarts=1)
+        crashed = namespace.wait(
+            "the restart after the crash",
+            lambda: (found := namespace.job()) and found.get("status", {}).get("restarts") == 1 and found,
+            timeout=300,
+        )["status"]["lastFailure"]
+        status, diagnostics = namespace.succeeded(timeout=420, restarts=2)
     except AssertionError as exc:
         raise AssertionError(
             f"{exc}\n{trainer_objects(cluster, namespace.name)}\n{kubeflow_trainer.log_tails()}"
         ) from exc
     diagnostics += trainer_objects(cluster, namespace.name)
-    failure = status["lastFailure"]
-    assert (failure["reason"], failure["rank"]) == ("Crashed", 1), failure
+    assert (crashed["reason"], crashed["rank"]) == ("Crashed", 1), crashed
+    assert status["lastFailure"]["reason"] == "Hung", status["lastFailure"]
     history = {h["attempt"]: h for h in status["stepHistory"]}
     assert 20 <= history[2]["resumedStep"] <= 30, history
-    assert history[2]["lastStep"] == 60, history
-    (restart,) = [e["message"] for e in namespace.events() if e["reason"] == "GangRestart"]
-    in_place = "in place (pods kept)" in restart
-    assert in_place or "as a new TrainJob" in restart, restart
+    assert 40 <= history[3]["resumedStep"] <= HANG_STEP, history
+    assert history[3]["lastStep"] == 60, history
+    restarts = [e["message"] for e in namespace.events() if e["reason"] == "GangRestart"]
+    assert len(restarts) == 2, restarts
+    assert "in place (pods kept)" in restarts[1], restarts
+    in_place = "in place (pods kept)" in restarts[0]
+    assert in_place or "as a new TrainJob" in restarts[0], restarts
     last = f"{JOB}-1" if in_place else f"{JOB}-2"
     assert status["trainJob"] == last, status
 
@@ -261,6 +271,11 @@ def test_a_job_run_as_trainjobs_recovers_a_crashed_rank_from_its_checkpoint_and_
         "rank-0.json",
         "rank-1.json",
     }
-    lost = timestamp(history[2]["firstStepAt"]) - timestamp(history[1]["lastStepAt"])
+    crash = timestamp(history[2]["firstStepAt"]) - timestamp(history[1]["lastStepAt"])
+    hang = timestamp(history[3]["firstStepAt"]) - timestamp(history[2]["lastStepAt"])
     how = "in place" if in_place else "as a new TrainJob"
-    print(f"TrainJob backend: crash of rank 1 recovered {how} in {lost:.1f} s", file=sys.stderr)
+    print(
+        f"TrainJob backend: crash of rank 1 recovered {how} in {crash:.1f} s, its hang in place in "
+        f"{hang:.1f} s (last step before the fault to the first after)",
+        file=sys.stderr,
+    )
