@@ -23,6 +23,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from tests.support.manifests import trainer_schema_errors
 from tests.support.paths import CHART
 from tests.support.paths import REPO_ROOT as ROOT
 from tests.support.tools import helm, tool
@@ -315,8 +316,11 @@ def validate_object(obj: dict[str, Any], version: str) -> None:
     if obj["kind"] in MONITORING_KINDS:
         return  # test_prometheus_operator_objects_decode_strictly
     if obj["kind"] == "ClusterTrainingRuntime":
-        # Trainer's own schema is not the chart's to ship: each replicated job's template is checked as
-        # the batch/v1 Job JobSet makes of it (its pod strictly, as any pod).
+        # Trainer's own CRD (v2.3.0, from its module), strictly: a field it does not know would be
+        # pruned. And each replicated job's template as the batch/v1 Job JobSet makes of it, against
+        # Kubernetes' own schemas (its pod strictly, as any pod).
+        errors = trainer_schema_errors(obj)
+        assert not errors, f"ClusterTrainingRuntime {obj['metadata']['name']} breaks Trainer's CRD: {errors}"
         for replicated in obj["spec"]["template"]["spec"]["replicatedJobs"]:
             name = f"{obj['metadata']['name']}-{replicated['name']}"
             job = {
@@ -375,6 +379,13 @@ def test_the_validator_rejects_what_kubernetes_rejects(default: Rendered) -> Non
     deployment["spec"]["replicas"] = "one"
     with pytest.raises(AssertionError, match="replicas"):
         validate_object(deployment, KUBE_VERSIONS[-1])
+
+
+def test_the_validator_rejects_what_trainers_crd_rejects(custom: Rendered) -> None:
+    runtime = json.loads(json.dumps(custom.one("ClusterTrainingRuntime")))
+    runtime["spec"]["mlPolicy"]["torch"]["numProcPerNod"] = 1  # a typo, which the API server would prune
+    with pytest.raises(AssertionError, match="numProcPerNod"):
+        validate_object(runtime, KUBE_VERSIONS[-1])
 
 
 def test_names_fit_the_dns_limit(tmp: Path) -> None:

@@ -175,6 +175,8 @@ class Cluster:
         """Objects, events and logs of a namespace, plus the operator's and the node's log tails."""
         parts = [
             self.kubectl("get", "gtj,pytorchjobs,pods,pvc", "-n", namespace, "-o", "wide", check=False),
+            # Empty where Trainer's and JobSet's CRDs are not installed.
+            self.kubectl("get", "trainjobs,jobsets", "-n", namespace, "-o", "wide", check=False),
             self.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False),
             self.pod_logs(namespace),
         ]

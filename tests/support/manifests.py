@@ -1,4 +1,5 @@
-"""GuardedTrainingJob manifests for tests, and Kubeflow's PyTorchJob schema to check renders."""
+"""GuardedTrainingJob manifests for tests, and the schemas of Kubeflow's PyTorchJob and of Trainer v2's
+TrainJob and ClusterTrainingRuntime to check renders."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import yaml
 
-from tests.support import kubeflow
+from tests.support import kubeflow, trainer
 from trainguard.core.crd import PRINTER_COLUMNS
 from trainguard.core.spec import GuardedTrainingJob, parse_job
 
@@ -100,6 +101,29 @@ def validator() -> jsonschema.Draft7Validator:
 def schema_errors(manifest: Mapping[str, Any]) -> list[str]:
     """Every way ``manifest`` breaks the strict PyTorchJob schema (``path: message``)."""
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator().iter_errors(manifest)]
+
+
+@cache
+def trainer_validator(kind: str) -> jsonschema.Draft7Validator:
+    """The strict schema (see ``_strict``) of Trainer v2's ``kind`` (``TrainJob`` or
+    ``ClusterTrainingRuntime``, ``trainer.kubeflow.org/v1alpha1``), from the CRD ``scripts/trainer.sh``
+    copied out of Trainer's module; ``FileNotFoundError`` saying how to fetch it when it is missing."""
+    (name,) = [n for n in trainer.TRAINER_CRDS if n.endswith(f"_{kind.lower()}s.yaml")]
+    path = trainer.trainer_manifests() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run `bash scripts/trainer.sh`")
+    crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def trainer_schema_errors(document: Mapping[str, Any]) -> list[str]:
+    """Every way ``document`` (a TrainJob or a ClusterTrainingRuntime) breaks its kind's strict schema
+    (``path: message``)."""
+    errors = trainer_validator(str(document["kind"])).iter_errors(document)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
 
 
 def get_gtj_header() -> list[str]:

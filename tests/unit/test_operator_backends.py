@@ -33,7 +33,7 @@ from trainguard_operator.render import (
 )
 from trainguard_operator.settings import OperatorSettings
 
-from tests.support.manifests import gtj_manifest, load
+from tests.support.manifests import gtj_manifest, load, trainer_schema_errors
 from tests.support.operator_world import T0, UID, Cluster, pod, pod_name, reasons, report, worker_report
 from trainer_sidecar.contract.inplace import LauncherPhase
 
@@ -192,6 +192,54 @@ def test_a_node_to_avoid_and_torchrun_reach_the_trainjob() -> None:
     assert any("$(PET_NPROC_PER_NODE)" in part for part in job["spec"]["trainer"]["command"])
     terms = tj_pod(job)["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["node-7"]
+
+
+def _trainjobs() -> list[tuple[str, dict[str, Any]]]:
+    """Renders of several shapes: plain (the launcher: an order key), no launcher, torchrun with a node
+    to avoid in attempt 3, and every pod field the backend carries."""
+    everything = gtj_manifest(nprocPerNode=2)
+    pod = everything["spec"]["template"]["spec"]
+    pod.update(
+        serviceAccountName="trainer",
+        imagePullSecrets=[{"name": "registry"}],
+        securityContext={
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        nodeSelector={"pool": "gpu"},
+        schedulingGates=[{"name": "example.com/quota"}],
+        volumes=[{"name": "data", "emptyDir": {}}],
+    )
+    worker = pod["containers"][0]
+    worker["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+    worker["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    no_key = OperatorSettings(sidecar_image="registry.example/trainguard:test")
+    return [
+        ("plain", TRAINJOB.render(RenderRequest(load(gtj_manifest()), OWNER, 1, None, SETTINGS))),
+        ("no launcher", TRAINJOB.render(RenderRequest(load(gtj_manifest()), OWNER, 1, None, no_key))),
+        (
+            "torchrun, a node to avoid",
+            TRAINJOB.render(
+                RenderRequest(load(gtj_manifest(nprocPerNode=4)), OWNER, 3, None, SETTINGS, avoid_node="n7")
+            ),
+        ),
+        ("every pod field", TRAINJOB.render(RenderRequest(load(everything), OWNER, 1, None, SETTINGS))),
+    ]
+
+
+@pytest.mark.parametrize(("shape", "job"), _trainjobs(), ids=[shape for shape, _ in _trainjobs()])
+def test_a_rendered_trainjob_meets_trainers_own_crd_schema(shape: str, job: dict[str, Any]) -> None:
+    """Trainer v2.3.0's TrainJob CRD (from its module), strict: a field it does not know would be pruned
+    by the API server, so it is an error here (``manifests._strict``). tests/e2e/test_trainjob_backend_e2e
+    has the API server and Trainer's webhook admit one too."""
+    del shape
+    assert trainer_schema_errors(job) == []
+    # The check can fail: a field a runtime patch may not set.
+    broken = copy.deepcopy(job)
+    tj_pod(broken)["spec"]["containers"][0]["ports"] = [{"containerPort": 80}]
+    (error,) = trainer_schema_errors(broken)
+    assert "'ports' was unexpected" in error, error
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
