@@ -41,6 +41,31 @@ class ChildState:
     message: str = ""
 
 
+def true_condition(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    """``obj``'s status condition of ``type_`` when it is True, else None."""
+    status = obj.get("status")
+    conditions = status.get("conditions") if isinstance(status, Mapping) else None
+    for condition in conditions or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == type_
+            and condition.get("status") == "True"
+        ):
+            return condition
+    return None
+
+
+def state_by_conditions(child: Mapping[str, Any], succeeded: str) -> ChildState:
+    """``child``'s phase by its controller's True condition: ``succeeded`` (that controller's name for
+    it), else ``Failed`` (with its message, or its reason), else running."""
+    if true_condition(child, succeeded) is not None:
+        return ChildState(ChildPhase.SUCCEEDED)
+    failed = true_condition(child, "Failed")
+    if failed is not None:
+        return ChildState(ChildPhase.FAILED, str(failed.get("message") or failed.get("reason")))
+    return ChildState(ChildPhase.RUNNING)
+
+
 @dataclass(frozen=True)
 class RenderRequest:
     """What rendering one attempt needs: the job (with its pinned spec), its owner, the attempt, the

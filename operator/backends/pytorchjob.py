@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainguard_operator.backends import ChildPhase, ChildState, RenderRequest
+from trainguard_operator.backends import ChildState, RenderRequest, state_by_conditions
 from trainguard_operator.render import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_KIND,
@@ -18,20 +18,6 @@ from trainguard_operator.render import (
     render_pytorchjob,
     rendered_world,
 )
-
-
-def true_condition(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    """``obj``'s status condition of ``type_`` when it is True, else None."""
-    status = obj.get("status")
-    conditions = status.get("conditions") if isinstance(status, Mapping) else None
-    for condition in conditions or []:
-        if (
-            isinstance(condition, Mapping)
-            and condition.get("type") == type_
-            and condition.get("status") == "True"
-        ):
-            return condition
-    return None
 
 
 class PyTorchJobBackend:
@@ -74,12 +60,7 @@ class PyTorchJobBackend:
 
     def state(self, child: Mapping[str, Any]) -> ChildState:
         """Succeeded or Failed by the training operator's True condition of that type."""
-        if true_condition(child, "Succeeded") is not None:
-            return ChildState(ChildPhase.SUCCEEDED)
-        failed = true_condition(child, "Failed")
-        if failed is not None:
-            return ChildState(ChildPhase.FAILED, str(failed.get("message") or failed.get("reason")))
-        return ChildState(ChildPhase.RUNNING)
+        return state_by_conditions(child, "Succeeded")
 
 
 PYTORCHJOB = PyTorchJobBackend()

@@ -28,8 +28,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from trainguard_operator.backends import ChildPhase, ChildState, RenderRequest
-from trainguard_operator.backends.pytorchjob import true_condition
+from trainguard_operator.backends import ChildState, RenderRequest, state_by_conditions
 from trainguard_operator.inplace import order_signer
 from trainguard_operator.render import (
     ATTEMPT_LABEL,
@@ -273,12 +272,7 @@ class TrainJobBackend:
 
     def state(self, child: Mapping[str, Any]) -> ChildState:
         """Succeeded or failed by Trainer's True ``Complete`` or ``Failed`` condition."""
-        if true_condition(child, "Complete") is not None:
-            return ChildState(ChildPhase.SUCCEEDED)
-        failed = true_condition(child, "Failed")
-        if failed is not None:
-            return ChildState(ChildPhase.FAILED, str(failed.get("message") or failed.get("reason")))
-        return ChildState(ChildPhase.RUNNING)
+        return state_by_conditions(child, "Complete")
 
 
 TRAINJOB = TrainJobBackend()
